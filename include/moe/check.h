@@ -1,0 +1,18 @@
+/* check.h — the collective comparison of the EP output with the dense truth.
+ *
+ * Each rank compares its own tokens; the tolerance's rms and the worst
+ * errors are reduced over ranks so that every rank reaches the same verdict.
+ */
+#ifndef MOE_CHECK_H
+#define MOE_CHECK_H
+
+#include "moe/comm.h"
+#include "moe/report.h"
+
+/* y (T, d) fp32 from the EP path, truth (T, d) fp64 for this rank's tokens.
+ * Fills s->ref_rms, tol, cmp, worst_*, nonfinite and sets s->checked.
+ * Collective. */
+void moe_check_collective(const moe_comm *c, const moe_config *cfg, const float *y,
+                          const double *truth, moe_run_summary *s);
+
+#endif

@@ -1,0 +1,54 @@
+/* comm.h — the MPI side of moe-ep: start-up, collective errors, reductions.
+ *
+ * Only src/comm calls MPI. Errors are decided collectively: every rank says
+ * whether it failed, all ranks learn the worst exit code, and rank 0 prints
+ * one message (the lowest failing rank's), so the job ends with one line and
+ * the same exit status everywhere, and never hangs on a rank that left.
+ */
+#ifndef MOE_COMM_H
+#define MOE_COMM_H
+
+#include <mpi.h>
+
+#include "moe/common.h"
+
+typedef struct {
+    MPI_Comm comm;
+    int rank, ranks;   /* r, G */
+    int ranks_on_host; /* ranks sharing this machine */
+    int cores;         /* online cores of this machine */
+    int threads;       /* OpenMP and BLAS threads per rank */
+} moe_comm;
+
+/* MPI_Init, then one thread per core share unless OMP_NUM_THREADS /
+ * OPENBLAS_NUM_THREADS say otherwise. */
+void moe_comm_init(int *argc, char ***argv, moe_comm *c);
+
+/* MPI_Finalize. */
+void moe_comm_finalize(void);
+
+/* Describe `comm` (a duplicate is not made; the caller owns it). */
+void moe_comm_attach(moe_comm *c, MPI_Comm comm);
+
+/* Collective: returns the highest exit code any rank passed in st; if it is
+ * not MOE_EXIT_OK, st on rank 0 holds the message of the lowest rank with
+ * that code, prefixed with "rank N: " when N != 0. */
+int moe_comm_agree(const moe_comm *c, moe_status *st);
+
+/* Rank 0 prints "moe-ep: error: MESSAGE" to stderr. */
+void moe_comm_print_error(const moe_comm *c, const moe_status *st);
+
+/* Collective: the maximum of v over ranks, on every rank. */
+double moe_comm_max(const moe_comm *c, double v);
+double moe_comm_min(const moe_comm *c, double v);
+double moe_comm_sum(const moe_comm *c, double v);
+/* Element-wise maximum of v (n) over ranks, in place. */
+void moe_comm_max_array(const moe_comm *c, double *v, int n);
+/* The maximum of v over ranks and the lowest rank holding it. */
+double moe_comm_maxloc(const moe_comm *c, double v, int *rank);
+/* Broadcast n bytes from `root`. */
+void moe_comm_bcast(const moe_comm *c, void *buf, int bytes, int root);
+void moe_comm_barrier(const moe_comm *c);
+double moe_comm_time(void);
+
+#endif

@@ -1,0 +1,59 @@
+/* common.h — status reporting, invariant checks and checked allocation.
+ *
+ * Errors that come from user input or the environment are values
+ * (moe_status) that the caller reports; broken invariants are bugs and stop
+ * the process with the rank, file and line. Nothing here calls MPI: the rank
+ * used in messages is set once by the comm layer.
+ */
+#ifndef MOE_COMMON_H
+#define MOE_COMMON_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+/* Exit codes, the same on every rank. */
+enum {
+    MOE_EXIT_OK = 0,
+    MOE_EXIT_CHECK_FAILED = 1,
+    MOE_EXIT_USAGE = 2,   /* bad flag, preset or config */
+    MOE_EXIT_RUNTIME = 3, /* MPI, I/O or memory failure while running */
+};
+
+#define MOE_MESSAGE_MAX 512
+
+typedef struct {
+    int code;                      /* one of MOE_EXIT_*; MOE_EXIT_OK means no error */
+    char message[MOE_MESSAGE_MAX]; /* one line, no "moe-ep: error:" prefix */
+} moe_status;
+
+/* Set code and a printf-style message; returns code so callers can
+ * `return moe_fail(st, MOE_EXIT_USAGE, ...)`. Never fails. */
+int moe_fail(moe_status *st, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* The rank printed by invariant failures; -1 until the comm layer sets it. */
+extern int moe_message_rank;
+
+void moe_assert_fail(const char *expr, const char *file, int line) __attribute__((noreturn));
+
+#define MOE_ASSERT(cond) \
+    ((cond) ? (void)0 : moe_assert_fail(#cond, __FILE__, __LINE__))
+
+/* malloc that never returns NULL: on failure prints the size, what it was
+ * for, file and line, a hint, and aborts (under mpirun the job ends).
+ * Large buffers whose failure should be reported collectively are allocated
+ * with plain malloc by the comm layer instead. A zero size returns a valid
+ * unique pointer. */
+void *moe_malloc_check(size_t bytes, const char *file, int line);
+void *moe_calloc_check(size_t count, size_t size, const char *file, int line);
+#define moe_xmalloc(bytes) moe_malloc_check((bytes), __FILE__, __LINE__)
+#define moe_xcalloc(count, size) moe_calloc_check((count), (size), __FILE__, __LINE__)
+
+/* Bytes of memory this machine can still give (MemAvailable), or its
+ * physical memory when that is unknown. */
+double moe_memory_available(void);
+
+/* Human-readable byte count ("1.50 GiB") into buf; returns buf. */
+char *moe_format_bytes(double bytes, char *buf, size_t size);
+
+#endif

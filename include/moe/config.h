@@ -1,0 +1,55 @@
+/* config.h — the run configuration: flags, presets, validation, memory estimate.
+ *
+ * Pure: no MPI. Every rank parses the same arguments and reaches the same
+ * verdict, so a usage error is decided before any communication. Preset files
+ * are `key = value` lines whose keys are the flag names without dashes.
+ */
+#ifndef MOE_CONFIG_H
+#define MOE_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "moe/common.h"
+#include "moe/dims.h"
+
+#define MOE_NAME_MAX 256
+
+typedef struct {
+    char preset[MOE_NAME_MAX]; /* name or path of the preset applied, "" if none */
+    int64_t tokens;            /* T per rank */
+    int64_t hidden;            /* d */
+    int64_t ffn;               /* f */
+    int64_t experts;           /* E */
+    int64_t topk;              /* k */
+    int64_t shared_experts;    /* S */
+    int64_t iters;             /* timed forward passes */
+    uint64_t seed;
+    bool check; /* compare with the dense fp64 truth */
+} moe_config;
+
+void moe_config_defaults(moe_config *cfg);
+
+/* Parse `moe-ep run` arguments (argv[0] is the first flag). A --preset is
+ * applied first, wherever it stands; the other flags then override it.
+ * Returns MOE_EXIT_OK or MOE_EXIT_USAGE with st set. */
+int moe_config_parse(moe_config *cfg, int argc, char **argv, moe_status *st);
+
+/* Apply the preset NAME (data/presets/NAME.conf) or a path to a .conf file. */
+int moe_config_load_preset(moe_config *cfg, const char *name, moe_status *st);
+
+/* Check the combination for G ranks (k <= E, sizes that fit the index
+ * types). Ranks without an expert (E < G) are allowed. */
+int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st);
+
+/* Bytes one rank needs for the forward (and the truth with --check), with the
+ * routed rows taken at their mean (T*k rows in, T*k pairs out per rank). */
+double moe_config_memory_per_rank(const moe_config *cfg, int ranks);
+
+/* Flag help lines for --help: "  --tokens T   ...\n" ... */
+void moe_config_print_flags(FILE *out);
+
+/* The directories searched for presets, in order, separated by ':'. */
+const char *moe_config_preset_path(void);
+
+#endif

@@ -1,0 +1,57 @@
+/* ep.h — the expert-parallel MoE layer across the ranks of a communicator.
+ *
+ * moe_ep_forward_ref is the blocking reference path: count exchange with
+ * MPI_Alltoall, dispatch and combine with MPI_Alltoallv, one SwiGLU FFN call
+ * per local expert on its rows in global token order. Faster paths must
+ * match it; it is never removed.
+ */
+#ifndef MOE_EP_H
+#define MOE_EP_H
+
+#include <stdint.h>
+
+#include "moe/comm.h"
+#include "moe/config.h"
+#include "moe/layout.h"
+#include "moe/router.h"
+#include "moe/stats.h"
+
+/* Shared experts are applied in blocks of this many of the home rank's
+ * tokens, block b covering local tokens [64b, 64b+64): the same sgemm calls
+ * whenever blocks cover the same global tokens (T a multiple of 64). */
+#define MOE_SHARED_ROW_BLOCK 64
+
+typedef struct {
+    const moe_config *cfg;
+    moe_comm comm;
+    moe_placement placement;
+    moe_router router;
+    int local_experts; /* EL */
+    int first_expert;  /* global id of local expert 0 */
+    float *w1;         /* (EL, 2f, d) */
+    float *w2;         /* (EL, d, f) */
+    float *shared_w1;  /* (S, 2f, d) */
+    float *shared_w2;  /* (S, d, f) */
+    float *gate;       /* (E, d) */
+} moe_ep;
+
+/* Generate this rank's weights. Collective (allocation is agreed on): returns
+ * MOE_EXIT_RUNTIME on every rank if any rank could not allocate. */
+int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_status *st);
+void moe_ep_free(moe_ep *ep);
+
+/* x (T, d) = this rank's tokens, global ids rank*T + i. */
+void moe_ep_generate_tokens(const moe_ep *ep, float *x);
+
+/* Route x (T, d): ids (T, k), weights (T, k); logits and scores (T, E) kept
+ * for inspection. Pure (no communication). */
+void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
+                  float *weights);
+
+/* y (T, d) = the MoE layer for x (T, d) routed by ids/weights (T, k).
+ * Collective. Returns MOE_EXIT_OK, or MOE_EXIT_RUNTIME on every rank (with
+ * st set) if a buffer could not be allocated on any rank. */
+int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
+                       const float *weights, float *y, moe_forward_stats *stats, moe_status *st);
+
+#endif

@@ -1,0 +1,91 @@
+/* layout.h — expert placement and the dispatch/combine plan of one rank.
+ *
+ * Pure: no MPI. Given the routing of a rank's T tokens, this module says which
+ * rows go to which rank (dispatch, deduplicated: a token is sent to a rank
+ * once however many of its experts live there), which expert each received
+ * row must visit, and where each expert output lands on the way back
+ * (combine). The comm layer only moves the buffers this module lays out.
+ *
+ * Orders, fixed so that every path issues the same GEMMs:
+ *   dispatch rows to a destination: ascending local token;
+ *   received rows: by source rank, then as sent — i.e. ascending global id;
+ *   pairs of a received row: in the token's top-k slot order;
+ *   rows of one expert: ascending received row, i.e. ascending global id.
+ */
+#ifndef MOE_LAYOUT_H
+#define MOE_LAYOUT_H
+
+#include <stdint.h>
+
+#include "moe/dims.h"
+
+typedef struct {
+    int ranks;           /* G */
+    int experts;         /* E */
+    int *first_expert;   /* (G+1) rank r holds experts [first_expert[r], first_expert[r+1]) */
+    int *expert_rank;    /* (E) the rank holding expert e */
+} moe_placement;
+
+/* Contiguous blocks; when G does not divide E the first E%G ranks hold one
+ * more expert, so blocks differ by at most one. With E < G the last G-E
+ * ranks hold none (they route and combine, and receive nothing). */
+void moe_placement_init(moe_placement *p, int experts, int ranks);
+void moe_placement_free(moe_placement *p);
+static inline int moe_placement_local_experts(const moe_placement *p, int rank)
+{
+    return p->first_expert[rank + 1] - p->first_expert[rank];
+}
+
+/* The send side of one rank: dispatch rows out, combine rows back. */
+typedef struct {
+    int ranks;                /* G */
+    int topk;                 /* k */
+    moe_index tokens;         /* T */
+    moe_index *row_count;     /* (G) dispatch rows to each destination */
+    moe_index *row_offset;    /* (G+1) prefix sums of row_count */
+    moe_index *row_token;     /* (row_offset[G]) local token of each dispatch row */
+    moe_index *pair_count;    /* (G) combine rows coming back from each destination */
+    moe_index *pair_offset;   /* (G+1) prefix sums of pair_count */
+    moe_index *slot_pair;     /* (T, k) combine receive row holding token i, slot s */
+} moe_send_plan;
+
+void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int32_t *ids,
+                         moe_index tokens, int topk);
+void moe_send_plan_free(moe_send_plan *plan);
+
+/* The receive side of one rank: which received row visits which local expert,
+ * and where the output goes in the combine send buffer. */
+typedef struct {
+    int local_experts;         /* EL */
+    moe_index rows;            /* received rows */
+    moe_index pairs;           /* (row, local expert) pairs = combine send rows */
+    moe_index *expert_offset;  /* (EL+1) pairs of local expert l: [expert_offset[l], [l+1]) */
+    moe_index *expert_row;     /* (pairs) received row of each pair, grouped by expert */
+    moe_index *expert_pair;    /* (pairs) combine send row of each pair, grouped by expert */
+    moe_index *source_pairs;   /* (G) combine rows going back to each source rank */
+} moe_recv_plan;
+
+/* ids_in (rows, k): the full top-k of each received row, as sent with it;
+ * rows_from (G): rows received from each source. Only ids held by `rank` are
+ * used; the rest belong to other ranks. */
+void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
+                         const int32_t *ids_in, moe_index rows, int topk,
+                         const moe_index *rows_from);
+void moe_recv_plan_free(moe_recv_plan *plan);
+
+/* out (rows, width) = src (, width) rows at index[0 .. rows-1]. */
+void moe_gather_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
+                     float *out);
+void moe_gather_ids(const int32_t *src, int width, const moe_index *index, moe_index rows,
+                    int32_t *out);
+/* dst (, width) rows at index[0 .. rows-1] = src (rows, width). */
+void moe_scatter_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
+                      float *dst);
+
+/* y (T, d) = sum over slots s = 0 .. k-1, in that order, of
+ * weights[i,s] * back[slot_pair[i,s]], fp32. back (pairs, d) is the combine
+ * receive buffer. */
+void moe_combine_reduce(const moe_send_plan *plan, const float *weights, const float *back,
+                        moe_index hidden, float *y);
+
+#endif

@@ -1,0 +1,47 @@
+/* report.h — rank 0's text report of a run. Pure formatting: the numbers are
+ * gathered by the caller (src/cli/run.c); nothing here communicates.
+ */
+#ifndef MOE_REPORT_H
+#define MOE_REPORT_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "moe/config.h"
+#include "moe/stats.h"
+#include "moe/truth.h"
+
+typedef struct {
+    double min, mean, max;
+} moe_spread;
+
+typedef struct {
+    const moe_config *cfg;
+    int ranks, ranks_on_host, cores, threads, blas_threads;
+    int local_experts_min, local_experts_max;
+    moe_spread rows_received;     /* dispatch rows per rank */
+    moe_spread pairs_received;    /* (row, expert) pairs computed per rank */
+    double rows_sent, rows_sent_remote;    /* summed over ranks, one forward */
+    double pairs_back_remote;
+    double bytes_dispatched, bytes_combined;
+    double stage_seconds[MOE_STAGES]; /* median over iterations of the max over ranks */
+    double layer_seconds;             /* the same for the whole forward */
+    double expert_flops;              /* summed over ranks, one forward */
+    double expert_seconds;            /* median of the max over ranks */
+    /* --check */
+    bool checked;
+    bool iterations_identical; /* every iteration gave the same bits */
+    double ref_rms;
+    moe_tolerance tol;
+    moe_compare_stats cmp; /* over all ranks */
+    int worst_rank;        /* rank holding cmp.worst */
+    long long worst_token, worst_column; /* global token id and hidden index */
+    bool nonfinite;
+} moe_run_summary;
+
+void moe_report_print(FILE *out, const moe_run_summary *s);
+
+/* True when the check passed: within tolerance, finite, and run-to-run identical. */
+bool moe_report_check_passed(const moe_run_summary *s);
+
+#endif

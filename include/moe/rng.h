@@ -1,0 +1,44 @@
+/* rng.h — Philox4x32-10 and the synthetic-data mapping.
+ *
+ * Every element of every generated tensor is a pure function of
+ * (seed, tensor id, entity, element index): a rank generates exactly its own
+ * share, and the value does not depend on G, W or the thread count. The exact
+ * mapping is specified in docs/data.md so that a GPU port can regenerate it.
+ * This is not a general-purpose RNG: there is no state and no stream.
+ */
+#ifndef MOE_RNG_H
+#define MOE_RNG_H
+
+#include <stdint.h>
+
+#include "moe/dims.h"
+
+/* Philox4x32 with 10 rounds (Salmon et al., SC'11; Random123). Pure function. */
+void moe_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
+
+/* Tensor ids: word 2 of the Philox counter. Values are part of the data
+ * format (docs/data.md); never renumber. */
+enum moe_tensor {
+    MOE_TENSOR_TOKENS = 1,    /* X   (G*T, d), entity 0, row = global token id */
+    MOE_TENSOR_GATE = 2,      /* W_g (E, d), entity 0 */
+    MOE_TENSOR_W1 = 3,        /* W1  (2f, d) of routed expert `entity` */
+    MOE_TENSOR_W2 = 4,        /* W2  (d, f) of routed expert `entity` */
+    MOE_TENSOR_SHARED_W1 = 5, /* W1  (2f, d) of shared expert `entity` */
+    MOE_TENSOR_SHARED_W2 = 6, /* W2  (d, f) of shared expert `entity` */
+};
+
+/* The fp32 value of element `index` of (tensor, entity): uniform in
+ * [-scale, scale), exactly as docs/data.md defines it. */
+float moe_synth_value(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t index,
+                      float scale);
+
+/* out[n] = moe_synth_value(seed, tensor, entity, first + n, scale) for
+ * 0 <= n < count. OpenMP-parallel; the result does not depend on threads. */
+void moe_synth_fill(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t first,
+                    moe_index count, float scale, float *out);
+
+/* The scale of a weight whose dot products run over fan_in inputs:
+ * (float)(1 / sqrt(fan_in)), computed in double then rounded once. */
+float moe_synth_weight_scale(moe_index fan_in);
+
+#endif

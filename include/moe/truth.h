@@ -1,0 +1,49 @@
+/* truth.h — the dense fp64 ground truth and the comparison against it.
+ *
+ * The truth applies every expert to every token in fp64 (dgemm), multiplies
+ * by the token's gate weight for that expert (zero when not selected), sums
+ * over experts in ascending id, then adds the shared experts. No placement,
+ * no permutation, no all-to-all: it shares only data generation and routing
+ * with the EP path. Pure: no MPI; the comm layer reduces the statistics.
+ */
+#ifndef MOE_TRUTH_H
+#define MOE_TRUTH_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "moe/config.h"
+#include "moe/dims.h"
+
+/* y (T, d) = dense MoE output for x (T, d) routed to ids/weights (T, k). */
+void moe_truth_forward(const moe_config *cfg, const float *x, const int32_t *ids,
+                       const float *weights, moe_index tokens, double *y);
+
+/* Tolerance of the EP output against the truth: |got - ref| <= abs + rel*|ref|. */
+typedef struct {
+    double abs, rel;
+} moe_tolerance;
+
+/* rel = u * (d + f + k + S), u = 2^-24 the fp32 unit roundoff: the
+ * accumulation lengths of the EP path in fp32 (L1 sums over d, L2 over f, the
+ * combine over k routed and S shared outputs), each step adding at most one
+ * rounding of the running sum. abs = rel * rms(ref): outputs are sums of
+ * terms of both signs, so an element may be much smaller than the terms that
+ * made it; its error scales with the terms, which the rms measures. */
+moe_tolerance moe_tolerance_for(const moe_config *cfg, double ref_rms);
+
+typedef struct {
+    double max_abs;          /* max |got - ref| */
+    double max_rel;          /* max |got - ref| / max(|ref|, rms floor) */
+    double max_used;         /* max |got - ref| / (abs + rel*|ref|); <= 1 passes */
+    moe_index worst;         /* index of max_used, -1 if n == 0 */
+    moe_index first_nonfinite; /* first index where got is NaN/Inf, -1 if none */
+} moe_compare_stats;
+
+/* Sum of ref[n]^2, for the rms that sets the tolerance. */
+double moe_sum_squares(const double *ref, moe_index n);
+
+void moe_compare(const float *got, const double *ref, moe_index n, moe_tolerance tol,
+                 moe_compare_stats *stats);
+
+#endif

@@ -1,0 +1,57 @@
+/* main.c — the moe-ep binary: MPI start-up and the subcommand dispatch.
+ *
+ * Every rank parses the same arguments, so usage errors are decided alike on
+ * all of them; rank 0 alone prints. The exit status is the verdict, the same
+ * on every rank.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "config.h"
+#include "moe/cli.h"
+#include "moe/comm.h"
+
+static void print_usage(FILE *out)
+{
+    fprintf(out,
+            "moe-ep %s — MoE expert parallelism on MPI ranks, checked against a dense truth\n"
+            "\n"
+            "usage: mpirun -np G moe-ep COMMAND [flags]\n"
+            "\n"
+            "commands:\n"
+            "  run        the EP forward: route, dispatch, experts, combine (--help for flags)\n"
+            "\n"
+            "  moe-ep --version | --help\n"
+            "Exit status: 0 ok, 1 check failed, 2 bad flag or config, 3 runtime error.\n",
+            PACKAGE_VERSION);
+}
+
+int main(int argc, char **argv)
+{
+    moe_comm c;
+    moe_comm_init(&argc, &argv, &c);
+    int rc;
+    const char *command = argc > 1 ? argv[1] : "";
+    if (!strcmp(command, "run")) {
+        rc = moe_cli_run(&c, argc - 2, argv + 2);
+    } else if (!strcmp(command, "--help") || !strcmp(command, "-h")) {
+        if (c.rank == 0)
+            print_usage(stdout);
+        rc = MOE_EXIT_OK;
+    } else if (!strcmp(command, "--version")) {
+        if (c.rank == 0)
+            printf("moe-ep %s\n", PACKAGE_VERSION);
+        rc = MOE_EXIT_OK;
+    } else {
+        moe_status st = {0};
+        if (!*command)
+            moe_fail(&st, MOE_EXIT_USAGE, "missing command (try: moe-ep run --preset tiny)");
+        else
+            moe_fail(&st, MOE_EXIT_USAGE, "unknown command '%s' (commands: run; see moe-ep --help)",
+                     command);
+        moe_comm_print_error(&c, &st);
+        rc = st.code;
+    }
+    moe_comm_finalize();
+    return rc;
+}

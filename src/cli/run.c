@@ -1,0 +1,191 @@
+/* run.c — `moe-ep run`: one EP forward per iteration, the report, the check.
+ *
+ * Phases, as HPCG runs them: set-up (parse, validate, agree), generation,
+ * timed forwards on the reference path, validation against the dense truth,
+ * report. Every rank runs every phase; only rank 0 prints.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/check.h"
+#include "moe/cli.h"
+#include "moe/ep.h"
+#include "moe/gemm.h"
+#include "moe/report.h"
+#include "moe/truth.h"
+
+static void print_usage(FILE *out)
+{
+    fprintf(out,
+            "usage: mpirun -np G moe-ep run [--preset NAME] [flags]\n"
+            "\n"
+            "Runs the MoE layer with expert parallelism on G ranks (one rank plays one GPU):\n"
+            "route, dispatch (MPI_Alltoallv), SwiGLU experts, combine, gate-weighted sum.\n"
+            "Flags override the preset, whatever their order.\n"
+            "\n");
+    moe_config_print_flags(out);
+    fprintf(out,
+            "  --help                 this text\n"
+            "\n"
+            "Presets are searched in: %s\n"
+            "Exit status: 0 ok, 1 check failed, 2 bad flag or config, 3 runtime error.\n",
+            moe_config_preset_path());
+}
+
+/* Parse and validate on every rank; estimate memory; agree. */
+static int set_up(const moe_comm *c, moe_config *cfg, int argc, char **argv, moe_status *st)
+{
+    moe_config_defaults(cfg);
+    if (moe_config_parse(cfg, argc, argv, st) == MOE_EXIT_OK &&
+        moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
+        const double need = moe_config_memory_per_rank(cfg, c->ranks);
+        const double have = moe_memory_available() / c->ranks_on_host;
+        if (need > have) {
+            char b1[32], b2[32];
+            moe_fail(st, MOE_EXIT_USAGE,
+                     "this config needs about %s per rank, but %s is available per rank "
+                     "(%d ranks on this host); lower --tokens, --hidden, --ffn or --experts",
+                     moe_format_bytes(need, b1, sizeof b1), moe_format_bytes(have, b2, sizeof b2),
+                     c->ranks_on_host);
+        }
+    }
+    return moe_comm_agree(c, st);
+}
+
+static int compare_doubles(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, compare_doubles);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* The routing and traffic figures of one forward, reduced over ranks. */
+static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_forward_stats *f,
+                              moe_run_summary *s)
+{
+    const double rows = (double)f->rows_received, pairs = (double)f->pairs_received;
+    s->rows_received = (moe_spread){moe_comm_min(c, rows), moe_comm_sum(c, rows) / c->ranks,
+                                    moe_comm_max(c, rows)};
+    s->pairs_received = (moe_spread){moe_comm_min(c, pairs), moe_comm_sum(c, pairs) / c->ranks,
+                                     moe_comm_max(c, pairs)};
+    s->rows_sent = moe_comm_sum(c, (double)f->rows_sent);
+    s->rows_sent_remote = moe_comm_sum(c, (double)f->rows_sent_remote);
+    s->pairs_back_remote = moe_comm_sum(c, (double)f->pairs_back_remote);
+    s->bytes_dispatched = moe_comm_sum(c, f->bytes_dispatched);
+    s->bytes_combined = moe_comm_sum(c, f->bytes_combined);
+    s->expert_flops = moe_comm_sum(c, f->expert_flops);
+    s->local_experts_min = (int)moe_comm_min(c, ep->local_experts);
+    s->local_experts_max = (int)moe_comm_max(c, ep->local_experts);
+}
+
+int moe_cli_run(const moe_comm *c, int argc, char **argv)
+{
+    for (int n = 0; n < argc; n++)
+        if (!strcmp(argv[n], "--help") || !strcmp(argv[n], "-h")) {
+            if (c->rank == 0)
+                print_usage(stdout);
+            return MOE_EXIT_OK;
+        }
+
+    moe_config cfg;
+    moe_status st = {0};
+    if (set_up(c, &cfg, argc, argv, &st)) {
+        moe_comm_print_error(c, &st);
+        return st.code;
+    }
+
+    moe_ep ep;
+    if (moe_ep_init(&ep, &cfg, c, &st)) {
+        moe_comm_print_error(c, &st);
+        return st.code;
+    }
+    const moe_index T = cfg.tokens, d = cfg.hidden, E = cfg.experts, k = cfg.topk;
+    const int iters = (int)cfg.iters;
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));        /* (T, d) */
+    float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));   /* (T, E) */
+    float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));   /* (T, E) */
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));  /* (T, k) */
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));  /* (T, k) */
+    float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));        /* (T, d) */
+    float *y_first = moe_xmalloc(sizeof(float) * (size_t)(T * d));  /* (T, d) iteration 0 */
+    double *per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * (MOE_STAGES + 2)));
+    moe_ep_generate_tokens(&ep, x);
+
+    moe_run_summary s = {.cfg = &cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
+                         .cores = c->cores, .threads = c->threads,
+                         .blas_threads = moe_gemm_threads(), .iterations_identical = true};
+    moe_forward_stats f;
+    int rc = MOE_EXIT_OK;
+    for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
+        moe_comm_barrier(c);
+        double t = moe_comm_time();
+        moe_ep_route(&ep, x, logits, scores, ids, weights);
+        double route = moe_comm_time() - t;
+        rc = moe_ep_forward_ref(&ep, x, ids, weights, y, &f, &st);
+        f.seconds[MOE_STAGE_ROUTE] = route;
+        /* Row: the stages, the layer, the expert time; max over ranks. */
+        double *row = per_iter + (size_t)it * (MOE_STAGES + 2);
+        row[MOE_STAGES] = 0.0;
+        for (int n = 0; n < MOE_STAGES; n++) {
+            row[n] = f.seconds[n];
+            row[MOE_STAGES] += f.seconds[n];
+        }
+        row[MOE_STAGES + 1] = f.seconds[MOE_STAGE_EXPERTS];
+        moe_comm_max_array(c, row, MOE_STAGES + 2);
+        if (it == 0)
+            memcpy(y_first, y, sizeof(float) * (size_t)(T * d));
+        else if (memcmp(y_first, y, sizeof(float) * (size_t)(T * d)) != 0)
+            s.iterations_identical = false;
+        if (c->rank == 0 && iters > 1)
+            fprintf(stderr, "\rmoe-ep: forward %d/%d", it + 1, iters);
+    }
+    if (c->rank == 0 && iters > 1)
+        fprintf(stderr, "\n");
+
+    if (rc == MOE_EXIT_OK) {
+        double column[iters];
+        for (int n = 0; n < MOE_STAGES + 2; n++) {
+            for (int it = 0; it < iters; it++)
+                column[it] = per_iter[(size_t)it * (MOE_STAGES + 2) + n];
+            double m = median(column, iters);
+            if (n < MOE_STAGES)
+                s.stage_seconds[n] = m;
+            else if (n == MOE_STAGES)
+                s.layer_seconds = m;
+            else
+                s.expert_seconds = m;
+        }
+        summarize_traffic(c, &ep, &f, &s);
+        s.iterations_identical = moe_comm_min(c, s.iterations_identical ? 1.0 : 0.0) > 0.0;
+        if (cfg.check) {
+            double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d)); /* (T, d) */
+            moe_truth_forward(&cfg, x, ids, weights, T, truth);
+            moe_check_collective(c, &cfg, y, truth, &s);
+            free(truth);
+        }
+        if (c->rank == 0) {
+            moe_report_print(stdout, &s);
+            fflush(stdout);
+        }
+        if (cfg.check && !moe_report_check_passed(&s))
+            rc = MOE_EXIT_CHECK_FAILED;
+    } else {
+        moe_comm_print_error(c, &st);
+    }
+
+    free(per_iter);
+    free(y_first);
+    free(y);
+    free(weights);
+    free(ids);
+    free(scores);
+    free(logits);
+    free(x);
+    moe_ep_free(&ep);
+    return rc;
+}

@@ -1,0 +1,128 @@
+/* comm.c — MPI start-up, thread settings and collective errors (see comm.h). */
+#define _POSIX_C_SOURCE 200809L
+#include "moe/comm.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "moe/gemm.h"
+
+void moe_comm_attach(moe_comm *c, MPI_Comm comm)
+{
+    c->comm = comm;
+    MPI_Comm_rank(comm, &c->rank);
+    MPI_Comm_size(comm, &c->ranks);
+    MPI_Comm host;
+    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &host);
+    MPI_Comm_size(host, &c->ranks_on_host);
+    MPI_Comm_free(&host);
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    c->cores = cores > 0 ? (int)cores : 1;
+}
+
+void moe_comm_init(int *argc, char ***argv, moe_comm *c)
+{
+    MPI_Init(argc, argv);
+    moe_comm_attach(c, MPI_COMM_WORLD);
+    moe_message_rank = c->rank;
+
+    /* Ranks on one machine share its cores: more threads than cores would
+     * make BLAS threads fight (and time-slice) instead of adding speed. */
+    int threads = c->cores / c->ranks_on_host;
+    if (threads < 1)
+        threads = 1;
+    const char *omp = getenv("OMP_NUM_THREADS");
+    const char *blas = getenv("OPENBLAS_NUM_THREADS");
+#ifdef _OPENMP
+    if (!omp || !*omp)
+        omp_set_num_threads(threads);
+    c->threads = omp_get_max_threads();
+#else
+    (void)omp;
+    c->threads = threads;
+#endif
+    if (!blas || !*blas)
+        moe_gemm_set_threads(c->threads);
+}
+
+int moe_comm_agree(const moe_comm *c, moe_status *st)
+{
+    /* MPI_MAXLOC keeps the highest code and, among equal codes, the lowest
+     * rank: that rank's message is the one printed. */
+    int mine[2] = {st->code, c->rank}, worst[2];
+    MPI_Allreduce(mine, worst, 1, MPI_2INT, MPI_MAXLOC, c->comm);
+    const int code = worst[0], lowest = worst[1];
+    if (code == MOE_EXIT_OK)
+        return code;
+    char message[MOE_MESSAGE_MAX];
+    if (c->rank == lowest)
+        snprintf(message, sizeof message, "%s", st->message);
+    MPI_Bcast(message, sizeof message, MPI_CHAR, lowest, c->comm);
+    if (lowest != 0)
+        snprintf(st->message, sizeof st->message, "rank %d: %.480s", lowest, message);
+    else
+        snprintf(st->message, sizeof st->message, "%s", message);
+    st->code = code;
+    return code;
+}
+
+void moe_comm_print_error(const moe_comm *c, const moe_status *st)
+{
+    if (c->rank == 0) {
+        fprintf(stderr, "moe-ep: error: %s\n", st->message);
+        fflush(stderr);
+    }
+}
+
+double moe_comm_max(const moe_comm *c, double v)
+{
+    double out;
+    MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, c->comm);
+    return out;
+}
+
+double moe_comm_sum(const moe_comm *c, double v)
+{
+    double out;
+    MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_SUM, c->comm);
+    return out;
+}
+
+double moe_comm_min(const moe_comm *c, double v)
+{
+    double out;
+    MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MIN, c->comm);
+    return out;
+}
+
+void moe_comm_max_array(const moe_comm *c, double *v, int n)
+{
+    MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, c->comm);
+}
+
+double moe_comm_maxloc(const moe_comm *c, double v, int *rank)
+{
+    struct {
+        double value;
+        int rank;
+    } in = {v, c->rank}, out;
+    MPI_Allreduce(&in, &out, 1, MPI_DOUBLE_INT, MPI_MAXLOC, c->comm);
+    *rank = out.rank;
+    return out.value;
+}
+
+void moe_comm_bcast(const moe_comm *c, void *buf, int bytes, int root)
+{
+    MPI_Bcast(buf, bytes, MPI_BYTE, root, c->comm);
+}
+
+void moe_comm_barrier(const moe_comm *c) { MPI_Barrier(c->comm); }
+
+double moe_comm_time(void) { return MPI_Wtime(); }
+
+void moe_comm_finalize(void) { MPI_Finalize(); }

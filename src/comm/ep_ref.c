@@ -1,0 +1,250 @@
+/* ep_ref.c — the blocking reference EP forward (see ep.h).
+ *
+ * Per rank:  route → plan → dispatch → experts → combine → reduce → shared.
+ * The pure parts (plan, packing, FFN, reduce) live in src/core; this file
+ * only moves the buffers they lay out and measures each stage.
+ */
+#include "moe/ep.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/experts.h"
+#include "moe/gemm.h"
+#include "moe/rng.h"
+
+const char *const moe_stage_names[MOE_STAGES] = {
+    "route", "plan", "dispatch", "experts", "combine", "reduce", "shared",
+};
+
+/* malloc whose failure is recorded in st instead of aborting, so that the
+ * ranks can agree on it. A zero size gives a valid pointer. */
+static void *try_alloc(size_t bytes, const char *what, int rank, moe_status *st)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p && st->code == MOE_EXIT_OK) {
+        char text[32];
+        moe_fail(st, MOE_EXIT_RUNTIME, "cannot allocate %s for %s on rank %d",
+                 moe_format_bytes((double)bytes, text, sizeof text), what, rank);
+    }
+    return p;
+}
+
+int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_status *st)
+{
+    memset(ep, 0, sizeof *ep);
+    ep->cfg = cfg;
+    ep->comm = *comm;
+    moe_placement_init(&ep->placement, (int)cfg->experts, comm->ranks);
+    ep->router = (moe_router){.kind = MOE_ROUTER_SOFTMAX,
+                              .experts = (int)cfg->experts,
+                              .topk = (int)cfg->topk,
+                              .normalize = true};
+    ep->local_experts = moe_placement_local_experts(&ep->placement, comm->rank);
+    ep->first_expert = ep->placement.first_expert[comm->rank];
+
+    const moe_index d = cfg->hidden, f = cfg->ffn, S = cfg->shared_experts;
+    const size_t w1_size = (size_t)(2 * f * d), w2_size = (size_t)(d * f);
+    moe_status local = {0};
+    ep->w1 = try_alloc(sizeof(float) * w1_size * (size_t)ep->local_experts, "expert W1", comm->rank, &local);
+    ep->w2 = try_alloc(sizeof(float) * w2_size * (size_t)ep->local_experts, "expert W2", comm->rank, &local);
+    ep->shared_w1 = try_alloc(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
+    ep->shared_w2 = try_alloc(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
+    ep->gate = try_alloc(sizeof(float) * (size_t)(cfg->experts * d), "the gate", comm->rank, &local);
+    if (moe_comm_agree(comm, &local)) {
+        *st = local;
+        moe_ep_free(ep);
+        return st->code;
+    }
+    for (int l = 0; l < ep->local_experts; l++)
+        moe_expert_generate(cfg->seed, ep->first_expert + l, d, f, ep->w1 + l * w1_size,
+                            ep->w2 + l * w2_size);
+    for (int s = 0; s < (int)S; s++)
+        moe_shared_expert_generate(cfg->seed, s, d, f, ep->shared_w1 + s * w1_size,
+                                   ep->shared_w2 + s * w2_size);
+    moe_synth_fill(cfg->seed, MOE_TENSOR_GATE, 0, 0, cfg->experts * d,
+                   moe_synth_weight_scale(d), ep->gate);
+    return MOE_EXIT_OK;
+}
+
+void moe_ep_free(moe_ep *ep)
+{
+    free(ep->w1);
+    free(ep->w2);
+    free(ep->shared_w1);
+    free(ep->shared_w2);
+    free(ep->gate);
+    moe_placement_free(&ep->placement);
+    ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = NULL;
+}
+
+void moe_ep_generate_tokens(const moe_ep *ep, float *x)
+{
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
+    const uint64_t first_token = (uint64_t)ep->comm.rank * (uint64_t)T;
+    moe_synth_fill(ep->cfg->seed, MOE_TENSOR_TOKENS, 0, first_token * (uint64_t)d, T * d, 1.0f, x);
+}
+
+void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
+                  float *weights)
+{
+    const moe_index T = ep->cfg->tokens;
+    moe_router_logits(x, ep->gate, T, ep->cfg->hidden, (int)ep->cfg->experts, logits);
+    moe_router_select(&ep->router, logits, T, scores, ids, weights);
+}
+
+/* MPI counts and displacements (in rows of a derived type) from row counts. */
+static void to_counts(const moe_index *count, int ranks, int *counts, int *displs)
+{
+    moe_index offset = 0;
+    for (int r = 0; r < ranks; r++) {
+        counts[r] = (int)count[r];
+        displs[r] = (int)offset;
+        offset += count[r];
+    }
+}
+
+/* y (T, d) += the shared experts of x (T, d), in blocks of MOE_SHARED_ROW_BLOCK. */
+static void shared_forward(const moe_ep *ep, const float *x, float *y, float *scratch, float *out)
+{
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
+    for (int s = 0; s < (int)ep->cfg->shared_experts; s++) {
+        const moe_expert_weights w = {ep->shared_w1 + (size_t)s * (size_t)(2 * f * d),
+                                      ep->shared_w2 + (size_t)s * (size_t)(d * f)};
+        for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
+            moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
+            moe_expert_forward(&w, x + first * d, rows, d, f, scratch, out);
+            for (moe_index n = 0; n < rows * d; n++)
+                y[first * d + n] += out[n];
+        }
+    }
+}
+
+int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
+                       const float *weights, float *y, moe_forward_stats *stats, moe_status *st)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_comm *c = &ep->comm;
+    const int G = c->ranks, k = (int)cfg->topk, EL = ep->local_experts;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
+    memset(stats, 0, sizeof *stats);
+
+    MPI_Datatype row_type, ids_type; /* one token row (d floats); its top-k ids */
+    MPI_Type_contiguous((int)d, MPI_FLOAT, &row_type);
+    MPI_Type_commit(&row_type);
+    MPI_Type_contiguous(k, MPI_INT32_T, &ids_type);
+    MPI_Type_commit(&ids_type);
+    int *send_counts = moe_xmalloc(sizeof(int) * (size_t)G), *send_displs = moe_xmalloc(sizeof(int) * (size_t)G);
+    int *recv_counts = moe_xmalloc(sizeof(int) * (size_t)G), *recv_displs = moe_xmalloc(sizeof(int) * (size_t)G);
+    moe_index *rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G); /* (G) */
+    moe_status local = {0};
+
+    /* Plan: what goes where, and how much comes in. */
+    double t = MPI_Wtime();
+    moe_send_plan send;
+    moe_send_plan_build(&send, &ep->placement, ids, T, k);
+    to_counts(send.row_count, G, send_counts, send_displs);
+    MPI_Alltoall(send_counts, 1, MPI_INT, recv_counts, 1, MPI_INT, c->comm);
+    moe_index rows_in = 0;
+    for (int r = 0; r < G; r++) {
+        rows_from[r] = recv_counts[r];
+        rows_in += recv_counts[r];
+    }
+    to_counts(rows_from, G, recv_counts, recv_displs);
+    const moe_index rows_out = send.row_offset[G];
+    float *send_rows = try_alloc(sizeof(float) * (size_t)(rows_out * d), "the dispatch send buffer", c->rank, &local);
+    int32_t *send_ids = try_alloc(sizeof(int32_t) * (size_t)(rows_out * k), "the dispatch ids", c->rank, &local);
+    float *recv_rows = try_alloc(sizeof(float) * (size_t)(rows_in * d), "the dispatch receive buffer", c->rank, &local);
+    int32_t *recv_ids = try_alloc(sizeof(int32_t) * (size_t)(rows_in * k), "the received ids", c->rank, &local);
+    float *back = try_alloc(sizeof(float) * (size_t)(send.pair_offset[G] * d), "the combine receive buffer", c->rank, &local);
+    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+
+    /* Dispatch: each row once per destination, with the token's full top-k. */
+    t = MPI_Wtime();
+    if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
+        moe_gather_rows(x, d, send.row_token, rows_out, send_rows);
+        moe_gather_ids(ids, k, send.row_token, rows_out, send_ids);
+        MPI_Alltoallv(send_rows, send_counts, send_displs, row_type, recv_rows, recv_counts,
+                      recv_displs, row_type, c->comm);
+        MPI_Alltoallv(send_ids, send_counts, send_displs, ids_type, recv_ids, recv_counts,
+                      recv_displs, ids_type, c->comm);
+    }
+    stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
+    stats->rows_sent = rows_out;
+    stats->rows_sent_remote = rows_out - send.row_count[c->rank];
+    stats->rows_received = rows_in;
+    stats->bytes_dispatched = (double)rows_out * (double)(d * 4 + k * 4);
+
+    moe_recv_plan recv = {0};
+    float *expert_out = NULL, *expert_in = NULL, *scratch = NULL;
+    if (local.code == MOE_EXIT_OK) {
+        t = MPI_Wtime();
+        moe_recv_plan_build(&recv, &ep->placement, c->rank, recv_ids, rows_in, k, rows_from);
+        stats->seconds[MOE_STAGE_PLAN] += MPI_Wtime() - t;
+        moe_index most = MOE_SHARED_ROW_BLOCK; /* the shared experts reuse the scratch */
+        for (int l = 0; l < EL; l++)
+            if (recv.expert_offset[l + 1] - recv.expert_offset[l] > most)
+                most = recv.expert_offset[l + 1] - recv.expert_offset[l];
+        expert_out = try_alloc(sizeof(float) * (size_t)(recv.pairs * d), "the combine send buffer", c->rank, &local);
+        /* expert_in holds one expert's input rows, then its output rows. */
+        expert_in = try_alloc(sizeof(float) * (size_t)(most * 2 * d), "expert rows", c->rank, &local);
+        scratch = try_alloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
+    }
+
+    if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
+        /* Experts: one FFN call per local expert, rows in global token order. */
+        t = MPI_Wtime();
+        moe_gemm_reset_flops();
+        for (int l = 0; l < EL; l++) {
+            const moe_index first = recv.expert_offset[l], n = recv.expert_offset[l + 1] - first;
+            const moe_expert_weights w = {ep->w1 + (size_t)l * (size_t)(2 * f * d),
+                                          ep->w2 + (size_t)l * (size_t)(d * f)};
+            float *in = expert_in, *out = expert_in + n * d; /* (n, d) each */
+            moe_gather_rows(recv_rows, d, recv.expert_row + first, n, in);
+            moe_expert_forward(&w, in, n, d, f, scratch, out);
+            moe_scatter_rows(out, d, recv.expert_pair + first, n, expert_out);
+        }
+        stats->expert_flops = moe_gemm_sflops();
+        stats->pairs_received = recv.pairs;
+        stats->seconds[MOE_STAGE_EXPERTS] = MPI_Wtime() - t;
+
+        /* Combine: outputs go back to the rows' home ranks. */
+        t = MPI_Wtime();
+        to_counts(recv.source_pairs, G, send_counts, send_displs);
+        to_counts(send.pair_count, G, recv_counts, recv_displs);
+        MPI_Alltoallv(expert_out, send_counts, send_displs, row_type, back, recv_counts,
+                      recv_displs, row_type, c->comm);
+        stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
+        stats->bytes_combined = (double)recv.pairs * (double)(d * 4);
+        stats->pairs_back_remote = send.pair_offset[G] - send.pair_count[c->rank];
+
+        t = MPI_Wtime();
+        moe_combine_reduce(&send, weights, back, d, y);
+        stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
+
+        t = MPI_Wtime();
+        shared_forward(ep, x, y, scratch, expert_in);
+        stats->seconds[MOE_STAGE_SHARED] = MPI_Wtime() - t;
+    }
+
+    free(scratch);
+    free(expert_in);
+    free(expert_out);
+    moe_recv_plan_free(&recv);
+    free(back);
+    free(recv_ids);
+    free(recv_rows);
+    free(send_ids);
+    free(send_rows);
+    moe_send_plan_free(&send);
+    free(rows_from);
+    free(recv_displs);
+    free(recv_counts);
+    free(send_displs);
+    free(send_counts);
+    MPI_Type_free(&ids_type);
+    MPI_Type_free(&row_type);
+    if (local.code)
+        *st = local;
+    return local.code;
+}

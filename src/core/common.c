@@ -1,0 +1,83 @@
+/* common.c — status, invariant and allocation helpers (see common.h). */
+#define _POSIX_C_SOURCE 200809L
+#include "moe/common.h"
+
+#include <string.h>
+#include <unistd.h>
+
+#include <stdarg.h>
+#include <stdlib.h>
+
+int moe_message_rank = -1;
+
+int moe_fail(moe_status *st, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(st->message, sizeof st->message, fmt, ap);
+    va_end(ap);
+    st->code = code;
+    return code;
+}
+
+void moe_assert_fail(const char *expr, const char *file, int line)
+{
+    fprintf(stderr, "moe-ep: internal error on rank %d at %s:%d: assertion `%s' failed\n",
+            moe_message_rank, file, line, expr);
+    fflush(stderr);
+    abort();
+}
+
+static void out_of_memory(size_t bytes, const char *file, int line)
+{
+    char text[32];
+    fprintf(stderr,
+            "moe-ep: error on rank %d at %s:%d: cannot allocate %s\n"
+            "HINT: use fewer --tokens or a smaller model, or fewer ranks per machine\n",
+            moe_message_rank, file, line, moe_format_bytes((double)bytes, text, sizeof text));
+    fflush(stderr);
+    abort();
+}
+
+void *moe_malloc_check(size_t bytes, const char *file, int line)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p)
+        out_of_memory(bytes, file, line);
+    return p;
+}
+
+void *moe_calloc_check(size_t count, size_t size, const char *file, int line)
+{
+    void *p = calloc(count ? count : 1, size ? size : 1);
+    if (!p)
+        out_of_memory(count * size, file, line);
+    return p;
+}
+
+char *moe_format_bytes(double bytes, char *buf, size_t size)
+{
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    int u = 0;
+    while (bytes >= 1024.0 && u < 6) {
+        bytes /= 1024.0;
+        u++;
+    }
+    snprintf(buf, size, u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
+    return buf;
+}
+
+double moe_memory_available(void)
+{
+    FILE *fp = fopen("/proc/meminfo", "r");
+    char line[256];
+    double kib = -1.0;
+    while (fp && fgets(line, sizeof line, fp))
+        if (strncmp(line, "MemAvailable:", 13) == 0 && sscanf(line + 13, "%lf", &kib) == 1)
+            break;
+    if (fp)
+        fclose(fp);
+    if (kib > 0)
+        return kib * 1024.0;
+    return (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+}

@@ -1,0 +1,344 @@
+/* config.c — flags, presets and validation of a run (see config.h).
+ *
+ * One table describes every flag: its name (also the preset key), type,
+ * allowed range and help. Parsing, preset loading and --help all read it.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "moe/config.h"
+
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef MOE_SOURCE_PRESET_DIR
+#define MOE_SOURCE_PRESET_DIR "data/presets"
+#endif
+#ifndef MOE_INSTALLED_PRESET_DIR
+#define MOE_INSTALLED_PRESET_DIR "/usr/local/share/moe-ep/presets"
+#endif
+
+enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET };
+
+typedef struct {
+    const char *name; /* flag without "--", and preset key */
+    enum flag_kind kind;
+    size_t offset;
+    int64_t min, max; /* FLAG_INT only */
+    const char *value_name;
+    const char *help;
+} flag_spec;
+
+#define FIELD(f) offsetof(moe_config, f)
+
+static const flag_spec flags[] = {
+    {"preset", FLAG_PRESET, FIELD(preset), 0, 0, "NAME", "data/presets/NAME.conf, or a path to a .conf file"},
+    {"tokens", FLAG_INT, FIELD(tokens), 1, 1 << 24, "T", "tokens per rank"},
+    {"hidden", FLAG_INT, FIELD(hidden), 1, 65536, "d", "hidden size"},
+    {"ffn", FLAG_INT, FIELD(ffn), 1, 65536, "f", "FFN size of one expert"},
+    {"experts", FLAG_INT, FIELD(experts), 1, 4096, "E", "routed experts"},
+    {"topk", FLAG_INT, FIELD(topk), 1, 4096, "k", "experts per token, 1 <= k <= E"},
+    {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", "shared experts, applied to every token on its home rank"},
+    {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1"},
+    {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes"},
+    {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL"},
+};
+#define N_FLAGS (sizeof flags / sizeof flags[0])
+
+void moe_config_defaults(moe_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->tokens = 256;
+    cfg->hidden = 256;
+    cfg->ffn = 128;
+    cfg->experts = 8;
+    cfg->topk = 2;
+    cfg->shared_experts = 0;
+    cfg->iters = 1;
+    cfg->seed = 1;
+    cfg->check = false;
+}
+
+static const flag_spec *find_flag(const char *name, size_t len)
+{
+    for (size_t n = 0; n < N_FLAGS; n++)
+        if (strlen(flags[n].name) == len && strncmp(flags[n].name, name, len) == 0)
+            return &flags[n];
+    return NULL;
+}
+
+/* `where` is "--tokens" for a flag or "FILE:LINE: tokens" for a preset key. */
+static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, const char *where,
+                     moe_status *st)
+{
+    char *base = (char *)cfg + flag->offset;
+    char *end = NULL;
+    switch (flag->kind) {
+    case FLAG_INT: {
+        errno = 0;
+        long long v = strtoll(value, &end, 10);
+        if (*value == '\0' || *end != '\0' || errno == ERANGE || v < flag->min || v > flag->max)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "%s must be an integer in [%lld, %lld], got '%s'", where,
+                            (long long)flag->min, (long long)flag->max, value);
+        *(int64_t *)base = v;
+        return MOE_EXIT_OK;
+    }
+    case FLAG_SEED: {
+        errno = 0;
+        unsigned long long v = strtoull(value, &end, 0);
+        if (*value == '\0' || *value == '-' || *end != '\0' || errno == ERANGE)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "%s must be an integer in [0, 18446744073709551615], got '%s'", where,
+                            value);
+        *(uint64_t *)base = v;
+        return MOE_EXIT_OK;
+    }
+    case FLAG_BOOL:
+        if (!strcmp(value, "true") || !strcmp(value, "yes") || !strcmp(value, "1"))
+            *(bool *)base = true;
+        else if (!strcmp(value, "false") || !strcmp(value, "no") || !strcmp(value, "0"))
+            *(bool *)base = false;
+        else
+            return moe_fail(st, MOE_EXIT_USAGE, "%s must be true or false, got '%s'", where,
+                            value);
+        return MOE_EXIT_OK;
+    case FLAG_PRESET:
+        return moe_fail(st, MOE_EXIT_USAGE, "%s: a preset cannot name another preset", where);
+    }
+    return MOE_EXIT_OK;
+}
+
+const char *moe_config_preset_path(void)
+{
+    static char path[3 * PATH_MAX];
+    const char *env = getenv("MOE_EP_PRESET_DIR");
+    snprintf(path, sizeof path, "%s%s%s:%s", env ? env : "", env ? ":" : "",
+             MOE_SOURCE_PRESET_DIR, MOE_INSTALLED_PRESET_DIR);
+    return path;
+}
+
+static bool valid_preset_name(const char *name)
+{
+    if (!*name)
+        return false;
+    for (const char *c = name; *c; c++)
+        if (!isalnum((unsigned char)*c) && *c != '-' && *c != '_')
+            return false;
+    return true;
+}
+
+/* Names of the presets in the search path, for the "unknown preset" hint. */
+static void list_presets(char *out, size_t size)
+{
+    char path[3 * PATH_MAX];
+    snprintf(path, sizeof path, "%s", moe_config_preset_path());
+    out[0] = '\0';
+    size_t used = 0;
+    for (char *save = NULL, *dir = strtok_r(path, ":", &save); dir;
+         dir = strtok_r(NULL, ":", &save)) {
+        DIR *d = opendir(dir);
+        if (!d)
+            continue;
+        for (struct dirent *ent; (ent = readdir(d));) {
+            size_t len = strlen(ent->d_name);
+            if (len <= 5 || strcmp(ent->d_name + len - 5, ".conf"))
+                continue;
+            int n = snprintf(out + used, size - used, "%s%.*s", used ? ", " : "",
+                             (int)(len - 5), ent->d_name);
+            if (n < 0 || (size_t)n >= size - used)
+                break;
+            used += (size_t)n;
+        }
+        closedir(d);
+        if (used)
+            break;
+    }
+}
+
+static FILE *open_preset(const char *name, char *file, size_t size, moe_status *st)
+{
+    if (strchr(name, '/')) {
+        snprintf(file, size, "%s", name);
+        FILE *fp = fopen(file, "r");
+        if (!fp)
+            moe_fail(st, MOE_EXIT_USAGE, "--preset: cannot read '%s': %s", file, strerror(errno));
+        return fp;
+    }
+    if (!valid_preset_name(name)) {
+        moe_fail(st, MOE_EXIT_USAGE,
+                 "--preset must be a name of letters, digits, '-' and '_', or a path, got '%s'",
+                 name);
+        return NULL;
+    }
+    char path[3 * PATH_MAX];
+    snprintf(path, sizeof path, "%s", moe_config_preset_path());
+    for (char *save = NULL, *dir = strtok_r(path, ":", &save); dir;
+         dir = strtok_r(NULL, ":", &save)) {
+        snprintf(file, size, "%s/%s.conf", dir, name);
+        FILE *fp = fopen(file, "r");
+        if (fp)
+            return fp;
+    }
+    char known[512];
+    list_presets(known, sizeof known);
+    moe_fail(st, MOE_EXIT_USAGE, "unknown preset '%s' (available: %s)", name,
+             known[0] ? known : "none found");
+    return NULL;
+}
+
+static char *trim(char *s)
+{
+    while (isspace((unsigned char)*s))
+        s++;
+    char *end = s + strlen(s);
+    while (end > s && isspace((unsigned char)end[-1]))
+        *--end = '\0';
+    return s;
+}
+
+int moe_config_load_preset(moe_config *cfg, const char *name, moe_status *st)
+{
+    char file[PATH_MAX];
+    FILE *fp = open_preset(name, file, sizeof file, st);
+    if (!fp)
+        return st->code;
+    char line[1024];
+    int number = 0, rc = MOE_EXIT_OK;
+    while (rc == MOE_EXIT_OK && fgets(line, sizeof line, fp)) {
+        number++;
+        char *hash = strchr(line, '#');
+        if (hash)
+            *hash = '\0';
+        char *text = trim(line);
+        if (!*text)
+            continue;
+        char *equals = strchr(text, '=');
+        if (!equals) {
+            rc = moe_fail(st, MOE_EXIT_USAGE, "%s:%d: expected 'key = value', got '%s'", file,
+                          number, text);
+            break;
+        }
+        *equals = '\0';
+        char *key = trim(text), *value = trim(equals + 1);
+        const flag_spec *flag = find_flag(key, strlen(key));
+        char where[PATH_MAX + 64];
+        snprintf(where, sizeof where, "%s:%d: %s", file, number, key);
+        if (!flag)
+            rc = moe_fail(st, MOE_EXIT_USAGE, "%s:%d: unknown key '%s'", file, number, key);
+        else
+            rc = set_value(cfg, flag, value, where, st);
+    }
+    fclose(fp);
+    if (rc == MOE_EXIT_OK)
+        snprintf(cfg->preset, sizeof cfg->preset, "%s", name);
+    return rc;
+}
+
+/* Splits "--name=value" / "--name value"; returns the flag or sets st. */
+static const flag_spec *parse_flag(int argc, char **argv, int *at, const char **value,
+                                   moe_status *st)
+{
+    const char *arg = argv[*at];
+    if (strncmp(arg, "--", 2) != 0) {
+        moe_fail(st, MOE_EXIT_USAGE, "unexpected argument '%s' (flags start with --)", arg);
+        return NULL;
+    }
+    const char *name = arg + 2, *equals = strchr(name, '=');
+    size_t len = equals ? (size_t)(equals - name) : strlen(name);
+    const flag_spec *flag = find_flag(name, len);
+    if (!flag) {
+        moe_fail(st, MOE_EXIT_USAGE, "unknown flag '--%.*s' (see moe-ep run --help)", (int)len,
+                 name);
+        return NULL;
+    }
+    if (equals)
+        *value = equals + 1;
+    else if (flag->kind == FLAG_BOOL)
+        *value = "true";
+    else if (*at + 1 < argc)
+        *value = argv[++*at];
+    else {
+        moe_fail(st, MOE_EXIT_USAGE, "--%s needs a value (%s)", flag->name, flag->value_name);
+        return NULL;
+    }
+    return flag;
+}
+
+int moe_config_parse(moe_config *cfg, int argc, char **argv, moe_status *st)
+{
+    /* Pass 1: the preset, so that flags override it whatever their order. */
+    const char *preset = NULL;
+    for (int at = 0; at < argc; at++) {
+        const char *value = NULL;
+        const flag_spec *flag = parse_flag(argc, argv, &at, &value, st);
+        if (!flag)
+            return st->code;
+        if (flag->kind == FLAG_PRESET)
+            preset = value;
+    }
+    if (preset && moe_config_load_preset(cfg, preset, st))
+        return st->code;
+    for (int at = 0; at < argc; at++) {
+        const char *value = NULL;
+        const flag_spec *flag = parse_flag(argc, argv, &at, &value, st);
+        if (flag->kind == FLAG_PRESET)
+            continue;
+        char where[64];
+        snprintf(where, sizeof where, "--%s", flag->name);
+        if (set_value(cfg, flag, value, where, st))
+            return st->code;
+    }
+    return MOE_EXIT_OK;
+}
+
+int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
+{
+    if (cfg->topk > cfg->experts)
+        return moe_fail(st, MOE_EXIT_USAGE, "--topk must be in [1, %lld] (at most --experts), got %lld",
+                        (long long)cfg->experts, (long long)cfg->topk);
+    /* Every rank may receive every pair: G*T*k rows must fit an MPI count. */
+    double pairs = (double)ranks * (double)cfg->tokens * (double)cfg->topk;
+    if (pairs > (double)INT_MAX)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--tokens must be at most %lld for %d ranks and --topk %lld "
+                        "(ranks*tokens*topk must fit a 32-bit MPI count), got %lld",
+                        (long long)(INT_MAX / ((double)ranks * (double)cfg->topk)), ranks,
+                        (long long)cfg->topk, (long long)cfg->tokens);
+    return MOE_EXIT_OK;
+}
+
+double moe_config_memory_per_rank(const moe_config *cfg, int ranks)
+{
+    const double T = (double)cfg->tokens, d = (double)cfg->hidden, f = (double)cfg->ffn;
+    const double E = (double)cfg->experts, k = (double)cfg->topk, S = (double)cfg->shared_experts;
+    const double local_experts = (double)((cfg->experts + ranks - 1) / ranks);
+    const double expert_bytes = 3.0 * f * d * 4.0; /* W1 (2f,d) + W2 (d,f), fp32 */
+    double bytes = local_experts * expert_bytes + S * expert_bytes;
+    bytes += E * d * 4.0;                          /* gate */
+    bytes += 2.0 * T * d * 4.0;                    /* tokens and output */
+    bytes += T * E * 4.0 + T * k * 8.0;            /* logits, routing */
+    bytes += 2.0 * T * k * (d * 4.0 + k * 4.0);    /* dispatch send and receive */
+    bytes += 2.0 * T * k * d * 4.0;                /* combine send and receive */
+    bytes += T * k * (d + 3.0 * f) * 4.0;          /* expert input, hidden, activation */
+    if (cfg->check)                                /* truth: x, y, hidden, out in fp64 */
+        bytes += expert_bytes * 3.0 + T * (3.0 * d + 2.0 * f) * 8.0;
+    return bytes;
+}
+
+void moe_config_print_flags(FILE *out)
+{
+    for (size_t n = 0; n < N_FLAGS; n++) {
+        char left[64];
+        snprintf(left, sizeof left, "--%s%s%s", flags[n].name, flags[n].value_name ? " " : "",
+                 flags[n].value_name ? flags[n].value_name : "");
+        if (flags[n].kind == FLAG_INT)
+            fprintf(out, "  %-22s %s [%lld..%lld]\n", left, flags[n].help,
+                    (long long)flags[n].min, (long long)flags[n].max);
+        else
+            fprintf(out, "  %-22s %s\n", left, flags[n].help);
+    }
+}

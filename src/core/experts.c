@@ -1,0 +1,63 @@
+/* experts.c — SwiGLU expert FFN in fp32 and fp64 (see experts.h). */
+#include "moe/experts.h"
+
+#include <math.h>
+
+#include "moe/gemm.h"
+#include "moe/rng.h"
+
+void moe_expert_forward(const moe_expert_weights *w, const float *x, moe_index rows,
+                        moe_index hidden, moe_index ffn, float *scratch, float *y)
+{
+    if (rows == 0)
+        return;
+    float *h = scratch;              /* (rows, 2f) */
+    float *a = scratch + rows * 2 * ffn; /* (rows, f) */
+    moe_sgemm_nt(rows, 2 * ffn, hidden, x, hidden, w->w1, hidden, h, 2 * ffn);
+#pragma omp parallel for schedule(static)
+    for (moe_index n = 0; n < rows; n++) {
+        const float *gate = h + n * 2 * ffn, *up = gate + ffn;
+        float *act = a + n * ffn;
+        for (moe_index c = 0; c < ffn; c++)
+            act[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+    }
+    moe_sgemm_nt(rows, hidden, ffn, a, ffn, w->w2, ffn, y, hidden);
+}
+
+void moe_expert_forward_f64(const double *w1, const double *w2, const double *x, moe_index rows,
+                            moe_index hidden, moe_index ffn, double *scratch, double *y)
+{
+    if (rows == 0)
+        return;
+    double *h = scratch;                 /* (rows, 2f) */
+    double *a = scratch + rows * 2 * ffn; /* (rows, f) */
+    moe_dgemm_nt(rows, 2 * ffn, hidden, x, hidden, w1, hidden, h, 2 * ffn);
+#pragma omp parallel for schedule(static)
+    for (moe_index n = 0; n < rows; n++) {
+        const double *gate = h + n * 2 * ffn, *up = gate + ffn;
+        double *act = a + n * ffn;
+        for (moe_index c = 0; c < ffn; c++)
+            act[c] = gate[c] / (1.0 + exp(-gate[c])) * up[c];
+    }
+    moe_dgemm_nt(rows, hidden, ffn, a, ffn, w2, ffn, y, hidden);
+}
+
+static void generate(uint64_t seed, enum moe_tensor t1, enum moe_tensor t2, int entity,
+                     moe_index hidden, moe_index ffn, float *w1, float *w2)
+{
+    moe_synth_fill(seed, t1, (uint32_t)entity, 0, 2 * ffn * hidden,
+                   moe_synth_weight_scale(hidden), w1);
+    moe_synth_fill(seed, t2, (uint32_t)entity, 0, hidden * ffn, moe_synth_weight_scale(ffn), w2);
+}
+
+void moe_expert_generate(uint64_t seed, int expert, moe_index hidden, moe_index ffn, float *w1,
+                         float *w2)
+{
+    generate(seed, MOE_TENSOR_W1, MOE_TENSOR_W2, expert, hidden, ffn, w1, w2);
+}
+
+void moe_shared_expert_generate(uint64_t seed, int shared, moe_index hidden, moe_index ffn,
+                                float *w1, float *w2)
+{
+    generate(seed, MOE_TENSOR_SHARED_W1, MOE_TENSOR_SHARED_W2, shared, hidden, ffn, w1, w2);
+}

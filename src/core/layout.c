@@ -1,0 +1,203 @@
+/* layout.c — placement and the dispatch/combine plan (see layout.h). */
+#include "moe/layout.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/common.h"
+
+void moe_placement_init(moe_placement *p, int experts, int ranks)
+{
+    MOE_ASSERT(experts >= 1 && ranks >= 1);
+    p->ranks = ranks;
+    p->experts = experts;
+    p->first_expert = moe_xmalloc(sizeof(int) * (size_t)(ranks + 1));
+    p->expert_rank = moe_xmalloc(sizeof(int) * (size_t)experts);
+    const int base = experts / ranks, extra = experts % ranks;
+    p->first_expert[0] = 0;
+    for (int r = 0; r < ranks; r++) {
+        p->first_expert[r + 1] = p->first_expert[r] + base + (r < extra);
+        for (int e = p->first_expert[r]; e < p->first_expert[r + 1]; e++)
+            p->expert_rank[e] = r;
+    }
+    MOE_ASSERT(p->first_expert[ranks] == experts);
+}
+
+void moe_placement_free(moe_placement *p)
+{
+    free(p->first_expert);
+    free(p->expert_rank);
+    memset(p, 0, sizeof *p);
+}
+
+static void prefix_sums(const moe_index *count, int n, moe_index *offset)
+{
+    offset[0] = 0;
+    for (int r = 0; r < n; r++)
+        offset[r + 1] = offset[r] + count[r];
+}
+
+void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int32_t *ids,
+                         moe_index tokens, int topk)
+{
+    const int G = p->ranks;
+    plan->ranks = G;
+    plan->topk = topk;
+    plan->tokens = tokens;
+    plan->row_count = moe_xcalloc((size_t)G, sizeof(moe_index));
+    plan->row_offset = moe_xmalloc(sizeof(moe_index) * (size_t)(G + 1));
+    plan->pair_count = moe_xcalloc((size_t)G, sizeof(moe_index));
+    plan->pair_offset = moe_xmalloc(sizeof(moe_index) * (size_t)(G + 1));
+    plan->slot_pair = moe_xmalloc(sizeof(moe_index) * (size_t)(tokens * topk));
+
+    /* Pass 1: count rows (once per token per destination) and pairs. The last
+     * token seen per destination gives the dedup without a scratch set. */
+    moe_index *last_token = moe_xmalloc(sizeof(moe_index) * (size_t)G);
+    for (int r = 0; r < G; r++)
+        last_token[r] = -1;
+    for (moe_index i = 0; i < tokens; i++)
+        for (int s = 0; s < topk; s++) {
+            int32_t e = ids[i * topk + s];
+            MOE_ASSERT(e >= 0 && e < p->experts);
+            int r = p->expert_rank[e];
+            plan->pair_count[r]++;
+            if (last_token[r] != i) {
+                last_token[r] = i;
+                plan->row_count[r]++;
+            }
+        }
+    prefix_sums(plan->row_count, G, plan->row_offset);
+    prefix_sums(plan->pair_count, G, plan->pair_offset);
+
+    /* Pass 2: fill rows in token order. The receiver emits a row's pairs in
+     * slot order, and rows in the order sent, so slot s of token i comes back
+     * at the next free combine row of its destination. */
+    plan->row_token = moe_xmalloc(sizeof(moe_index) * (size_t)plan->row_offset[G]);
+    moe_index *next_row = moe_xmalloc(sizeof(moe_index) * (size_t)G);
+    moe_index *next_pair = moe_xmalloc(sizeof(moe_index) * (size_t)G);
+    memcpy(next_row, plan->row_offset, sizeof(moe_index) * (size_t)G);
+    memcpy(next_pair, plan->pair_offset, sizeof(moe_index) * (size_t)G);
+    for (int r = 0; r < G; r++)
+        last_token[r] = -1;
+    for (moe_index i = 0; i < tokens; i++)
+        for (int s = 0; s < topk; s++) {
+            int r = p->expert_rank[ids[i * topk + s]];
+            if (last_token[r] != i) {
+                last_token[r] = i;
+                plan->row_token[next_row[r]++] = i;
+            }
+            plan->slot_pair[i * topk + s] = next_pair[r]++;
+        }
+    free(next_pair);
+    free(next_row);
+    free(last_token);
+}
+
+void moe_send_plan_free(moe_send_plan *plan)
+{
+    free(plan->row_count);
+    free(plan->row_offset);
+    free(plan->row_token);
+    free(plan->pair_count);
+    free(plan->pair_offset);
+    free(plan->slot_pair);
+    memset(plan, 0, sizeof *plan);
+}
+
+void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
+                         const int32_t *ids_in, moe_index rows, int topk,
+                         const moe_index *rows_from)
+{
+    const int G = p->ranks, first = p->first_expert[rank];
+    const int EL = moe_placement_local_experts(p, rank);
+    plan->local_experts = EL;
+    plan->rows = rows;
+    plan->expert_offset = moe_xcalloc((size_t)EL + 1, sizeof(moe_index));
+    plan->source_pairs = moe_xcalloc((size_t)G, sizeof(moe_index));
+
+    /* Count pairs per local expert and per source rank. */
+    moe_index pairs = 0, row = 0;
+    for (int source = 0; source < G; source++)
+        for (moe_index n = 0; n < rows_from[source]; n++, row++)
+            for (int s = 0; s < topk; s++) {
+                int local = ids_in[row * topk + s] - first;
+                if (local >= 0 && local < EL) {
+                    plan->expert_offset[local + 1]++;
+                    plan->source_pairs[source]++;
+                    pairs++;
+                }
+            }
+    MOE_ASSERT(row == rows);
+    for (int l = 0; l < EL; l++)
+        plan->expert_offset[l + 1] += plan->expert_offset[l];
+    plan->pairs = pairs;
+
+    /* Pairs in row order, slots in order: the combine send row is the running
+     * pair number. Each expert's list stays in ascending row order. */
+    plan->expert_row = moe_xmalloc(sizeof(moe_index) * (size_t)pairs);
+    plan->expert_pair = moe_xmalloc(sizeof(moe_index) * (size_t)pairs);
+    moe_index *next = moe_xmalloc(sizeof(moe_index) * (size_t)(EL + 1));
+    memcpy(next, plan->expert_offset, sizeof(moe_index) * (size_t)(EL + 1));
+    moe_index pair = 0;
+    for (row = 0; row < rows; row++)
+        for (int s = 0; s < topk; s++) {
+            int local = ids_in[row * topk + s] - first;
+            if (local >= 0 && local < EL) {
+                plan->expert_row[next[local]] = row;
+                plan->expert_pair[next[local]] = pair++;
+                next[local]++;
+            }
+        }
+    MOE_ASSERT(pair == pairs);
+    free(next);
+}
+
+void moe_recv_plan_free(moe_recv_plan *plan)
+{
+    free(plan->expert_offset);
+    free(plan->expert_row);
+    free(plan->expert_pair);
+    free(plan->source_pairs);
+    memset(plan, 0, sizeof *plan);
+}
+
+void moe_gather_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
+                     float *out)
+{
+#pragma omp parallel for schedule(static)
+    for (moe_index n = 0; n < rows; n++)
+        memcpy(out + n * width, src + index[n] * width, sizeof(float) * (size_t)width);
+}
+
+void moe_gather_ids(const int32_t *src, int width, const moe_index *index, moe_index rows,
+                    int32_t *out)
+{
+    for (moe_index n = 0; n < rows; n++)
+        memcpy(out + n * width, src + index[n] * width, sizeof(int32_t) * (size_t)width);
+}
+
+void moe_scatter_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
+                      float *dst)
+{
+#pragma omp parallel for schedule(static)
+    for (moe_index n = 0; n < rows; n++)
+        memcpy(dst + index[n] * width, src + n * width, sizeof(float) * (size_t)width);
+}
+
+void moe_combine_reduce(const moe_send_plan *plan, const float *weights, const float *back,
+                        moe_index hidden, float *y)
+{
+    const int k = plan->topk;
+#pragma omp parallel for schedule(static)
+    for (moe_index i = 0; i < plan->tokens; i++) {
+        float *out = y + i * hidden; /* (d) */
+        for (moe_index j = 0; j < hidden; j++)
+            out[j] = 0.0f;
+        for (int s = 0; s < k; s++) {
+            const float w = weights[i * k + s];
+            const float *row = back + plan->slot_pair[i * k + s] * hidden; /* (d) */
+            for (moe_index j = 0; j < hidden; j++)
+                out[j] += w * row[j];
+        }
+    }
+}

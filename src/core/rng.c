@@ -1,0 +1,87 @@
+/* rng.c — Philox4x32-10 and the synthetic-data mapping (see rng.h, docs/data.md). */
+#include "moe/rng.h"
+
+#include <math.h>
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u /* golden ratio */
+#define PHILOX_W1 0xBB67AE85u /* sqrt(3) - 1 */
+
+static inline void philox_round(uint32_t c[4], const uint32_t k[2])
+{
+    uint64_t p0 = (uint64_t)PHILOX_M0 * c[0];
+    uint64_t p1 = (uint64_t)PHILOX_M1 * c[2];
+    uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
+    uint32_t hi1 = (uint32_t)(p1 >> 32), lo1 = (uint32_t)p1;
+    uint32_t c1 = c[1], c3 = c[3];
+    c[0] = hi1 ^ c1 ^ k[0];
+    c[1] = lo1;
+    c[2] = hi0 ^ c3 ^ k[1];
+    c[3] = lo0;
+}
+
+void moe_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4])
+{
+    uint32_t c[4] = {counter[0], counter[1], counter[2], counter[3]};
+    uint32_t k[2] = {key[0], key[1]};
+    for (int round = 0; round < 10; round++) {
+        if (round > 0) {
+            k[0] += PHILOX_W0;
+            k[1] += PHILOX_W1;
+        }
+        philox_round(c, k);
+    }
+    for (int n = 0; n < 4; n++)
+        out[n] = c[n];
+}
+
+/* One Philox block gives the four consecutive elements 4b .. 4b+3. */
+static inline void synth_block(uint64_t seed, uint32_t tensor, uint32_t entity, uint64_t block,
+                               uint32_t words[4])
+{
+    const uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+    const uint32_t counter[4] = {(uint32_t)block, (uint32_t)(block >> 32), tensor, entity};
+    moe_philox4x32_10(counter, key, words);
+}
+
+/* The top 24 bits as an integer in [-2^23, 2^23), times 2^-23: exact in fp32,
+ * uniform in [-1, 1). Then one fp32 rounding for the scale. */
+static inline float word_to_value(uint32_t word, float scale)
+{
+    float unit = (float)((int32_t)(word >> 8) - 8388608) * 0x1p-23f;
+    return unit * scale;
+}
+
+float moe_synth_value(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t index,
+                      float scale)
+{
+    uint32_t words[4];
+    synth_block(seed, (uint32_t)tensor, entity, index >> 2, words);
+    return word_to_value(words[index & 3], scale);
+}
+
+void moe_synth_fill(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t first,
+                    moe_index count, float scale, float *out)
+{
+    if (count <= 0)
+        return;
+    const uint64_t end = first + (uint64_t)count;
+    const int64_t first_block = (int64_t)(first >> 2);
+    const int64_t last_block = (int64_t)((end - 1) >> 2);
+#pragma omp parallel for schedule(static)
+    for (int64_t block = first_block; block <= last_block; block++) {
+        uint32_t words[4];
+        synth_block(seed, (uint32_t)tensor, entity, (uint64_t)block, words);
+        for (int n = 0; n < 4; n++) {
+            uint64_t index = ((uint64_t)block << 2) + (uint64_t)n;
+            if (index >= first && index < end)
+                out[index - first] = word_to_value(words[n], scale);
+        }
+    }
+}
+
+float moe_synth_weight_scale(moe_index fan_in)
+{
+    return (float)(1.0 / sqrt((double)fan_in));
+}

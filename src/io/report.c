@@ -1,0 +1,84 @@
+/* report.c — rank 0's text report (see report.h). */
+#include "moe/report.h"
+
+#include "config.h"
+
+static void print_spread(FILE *out, const char *what, moe_spread s)
+{
+    fprintf(out, "          %-34s min %-9.0f mean %-10.1f max %-9.0f imbalance %.2f\n", what,
+            s.min, s.mean, s.max, s.mean > 0 ? s.max / s.mean : 0.0);
+}
+
+bool moe_report_check_passed(const moe_run_summary *s)
+{
+    return s->checked && !s->nonfinite && s->cmp.max_used <= 1.0 && s->iterations_identical;
+}
+
+void moe_report_print(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
+    const double G = s->ranks, T = (double)cfg->tokens, k = (double)cfg->topk;
+    const double d = (double)cfg->hidden;
+    char b1[32], b2[32], b3[32];
+
+    fprintf(out, "moe-ep %s · MoE forward with expert parallelism · blocking reference path\n",
+            PACKAGE_VERSION);
+    fprintf(out, "config    preset %s · G=%d ranks · T=%lld tokens per rank (%.0f in all) · d=%lld · f=%lld\n",
+            cfg->preset[0] ? cfg->preset : "(none)", s->ranks, (long long)cfg->tokens, G * T,
+            (long long)cfg->hidden, (long long)cfg->ffn);
+    fprintf(out, "          E=%lld routed experts (%d..%d per rank) · k=%lld · S=%lld shared · "
+                 "router softmax top-k · seed %llu · %lld iters\n",
+            (long long)cfg->experts, s->local_experts_min, s->local_experts_max,
+            (long long)cfg->topk, (long long)cfg->shared_experts,
+            (unsigned long long)cfg->seed, (long long)cfg->iters);
+    fprintf(out, "machine   %d ranks on this host · %d cores · %d OpenMP and %d BLAS threads per rank\n",
+            s->ranks_on_host, s->cores, s->threads, s->blas_threads);
+
+    fprintf(out, "routing   received per rank\n");
+    print_spread(out, "dispatch rows (tokens)", s->rows_received);
+    print_spread(out, "expert pairs (token, expert)", s->pairs_received);
+
+    const double pairs = G * T * k, saved = pairs - s->rows_sent;
+    fprintf(out, "traffic   dispatch %s (%s to other ranks): %.0f rows for %.0f (token, expert) "
+                 "pairs, dedup saved %.1f%%\n",
+            moe_format_bytes(s->bytes_dispatched, b1, sizeof b1),
+            moe_format_bytes(s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0), b2, sizeof b2),
+            s->rows_sent, pairs, pairs > 0 ? 100.0 * saved / pairs : 0.0);
+    fprintf(out, "          combine  %s (%s from other ranks)\n",
+            moe_format_bytes(s->bytes_combined, b1, sizeof b1),
+            moe_format_bytes(s->pairs_back_remote * d * 4.0, b2, sizeof b2));
+    fprintf(out, "          tokens x k x d x 4 B = %.0f x %.0f x %.0f x 4 = %s per direction without dedup\n",
+            G * T, k, d, moe_format_bytes(G * T * k * d * 4.0, b3, sizeof b3));
+
+    fprintf(out, "time      ms per forward, max over ranks, median of %lld iters\n",
+            (long long)cfg->iters);
+    fprintf(out, "         ");
+    for (int n = 0; n < MOE_STAGES; n++)
+        fprintf(out, " %9s", moe_stage_names[n]);
+    fprintf(out, " %9s\n         ", "layer");
+    for (int n = 0; n < MOE_STAGES; n++)
+        fprintf(out, " %9.2f", 1e3 * s->stage_seconds[n]);
+    fprintf(out, " %9.2f\n", 1e3 * s->layer_seconds);
+
+    fprintf(out, "experts   %.2f GFLOP per forward in sgemm · %.1f GFLOP/s over the slowest rank's "
+                 "expert time · %.1f GFLOP/s per rank\n",
+            s->expert_flops * 1e-9,
+            s->expert_seconds > 0 ? s->expert_flops * 1e-9 / s->expert_seconds : 0.0,
+            s->expert_seconds > 0 ? s->expert_flops * 1e-9 / s->expert_seconds / G : 0.0);
+
+    if (!s->checked)
+        return;
+    fprintf(out, "truth     dense fp64: all %lld experts on all %.0f tokens, gate-weighted "
+                 "(zero when not selected), plus shared experts\n",
+            (long long)cfg->experts, G * T);
+    fprintf(out, "          rms(truth) %.3e · worst element: token %lld (rank %d) column %lld · "
+                 "iterations bitwise identical: %s\n",
+            s->ref_rms, s->worst_token, s->worst_rank, s->worst_column,
+            s->iterations_identical ? "yes" : "NO");
+    if (s->nonfinite)
+        fprintf(out, "          non-finite output at token %lld (rank %d) column %lld\n",
+                s->worst_token, s->worst_rank, s->worst_column);
+    fprintf(out, "check: %s max_abs=%.3e max_rel=%.3e tol=%.3e+%.3e*|ref| used=%.1f%%\n",
+            moe_report_check_passed(s) ? "PASS" : "FAIL", s->cmp.max_abs, s->cmp.max_rel,
+            s->tol.abs, s->tol.rel, 100.0 * s->cmp.max_used);
+}

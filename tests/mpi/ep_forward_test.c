@@ -1,0 +1,221 @@
+/* ep_forward_test.c — the EP forward on G ranks against the dense truth and
+ * against the same layer on one rank.
+ *
+ * Run under mpirun by tests/mpi/mpi-case. Takes `moe-ep run` flags plus:
+ *   --route-elsewhere    replace the router's choice by k experts held by
+ *                        other ranks than the token's home (no self traffic)
+ *   --np1 bitwise|tolerance
+ *                        how the G-rank output must match the one-rank output
+ *                        that rank 0 computes on MPI_COMM_SELF for all G*T
+ *                        tokens (same seed, same global token ids)
+ * Exit 0 when every check holds, 1 otherwise.
+ *
+ * Why bitwise can hold across G: routing is row-independent (fixed-order
+ * gate); each expert's rows reach its single sgemm pair in global token order
+ * whatever G is, so the calls are identical; the combine sums in slot order;
+ * shared experts run in 64-token blocks, identical when T % 64 == 0. The BLAS
+ * thread count is the same for both computations (same process).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/check.h"
+#include "moe/ep.h"
+#include "moe/truth.h"
+
+typedef struct {
+    bool route_elsewhere;
+    bool np1_bitwise;
+} test_options;
+
+/* ids/weights (T, k) for tokens with global ids first .. first+T-1: k experts
+ * not held by the token's home rank (global id / tokens_per_rank), starting
+ * at a token-dependent offset; weights are the router's scores renormalised. */
+static void route_elsewhere(const moe_placement *p, moe_index tokens_per_rank, moe_index first,
+                            moe_index tokens, int k, const float *scores, int32_t *ids,
+                            float *weights)
+{
+    const int E = p->experts;
+    for (moe_index i = 0; i < tokens; i++) {
+        const moe_index g = first + i;
+        const int home = (int)(g / tokens_per_rank);
+        int picked = 0;
+        for (int step = 0; step < E && picked < k; step++) {
+            int e = (int)((g + step) % E);
+            if (p->expert_rank[e] != home)
+                ids[i * k + picked++] = e;
+        }
+        MOE_ASSERT(picked == k);
+        double sum = 0.0;
+        for (int s = 0; s < k; s++)
+            sum += scores[i * E + ids[i * k + s]];
+        for (int s = 0; s < k; s++)
+            weights[i * k + s] = (float)(scores[i * E + ids[i * k + s]] / sum);
+    }
+}
+
+/* Route x (T, d) on `ep`, as the options say. */
+static void route(const moe_ep *ep, const moe_placement *home_placement, moe_index tokens_per_rank,
+                  moe_index first, const float *x, const test_options *opt, int32_t *ids,
+                  float *weights)
+{
+    const moe_index T = ep->cfg->tokens, E = ep->cfg->experts;
+    float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    moe_ep_route(ep, x, logits, scores, ids, weights);
+    if (opt->route_elsewhere)
+        route_elsewhere(home_placement, tokens_per_rank, first, T, (int)ep->cfg->topk, scores,
+                        ids, weights);
+    free(scores);
+    free(logits);
+}
+
+/* y (T, d) of the layer on communicator c for its ranks' tokens. */
+static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement *home_placement,
+                   moe_index tokens_per_rank, const test_options *opt, float *x, int32_t *ids,
+                   float *weights, float *y, moe_forward_stats *stats)
+{
+    moe_ep ep;
+    moe_status st = {0};
+    if (moe_ep_init(&ep, cfg, c, &st)) {
+        fprintf(stderr, "ep_forward_test: %s\n", st.message);
+        return 1;
+    }
+    moe_ep_generate_tokens(&ep, x);
+    route(&ep, home_placement, tokens_per_rank, (moe_index)c->rank * cfg->tokens, x, opt, ids,
+          weights);
+    int rc = moe_ep_forward_ref(&ep, x, ids, weights, y, stats, &st);
+    if (rc)
+        fprintf(stderr, "ep_forward_test: %s\n", st.message);
+    moe_ep_free(&ep);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    moe_comm world;
+    moe_comm_init(&argc, &argv, &world);
+    test_options opt = {false, true};
+    char **rest = malloc(sizeof(char *) * (size_t)argc);
+    int n_rest = 0, failures = 0;
+    for (int n = 1; n < argc; n++) {
+        if (!strcmp(argv[n], "--route-elsewhere"))
+            opt.route_elsewhere = true;
+        else if (!strcmp(argv[n], "--np1") && n + 1 < argc)
+            opt.np1_bitwise = !strcmp(argv[++n], "bitwise");
+        else
+            rest[n_rest++] = argv[n];
+    }
+    moe_config cfg;
+    moe_status st = {0};
+    moe_config_defaults(&cfg);
+    if (moe_config_parse(&cfg, n_rest, rest, &st) || moe_config_validate(&cfg, world.ranks, &st)) {
+        if (world.rank == 0)
+            fprintf(stderr, "ep_forward_test: %s\n", st.message);
+        moe_comm_finalize();
+        return 2;
+    }
+    const int G = world.ranks, r = world.rank;
+    const moe_index T = cfg.tokens, d = cfg.hidden, k = cfg.topk;
+    moe_placement home;
+    moe_placement_init(&home, (int)cfg.experts, G);
+
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    moe_forward_stats stats;
+    if (forward(&world, &cfg, &home, T, &opt, x, ids, weights, y, &stats))
+        failures++;
+
+    /* 1. Against the dense fp64 truth. */
+    double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    moe_truth_forward(&cfg, x, ids, weights, T, truth);
+    moe_run_summary s = {.cfg = &cfg};
+    moe_check_collective(&world, &cfg, y, truth, &s);
+    const bool truth_ok = !s.nonfinite && s.cmp.max_used <= 1.0;
+    if (r == 0)
+        printf("np=%d vs dense truth: %s max_abs=%.3e max_rel=%.3e used=%.1f%% of tol %.3e+%.3e*|ref|\n",
+               G, truth_ok ? "ok" : "FAIL", s.cmp.max_abs, s.cmp.max_rel, 100 * s.cmp.max_used,
+               s.tol.abs, s.tol.rel);
+    failures += !truth_ok;
+
+    /* 2. Rows and pairs add up: every (token, slot) computed exactly once. */
+    double pairs = moe_comm_sum(&world, (double)stats.pairs_received);
+    double self_rows = moe_comm_sum(&world, (double)(stats.rows_sent - stats.rows_sent_remote));
+    if (pairs != (double)G * (double)T * (double)k) {
+        if (r == 0)
+            printf("FAIL: %.0f pairs computed, expected G*T*k = %.0f\n", pairs,
+                   (double)G * (double)T * (double)k);
+        failures++;
+    }
+    if (opt.route_elsewhere && self_rows != 0.0) {
+        if (r == 0)
+            printf("FAIL: %.0f rows sent to their own rank under --route-elsewhere\n", self_rows);
+        failures++;
+    }
+    if (r == 0 && opt.route_elsewhere)
+        printf("route-elsewhere: 0 rows to self, %.0f remote rows\n",
+               moe_comm_sum(&world, (double)stats.rows_sent_remote));
+    else if (opt.route_elsewhere)
+        moe_comm_sum(&world, (double)stats.rows_sent_remote);
+
+    /* 3. Against one rank: gather y, recompute on MPI_COMM_SELF at rank 0. */
+    float *all = r == 0 ? moe_xmalloc(sizeof(float) * (size_t)(G * T * d)) : NULL;
+    MPI_Gather(y, (int)(T * d), MPI_FLOAT, all, (int)(T * d), MPI_FLOAT, 0, MPI_COMM_WORLD);
+    if (r == 0) {
+        moe_comm self;
+        moe_comm_attach(&self, MPI_COMM_SELF);
+        self.threads = world.threads;
+        moe_config one = cfg;
+        one.tokens = (int64_t)G * T;
+        float *x1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * d));
+        float *y1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * d));
+        int32_t *ids1 = moe_xmalloc(sizeof(int32_t) * (size_t)(G * T * k));
+        float *w1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * k));
+        moe_forward_stats stats1;
+        if (forward(&self, &one, &home, T, &opt, x1, ids1, w1, y1, &stats1))
+            failures++;
+        /* Within tolerance: both outputs lie within abs + rel*|ref| of the
+         * truth, so they differ by at most twice that; |ref| is taken as
+         * |y1| widened by the relative tolerance itself. */
+        moe_index differ = 0, first = -1;
+        double max_diff = 0.0, max_used = 0.0;
+        for (moe_index n = 0; n < G * T * d; n++)
+            if (memcmp(&all[n], &y1[n], sizeof(float)) != 0) {
+                if (first < 0)
+                    first = n;
+                differ++;
+                double diff = fabs((double)all[n] - (double)y1[n]);
+                double bound = 2.0 * (s.tol.abs + s.tol.rel * fabs((double)y1[n])) * (1.0 + 2.0 * s.tol.rel);
+                max_diff = fmax(max_diff, diff);
+                max_used = fmax(max_used, isfinite(diff) ? diff / bound : INFINITY);
+            }
+        bool ok = opt.np1_bitwise ? differ == 0 : max_used <= 1.0;
+        printf("np=%d vs np=1 (%s expected): %s, %lld of %lld values differ, max |diff| %.3e",
+               G, opt.np1_bitwise ? "bitwise" : "within tolerance", ok ? "ok" : "FAIL",
+               (long long)differ, (long long)(G * T * d), max_diff);
+        if (first >= 0)
+            printf(", first at token %lld column %lld", (long long)(first / d),
+                   (long long)(first % d));
+        printf("\n");
+        failures += !ok;
+        free(w1);
+        free(ids1);
+        free(y1);
+        free(x1);
+        free(all);
+    }
+    MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    free(truth);
+    free(weights);
+    free(ids);
+    free(y);
+    free(x);
+    free(rest);
+    moe_placement_free(&home);
+    moe_comm_finalize();
+    return failures ? 1 : 0;
+}

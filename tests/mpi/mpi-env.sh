@@ -1,0 +1,15 @@
+# mpi-env.sh — the environment mpirun needs on a single machine, sourced by
+# ./run and by the MPI test runners. Each line is only a default: a value
+# already in the environment wins.
+#
+# Open MPI refuses to start as root without the two ALLOW variables (CI and
+# containers run as root). Oversubscribe lets -np exceed the core count
+# (4 virtual GPUs on a 2-core laptop). The shared-memory (vader) and self
+# transports, with the out-of-band channel on loopback, keep everything on
+# this machine. Binding off: bound to one core, a rank with 2 threads halves.
+export OMPI_ALLOW_RUN_AS_ROOT="${OMPI_ALLOW_RUN_AS_ROOT-1}"
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="${OMPI_ALLOW_RUN_AS_ROOT_CONFIRM-1}"
+export OMPI_MCA_rmaps_base_oversubscribe="${OMPI_MCA_rmaps_base_oversubscribe-1}"
+export OMPI_MCA_btl="${OMPI_MCA_btl-self,vader}"
+export OMPI_MCA_oob_tcp_if_include="${OMPI_MCA_oob_tcp_if_include-lo}"
+export OMPI_MCA_hwloc_base_binding_policy="${OMPI_MCA_hwloc_base_binding_policy-none}"

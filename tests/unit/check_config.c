@@ -1,0 +1,135 @@
+/* check_config.c — flag parsing, presets, validation. */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "moe/config.h"
+#include "suites.h"
+
+static int parse(moe_config *cfg, moe_status *st, const char *line)
+{
+    char buf[512], *argv[32];
+    int argc = 0;
+    snprintf(buf, sizeof buf, "%s", line);
+    for (char *tok = strtok(buf, " "); tok && argc < 32; tok = strtok(NULL, " "))
+        argv[argc++] = tok;
+    moe_config_defaults(cfg);
+    memset(st, 0, sizeof *st);
+    return moe_config_parse(cfg, argc, argv, st);
+}
+
+START_TEST(flags_set_fields)
+{
+    moe_config cfg;
+    moe_status st;
+    ck_assert_int_eq(parse(&cfg, &st, "--tokens 100 --hidden=64 --experts 9 --topk 3 --check --seed 0x10"), 0);
+    ck_assert_int_eq(cfg.tokens, 100);
+    ck_assert_int_eq(cfg.hidden, 64);
+    ck_assert_int_eq(cfg.experts, 9);
+    ck_assert_int_eq(cfg.topk, 3);
+    ck_assert(cfg.check);
+    ck_assert_uint_eq(cfg.seed, 16);
+}
+END_TEST
+
+static const char *preset_file(void)
+{
+    static char path[] = "/tmp/moe-ep-check-XXXXXX.conf";
+    int fd = mkstemps(path, 5);
+    ck_assert_int_ge(fd, 0);
+    const char text[] = "# a preset\ntokens = 32\nhidden = 16  # trailing comment\ncheck = yes\n";
+    ck_assert_int_eq(write(fd, text, sizeof text - 1), (ssize_t)(sizeof text - 1));
+    close(fd);
+    return path;
+}
+
+START_TEST(flags_override_preset_in_any_order)
+{
+    const char *path = preset_file();
+    char line[256];
+    snprintf(line, sizeof line, "--tokens 7 --preset %s", path);
+    moe_config cfg;
+    moe_status st;
+    ck_assert_int_eq(parse(&cfg, &st, line), 0);
+    ck_assert_int_eq(cfg.tokens, 7);  /* the flag wins although it comes first */
+    ck_assert_int_eq(cfg.hidden, 16); /* from the preset */
+    ck_assert(cfg.check);
+    unlink(path);
+}
+END_TEST
+
+START_TEST(preset_syntax_error_names_file_and_line)
+{
+    char path[] = "/tmp/moe-ep-bad-XXXXXX.conf";
+    int fd = mkstemps(path, 5);
+    const char text[] = "tokens = 4\n\nhidden 16\n";
+    ck_assert_int_eq(write(fd, text, sizeof text - 1), (ssize_t)(sizeof text - 1));
+    close(fd);
+    moe_config cfg;
+    moe_status st;
+    char line[256];
+    snprintf(line, sizeof line, "--preset %s", path);
+    ck_assert_int_eq(parse(&cfg, &st, line), MOE_EXIT_USAGE);
+    char want[128];
+    snprintf(want, sizeof want, "%s:3:", path);
+    ck_assert_msg(strstr(st.message, want), "message: %s", st.message);
+    unlink(path);
+}
+END_TEST
+
+static const struct {
+    const char *args, *fragment;
+} bad[] = {
+    {"--tokens 0", "--tokens must be an integer in [1, 16777216], got '0'"},
+    {"--tokens 99999999999", "got '99999999999'"},
+    {"--tokens 12x", "got '12x'"},
+    {"--hidden", "--hidden needs a value"},
+    {"--nope 1", "unknown flag '--nope'"},
+    {"stray", "unexpected argument 'stray'"},
+    {"--seed -3", "--seed must be an integer"},
+    {"--preset ../x", "cannot read"},
+    {"--preset bad!name", "--preset must be a name"},
+};
+
+START_TEST(bad_flags_are_usage_errors)
+{
+    moe_config cfg;
+    moe_status st;
+    ck_assert_int_eq(parse(&cfg, &st, bad[_i].args), MOE_EXIT_USAGE);
+    ck_assert_msg(strstr(st.message, bad[_i].fragment), "'%s' gave: %s", bad[_i].args, st.message);
+}
+END_TEST
+
+START_TEST(validation_checks_combinations)
+{
+    moe_config cfg;
+    moe_status st = {0};
+    moe_config_defaults(&cfg);
+    cfg.experts = 4;
+    cfg.topk = 5;
+    ck_assert_int_eq(moe_config_validate(&cfg, 2, &st), MOE_EXIT_USAGE);
+    ck_assert_ptr_nonnull(strstr(st.message, "--topk must be in [1, 4]"));
+    cfg.topk = 4;
+    ck_assert_int_eq(moe_config_validate(&cfg, 2, &st), MOE_EXIT_OK);
+    ck_assert_int_eq(moe_config_validate(&cfg, 16, &st), MOE_EXIT_OK); /* E < G is allowed */
+    cfg.tokens = 1 << 24;
+    cfg.topk = 4;
+    ck_assert_int_eq(moe_config_validate(&cfg, 64, &st), MOE_EXIT_USAGE);
+    ck_assert_ptr_nonnull(strstr(st.message, "32-bit MPI count"));
+}
+END_TEST
+
+Suite *make_config_suite(void)
+{
+    Suite *s = suite_create("config");
+    TCase *tc = tcase_create("parse");
+    tcase_add_test(tc, flags_set_fields);
+    tcase_add_test(tc, flags_override_preset_in_any_order);
+    tcase_add_test(tc, preset_syntax_error_names_file_and_line);
+    tcase_add_loop_test(tc, bad_flags_are_usage_errors, 0, sizeof bad / sizeof bad[0]);
+    tcase_add_test(tc, validation_checks_combinations);
+    suite_add_tcase(s, tc);
+    return s;
+}

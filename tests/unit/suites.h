@@ -1,0 +1,13 @@
+/* suites.h — one Check suite per core module, chained by check_main.c. */
+#ifndef MOE_TEST_SUITES_H
+#define MOE_TEST_SUITES_H
+
+#include <check.h>
+
+Suite *make_rng_suite(void);
+Suite *make_config_suite(void);
+Suite *make_router_suite(void);
+Suite *make_layout_suite(void);
+Suite *make_experts_suite(void);
+
+#endif
