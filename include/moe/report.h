@@ -28,6 +28,7 @@ typedef struct {
     double layer_seconds;             /* the same for the whole forward */
     double expert_flops;              /* summed over ranks, one forward */
     double expert_seconds;            /* median of the max over ranks */
+    double expert_window;             /* median of: last rank's expert end - first rank's start */
     /* --check */
     bool checked;
     bool iterations_identical; /* every iteration gave the same bits */

@@ -4,8 +4,10 @@
  * timed forwards on the reference path, validation against the dense truth,
  * report. Every rank runs every phase; only rank 0 prints.
  */
+#define _POSIX_C_SOURCE 200809L
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "moe/check.h"
 #include "moe/cli.h"
@@ -113,7 +115,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));  /* (T, k) */
     float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));        /* (T, d) */
     float *y_first = moe_xmalloc(sizeof(float) * (size_t)(T * d));  /* (T, d) iteration 0 */
-    double *per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * (MOE_STAGES + 2)));
+    enum { ROW = MOE_STAGES + 4 }; /* per iteration, see below */
+    double *per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * ROW));
     moe_ep_generate_tokens(&ep, x);
 
     moe_run_summary s = {.cfg = &cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
@@ -121,6 +124,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
                          .blas_threads = moe_gemm_threads(), .iterations_identical = true};
     moe_forward_stats f;
     int rc = MOE_EXIT_OK;
+    const bool progress = c->rank == 0 && iters > 1 && isatty(STDERR_FILENO);
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
         moe_comm_barrier(c);
         double t = moe_comm_time();
@@ -128,38 +132,40 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         double route = moe_comm_time() - t;
         rc = moe_ep_forward_ref(&ep, x, ids, weights, y, &f, &st);
         f.seconds[MOE_STAGE_ROUTE] = route;
-        /* Row: the stages, the layer, the expert time; max over ranks. */
-        double *row = per_iter + (size_t)it * (MOE_STAGES + 2);
+        /* Row: the stages, the layer, the expert time, -(expert start) and
+         * expert end; its maximum over ranks gives the window of the experts. */
+        double *row = per_iter + (size_t)it * ROW;
         row[MOE_STAGES] = 0.0;
         for (int n = 0; n < MOE_STAGES; n++) {
             row[n] = f.seconds[n];
             row[MOE_STAGES] += f.seconds[n];
         }
         row[MOE_STAGES + 1] = f.seconds[MOE_STAGE_EXPERTS];
-        moe_comm_max_array(c, row, MOE_STAGES + 2);
+        row[MOE_STAGES + 2] = -f.expert_start;
+        row[MOE_STAGES + 3] = f.expert_end;
+        moe_comm_max_array(c, row, ROW);
+        row[MOE_STAGES + 2] += row[MOE_STAGES + 3]; /* the window */
         if (it == 0)
             memcpy(y_first, y, sizeof(float) * (size_t)(T * d));
         else if (memcmp(y_first, y, sizeof(float) * (size_t)(T * d)) != 0)
             s.iterations_identical = false;
-        if (c->rank == 0 && iters > 1)
+        if (progress)
             fprintf(stderr, "\rmoe-ep: forward %d/%d", it + 1, iters);
     }
-    if (c->rank == 0 && iters > 1)
-        fprintf(stderr, "\n");
+    if (progress)
+        fprintf(stderr, "\r\033[K");
 
     if (rc == MOE_EXIT_OK) {
-        double column[iters];
-        for (int n = 0; n < MOE_STAGES + 2; n++) {
+        double column[iters], m[ROW - 1];
+        for (int n = 0; n < ROW - 1; n++) {
             for (int it = 0; it < iters; it++)
-                column[it] = per_iter[(size_t)it * (MOE_STAGES + 2) + n];
-            double m = median(column, iters);
-            if (n < MOE_STAGES)
-                s.stage_seconds[n] = m;
-            else if (n == MOE_STAGES)
-                s.layer_seconds = m;
-            else
-                s.expert_seconds = m;
+                column[it] = per_iter[(size_t)it * ROW + n];
+            m[n] = median(column, iters);
         }
+        memcpy(s.stage_seconds, m, sizeof s.stage_seconds);
+        s.layer_seconds = m[MOE_STAGES];
+        s.expert_seconds = m[MOE_STAGES + 1];
+        s.expert_window = m[MOE_STAGES + 2];
         summarize_traffic(c, &ep, &f, &s);
         s.iterations_identical = moe_comm_min(c, s.iterations_identical ? 1.0 : 0.0) > 0.0;
         if (cfg.check) {

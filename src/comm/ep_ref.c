@@ -206,7 +206,9 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         }
         stats->expert_flops = moe_gemm_sflops();
         stats->pairs_received = recv.pairs;
-        stats->seconds[MOE_STAGE_EXPERTS] = MPI_Wtime() - t;
+        stats->expert_start = t;
+        stats->expert_end = MPI_Wtime();
+        stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - t;
 
         /* Combine: outputs go back to the rows' home ranks. */
         t = MPI_Wtime();
