@@ -11,6 +11,10 @@
  *   received rows: by source rank, then as sent — i.e. ascending global id;
  *   pairs of a received row: in the token's top-k slot order;
  *   rows of one expert: ascending received row, i.e. ascending global id.
+ *
+ * Waves split one forward into W independent rounds of the same plan: a
+ * (token, slot) pair belongs to exactly one wave, and the plan of wave w is
+ * the plan above restricted to its pairs (dedup per rank per wave).
  */
 #ifndef MOE_LAYOUT_H
 #define MOE_LAYOUT_H
@@ -36,6 +40,36 @@ static inline int moe_placement_local_experts(const moe_placement *p, int rank)
     return p->first_expert[rank + 1] - p->first_expert[rank];
 }
 
+enum moe_wave_kind {
+    MOE_WAVES_EXPERT_SLOTS, /* wave = a group of each rank's local expert slots */
+    MOE_WAVES_TOKEN_CHUNKS, /* wave = a chunk of each rank's tokens, all experts */
+};
+
+typedef struct {
+    enum moe_wave_kind kind;
+    int waves;         /* W */
+    moe_index tokens;  /* T */
+    int *expert_wave;  /* (E) expert slots: the wave of expert e */
+} moe_waves;
+
+/* Expert-slot waves when every rank holds at least W experts: local slot l of
+ * a rank with EL experts is in wave floor(l*W/EL), so every wave of every
+ * rank has EL/W experts, give or take one. Otherwise token chunks: wave w is
+ * local tokens [floor(w*T/W), floor((w+1)*T/W)). Cannot fail. */
+void moe_waves_init(moe_waves *w, const moe_placement *p, int waves, moe_index tokens);
+void moe_waves_free(moe_waves *w);
+moe_index moe_wave_first_token(const moe_waves *w, int wave);
+static inline int moe_wave_of(const moe_waves *w, moe_index token, int expert)
+{
+    if (w->kind == MOE_WAVES_EXPERT_SLOTS)
+        return w->expert_wave[expert];
+    if (w->tokens == 0)
+        return 0;
+    /* the largest wave whose first token is <= token */
+    int wave = (int)(((token + 1) * w->waves - 1) / w->tokens);
+    return wave < w->waves ? wave : w->waves - 1;
+}
+
 /* The send side of one rank: dispatch rows out, combine rows back. */
 typedef struct {
     int ranks;                /* G */
@@ -46,11 +80,13 @@ typedef struct {
     moe_index *row_token;     /* (row_offset[G]) local token of each dispatch row */
     moe_index *pair_count;    /* (G) combine rows coming back from each destination */
     moe_index *pair_offset;   /* (G+1) prefix sums of pair_count */
-    moe_index *slot_pair;     /* (T, k) combine receive row holding token i, slot s */
+    moe_index *slot_pair;     /* (T, k) combine receive row holding token i, slot s;
+                                 -1 for a slot of another wave */
 } moe_send_plan;
 
+/* The plan of wave `wave` of `waves`, or of the whole forward when waves is NULL. */
 void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int32_t *ids,
-                         moe_index tokens, int topk);
+                         moe_index tokens, int topk, const moe_waves *waves, int wave);
 void moe_send_plan_free(moe_send_plan *plan);
 
 /* The receive side of one rank: which received row visits which local expert,
@@ -66,11 +102,11 @@ typedef struct {
 } moe_recv_plan;
 
 /* ids_in (rows, k): the full top-k of each received row, as sent with it;
- * rows_from (G): rows received from each source. Only ids held by `rank` are
- * used; the rest belong to other ranks. */
+ * rows_from (G): rows received from each source. Only ids held by `rank` and
+ * in wave `wave` (all, when waves is NULL) are used. */
 void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
                          const int32_t *ids_in, moe_index rows, int topk,
-                         const moe_index *rows_from);
+                         const moe_index *rows_from, const moe_waves *waves, int wave);
 void moe_recv_plan_free(moe_recv_plan *plan);
 
 /* out (rows, width) = src (, width) rows at index[0 .. rows-1]. */
@@ -82,10 +118,14 @@ void moe_gather_ids(const int32_t *src, int width, const moe_index *index, moe_i
 void moe_scatter_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
                       float *dst);
 
+/* slot_rows (T, k): for every (token, slot) of `plan`, the address of its
+ * expert output row in back (pairs, d), the combine receive buffer. */
+void moe_combine_locate(const moe_send_plan *plan, const float *back, moe_index hidden,
+                        const float **slot_rows);
+
 /* y (T, d) = sum over slots s = 0 .. k-1, in that order, of
- * weights[i,s] * back[slot_pair[i,s]], fp32. back (pairs, d) is the combine
- * receive buffer. */
-void moe_combine_reduce(const moe_send_plan *plan, const float *weights, const float *back,
-                        moe_index hidden, float *y);
+ * weights[i,s] * slot_rows[i,s][0 .. d), fp32. */
+void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe_index tokens,
+                        int topk, moe_index hidden, float *y);
 
 #endif

@@ -142,7 +142,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     /* Plan: what goes where, and how much comes in. */
     double t = MPI_Wtime();
     moe_send_plan send;
-    moe_send_plan_build(&send, &ep->placement, ids, T, k);
+    moe_send_plan_build(&send, &ep->placement, ids, T, k, NULL, 0);
     to_counts(send.row_count, G, send_counts, send_displs);
     MPI_Alltoall(send_counts, 1, MPI_INT, recv_counts, 1, MPI_INT, c->comm);
     moe_index rows_in = 0;
@@ -179,7 +179,8 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     float *expert_out = NULL, *expert_in = NULL, *scratch = NULL;
     if (local.code == MOE_EXIT_OK) {
         t = MPI_Wtime();
-        moe_recv_plan_build(&recv, &ep->placement, c->rank, recv_ids, rows_in, k, rows_from);
+        moe_recv_plan_build(&recv, &ep->placement, c->rank, recv_ids, rows_in, k, rows_from,
+                            NULL, 0);
         stats->seconds[MOE_STAGE_PLAN] += MPI_Wtime() - t;
         moe_index most = MOE_SHARED_ROW_BLOCK; /* the shared experts reuse the scratch */
         for (int l = 0; l < EL; l++)
@@ -221,7 +222,10 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         stats->pairs_back_remote = send.pair_offset[G] - send.pair_count[c->rank];
 
         t = MPI_Wtime();
-        moe_combine_reduce(&send, weights, back, d, y);
+        const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * k)); /* (T, k) */
+        moe_combine_locate(&send, back, d, slot_rows);
+        moe_combine_reduce(slot_rows, weights, T, k, d, y);
+        free(slot_rows);
         stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
 
         t = MPI_Wtime();

@@ -1,6 +1,7 @@
 /* layout.c — placement and the dispatch/combine plan (see layout.h). */
 #include "moe/layout.h"
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,6 +31,45 @@ void moe_placement_free(moe_placement *p)
     memset(p, 0, sizeof *p);
 }
 
+void moe_waves_init(moe_waves *w, const moe_placement *p, int waves, moe_index tokens)
+{
+    MOE_ASSERT(waves >= 1);
+    w->waves = waves;
+    w->tokens = tokens;
+    w->expert_wave = NULL;
+    int fewest = p->experts;
+    for (int r = 0; r < p->ranks; r++)
+        if (moe_placement_local_experts(p, r) < fewest)
+            fewest = moe_placement_local_experts(p, r);
+    if (fewest < waves) {
+        w->kind = MOE_WAVES_TOKEN_CHUNKS;
+        return;
+    }
+    w->kind = MOE_WAVES_EXPERT_SLOTS;
+    w->expert_wave = moe_xmalloc(sizeof(int) * (size_t)p->experts);
+    for (int r = 0; r < p->ranks; r++) {
+        const int EL = moe_placement_local_experts(p, r);
+        for (int l = 0; l < EL; l++)
+            w->expert_wave[p->first_expert[r] + l] = (int)((int64_t)l * waves / EL);
+    }
+}
+
+void moe_waves_free(moe_waves *w)
+{
+    free(w->expert_wave);
+    w->expert_wave = NULL;
+}
+
+moe_index moe_wave_first_token(const moe_waves *w, int wave)
+{
+    return w->kind == MOE_WAVES_TOKEN_CHUNKS ? (moe_index)wave * w->tokens / w->waves : 0;
+}
+
+static bool in_wave(const moe_waves *w, int wave, moe_index token, int expert)
+{
+    return !w || moe_wave_of(w, token, expert) == wave;
+}
+
 static void prefix_sums(const moe_index *count, int n, moe_index *offset)
 {
     offset[0] = 0;
@@ -38,7 +78,7 @@ static void prefix_sums(const moe_index *count, int n, moe_index *offset)
 }
 
 void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int32_t *ids,
-                         moe_index tokens, int topk)
+                         moe_index tokens, int topk, const moe_waves *waves, int wave)
 {
     const int G = p->ranks;
     plan->ranks = G;
@@ -59,6 +99,8 @@ void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int3
         for (int s = 0; s < topk; s++) {
             int32_t e = ids[i * topk + s];
             MOE_ASSERT(e >= 0 && e < p->experts);
+            if (!in_wave(waves, wave, i, e))
+                continue;
             int r = p->expert_rank[e];
             plan->pair_count[r]++;
             if (last_token[r] != i) {
@@ -81,7 +123,12 @@ void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int3
         last_token[r] = -1;
     for (moe_index i = 0; i < tokens; i++)
         for (int s = 0; s < topk; s++) {
-            int r = p->expert_rank[ids[i * topk + s]];
+            const int32_t e = ids[i * topk + s];
+            if (!in_wave(waves, wave, i, e)) {
+                plan->slot_pair[i * topk + s] = -1;
+                continue;
+            }
+            int r = p->expert_rank[e];
             if (last_token[r] != i) {
                 last_token[r] = i;
                 plan->row_token[next_row[r]++] = i;
@@ -104,11 +151,24 @@ void moe_send_plan_free(moe_send_plan *plan)
     memset(plan, 0, sizeof *plan);
 }
 
+/* The local slot of expert e on `rank` if it is computed there in this wave,
+ * else -1. Token chunks need no test: a received row is in the wave it came in. */
+static int local_slot(const moe_placement *p, int rank, int32_t e, const moe_waves *waves,
+                      int wave)
+{
+    const int local = e - p->first_expert[rank];
+    if (local < 0 || local >= moe_placement_local_experts(p, rank))
+        return -1;
+    if (waves && waves->kind == MOE_WAVES_EXPERT_SLOTS && waves->expert_wave[e] != wave)
+        return -1;
+    return local;
+}
+
 void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
                          const int32_t *ids_in, moe_index rows, int topk,
-                         const moe_index *rows_from)
+                         const moe_index *rows_from, const moe_waves *waves, int wave)
 {
-    const int G = p->ranks, first = p->first_expert[rank];
+    const int G = p->ranks;
     const int EL = moe_placement_local_experts(p, rank);
     plan->local_experts = EL;
     plan->rows = rows;
@@ -120,8 +180,8 @@ void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
     for (int source = 0; source < G; source++)
         for (moe_index n = 0; n < rows_from[source]; n++, row++)
             for (int s = 0; s < topk; s++) {
-                int local = ids_in[row * topk + s] - first;
-                if (local >= 0 && local < EL) {
+                int local = local_slot(p, rank, ids_in[row * topk + s], waves, wave);
+                if (local >= 0) {
                     plan->expert_offset[local + 1]++;
                     plan->source_pairs[source]++;
                     pairs++;
@@ -141,8 +201,8 @@ void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
     moe_index pair = 0;
     for (row = 0; row < rows; row++)
         for (int s = 0; s < topk; s++) {
-            int local = ids_in[row * topk + s] - first;
-            if (local >= 0 && local < EL) {
+            int local = local_slot(p, rank, ids_in[row * topk + s], waves, wave);
+            if (local >= 0) {
                 plan->expert_row[next[local]] = row;
                 plan->expert_pair[next[local]] = pair++;
                 next[local]++;
@@ -184,18 +244,25 @@ void moe_scatter_rows(const float *src, moe_index width, const moe_index *index,
         memcpy(dst + index[n] * width, src + n * width, sizeof(float) * (size_t)width);
 }
 
-void moe_combine_reduce(const moe_send_plan *plan, const float *weights, const float *back,
-                        moe_index hidden, float *y)
+void moe_combine_locate(const moe_send_plan *plan, const float *back, moe_index hidden,
+                        const float **slot_rows)
 {
-    const int k = plan->topk;
+    for (moe_index n = 0; n < plan->tokens * plan->topk; n++)
+        if (plan->slot_pair[n] >= 0)
+            slot_rows[n] = back + plan->slot_pair[n] * hidden;
+}
+
+void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe_index tokens,
+                        int topk, moe_index hidden, float *y)
+{
 #pragma omp parallel for schedule(static)
-    for (moe_index i = 0; i < plan->tokens; i++) {
+    for (moe_index i = 0; i < tokens; i++) {
         float *out = y + i * hidden; /* (d) */
         for (moe_index j = 0; j < hidden; j++)
             out[j] = 0.0f;
-        for (int s = 0; s < k; s++) {
-            const float w = weights[i * k + s];
-            const float *row = back + plan->slot_pair[i * k + s] * hidden; /* (d) */
+        for (int s = 0; s < topk; s++) {
+            const float w = weights[i * topk + s];
+            const float *row = slot_rows[i * topk + s]; /* (d) */
             for (moe_index j = 0; j < hidden; j++)
                 out[j] += w * row[j];
         }

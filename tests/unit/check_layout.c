@@ -45,35 +45,34 @@ static void make_ids(int rank, int tokens, int experts, int topk, int32_t *ids)
     }
 }
 
-/* G ranks, T tokens each, E experts, top-k. Rows carry (global token, 0);
- * each expert writes (global token, its id); all must come home right. */
-static void round_trip(int G, int T, int E, int k)
+/* One round of the plan (a wave, or the whole forward when waves is NULL)
+ * through an in-process all-to-all. Rows carry (global token, 0); each
+ * expert writes (global token, its id); slot_rows (G, T, k) gets where each
+ * (token, slot) of this round landed on its home rank. */
+enum { WIDTH = 2 };
+static void round_trip_wave(const moe_placement *p, const int32_t *ids, int T, int k,
+                            const moe_waves *waves, int wave, float **back,
+                            const float **slot_rows)
 {
-    moe_placement p;
-    moe_placement_init(&p, E, G);
-    enum { WIDTH = 2 };
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(G * T * k)); /* (G, T, k) */
+    const int G = p->ranks;
     moe_send_plan *send = calloc((size_t)G, sizeof *send);
     for (int r = 0; r < G; r++) {
-        make_ids(r, T, E, k, ids + r * T * k);
-        moe_send_plan_build(&send[r], &p, ids + r * T * k, T, k);
-        /* dedup: one row per (token, destination) */
+        moe_send_plan_build(&send[r], p, ids + r * T * k, T, k, waves, wave);
+        /* dedup: one row per (token, destination) with a slot of this round */
         for (int q = 0; q < G; q++) {
             moe_index tokens_to_q = 0;
             for (int i = 0; i < T; i++) {
                 int hit = 0;
-                for (int s = 0; s < k; s++)
-                    hit |= p.expert_rank[ids[(r * T + i) * k + s]] == q;
+                for (int s = 0; s < k; s++) {
+                    int e = ids[(r * T + i) * k + s];
+                    hit |= p->expert_rank[e] == q && (!waves || moe_wave_of(waves, i, e) == wave);
+                }
                 tokens_to_q += hit;
             }
             ck_assert_int_eq(send[r].row_count[q], tokens_to_q);
         }
-    }
-    /* The combine buffers coming back to each rank, filled below. */
-    float **back = malloc(sizeof(float *) * (size_t)G);
-    for (int r = 0; r < G; r++)
         back[r] = calloc((size_t)send[r].pair_offset[G] * WIDTH + 1, sizeof(float));
-
+    }
     for (int q = 0; q < G; q++) { /* receiver */
         moe_index rows = 0, rows_from[64];
         for (int r = 0; r < G; r++)
@@ -89,7 +88,7 @@ static void round_trip(int G, int T, int E, int k)
                 memcpy(recv_ids + at * k, ids + (r * T + i) * k, sizeof(int32_t) * (size_t)k);
             }
         moe_recv_plan plan;
-        moe_recv_plan_build(&plan, &p, q, recv_ids, rows, k, rows_from);
+        moe_recv_plan_build(&plan, p, q, recv_ids, rows, k, rows_from, waves, wave);
         float *out = malloc(sizeof(float) * (size_t)(plan.pairs * WIDTH + 1));
         for (int l = 0; l < plan.local_experts; l++)
             for (moe_index m = plan.expert_offset[l]; m < plan.expert_offset[l + 1]; m++) {
@@ -97,7 +96,7 @@ static void round_trip(int G, int T, int E, int k)
                     ck_assert_int_lt(plan.expert_row[m - 1], plan.expert_row[m]);
                 moe_index row = plan.expert_row[m], pair = plan.expert_pair[m];
                 out[pair * WIDTH] = recv[row * WIDTH];
-                out[pair * WIDTH + 1] = (float)(p.first_expert[q] + l);
+                out[pair * WIDTH + 1] = (float)(p->first_expert[q] + l);
             }
         /* Send back: pairs are grouped by source rank in order. */
         moe_index pair = 0;
@@ -114,29 +113,95 @@ static void round_trip(int G, int T, int E, int k)
         free(recv);
     }
     for (int r = 0; r < G; r++) {
+        for (int n = 0; n < T * k; n++)
+            if (send[r].slot_pair[n] >= 0) {
+                ck_assert_ptr_null(slot_rows[r * T * k + n]); /* in exactly one round */
+                slot_rows[r * T * k + n] = back[r] + send[r].slot_pair[n] * WIDTH;
+            }
+        moe_send_plan_free(&send[r]);
+    }
+    free(send);
+}
+
+/* G ranks, T tokens each, E experts, top-k, W waves (0: no waves): every
+ * (token, slot) must come home once, as its own expert's output. */
+static void round_trip(int G, int T, int E, int k, int W)
+{
+    moe_placement p;
+    moe_placement_init(&p, E, G);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(G * T * k + 1)); /* (G, T, k) */
+    for (int r = 0; r < G; r++)
+        make_ids(r, T, E, k, ids + r * T * k);
+    const float **slot_rows = calloc((size_t)(G * T * k + 1), sizeof *slot_rows);
+    const int rounds = W ? W : 1;
+    float **back = calloc((size_t)(G * rounds), sizeof *back);
+    moe_waves waves;
+    if (W)
+        moe_waves_init(&waves, &p, W, T);
+    for (int w = 0; w < rounds; w++)
+        round_trip_wave(&p, ids, T, k, W ? &waves : NULL, w, back + w * G, slot_rows);
+    for (int r = 0; r < G; r++)
         for (int i = 0; i < T; i++)
             for (int s = 0; s < k; s++) {
-                const float *got = back[r] + send[r].slot_pair[i * k + s] * WIDTH;
+                const float *got = slot_rows[(r * T + i) * k + s];
+                ck_assert_ptr_nonnull(got);
                 ck_assert_float_eq(got[0], (float)(r * T + i));
                 ck_assert_float_eq(got[1], (float)ids[(r * T + i) * k + s]);
             }
-        free(back[r]);
-        moe_send_plan_free(&send[r]);
-    }
+    for (int n = 0; n < G * rounds; n++)
+        free(back[n]);
+    if (W)
+        moe_waves_free(&waves);
     free(back);
-    free(send);
+    free(slot_rows);
     free(ids);
     moe_placement_free(&p);
 }
 
+static const int round_trip_cases[][4] = {
+    {1, 9, 4, 2}, {2, 16, 8, 2}, {3, 13, 7, 3}, {4, 10, 8, 1},
+    {4, 11, 8, 4}, {4, 7, 3, 2}, {5, 6, 16, 16}, {4, 0, 8, 2},
+};
+
 START_TEST(dispatch_and_combine_are_inverse)
 {
-    const int cases[][4] = {
-        {1, 9, 4, 2}, {2, 16, 8, 2}, {3, 13, 7, 3}, {4, 10, 8, 1},
-        {4, 11, 8, 4}, {4, 7, 3, 2}, {5, 6, 16, 16}, {4, 0, 8, 2},
-    };
-    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
-        round_trip(cases[c][0], cases[c][1], cases[c][2], cases[c][3]);
+    for (size_t c = 0; c < sizeof round_trip_cases / sizeof round_trip_cases[0]; c++)
+        round_trip(round_trip_cases[c][0], round_trip_cases[c][1], round_trip_cases[c][2],
+                   round_trip_cases[c][3], 0);
+}
+END_TEST
+
+/* The same with W = 1, 2, 3, 4, 8 waves: expert-slot waves where every rank
+ * holds W experts, token chunks elsewhere. */
+START_TEST(waves_partition_the_pairs)
+{
+    static const int W[] = {1, 2, 3, 4, 8};
+    for (size_t c = 0; c < sizeof round_trip_cases / sizeof round_trip_cases[0]; c++)
+        for (size_t w = 0; w < sizeof W / sizeof W[0]; w++)
+            round_trip(round_trip_cases[c][0], round_trip_cases[c][1], round_trip_cases[c][2],
+                       round_trip_cases[c][3], W[w]);
+}
+END_TEST
+
+START_TEST(wave_kinds_and_boundaries)
+{
+    moe_placement p;
+    moe_placement_init(&p, 10, 2); /* 5 experts per rank */
+    moe_waves w;
+    moe_waves_init(&w, &p, 2, 7);
+    ck_assert_int_eq(w.kind, MOE_WAVES_EXPERT_SLOTS);
+    const int want[10] = {0, 0, 0, 1, 1, 0, 0, 0, 1, 1}; /* floor(l*2/5) */
+    for (int e = 0; e < 10; e++)
+        ck_assert_int_eq(moe_wave_of(&w, 0, e), want[e]);
+    moe_waves_free(&w);
+    moe_waves_init(&w, &p, 6, 7); /* 5 experts < 6 waves: token chunks */
+    ck_assert_int_eq(w.kind, MOE_WAVES_TOKEN_CHUNKS);
+    for (int wave = 0; wave < 6; wave++)
+        for (moe_index i = moe_wave_first_token(&w, wave); i < moe_wave_first_token(&w, wave + 1); i++)
+            ck_assert_int_eq(moe_wave_of(&w, i, 0), wave);
+    ck_assert_int_eq(moe_wave_first_token(&w, 6), 7);
+    moe_waves_free(&w);
+    moe_placement_free(&p);
 }
 END_TEST
 
@@ -147,7 +212,7 @@ START_TEST(reduce_sums_in_slot_order)
     const int32_t ids[2 * 2] = {3, 0, 1, 2}; /* token 0 -> ranks 1, 0; token 1 -> 0, 1 */
     const float weights[4] = {0.75f, 0.25f, 0.5f, 0.5f};
     moe_send_plan plan;
-    moe_send_plan_build(&plan, &p, ids, 2, 2);
+    moe_send_plan_build(&plan, &p, ids, 2, 2, NULL, 0);
     /* back rows: rank 0's pairs (token 0 slot 1, token 1 slot 0), then rank 1's. */
     ck_assert_int_eq(plan.slot_pair[0], 2);
     ck_assert_int_eq(plan.slot_pair[1], 0);
@@ -155,7 +220,9 @@ START_TEST(reduce_sums_in_slot_order)
     ck_assert_int_eq(plan.slot_pair[3], 3);
     const float back[4] = {10.0f, 20.0f, 30.0f, 40.0f}; /* (pairs, d=1) */
     float y[2];
-    moe_combine_reduce(&plan, weights, back, 1, y);
+    const float *slot_rows[4];
+    moe_combine_locate(&plan, back, 1, slot_rows);
+    moe_combine_reduce(slot_rows, weights, 2, 2, 1, y);
     ck_assert_float_eq(y[0], 0.75f * 30.0f + 0.25f * 10.0f);
     ck_assert_float_eq(y[1], 0.5f * 20.0f + 0.5f * 40.0f);
     moe_send_plan_free(&plan);
@@ -169,6 +236,8 @@ Suite *make_layout_suite(void)
     TCase *tc = tcase_create("plan");
     tcase_add_test(tc, placement_blocks_differ_by_at_most_one);
     tcase_add_test(tc, dispatch_and_combine_are_inverse);
+    tcase_add_test(tc, waves_partition_the_pairs);
+    tcase_add_test(tc, wave_kinds_and_boundaries);
     tcase_add_test(tc, reduce_sums_in_slot_order);
     suite_add_tcase(s, tc);
     return s;
