@@ -15,6 +15,8 @@
 
 #define MOE_NAME_MAX 256
 
+enum moe_progress_kind { MOE_PROGRESS_POLL, MOE_PROGRESS_THREAD };
+
 typedef struct {
     char preset[MOE_NAME_MAX]; /* name or path of the preset applied, "" if none */
     int64_t tokens;            /* T per rank */
@@ -24,6 +26,9 @@ typedef struct {
     int64_t topk;              /* k */
     int64_t shared_experts;    /* S */
     int64_t iters;             /* timed forward passes */
+    int64_t waves;             /* W; 0 = the blocking reference path */
+    int progress;              /* enum moe_progress_kind */
+    int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;
     bool check; /* compare with the dense fp64 truth */
 } moe_config;

@@ -12,6 +12,7 @@
 
 #include "moe/comm.h"
 #include "moe/config.h"
+#include "moe/experts.h"
 #include "moe/layout.h"
 #include "moe/router.h"
 #include "moe/stats.h"
@@ -26,14 +27,25 @@ typedef struct {
     moe_comm comm;
     moe_placement placement;
     moe_router router;
+    enum moe_gemm_kind gemm;
     int local_experts; /* EL */
     int first_expert;  /* global id of local expert 0 */
-    float *w1;         /* (EL, 2f, d) */
-    float *w2;         /* (EL, d, f) */
-    float *shared_w1;  /* (S, 2f, d) */
-    float *shared_w2;  /* (S, d, f) */
+    /* Expert weights as the GEMM kind wants them: blas (2f, d) and (d, f);
+     * exact the transposes, (d, 2f) and (f, d). */
+    float *w1;         /* (EL, ...) */
+    float *w2;         /* (EL, ...) */
+    float *shared_w1;  /* (S, ...) */
+    float *shared_w2;  /* (S, ...) */
     float *gate;       /* (E, d) */
 } moe_ep;
+
+/* The weights of local expert l, or of shared expert s. */
+moe_expert_weights moe_ep_expert(const moe_ep *ep, int local);
+moe_expert_weights moe_ep_shared_expert(const moe_ep *ep, int shared);
+
+/* y (T, d) += the shared experts of x (T, d), in blocks of
+ * MOE_SHARED_ROW_BLOCK tokens; scratch (64, 3f), out (64, d). */
+void moe_ep_shared_forward(const moe_ep *ep, const float *x, float *y, float *scratch, float *out);
 
 /* Generate this rank's weights. Collective (allocation is agreed on): returns
  * MOE_EXIT_RUNTIME on every rank if any rank could not allocate. */

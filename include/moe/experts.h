@@ -13,14 +13,36 @@
 
 #include "moe/dims.h"
 
+enum moe_gemm_kind {
+    MOE_GEMM_BLAS,  /* OpenBLAS sgemm: fast; bits depend on M, row position, threads */
+    MOE_GEMM_EXACT, /* moe_sgemm_exact: bits depend on nothing but the row */
+};
+
 typedef struct {
-    const float *w1; /* (2f, d) */
-    const float *w2; /* (d, f) */
+    const float *w1;  /* (2f, d), for blas */
+    const float *w2;  /* (d, f), for blas */
+    const float *w1t; /* (d, 2f) = w1^T, for exact */
+    const float *w2t; /* (f, d) = w2^T, for exact */
 } moe_expert_weights;
 
-/* y (rows, d) = FFN(x (rows, d)); scratch (rows, 3f) floats. */
-void moe_expert_forward(const moe_expert_weights *w, const float *x, moe_index rows,
-                        moe_index hidden, moe_index ffn, float *scratch, float *y);
+/* The three compute stages of an expert, in the seed's names. */
+enum moe_ffn_stage { MOE_FFN_L1, MOE_FFN_ACTIVATION, MOE_FFN_L2, MOE_FFN_STAGES };
+
+/* Called after each compute stage (of each row chunk): the comm layer times
+ * the stages and drives communication there. NULL `after` means no calls. */
+typedef struct {
+    void (*after)(void *ctx, enum moe_ffn_stage stage);
+    void *ctx;
+    moe_index chunk_rows; /* exact only: rows per chunk between calls; 0 = all */
+} moe_ffn_hooks;
+
+/* y (rows, d) = FFN(x (rows, d)); scratch (rows, 3f) floats. With blas the
+ * batch is two whole sgemm calls, whatever the hooks (so the same rows give
+ * the same bits); with exact it may run in row chunks (the bits do not
+ * change). hooks may be NULL. */
+void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
+                        moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
+                        const moe_ffn_hooks *hooks);
 
 /* The same in fp64, with w1 (2f, d) and w2 (d, f) in fp64;
  * scratch (rows, 3f) doubles. */

@@ -19,6 +19,19 @@ void moe_sgemm_nt(moe_index M, moe_index N, moe_index K, const float *A, moe_ind
 void moe_dgemm_nt(moe_index M, moe_index N, moe_index K, const double *A, moe_index lda,
                   const double *B, moe_index ldb, double *C, moe_index ldc);
 
+/* C (M, N) = A (M, K) * Bt (K, N), the fixed-order kernel of --gemm exact:
+ *   C[m][n] = (...((A[m][0]*Bt[0][n]) + A[m][1]*Bt[1][n]) + ...) + A[m][K-1]*Bt[K-1][n]
+ * in fp32, k ascending, every product rounded and then added (no fused
+ * multiply-add). Each element depends on its row of A and column of Bt only:
+ * the bits do not change with M, N, the row's position, the blocking, the
+ * vector width or the thread count. Vectorised across columns, OpenMP across
+ * blocks of rows. Counted in moe_gemm_sflops like sgemm. */
+void moe_sgemm_exact(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                     const float *Bt, moe_index ldbt, float *C, moe_index ldc);
+
+/* Bt (K, N) = B (N, K)^T, for the exact kernel's weights. */
+void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt);
+
 /* FLOPs issued through moe_sgemm_nt since the last reset. */
 double moe_gemm_sflops(void);
 void moe_gemm_reset_flops(void);

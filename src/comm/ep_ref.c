@@ -6,6 +6,7 @@
  */
 #include "moe/ep.h"
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -40,6 +41,7 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
                               .experts = (int)cfg->experts,
                               .topk = (int)cfg->topk,
                               .normalize = true};
+    ep->gemm = (enum moe_gemm_kind)cfg->gemm;
     ep->local_experts = moe_placement_local_experts(&ep->placement, comm->rank);
     ep->first_expert = ep->placement.first_expert[comm->rank];
 
@@ -56,12 +58,24 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
         moe_ep_free(ep);
         return st->code;
     }
-    for (int l = 0; l < ep->local_experts; l++)
-        moe_expert_generate(cfg->seed, ep->first_expert + l, d, f, ep->w1 + l * w1_size,
-                            ep->w2 + l * w2_size);
-    for (int s = 0; s < (int)S; s++)
-        moe_shared_expert_generate(cfg->seed, s, d, f, ep->shared_w1 + s * w1_size,
-                                   ep->shared_w2 + s * w2_size);
+    float *w1 = ep->gemm == MOE_GEMM_EXACT ? moe_xmalloc(sizeof(float) * w1_size) : NULL;
+    float *w2 = ep->gemm == MOE_GEMM_EXACT ? moe_xmalloc(sizeof(float) * w2_size) : NULL;
+    for (int n = 0; n < ep->local_experts + (int)S; n++) {
+        const bool shared = n >= ep->local_experts;
+        float *dst1 = shared ? ep->shared_w1 + (n - ep->local_experts) * w1_size : ep->w1 + n * w1_size;
+        float *dst2 = shared ? ep->shared_w2 + (n - ep->local_experts) * w2_size : ep->w2 + n * w2_size;
+        float *gen1 = w1 ? w1 : dst1, *gen2 = w2 ? w2 : dst2;
+        if (shared)
+            moe_shared_expert_generate(cfg->seed, n - ep->local_experts, d, f, gen1, gen2);
+        else
+            moe_expert_generate(cfg->seed, ep->first_expert + n, d, f, gen1, gen2);
+        if (w1) {
+            moe_transpose(2 * f, d, w1, dst1);
+            moe_transpose(d, f, w2, dst2);
+        }
+    }
+    free(w2);
+    free(w1);
     moe_synth_fill(cfg->seed, MOE_TENSOR_GATE, 0, 0, cfg->experts * d,
                    moe_synth_weight_scale(d), ep->gate);
     return MOE_EXIT_OK;
@@ -104,16 +118,39 @@ static void to_counts(const moe_index *count, int ranks, int *counts, int *displ
     }
 }
 
-/* y (T, d) += the shared experts of x (T, d), in blocks of MOE_SHARED_ROW_BLOCK. */
-static void shared_forward(const moe_ep *ep, const float *x, float *y, float *scratch, float *out)
+static moe_expert_weights weights_at(const moe_ep *ep, const float *w1, const float *w2, int n)
+{
+    const size_t size1 = (size_t)(2 * ep->cfg->ffn * ep->cfg->hidden);
+    const size_t size2 = (size_t)(ep->cfg->hidden * ep->cfg->ffn);
+    moe_expert_weights w = {0};
+    if (ep->gemm == MOE_GEMM_EXACT) {
+        w.w1t = w1 + (size_t)n * size1;
+        w.w2t = w2 + (size_t)n * size2;
+    } else {
+        w.w1 = w1 + (size_t)n * size1;
+        w.w2 = w2 + (size_t)n * size2;
+    }
+    return w;
+}
+
+moe_expert_weights moe_ep_expert(const moe_ep *ep, int local)
+{
+    return weights_at(ep, ep->w1, ep->w2, local);
+}
+
+moe_expert_weights moe_ep_shared_expert(const moe_ep *ep, int shared)
+{
+    return weights_at(ep, ep->shared_w1, ep->shared_w2, shared);
+}
+
+void moe_ep_shared_forward(const moe_ep *ep, const float *x, float *y, float *scratch, float *out)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
     for (int s = 0; s < (int)ep->cfg->shared_experts; s++) {
-        const moe_expert_weights w = {ep->shared_w1 + (size_t)s * (size_t)(2 * f * d),
-                                      ep->shared_w2 + (size_t)s * (size_t)(d * f)};
+        const moe_expert_weights w = moe_ep_shared_expert(ep, s);
         for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
             moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
-            moe_expert_forward(&w, x + first * d, rows, d, f, scratch, out);
+            moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch, out, NULL);
             for (moe_index n = 0; n < rows * d; n++)
                 y[first * d + n] += out[n];
         }
@@ -198,11 +235,10 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         moe_gemm_reset_flops();
         for (int l = 0; l < EL; l++) {
             const moe_index first = recv.expert_offset[l], n = recv.expert_offset[l + 1] - first;
-            const moe_expert_weights w = {ep->w1 + (size_t)l * (size_t)(2 * f * d),
-                                          ep->w2 + (size_t)l * (size_t)(d * f)};
+            const moe_expert_weights w = moe_ep_expert(ep, l);
             float *in = expert_in, *out = expert_in + n * d; /* (n, d) each */
             moe_gather_rows(recv_rows, d, recv.expert_row + first, n, in);
-            moe_expert_forward(&w, in, n, d, f, scratch, out);
+            moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, NULL);
             moe_scatter_rows(out, d, recv.expert_pair + first, n, expert_out);
         }
         stats->expert_flops = moe_gemm_sflops();
@@ -229,7 +265,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
 
         t = MPI_Wtime();
-        shared_forward(ep, x, y, scratch, expert_in);
+        moe_ep_shared_forward(ep, x, y, scratch, expert_in);
         stats->seconds[MOE_STAGE_SHARED] = MPI_Wtime() - t;
     }
 

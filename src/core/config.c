@@ -21,14 +21,14 @@
 #define MOE_INSTALLED_PRESET_DIR "/usr/local/share/moe-ep/presets"
 #endif
 
-enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET };
+enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET, FLAG_CHOICE };
 
 typedef struct {
     const char *name; /* flag without "--", and preset key */
     enum flag_kind kind;
     size_t offset;
     int64_t min, max; /* FLAG_INT only */
-    const char *value_name;
+    const char *value_name; /* FLAG_CHOICE: the choices, "a|b", stored as an index */
     const char *help;
 } flag_spec;
 
@@ -44,6 +44,9 @@ static const flag_spec flags[] = {
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", "shared experts, applied to every token on its home rank"},
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1"},
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes"},
+    {"waves", FLAG_INT, FIELD(waves), 0, 1024, "W", "pipelined waves; 0 = blocking reference path"},
+    {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute"},
+    {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact", "expert GEMM: OpenBLAS, or the fixed-order kernel"},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL"},
 };
 #define N_FLAGS (sizeof flags / sizeof flags[0])
@@ -58,6 +61,9 @@ void moe_config_defaults(moe_config *cfg)
     cfg->topk = 2;
     cfg->shared_experts = 0;
     cfg->iters = 1;
+    cfg->waves = 4;
+    cfg->progress = MOE_PROGRESS_POLL;
+    cfg->gemm = 0; /* MOE_GEMM_BLAS */
     cfg->seed = 1;
     cfg->check = false;
 }
@@ -108,6 +114,20 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
         return MOE_EXIT_OK;
     case FLAG_PRESET:
         return moe_fail(st, MOE_EXIT_USAGE, "%s: a preset cannot name another preset", where);
+    case FLAG_CHOICE: {
+        const char *choice = flag->value_name;
+        for (int index = 0; choice; index++) {
+            const char *bar = strchr(choice, '|');
+            size_t len = bar ? (size_t)(bar - choice) : strlen(choice);
+            if (strlen(value) == len && strncmp(value, choice, len) == 0) {
+                *(int *)base = index;
+                return MOE_EXIT_OK;
+            }
+            choice = bar ? bar + 1 : NULL;
+        }
+        return moe_fail(st, MOE_EXIT_USAGE, "%s must be one of %s, got '%s'", where,
+                        flag->value_name, value);
+    }
     }
     return MOE_EXIT_OK;
 }

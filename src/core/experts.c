@@ -6,14 +6,8 @@
 #include "moe/gemm.h"
 #include "moe/rng.h"
 
-void moe_expert_forward(const moe_expert_weights *w, const float *x, moe_index rows,
-                        moe_index hidden, moe_index ffn, float *scratch, float *y)
+static void swiglu(const float *h, moe_index rows, moe_index ffn, float *a)
 {
-    if (rows == 0)
-        return;
-    float *h = scratch;              /* (rows, 2f) */
-    float *a = scratch + rows * 2 * ffn; /* (rows, f) */
-    moe_sgemm_nt(rows, 2 * ffn, hidden, x, hidden, w->w1, hidden, h, 2 * ffn);
 #pragma omp parallel for schedule(static)
     for (moe_index n = 0; n < rows; n++) {
         const float *gate = h + n * 2 * ffn, *up = gate + ffn;
@@ -21,7 +15,43 @@ void moe_expert_forward(const moe_expert_weights *w, const float *x, moe_index r
         for (moe_index c = 0; c < ffn; c++)
             act[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
     }
-    moe_sgemm_nt(rows, hidden, ffn, a, ffn, w->w2, ffn, y, hidden);
+}
+
+static inline void after(const moe_ffn_hooks *hooks, enum moe_ffn_stage stage)
+{
+    if (hooks && hooks->after)
+        hooks->after(hooks->ctx, stage);
+}
+
+void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
+                        moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
+                        const moe_ffn_hooks *hooks)
+{
+    if (rows == 0)
+        return;
+    float *h = scratch;                  /* (rows, 2f) */
+    float *a = scratch + rows * 2 * ffn; /* (rows, f) */
+    if (gemm == MOE_GEMM_BLAS) {
+        moe_sgemm_nt(rows, 2 * ffn, hidden, x, hidden, w->w1, hidden, h, 2 * ffn);
+        after(hooks, MOE_FFN_L1);
+        swiglu(h, rows, ffn, a);
+        after(hooks, MOE_FFN_ACTIVATION);
+        moe_sgemm_nt(rows, hidden, ffn, a, ffn, w->w2, ffn, y, hidden);
+        after(hooks, MOE_FFN_L2);
+        return;
+    }
+    const moe_index chunk = hooks && hooks->chunk_rows > 0 ? hooks->chunk_rows : rows;
+    for (moe_index first = 0; first < rows; first += chunk) {
+        const moe_index n = rows - first < chunk ? rows - first : chunk;
+        moe_sgemm_exact(n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, 2 * ffn,
+                        h + first * 2 * ffn, 2 * ffn);
+        after(hooks, MOE_FFN_L1);
+        swiglu(h + first * 2 * ffn, n, ffn, a + first * ffn);
+        after(hooks, MOE_FFN_ACTIVATION);
+        moe_sgemm_exact(n, hidden, ffn, a + first * ffn, ffn, w->w2t, hidden, y + first * hidden,
+                        hidden);
+        after(hooks, MOE_FFN_L2);
+    }
 }
 
 void moe_expert_forward_f64(const double *w1, const double *w2, const double *x, moe_index rows,

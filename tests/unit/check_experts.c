@@ -1,8 +1,11 @@
 /* check_experts.c — the SwiGLU FFN against a naive loop, and the comparison. */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "moe/experts.h"
+#include "moe/gemm.h"
+#include "moe/rng.h"
 #include "moe/truth.h"
 #include "suites.h"
 
@@ -13,8 +16,8 @@ START_TEST(ffn_matches_the_definition)
     moe_expert_generate(3, 2, D, F, w1, w2);
     for (int n = 0; n < ROWS * D; n++)
         x[n] = (float)((n * 37) % 11 - 5) / 4.0f;
-    const moe_expert_weights w = {w1, w2};
-    moe_expert_forward(&w, x, ROWS, D, F, scratch, y);
+    const moe_expert_weights w = {.w1 = w1, .w2 = w2};
+    moe_expert_forward(&w, MOE_GEMM_BLAS, x, ROWS, D, F, scratch, y, NULL);
     for (int i = 0; i < ROWS; i++) {
         double act[F];
         for (int c = 0; c < F; c++) {
@@ -57,12 +60,69 @@ START_TEST(compare_reports_worst_and_nonfinite)
 }
 END_TEST
 
+/* The exact kernel is the documented scalar loop, bit for bit, for any M, N,
+ * K (panels, row blocks and column tails included) and any subset of rows. */
+START_TEST(exact_gemm_is_the_scalar_loop)
+{
+    static const int shapes[][3] = {{1, 1, 1}, {7, 37, 19}, {70, 64, 33}, {5, 95, 128}, {66, 31, 8}};
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        const int M = shapes[c][0], N = shapes[c][1], K = shapes[c][2];
+        float *A = malloc(sizeof(float) * M * K), *Bt = malloc(sizeof(float) * K * N);
+        float *C = malloc(sizeof(float) * M * N), *part = malloc(sizeof(float) * M * N);
+        moe_synth_fill(5, MOE_TENSOR_TOKENS, 0, 0, M * K, 1.0f, A);
+        moe_synth_fill(5, MOE_TENSOR_GATE, 0, 0, K * N, 0.3f, Bt);
+        moe_sgemm_exact(M, N, K, A, K, Bt, N, C, N);
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < N; n++) {
+                float acc = 0.0f;
+                for (int k = 0; k < K; k++)
+                    acc += A[m * K + k] * Bt[k * N + n];
+                ck_assert_msg(memcmp(&acc, &C[m * N + n], sizeof acc) == 0,
+                              "shape %dx%dx%d at (%d, %d): %a vs %a", M, N, K, m, n, acc, C[m * N + n]);
+            }
+        if (M > 3) { /* rows 3.. alone, at another position */
+            moe_sgemm_exact(M - 3, N, K, A + 3 * K, K, Bt, N, part, N);
+            ck_assert_int_eq(memcmp(part, C + 3 * N, sizeof(float) * (M - 3) * N), 0);
+        }
+        free(part);
+        free(C);
+        free(Bt);
+        free(A);
+    }
+}
+END_TEST
+
+START_TEST(exact_ffn_is_chunk_independent)
+{
+    enum { ROWS = 45, D = 40, F = 24 };
+    float w1[2 * F * D], w2[D * F], w1t[2 * F * D], w2t[D * F], x[ROWS * D];
+    float y[ROWS * D], y_chunked[ROWS * D], scratch[ROWS * 3 * F];
+    moe_expert_generate(9, 1, D, F, w1, w2);
+    moe_transpose(2 * F, D, w1, w1t);
+    moe_transpose(D, F, w2, w2t);
+    moe_synth_fill(9, MOE_TENSOR_TOKENS, 0, 0, ROWS * D, 1.0f, x);
+    const moe_expert_weights w = {.w1t = w1t, .w2t = w2t};
+    moe_expert_forward(&w, MOE_GEMM_EXACT, x, ROWS, D, F, scratch, y, NULL);
+    const moe_ffn_hooks hooks = {NULL, NULL, 7};
+    moe_expert_forward(&w, MOE_GEMM_EXACT, x, ROWS, D, F, scratch, y_chunked, &hooks);
+    ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
+    /* and it computes the FFN: close to the blas path */
+    float y_blas[ROWS * D];
+    const moe_expert_weights wb = {.w1 = w1, .w2 = w2};
+    moe_expert_forward(&wb, MOE_GEMM_BLAS, x, ROWS, D, F, scratch, y_blas, NULL);
+    for (int n = 0; n < ROWS * D; n++)
+        ck_assert_float_eq_tol(y[n], y_blas[n], 1e-5f);
+}
+END_TEST
+
 Suite *make_experts_suite(void)
 {
     Suite *s = suite_create("experts");
     TCase *tc = tcase_create("ffn");
     tcase_add_test(tc, ffn_matches_the_definition);
     tcase_add_test(tc, compare_reports_worst_and_nonfinite);
+    tcase_add_test(tc, exact_gemm_is_the_scalar_loop);
+    tcase_add_test(tc, exact_ffn_is_chunk_independent);
     suite_add_tcase(s, tc);
     return s;
 }
