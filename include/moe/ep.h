@@ -66,4 +66,13 @@ void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores
 int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
                        const float *weights, float *y, moe_forward_stats *stats, moe_status *st);
 
+/* The same layer in cfg->waves pipelined waves (ep_waves.c), with progress
+ * driven as cfg->progress says. Appends this rank's events to trace (may be
+ * NULL), timed from origin (an MPI_Wtime taken right after a barrier). Output
+ * bitwise identical to moe_ep_forward_ref for expert-slot waves, and for any
+ * waves with --gemm exact. Collective. */
+int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
+                         const float *weights, float *y, moe_forward_stats *stats,
+                         moe_trace *trace, double origin, moe_status *st);
+
 #endif

@@ -29,6 +29,11 @@ typedef struct {
     double expert_flops;              /* summed over ranks, one forward */
     double expert_seconds;            /* median of the max over ranks */
     double expert_window;             /* median of: last rank's expert end - first rank's start */
+    /* the wave pipeline (waves > 0) */
+    int waves, wave_kind;
+    double pipeline_seconds, compute_seconds, comm_seconds, test_seconds;
+    bool ref_compared, ref_bitwise_expected;
+    double ref_differ, ref_max_diff; /* values that differ from the blocking path */
     /* --check */
     bool checked;
     bool iterations_identical; /* every iteration gave the same bits */

@@ -20,6 +20,36 @@ enum moe_stage {
 
 extern const char *const moe_stage_names[MOE_STAGES];
 
+/* What a timeline shows: the seed's five stages of one wave. */
+enum moe_event_kind {
+    MOE_EVENT_DISPATCH,   /* comm lane: posted .. seen complete */
+    MOE_EVENT_L1,         /* compute lane (gathering the rows included) */
+    MOE_EVENT_ACTIVATION, /* compute lane */
+    MOE_EVENT_L2,         /* compute lane (scattering the outputs included) */
+    MOE_EVENT_COMBINE,    /* comm lane: posted .. seen complete */
+    MOE_EVENT_KINDS
+};
+
+extern const char *const moe_event_names[MOE_EVENT_KINDS];
+
+typedef struct {
+    int wave;
+    int kind;            /* enum moe_event_kind */
+    double start, end;   /* seconds since the forward's aligned start */
+    double bytes;        /* comm: bytes this rank sent */
+    moe_index rows;      /* rows sent (comm) or computed (compute) */
+} moe_event;
+
+/* A growable list of one rank's events. */
+typedef struct {
+    moe_event *events;
+    int count, capacity;
+} moe_trace;
+
+void moe_trace_add(moe_trace *t, moe_event e);
+void moe_trace_clear(moe_trace *t);
+void moe_trace_free(moe_trace *t);
+
 typedef struct {
     double seconds[MOE_STAGES];
     moe_index rows_sent;         /* dispatch rows, self included */
@@ -31,6 +61,13 @@ typedef struct {
     double expert_start, expert_end; /* MPI_Wtime at the experts stage's ends */
     double bytes_dispatched;     /* payload + ids sent, self included */
     double bytes_combined;       /* expert outputs sent back, self included */
+    /* The wave pipeline only: */
+    int waves;                   /* W, 0 on the blocking path */
+    int wave_kind;               /* enum moe_wave_kind */
+    double pipeline_seconds;     /* first dispatch posted .. last combine complete */
+    double compute_seconds;      /* expert compute inside the pipeline */
+    double comm_seconds;         /* the same all-to-alls alone (pure-communication pass) */
+    double test_seconds;         /* inside MPI_Test */
 } moe_forward_stats;
 
 #endif

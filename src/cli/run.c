@@ -5,6 +5,7 @@
  * report. Every rank runs every phase; only rank 0 prints.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -85,6 +86,79 @@ static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_for
     s->local_experts_max = (int)moe_comm_max(c, ep->local_experts);
 }
 
+/* Per iteration, each rank's figures; reduced with max over ranks. The
+ * expert window is max(end) - min(start): -start goes in as COL_WINDOW. */
+enum {
+    COL_LAYER = MOE_STAGES, COL_EXPERTS, COL_WINDOW, COL_PIPELINE, COL_COMPUTE, COL_COMM,
+    COL_TEST, COL_EXPERT_END, COLS
+};
+
+static void iteration_row(const moe_forward_stats *f, double layer, double *row)
+{
+    memcpy(row, f->seconds, sizeof f->seconds);
+    row[COL_LAYER] = layer;
+    row[COL_EXPERTS] = f->seconds[MOE_STAGE_EXPERTS];
+    row[COL_WINDOW] = -f->expert_start;
+    row[COL_PIPELINE] = f->pipeline_seconds;
+    row[COL_COMPUTE] = f->compute_seconds;
+    row[COL_COMM] = f->comm_seconds;
+    row[COL_TEST] = f->test_seconds;
+    row[COL_EXPERT_END] = f->expert_end;
+}
+
+/* Medians over iterations of the per-iteration maxima. */
+static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
+{
+    double column[iters], m[COLS];
+    for (int n = 0; n < COLS; n++) {
+        for (int it = 0; it < iters; it++)
+            column[it] = per_iter[(size_t)it * COLS + n];
+        m[n] = median(column, iters);
+    }
+    memcpy(s->stage_seconds, m, sizeof s->stage_seconds);
+    s->layer_seconds = m[COL_LAYER];
+    s->expert_seconds = m[COL_EXPERTS];
+    s->expert_window = m[COL_WINDOW];
+    s->pipeline_seconds = m[COL_PIPELINE];
+    s->compute_seconds = m[COL_COMPUTE];
+    s->comm_seconds = m[COL_COMM];
+    s->test_seconds = m[COL_TEST];
+}
+
+static int forward(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                   float *y, moe_forward_stats *f, moe_trace *trace, double origin, moe_status *st)
+{
+    if (ep->cfg->waves > 0)
+        return moe_ep_forward_waves(ep, x, ids, weights, y, f, trace, origin, st);
+    return moe_ep_forward_ref(ep, x, ids, weights, y, f, st);
+}
+
+/* The wave pipeline against the blocking reference path on the same ranks:
+ * bitwise expected unless blas GEMMs run on token-chunk waves. */
+static int compare_with_reference(const moe_comm *c, const moe_ep *ep, const float *x,
+                                  const int32_t *ids, const float *weights, const float *y,
+                                  moe_run_summary *s, moe_status *st)
+{
+    const moe_index n = ep->cfg->tokens * ep->cfg->hidden;
+    float *y_ref = moe_xmalloc(sizeof(float) * (size_t)n); /* (T, d) */
+    moe_forward_stats f;
+    int rc = moe_ep_forward_ref(ep, x, ids, weights, y_ref, &f, st);
+    double differ = 0.0, max_diff = 0.0;
+    for (moe_index m = 0; rc == MOE_EXIT_OK && m < n; m++)
+        if (memcmp(&y[m], &y_ref[m], sizeof(float)) != 0) {
+            differ += 1.0;
+            double diff = fabs((double)y[m] - (double)y_ref[m]);
+            max_diff = diff > max_diff || diff != diff ? diff : max_diff;
+        }
+    s->ref_compared = rc == MOE_EXIT_OK;
+    s->ref_differ = moe_comm_sum(c, differ);
+    s->ref_max_diff = moe_comm_max(c, max_diff);
+    s->ref_bitwise_expected =
+        ep->gemm == MOE_GEMM_EXACT || s->wave_kind == MOE_WAVES_EXPERT_SLOTS;
+    free(y_ref);
+    return rc;
+}
+
 int moe_cli_run(const moe_comm *c, int argc, char **argv)
 {
     for (int n = 0; n < argc; n++)
@@ -115,8 +189,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));  /* (T, k) */
     float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));        /* (T, d) */
     float *y_first = moe_xmalloc(sizeof(float) * (size_t)(T * d));  /* (T, d) iteration 0 */
-    enum { ROW = MOE_STAGES + 4 }; /* per iteration, see below */
-    double *per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * ROW));
+    double *per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * COLS));
+    moe_trace trace = {0}; /* the last iteration's events */
     moe_ep_generate_tokens(&ep, x);
 
     moe_run_summary s = {.cfg = &cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
@@ -126,25 +200,18 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     int rc = MOE_EXIT_OK;
     const bool progress = c->rank == 0 && iters > 1 && isatty(STDERR_FILENO);
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
+        moe_trace_clear(&trace);
         moe_comm_barrier(c);
-        double t = moe_comm_time();
+        const double origin = moe_comm_time();
         moe_ep_route(&ep, x, logits, scores, ids, weights);
-        double route = moe_comm_time() - t;
-        rc = moe_ep_forward_ref(&ep, x, ids, weights, y, &f, &st);
+        const double route = moe_comm_time() - origin;
+        rc = forward(&ep, x, ids, weights, y, &f, &trace, origin, &st);
+        const double layer = moe_comm_time() - origin;
         f.seconds[MOE_STAGE_ROUTE] = route;
-        /* Row: the stages, the layer, the expert time, -(expert start) and
-         * expert end; its maximum over ranks gives the window of the experts. */
-        double *row = per_iter + (size_t)it * ROW;
-        row[MOE_STAGES] = 0.0;
-        for (int n = 0; n < MOE_STAGES; n++) {
-            row[n] = f.seconds[n];
-            row[MOE_STAGES] += f.seconds[n];
-        }
-        row[MOE_STAGES + 1] = f.seconds[MOE_STAGE_EXPERTS];
-        row[MOE_STAGES + 2] = -f.expert_start;
-        row[MOE_STAGES + 3] = f.expert_end;
-        moe_comm_max_array(c, row, ROW);
-        row[MOE_STAGES + 2] += row[MOE_STAGES + 3]; /* the window */
+        double *row = per_iter + (size_t)it * COLS;
+        iteration_row(&f, layer, row);
+        moe_comm_max_array(c, row, COLS);
+        row[COL_WINDOW] += row[COL_EXPERT_END];
         if (it == 0)
             memcpy(y_first, y, sizeof(float) * (size_t)(T * d));
         else if (memcmp(y_first, y, sizeof(float) * (size_t)(T * d)) != 0)
@@ -156,24 +223,21 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         fprintf(stderr, "\r\033[K");
 
     if (rc == MOE_EXIT_OK) {
-        double column[iters], m[ROW - 1];
-        for (int n = 0; n < ROW - 1; n++) {
-            for (int it = 0; it < iters; it++)
-                column[it] = per_iter[(size_t)it * ROW + n];
-            m[n] = median(column, iters);
-        }
-        memcpy(s.stage_seconds, m, sizeof s.stage_seconds);
-        s.layer_seconds = m[MOE_STAGES];
-        s.expert_seconds = m[MOE_STAGES + 1];
-        s.expert_window = m[MOE_STAGES + 2];
+        summarize_times(per_iter, iters, &s);
         summarize_traffic(c, &ep, &f, &s);
+        s.waves = f.waves;
+        s.wave_kind = f.wave_kind;
         s.iterations_identical = moe_comm_min(c, s.iterations_identical ? 1.0 : 0.0) > 0.0;
         if (cfg.check) {
             double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d)); /* (T, d) */
             moe_truth_forward(&cfg, x, ids, weights, T, truth);
             moe_check_collective(c, &cfg, y, truth, &s);
             free(truth);
+            if (cfg.waves > 0)
+                rc = compare_with_reference(c, &ep, x, ids, weights, y, &s, &st);
         }
+    }
+    if (rc == MOE_EXIT_OK) {
         if (c->rank == 0) {
             moe_report_print(stdout, &s);
             fflush(stdout);
@@ -184,6 +248,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         moe_comm_print_error(c, &st);
     }
 
+    moe_trace_free(&trace);
     free(per_iter);
     free(y_first);
     free(y);

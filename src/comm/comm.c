@@ -11,6 +11,7 @@
 #endif
 
 #include "moe/gemm.h"
+#include "moe/progress.h"
 
 void moe_comm_attach(moe_comm *c, MPI_Comm comm)
 {
@@ -27,7 +28,10 @@ void moe_comm_attach(moe_comm *c, MPI_Comm comm)
 
 void moe_comm_init(int *argc, char ***argv, moe_comm *c)
 {
-    MPI_Init(argc, argv);
+    /* The progress thread (--progress thread) serialises its MPI calls with
+     * the compute thread's, so SERIALIZED suffices; ask for MULTIPLE, which
+     * libraries that grant it also grant as SERIALIZED. */
+    MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &moe_progress_thread_level);
     moe_comm_attach(c, MPI_COMM_WORLD);
     moe_message_rank = c->rank;
 
