@@ -26,7 +26,8 @@ typedef struct {
     int64_t topk;              /* k */
     int64_t shared_experts;    /* S */
     int64_t iters;             /* timed forward passes */
-    int64_t waves;             /* W; 0 = the blocking reference path */
+    int64_t waves;             /* W */
+    bool blocking;             /* the blocking reference path instead of waves */
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;

@@ -128,7 +128,7 @@ static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
 static int forward(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
                    float *y, moe_forward_stats *f, moe_trace *trace, double origin, moe_status *st)
 {
-    if (ep->cfg->waves > 0)
+    if (!ep->cfg->blocking)
         return moe_ep_forward_waves(ep, x, ids, weights, y, f, trace, origin, st);
     return moe_ep_forward_ref(ep, x, ids, weights, y, f, st);
 }
@@ -233,7 +233,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
             moe_truth_forward(&cfg, x, ids, weights, T, truth);
             moe_check_collective(c, &cfg, y, truth, &s);
             free(truth);
-            if (cfg.waves > 0)
+            if (!cfg.blocking)
                 rc = compare_with_reference(c, &ep, x, ids, weights, y, &s, &st);
         }
     }

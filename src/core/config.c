@@ -44,7 +44,8 @@ static const flag_spec flags[] = {
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", "shared experts, applied to every token on its home rank"},
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1"},
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes"},
-    {"waves", FLAG_INT, FIELD(waves), 0, 1024, "W", "pipelined waves; 0 = blocking reference path"},
+    {"waves", FLAG_INT, FIELD(waves), 1, 1024, "W", "pipelined waves, at most --tokens"},
+    {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, "the blocking reference path (MPI_Alltoallv, no waves)"},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute"},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact", "expert GEMM: OpenBLAS, or the fixed-order kernel"},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL"},
@@ -320,6 +321,9 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     if (cfg->topk > cfg->experts)
         return moe_fail(st, MOE_EXIT_USAGE, "--topk must be in [1, %lld] (at most --experts), got %lld",
                         (long long)cfg->experts, (long long)cfg->topk);
+    if (cfg->waves > cfg->tokens)
+        return moe_fail(st, MOE_EXIT_USAGE, "--waves must be in [1, %lld] (at most --tokens), got %lld",
+                        (long long)cfg->tokens, (long long)cfg->waves);
     /* Every rank may receive every pair: G*T*k rows must fit an MPI count. */
     double pairs = (double)ranks * (double)cfg->tokens * (double)cfg->topk;
     if (pairs > (double)INT_MAX)

@@ -1,13 +1,20 @@
 /* ep_forward_test.c — the EP forward on G ranks against the dense truth and
  * against the same layer on one rank.
  *
- * Run under mpirun by tests/mpi/mpi-case. Takes `moe-ep run` flags plus:
+ * Run under mpirun by tests/mpi/mpi-case. Takes `moe-ep run` flags (the
+ * forward compared with the truth and with one rank is the wave pipeline,
+ * or the blocking reference path with --blocking) plus:
  *   --route-elsewhere    replace the router's choice by k experts held by
  *                        other ranks than the token's home (no self traffic)
  *   --np1 bitwise|tolerance
  *                        how the G-rank output must match the one-rank output
  *                        that rank 0 computes on MPI_COMM_SELF for all G*T
  *                        tokens (same seed, same global token ids)
+ *   --sweep W1,W2,..     also run the wave pipeline at each W, with poll and
+ *                        with thread progress, and compare it with the
+ *                        blocking path on the same ranks: bitwise where that
+ *                        is the contract (expert-slot waves, or --gemm
+ *                        exact), within the truth's tolerance otherwise
  * Exit 0 when every check holds, 1 otherwise.
  *
  * Why bitwise can hold across G: routing is row-independent (fixed-order
@@ -16,10 +23,14 @@
  * shared experts run in 64-token blocks, identical when T % 64 == 0. The BLAS
  * thread count is the same for both computations (same process).
  */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "moe/check.h"
 #include "moe/ep.h"
@@ -28,6 +39,7 @@
 typedef struct {
     bool route_elsewhere;
     bool np1_bitwise;
+    const char *sweep; /* "1,2,4" or NULL */
 } test_options;
 
 /* ids/weights (T, k) for tokens with global ids first .. first+T-1: k experts
@@ -86,18 +98,77 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
     moe_ep_generate_tokens(&ep, x);
     route(&ep, home_placement, tokens_per_rank, (moe_index)c->rank * cfg->tokens, x, opt, ids,
           weights);
-    int rc = moe_ep_forward_ref(&ep, x, ids, weights, y, stats, &st);
+    int rc = !cfg->blocking ? moe_ep_forward_waves(&ep, x, ids, weights, y, stats, NULL, 0.0, &st)
+                            : moe_ep_forward_ref(&ep, x, ids, weights, y, stats, &st);
     if (rc)
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
     moe_ep_free(&ep);
     return rc;
 }
 
+/* The wave pipeline at every W of opt->sweep and both progress modes against
+ * the blocking path, on the ranks of `world`. Returns the failures. */
+static int sweep_waves(const moe_comm *world, moe_config *cfg, const moe_placement *home,
+                       const test_options *opt, const double *truth)
+{
+    const moe_index T = cfg->tokens, d = cfg->hidden, k = cfg->topk;
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *y_ref = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    moe_status st = {0};
+    moe_ep ep;
+    int failures = 0;
+    const int64_t configured = cfg->waves;
+    if (moe_ep_init(&ep, cfg, world, &st)) {
+        fprintf(stderr, "ep_forward_test: %s\n", st.message);
+        return 1;
+    }
+    moe_ep_generate_tokens(&ep, x);
+    route(&ep, home, T, (moe_index)world->rank * T, x, opt, ids, weights);
+    moe_forward_stats stats;
+    failures += moe_ep_forward_ref(&ep, x, ids, weights, y_ref, &stats, &st) != 0;
+    char list[256];
+    snprintf(list, sizeof list, "%s", opt->sweep);
+    for (char *save = NULL, *item = strtok_r(list, ",", &save); item; item = strtok_r(NULL, ",", &save))
+        for (int progress = MOE_PROGRESS_POLL; progress <= MOE_PROGRESS_THREAD; progress++) {
+            cfg->waves = atoi(item);
+            cfg->progress = progress;
+            failures += moe_ep_forward_waves(&ep, x, ids, weights, y, &stats, NULL, 0.0, &st) != 0;
+            double differ = 0.0;
+            for (moe_index n = 0; n < T * d; n++)
+                differ += memcmp(&y[n], &y_ref[n], sizeof(float)) != 0;
+            differ = moe_comm_sum(world, differ);
+            const bool bitwise = ep.gemm == MOE_GEMM_EXACT || stats.wave_kind == MOE_WAVES_EXPERT_SLOTS;
+            moe_run_summary s = {.cfg = cfg};
+            moe_check_collective(world, cfg, y, truth, &s);
+            const bool ok = bitwise ? differ == 0.0 : !s.nonfinite && s.cmp.max_used <= 1.0;
+            if (world->rank == 0)
+                printf("W=%-2d %-6s %-12s vs blocking path: %s, %.0f values differ "
+                       "(%s expected; truth used %.1f%% of tolerance)\n",
+                       (int)cfg->waves, progress == MOE_PROGRESS_POLL ? "poll" : "thread",
+                       stats.wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert-slots" : "token-chunks",
+                       ok ? "ok" : "FAIL", differ, bitwise ? "bitwise" : "tolerance",
+                       100 * s.cmp.max_used);
+            failures += !ok;
+        }
+    cfg->waves = configured;
+    cfg->progress = MOE_PROGRESS_POLL;
+    moe_ep_free(&ep);
+    free(weights);
+    free(ids);
+    free(y);
+    free(y_ref);
+    free(x);
+    return failures;
+}
+
 int main(int argc, char **argv)
 {
     moe_comm world;
     moe_comm_init(&argc, &argv, &world);
-    test_options opt = {false, true};
+    test_options opt = {false, true, NULL};
     char **rest = malloc(sizeof(char *) * (size_t)argc);
     int n_rest = 0, failures = 0;
     for (int n = 1; n < argc; n++) {
@@ -105,6 +176,8 @@ int main(int argc, char **argv)
             opt.route_elsewhere = true;
         else if (!strcmp(argv[n], "--np1") && n + 1 < argc)
             opt.np1_bitwise = !strcmp(argv[++n], "bitwise");
+        else if (!strcmp(argv[n], "--sweep") && n + 1 < argc)
+            opt.sweep = argv[++n];
         else
             rest[n_rest++] = argv[n];
     }
@@ -137,8 +210,8 @@ int main(int argc, char **argv)
     moe_check_collective(&world, &cfg, y, truth, &s);
     const bool truth_ok = !s.nonfinite && s.cmp.max_used <= 1.0;
     if (r == 0)
-        printf("np=%d vs dense truth: %s max_abs=%.3e max_rel=%.3e used=%.1f%% of tol %.3e+%.3e*|ref|\n",
-               G, truth_ok ? "ok" : "FAIL", s.cmp.max_abs, s.cmp.max_rel, 100 * s.cmp.max_used,
+        printf("np=%d W=%d vs dense truth: %s max_abs=%.3e max_rel=%.3e used=%.1f%% of tol %.3e+%.3e*|ref|\n",
+               G, (int)cfg.waves, truth_ok ? "ok" : "FAIL", s.cmp.max_abs, s.cmp.max_rel, 100 * s.cmp.max_used,
                s.tol.abs, s.tol.rel);
     failures += !truth_ok;
 
@@ -162,7 +235,11 @@ int main(int argc, char **argv)
     else if (opt.route_elsewhere)
         moe_comm_sum(&world, (double)stats.rows_sent_remote);
 
-    /* 3. Against one rank: gather y, recompute on MPI_COMM_SELF at rank 0. */
+    /* 3. The wave pipeline against the blocking path. */
+    if (opt.sweep)
+        failures += sweep_waves(&world, &cfg, &home, &opt, truth);
+
+    /* 4. Against one rank: gather y, recompute on MPI_COMM_SELF at rank 0. */
     float *all = r == 0 ? moe_xmalloc(sizeof(float) * (size_t)(G * T * d)) : NULL;
     MPI_Gather(y, (int)(T * d), MPI_FLOAT, all, (int)(T * d), MPI_FLOAT, 0, MPI_COMM_WORLD);
     if (r == 0) {
@@ -176,8 +253,17 @@ int main(int argc, char **argv)
         int32_t *ids1 = moe_xmalloc(sizeof(int32_t) * (size_t)(G * T * k));
         float *w1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * k));
         moe_forward_stats stats1;
+        /* With --gemm exact the bits must not depend on the thread count:
+         * the one-rank run uses another one. */
+        const int threads = cfg.gemm == MOE_GEMM_EXACT ? world.threads + 1 : world.threads;
+#ifdef _OPENMP
+        omp_set_num_threads(threads);
+#endif
         if (forward(&self, &one, &home, T, &opt, x1, ids1, w1, y1, &stats1))
             failures++;
+#ifdef _OPENMP
+        omp_set_num_threads(world.threads);
+#endif
         /* Within tolerance: both outputs lie within abs + rel*|ref| of the
          * truth, so they differ by at most twice that; |ref| is taken as
          * |y1| widened by the relative tolerance itself. */
@@ -194,8 +280,8 @@ int main(int argc, char **argv)
                 max_used = fmax(max_used, isfinite(diff) ? diff / bound : INFINITY);
             }
         bool ok = opt.np1_bitwise ? differ == 0 : max_used <= 1.0;
-        printf("np=%d vs np=1 (%s expected): %s, %lld of %lld values differ, max |diff| %.3e",
-               G, opt.np1_bitwise ? "bitwise" : "within tolerance", ok ? "ok" : "FAIL",
+        printf("np=%d (%d threads) vs np=1 (%d threads) (%s expected): %s, %lld of %lld values differ, max |diff| %.3e",
+               G, world.threads, threads, opt.np1_bitwise ? "bitwise" : "within tolerance", ok ? "ok" : "FAIL",
                (long long)differ, (long long)(G * T * d), max_diff);
         if (first >= 0)
             printf(", first at token %lld column %lld", (long long)(first / d),
