@@ -11,6 +11,7 @@
 #include <mpi.h>
 
 #include "moe/common.h"
+#include "moe/stats.h"
 
 typedef struct {
     MPI_Comm comm;
@@ -49,6 +50,11 @@ double moe_comm_maxloc(const moe_comm *c, double v, int *rank);
 /* Broadcast n bytes from `root`. */
 void moe_comm_bcast(const moe_comm *c, void *buf, int bytes, int root);
 void moe_comm_barrier(const moe_comm *c);
+
+/* Gather every rank's events on rank 0: offset (G+1) and events there
+ * (caller frees both), NULL elsewhere. Collective. */
+void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int count, int **offset,
+                            moe_event **all);
 double moe_comm_time(void);
 
 #endif

@@ -32,6 +32,9 @@ typedef struct {
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;
     bool check; /* compare with the dense fp64 truth */
+    char trace[MOE_NAME_MAX];    /* Chrome trace JSON path, "" for none */
+    char timeline[MOE_NAME_MAX]; /* SVG timeline path, "" for none */
+    bool compare_serial;         /* add a W = 1 panel to the timeline */
 } moe_config;
 
 void moe_config_defaults(moe_config *cfg);

@@ -15,6 +15,7 @@
 #include "moe/ep.h"
 #include "moe/gemm.h"
 #include "moe/report.h"
+#include "moe/timeline.h"
 #include "moe/truth.h"
 
 static void print_usage(FILE *out)
@@ -41,6 +42,17 @@ static int set_up(const moe_comm *c, moe_config *cfg, int argc, char **argv, moe
     moe_config_defaults(cfg);
     if (moe_config_parse(cfg, argc, argv, st) == MOE_EXIT_OK &&
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
+        if (c->rank == 0 && cfg->trace[0])
+            moe_check_output_path("--trace", cfg->trace, st);
+        if (c->rank == 0 && cfg->timeline[0] && st->code == MOE_EXIT_OK)
+            moe_check_output_path("--timeline", cfg->timeline, st);
+        if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)
+            moe_fail(st, MOE_EXIT_USAGE, "--compare-serial needs --timeline FILE.svg");
+        if (cfg->blocking && (cfg->trace[0] || cfg->timeline[0]) && st->code == MOE_EXIT_OK)
+            moe_fail(st, MOE_EXIT_USAGE,
+                     "--trace and --timeline show the wave pipeline; drop --blocking");
+    }
+    if (st->code == MOE_EXIT_OK) {
         const double need = moe_config_memory_per_rank(cfg, c->ranks);
         const double have = moe_memory_available() / c->ranks_on_host;
         if (need > have) {
@@ -125,6 +137,22 @@ static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
     s->test_seconds = m[COL_TEST];
 }
 
+typedef struct {
+    const moe_timeline_panel *panels;
+    int count;
+} panel_list;
+
+static void write_trace(FILE *out, const void *arg)
+{
+    moe_write_chrome_trace(out, ((const panel_list *)arg)->panels);
+}
+
+static void write_svg(FILE *out, const void *arg)
+{
+    const panel_list *list = arg;
+    moe_write_timeline_svg(out, list->panels, list->count);
+}
+
 static int forward(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
                    float *y, moe_forward_stats *f, moe_trace *trace, double origin, moe_status *st)
 {
@@ -157,6 +185,57 @@ static int compare_with_reference(const moe_comm *c, const moe_ep *ep, const flo
         ep->gemm == MOE_GEMM_EXACT || s->wave_kind == MOE_WAVES_EXPERT_SLOTS;
     free(y_ref);
     return rc;
+}
+
+/* --trace and --timeline: the last forward's events from every rank, and with
+ * --compare-serial the same forward at W = 1 (into y_scratch). Collective. */
+static int write_pictures(const moe_comm *c, const moe_ep *ep, moe_config *cfg, const float *x,
+                          const int32_t *ids, const float *weights, float *y_scratch,
+                          const moe_trace *trace, moe_status *st)
+{
+    moe_timeline_panel panels[2];
+    int *offset[2] = {NULL, NULL};
+    moe_event *events[2] = {NULL, NULL};
+    char titles[2][160];
+    static const char *const progress_names[] = {"poll", "thread"};
+    int n_panels = 0;
+    moe_comm_gather_events(c, trace->events, trace->count, &offset[0], &events[0]);
+    snprintf(titles[0], sizeof titles[0], "W = %lld waves, progress %s, %d ranks",
+             (long long)cfg->waves, progress_names[cfg->progress], c->ranks);
+    panels[n_panels++] = (moe_timeline_panel){titles[0], c->ranks, offset[0], events[0]};
+    if (cfg->compare_serial) {
+        const int64_t waves = cfg->waves;
+        moe_trace serial = {0};
+        moe_forward_stats f;
+        cfg->waves = 1;
+        moe_comm_barrier(c);
+        int rc = moe_ep_forward_waves(ep, x, ids, weights, y_scratch, &f, &serial,
+                                      moe_comm_time(), st);
+        cfg->waves = waves;
+        if (rc) {
+            moe_trace_free(&serial);
+            return rc;
+        }
+        moe_comm_gather_events(c, serial.events, serial.count, &offset[1], &events[1]);
+        moe_trace_free(&serial);
+        snprintf(titles[1], sizeof titles[1], "the same forward at W = 1 (no overlap)");
+        panels[n_panels++] = (moe_timeline_panel){titles[1], c->ranks, offset[1], events[1]};
+    }
+    moe_status local = {0};
+    if (c->rank == 0) {
+        const panel_list list = {panels, n_panels};
+        if (cfg->trace[0])
+            moe_write_file_atomic(cfg->trace, write_trace, &list, &local);
+        if (cfg->timeline[0] && local.code == MOE_EXIT_OK)
+            moe_write_file_atomic(cfg->timeline, write_svg, &list, &local);
+    }
+    for (int p = 0; p < 2; p++) {
+        free(offset[p]);
+        free(events[p]);
+    }
+    if (moe_comm_agree(c, &local))
+        *st = local;
+    return local.code;
 }
 
 int moe_cli_run(const moe_comm *c, int argc, char **argv)
@@ -221,6 +300,9 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     }
     if (progress)
         fprintf(stderr, "\r\033[K");
+
+    if (rc == MOE_EXIT_OK && (cfg.trace[0] || cfg.timeline[0]))
+        rc = write_pictures(c, &ep, &cfg, x, ids, weights, y_first, &trace, &st);
 
     if (rc == MOE_EXIT_OK) {
         summarize_times(per_iter, iters, &s);

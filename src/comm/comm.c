@@ -130,3 +130,30 @@ void moe_comm_barrier(const moe_comm *c) { MPI_Barrier(c->comm); }
 double moe_comm_time(void) { return MPI_Wtime(); }
 
 void moe_comm_finalize(void) { MPI_Finalize(); }
+
+void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int count, int **offset,
+                            moe_event **all)
+{
+    const int G = c->ranks;
+    int *counts = c->rank == 0 ? moe_xmalloc(sizeof(int) * (size_t)G) : NULL;
+    int *bytes = c->rank == 0 ? moe_xmalloc(sizeof(int) * (size_t)G) : NULL;
+    int *displs = c->rank == 0 ? moe_xmalloc(sizeof(int) * (size_t)G) : NULL;
+    MPI_Gather(&count, 1, MPI_INT, counts, 1, MPI_INT, 0, c->comm);
+    *offset = NULL;
+    *all = NULL;
+    if (c->rank == 0) {
+        *offset = moe_xmalloc(sizeof(int) * (size_t)(G + 1));
+        (*offset)[0] = 0;
+        for (int r = 0; r < G; r++) {
+            (*offset)[r + 1] = (*offset)[r] + counts[r];
+            bytes[r] = counts[r] * (int)sizeof(moe_event);
+            displs[r] = (*offset)[r] * (int)sizeof(moe_event);
+        }
+        *all = moe_xmalloc(sizeof(moe_event) * (size_t)(*offset)[G]);
+    }
+    MPI_Gatherv(events, count * (int)sizeof(moe_event), MPI_BYTE, *all, bytes, displs, MPI_BYTE,
+                0, c->comm);
+    free(displs);
+    free(bytes);
+    free(counts);
+}

@@ -21,7 +21,7 @@
 #define MOE_INSTALLED_PRESET_DIR "/usr/local/share/moe-ep/presets"
 #endif
 
-enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET, FLAG_CHOICE };
+enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET, FLAG_CHOICE, FLAG_PATH };
 
 typedef struct {
     const char *name; /* flag without "--", and preset key */
@@ -49,6 +49,9 @@ static const flag_spec flags[] = {
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute"},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact", "expert GEMM: OpenBLAS, or the fixed-order kernel"},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL"},
+    {"trace", FLAG_PATH, FIELD(trace), 0, 0, "FILE.json", "Chrome trace of the last forward (Perfetto)"},
+    {"timeline", FLAG_PATH, FIELD(timeline), 0, 0, "FILE.svg", "SVG Gantt chart of the last forward"},
+    {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, "add the same forward at W = 1 to the timeline"},
 };
 #define N_FLAGS (sizeof flags / sizeof flags[0])
 
@@ -115,6 +118,12 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
         return MOE_EXIT_OK;
     case FLAG_PRESET:
         return moe_fail(st, MOE_EXIT_USAGE, "%s: a preset cannot name another preset", where);
+    case FLAG_PATH:
+        if (strlen(value) >= MOE_NAME_MAX)
+            return moe_fail(st, MOE_EXIT_USAGE, "%s: path longer than %d characters", where,
+                            MOE_NAME_MAX - 1);
+        snprintf(base, MOE_NAME_MAX, "%s", value);
+        return MOE_EXIT_OK;
     case FLAG_CHOICE: {
         const char *choice = flag->value_name;
         for (int index = 0; choice; index++) {

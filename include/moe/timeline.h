@@ -1,0 +1,42 @@
+/* timeline.h — pictures of a forward: Chrome trace JSON and an SVG Gantt chart.
+ *
+ * Pure formatting of events already gathered on one rank (no MPI). Both
+ * outputs have one comm lane and one compute lane per rank, events coloured
+ * by stage and labelled with their wave, like the seed's Figure 7-1.
+ */
+#ifndef MOE_TIMELINE_H
+#define MOE_TIMELINE_H
+
+#include <stdio.h>
+
+#include "moe/common.h"
+#include "moe/stats.h"
+
+/* One run's events: events of rank r are events[offset[r] .. offset[r+1]). */
+typedef struct {
+    const char *title;      /* e.g. "W = 4 waves, progress poll" */
+    int ranks;
+    const int *offset;      /* (G+1) */
+    const moe_event *events;
+} moe_timeline_panel;
+
+/* Chrome trace events (chrome://tracing, Perfetto): one process per rank,
+ * thread 0 the comm lane, thread 1 the compute lane; times in microseconds. */
+void moe_write_chrome_trace(FILE *out, const moe_timeline_panel *panel);
+
+/* A self-contained SVG: one panel per entry (e.g. the run, then the same at
+ * W = 1), sharing one time axis, with a legend. */
+void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels);
+
+/* Write a file atomically: the writer fills a temporary file beside path,
+ * which is renamed over path only if everything was written. Returns
+ * MOE_EXIT_OK, or MOE_EXIT_RUNTIME with st naming the path and the reason;
+ * nothing is left behind on failure. */
+int moe_write_file_atomic(const char *path, void (*writer)(FILE *, const void *),
+                          const void *arg, moe_status *st);
+
+/* Usage check before a run: can a file be created at path? (Its directory
+ * exists and is writable.) Returns MOE_EXIT_OK or MOE_EXIT_USAGE naming flag. */
+int moe_check_output_path(const char *flag, const char *path, moe_status *st);
+
+#endif

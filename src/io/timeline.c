@@ -1,0 +1,193 @@
+/* timeline.c — Chrome trace JSON, SVG Gantt chart, atomic files (see timeline.h). */
+#define _POSIX_C_SOURCE 200809L
+#include "moe/timeline.h"
+
+#include <errno.h>
+#include <libgen.h>
+#include <limits.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Stage colours: comm in blues, compute in warm tones. */
+static const char *const colours[MOE_EVENT_KINDS] = {
+    "#4e79a7", /* dispatch */
+    "#f28e2b", /* L1 */
+    "#edc948", /* activation */
+    "#e15759", /* L2 */
+    "#76b7b2", /* combine */
+};
+
+/* The earliest event of a panel: pictures start there. */
+static double first_start(const moe_timeline_panel *panel)
+{
+    double t0 = 0.0;
+    for (int n = 0; n < panel->offset[panel->ranks]; n++)
+        if (n == 0 || panel->events[n].start < t0)
+            t0 = panel->events[n].start;
+    return t0;
+}
+
+static bool is_comm(int kind) { return kind == MOE_EVENT_DISPATCH || kind == MOE_EVENT_COMBINE; }
+
+void moe_write_chrome_trace(FILE *out, const moe_timeline_panel *panel)
+{
+    const double t0 = first_start(panel);
+    fprintf(out, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
+    const char *sep = "";
+    for (int r = 0; r < panel->ranks; r++) {
+        fprintf(out, "%s{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, \"args\": {\"name\": \"rank %d\"}},\n", sep, r, r);
+        fprintf(out, "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 0, \"args\": {\"name\": \"comm\"}},\n", r);
+        fprintf(out, "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 1, \"args\": {\"name\": \"compute\"}}", r);
+        sep = ",\n";
+        for (int n = panel->offset[r]; n < panel->offset[r + 1]; n++) {
+            const moe_event *e = &panel->events[n];
+            fprintf(out,
+                    ",\n{\"name\": \"%s w%d\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": %d, "
+                    "\"tid\": %d, \"ts\": %.3f, \"dur\": %.3f, \"args\": {\"wave\": %d, "
+                    "\"rows\": %lld, \"bytes\": %.0f}}",
+                    moe_event_names[e->kind], e->wave, is_comm(e->kind) ? "comm" : "compute", r,
+                    is_comm(e->kind) ? 0 : 1, 1e6 * (e->start - t0), 1e6 * (e->end - e->start), e->wave,
+                    (long long)e->rows, e->bytes);
+        }
+    }
+    fprintf(out, "\n]}\n");
+}
+
+/* A "nice" tick step (1, 2 or 5 times a power of ten) giving about n ticks. */
+static double tick_step(double span, int n)
+{
+    double raw = span / n, power = pow(10.0, floor(log10(raw)));
+    double steps[] = {1, 2, 5, 10};
+    for (int s = 0; s < 4; s++)
+        if (raw <= steps[s] * power)
+            return steps[s] * power;
+    return 10 * power;
+}
+
+void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels)
+{
+    double span = 0.0;
+    int ranks = 1;
+    for (int p = 0; p < n_panels; p++) {
+        const double t0 = first_start(&panels[p]);
+        ranks = panels[p].ranks > ranks ? panels[p].ranks : ranks;
+        for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
+            span = panels[p].events[n].end - t0 > span ? panels[p].events[n].end - t0 : span;
+    }
+    if (span <= 0.0)
+        span = 1e-3;
+    /* Lanes shrink with the rank count so that 16 ranks still fit a screen. */
+    const int lane = ranks <= 4 ? 22 : ranks <= 8 ? 16 : 11;
+    const int gap = lane / 2, left = 92, right = 24, plot = 960;
+    const int panel_head = 34, axis = 30;
+    const int panel_height = panel_head + ranks * (2 * lane + gap) + axis;
+    const int width = left + plot + right, legend = 34;
+    const int height = n_panels * panel_height + legend + 10;
+    const double scale = plot / span; /* pixels per second */
+    const double step = tick_step(1e3 * span, 8); /* in ms */
+
+    fprintf(out, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+                 "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"11\">\n",
+            width, height, width, height);
+    fprintf(out, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
+    for (int p = 0; p < n_panels; p++) {
+        const moe_timeline_panel *panel = &panels[p];
+        const double t0 = first_start(panel);
+        const int top = p * panel_height;
+        fprintf(out, "<text x=\"%d\" y=\"%d\" font-size=\"14\" font-weight=\"bold\">%s</text>\n",
+                left, top + 20, panel->title);
+        for (int r = 0; r < panel->ranks; r++) {
+            const int y0 = top + panel_head + r * (2 * lane + gap);
+            fprintf(out, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">rank %d comm</text>\n",
+                    left - 6, y0 + lane - 6, r);
+            fprintf(out, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">compute</text>\n",
+                    left - 6, y0 + 2 * lane - 6);
+            fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"#f4f4f4\"/>\n",
+                    left, y0, plot, 2 * lane);
+            for (int n = panel->offset[r]; n < panel->offset[r + 1]; n++) {
+                const moe_event *e = &panel->events[n];
+                const double x = left + (e->start - t0) * scale;
+                double w = (e->end - e->start) * scale;
+                if (w < 0.5)
+                    w = 0.5;
+                /* The comm lane holds dispatch above and combine below:
+                 * wave w+1's dispatch and wave w-1's combine overlap in time. */
+                const int half = lane / 2;
+                const int y = y0 + (e->kind == MOE_EVENT_DISPATCH ? 0
+                                    : e->kind == MOE_EVENT_COMBINE ? half : lane);
+                const int h = is_comm(e->kind) ? half : lane;
+                fprintf(out, "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" "
+                             "stroke=\"white\" stroke-width=\"0.5\"><title>rank %d %s wave %d: "
+                             "%.3f-%.3f ms, %lld rows</title></rect>\n",
+                        x, y + 1, w, h - 2, colours[e->kind], r, moe_event_names[e->kind],
+                        e->wave, 1e3 * (e->start - t0), 1e3 * (e->end - t0), (long long)e->rows);
+                if (w > 16 && h >= 10)
+                    fprintf(out, "<text x=\"%.2f\" y=\"%.1f\" text-anchor=\"middle\" "
+                                 "font-size=\"%d\" fill=\"#222\">%d</text>\n",
+                            x + w / 2, y + h / 2.0 + 4, h >= 20 ? 11 : 9, e->wave);
+            }
+        }
+        const int axis_y = top + panel_head + panel->ranks * (2 * lane + gap);
+        fprintf(out, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#444\"/>\n", left,
+                axis_y, left + plot, axis_y);
+        for (double t = 0.0; t <= 1e3 * span + 1e-9; t += step) {
+            const double x = left + t * 1e-3 * scale;
+            fprintf(out, "<line x1=\"%.2f\" y1=\"%d\" x2=\"%.2f\" y2=\"%d\" stroke=\"#444\"/>\n",
+                    x, axis_y, x, axis_y + 4);
+            fprintf(out, "<text x=\"%.2f\" y=\"%d\" text-anchor=\"middle\">%g ms</text>\n", x,
+                    axis_y + 16, t);
+        }
+    }
+    const int ly = n_panels * panel_height + 12;
+    for (int kind = 0; kind < MOE_EVENT_KINDS; kind++) {
+        const int x = left + kind * 150;
+        fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>\n", x, ly,
+                colours[kind]);
+        fprintf(out, "<text x=\"%d\" y=\"%d\">%s%s</text>\n", x + 20, ly + 11,
+                moe_event_names[kind], is_comm(kind) ? " (comm)" : "");
+    }
+    fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave</text>\n",
+            left + MOE_EVENT_KINDS * 150, ly + 11);
+    fprintf(out, "</svg>\n");
+}
+
+int moe_write_file_atomic(const char *path, void (*writer)(FILE *, const void *),
+                          const void *arg, moe_status *st)
+{
+    char tmp[PATH_MAX];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    FILE *fp = fopen(tmp, "w");
+    if (!fp)
+        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s': %s", tmp, strerror(errno));
+    writer(fp, arg);
+    const bool ok = !ferror(fp) && fflush(fp) == 0;
+    const int saved = errno;
+    if (fclose(fp) != 0 || !ok) {
+        unlink(tmp);
+        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s': %s", path,
+                        strerror(ok ? errno : saved));
+    }
+    if (rename(tmp, path) != 0) {
+        const int err = errno;
+        unlink(tmp);
+        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot rename '%s' to '%s': %s", tmp, path,
+                        strerror(err));
+    }
+    return MOE_EXIT_OK;
+}
+
+int moe_check_output_path(const char *flag, const char *path, moe_status *st)
+{
+    char copy[PATH_MAX];
+    snprintf(copy, sizeof copy, "%s", path);
+    const char *dir = dirname(copy);
+    if (!*path || path[strlen(path) - 1] == '/')
+        return moe_fail(st, MOE_EXIT_USAGE, "%s needs a file name, got '%s'", flag, path);
+    if (access(dir, W_OK) != 0)
+        return moe_fail(st, MOE_EXIT_USAGE, "%s: cannot create '%s': directory '%s' %s", flag,
+                        path, dir, errno == ENOENT ? "does not exist" : "is not writable");
+    return MOE_EXIT_OK;
+}
