@@ -14,6 +14,7 @@
 #include "moe/dims.h"
 
 #define MOE_NAME_MAX 256
+#define MOE_MAX_WAVE_RUNS 8 /* entries of --waves 1,2,4,8 */
 
 enum moe_progress_kind { MOE_PROGRESS_POLL, MOE_PROGRESS_THREAD };
 
@@ -26,7 +27,9 @@ typedef struct {
     int64_t topk;              /* k */
     int64_t shared_experts;    /* S */
     int64_t iters;             /* timed forward passes */
-    int64_t waves;             /* W */
+    int64_t waves;             /* W of the run under way: waves_list[0] unless sweeping */
+    int64_t waves_list[MOE_MAX_WAVE_RUNS]; /* --waves W or W1,W2,... */
+    int waves_count;
     bool blocking;             /* the blocking reference path instead of waves */
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
@@ -35,6 +38,8 @@ typedef struct {
     char trace[MOE_NAME_MAX];    /* Chrome trace JSON path, "" for none */
     char timeline[MOE_NAME_MAX]; /* SVG timeline path, "" for none */
     bool compare_serial;         /* add a W = 1 panel to the timeline */
+    char link[MOE_NAME_MAX];     /* link model spec (link.h), "" for none */
+    int64_t ranks_per_node;      /* R, virtual nodes; 0 = all ranks on one node */
 } moe_config;
 
 void moe_config_defaults(moe_config *cfg);

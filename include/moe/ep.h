@@ -14,6 +14,7 @@
 #include "moe/config.h"
 #include "moe/experts.h"
 #include "moe/layout.h"
+#include "moe/link.h"
 #include "moe/router.h"
 #include "moe/stats.h"
 
@@ -37,6 +38,7 @@ typedef struct {
     float *shared_w1;  /* (S, ...) */
     float *shared_w2;  /* (S, ...) */
     float *gate;       /* (E, d) */
+    moe_link link;     /* the emulated interconnect (off unless --link) */
 } moe_ep;
 
 /* The weights of local expert l, or of shared expert s. */

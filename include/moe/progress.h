@@ -9,7 +9,9 @@
  *           threads are serialised by one lock, so MPI_THREAD_SERIALIZED is
  *           all it needs from the library.
  * An operation is one or two requests posted together (a wave's dispatch of
- * rows and ids, or its combine), with its post and completion times.
+ * rows and ids, or its combine), with its post and completion times. With a
+ * link model (link.h) an operation completes at max(MPI completion, post +
+ * modelled duration); waiting for that time sleeps, it does not spin.
  */
 #ifndef MOE_PROGRESS_H
 #define MOE_PROGRESS_H
@@ -23,9 +25,11 @@
 typedef struct {
     MPI_Request requests[2];
     int count;         /* requests in use */
-    bool active;       /* posted and not yet seen complete */
+    bool active;       /* posted and not yet complete */
+    bool mpi_done;     /* MPI has completed the requests */
     double posted;     /* MPI_Wtime at post */
-    double completed;  /* MPI_Wtime when a test first saw it complete */
+    double ready_at;   /* posted + the modelled link duration */
+    double completed;  /* max(MPI completion seen, ready_at) */
 } moe_comm_op;
 
 typedef struct {
@@ -52,8 +56,10 @@ void moe_progress_free(moe_progress *p);
 void moe_progress_lock(moe_progress *p);
 void moe_progress_unlock(moe_progress *p);
 
-/* Mark op as posted (its requests filled in, under the lock). */
-void moe_progress_track(moe_progress *p, int op);
+/* Mark op as posted at `posted` (its requests filled in, under the lock); its
+ * data counts as arrived no earlier than ready_at (MPI_Wtime; <= posted when
+ * there is no link model). */
+void moe_progress_track(moe_progress *p, int op, double posted, double ready_at);
 
 /* Poll mode: one MPI_Test round over the operations in flight. Thread mode:
  * nothing (the thread polls). Cheap when nothing is in flight. */

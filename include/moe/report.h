@@ -8,6 +8,7 @@
 #include <stdio.h>
 
 #include "moe/config.h"
+#include "moe/link.h"
 #include "moe/stats.h"
 #include "moe/truth.h"
 
@@ -15,8 +16,16 @@ typedef struct {
     double min, mean, max;
 } moe_spread;
 
+/* One point of the speed-up curve (--waves W1,W2,...). */
+typedef struct {
+    int waves;
+    double layer_seconds, pipeline_seconds, compute_seconds, comm_seconds;
+    int wave_kind;
+} moe_curve_point;
+
 typedef struct {
     const moe_config *cfg;
+    const moe_link *link;
     int ranks, ranks_on_host, cores, threads, blas_threads;
     int local_experts_min, local_experts_max;
     moe_spread rows_received;     /* dispatch rows per rank */
@@ -34,6 +43,9 @@ typedef struct {
     double pipeline_seconds, compute_seconds, comm_seconds, test_seconds;
     bool ref_compared, ref_bitwise_expected;
     double ref_differ, ref_max_diff; /* values that differ from the blocking path */
+    double rank_flops;               /* --link cb: measured expert FLOP/s of a rank */
+    moe_curve_point curve[MOE_MAX_WAVE_RUNS];
+    int curve_count;
     /* --check */
     bool checked;
     bool iterations_identical; /* every iteration gave the same bits */

@@ -238,6 +238,85 @@ static int write_pictures(const moe_comm *c, const moe_ep *ep, moe_config *cfg, 
     return local.code;
 }
 
+/* The buffers of one run on this rank. */
+typedef struct {
+    float *x;         /* (T, d) */
+    float *logits;    /* (T, E) */
+    float *scores;    /* (T, E) */
+    int32_t *ids;     /* (T, k) */
+    float *weights;   /* (T, k) */
+    float *y;         /* (T, d) */
+    float *y_first;   /* (T, d) the first iteration's output */
+    double *per_iter; /* (iters, COLS) */
+    moe_trace trace;  /* the last iteration's events */
+} run_buffers;
+
+/* cfg->iters forwards at the current cfg->waves; fills the times, traffic and
+ * run-to-run identity of s. Collective. */
+static int timed_forwards(const moe_comm *c, const moe_ep *ep, run_buffers *b,
+                          moe_run_summary *s, moe_status *st)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index n = cfg->tokens * cfg->hidden;
+    const int iters = (int)cfg->iters;
+    const bool progress = c->rank == 0 && iters > 1 && isatty(STDERR_FILENO);
+    moe_forward_stats f;
+    bool identical = true;
+    int rc = MOE_EXIT_OK;
+    for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
+        moe_trace_clear(&b->trace);
+        moe_comm_barrier(c);
+        const double origin = moe_comm_time();
+        moe_ep_route(ep, b->x, b->logits, b->scores, b->ids, b->weights);
+        const double route = moe_comm_time() - origin;
+        rc = forward(ep, b->x, b->ids, b->weights, b->y, &f, &b->trace, origin, st);
+        const double layer = moe_comm_time() - origin;
+        f.seconds[MOE_STAGE_ROUTE] = route;
+        double *row = b->per_iter + (size_t)it * COLS;
+        iteration_row(&f, layer, row);
+        moe_comm_max_array(c, row, COLS);
+        row[COL_WINDOW] += row[COL_EXPERT_END];
+        if (it == 0)
+            memcpy(b->y_first, b->y, sizeof(float) * (size_t)n);
+        else if (memcmp(b->y_first, b->y, sizeof(float) * (size_t)n) != 0)
+            identical = false;
+        if (progress)
+            fprintf(stderr, "\rmoe-ep: W=%lld forward %d/%d", (long long)cfg->waves, it + 1, iters);
+    }
+    if (progress)
+        fprintf(stderr, "\r\033[K");
+    if (rc)
+        return rc;
+    summarize_times(b->per_iter, iters, s);
+    summarize_traffic(c, ep, &f, s);
+    s->waves = f.waves;
+    s->wave_kind = f.wave_kind;
+    s->iterations_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
+    return MOE_EXIT_OK;
+}
+
+/* --link cb=RATIO: B = C / RATIO, with C the expert FLOP/s of a rank measured
+ * by one untimed forward without the link model (summed FLOPs over summed
+ * compute seconds of all ranks). Collective. */
+static int calibrate_link(const moe_comm *c, moe_ep *ep, run_buffers *b, moe_run_summary *s,
+                          moe_status *st)
+{
+    moe_forward_stats f;
+    ep->link.enabled = false;
+    moe_ep_route(ep, b->x, b->logits, b->scores, b->ids, b->weights);
+    int rc = moe_ep_forward_waves(ep, b->x, b->ids, b->weights, b->y, &f, NULL, 0.0, st);
+    ep->link.enabled = true;
+    if (rc)
+        return rc;
+    const double flops = moe_comm_sum(c, f.expert_flops);
+    const double seconds = moe_comm_sum(c, f.compute_seconds);
+    s->rank_flops = seconds > 0 ? flops / seconds : 0.0;
+    const double bandwidth = s->rank_flops / ep->link.cb_ratio;
+    for (int t = 0; t < MOE_TIERS; t++)
+        ep->link.bandwidth[t] = bandwidth > 0 ? bandwidth : INFINITY;
+    return MOE_EXIT_OK;
+}
+
 int moe_cli_run(const moe_comm *c, int argc, char **argv)
 {
     for (int n = 0; n < argc; n++)
@@ -260,65 +339,51 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         return st.code;
     }
     const moe_index T = cfg.tokens, d = cfg.hidden, E = cfg.experts, k = cfg.topk;
-    const int iters = (int)cfg.iters;
-    float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));        /* (T, d) */
-    float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));   /* (T, E) */
-    float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));   /* (T, E) */
-    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));  /* (T, k) */
-    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));  /* (T, k) */
-    float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));        /* (T, d) */
-    float *y_first = moe_xmalloc(sizeof(float) * (size_t)(T * d));  /* (T, d) iteration 0 */
-    double *per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * COLS));
-    moe_trace trace = {0}; /* the last iteration's events */
-    moe_ep_generate_tokens(&ep, x);
-
+    run_buffers b = {
+        .x = moe_xmalloc(sizeof(float) * (size_t)(T * d)),
+        .logits = moe_xmalloc(sizeof(float) * (size_t)(T * E)),
+        .scores = moe_xmalloc(sizeof(float) * (size_t)(T * E)),
+        .ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)),
+        .weights = moe_xmalloc(sizeof(float) * (size_t)(T * k)),
+        .y = moe_xmalloc(sizeof(float) * (size_t)(T * d)),
+        .y_first = moe_xmalloc(sizeof(float) * (size_t)(T * d)),
+        .per_iter = moe_xmalloc(sizeof(double) * (size_t)(cfg.iters * COLS)),
+    };
+    moe_ep_generate_tokens(&ep, b.x);
     moe_run_summary s = {.cfg = &cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
                          .cores = c->cores, .threads = c->threads,
-                         .blas_threads = moe_gemm_threads(), .iterations_identical = true};
-    moe_forward_stats f;
+                         .blas_threads = moe_gemm_threads(), .link = &ep.link};
     int rc = MOE_EXIT_OK;
-    const bool progress = c->rank == 0 && iters > 1 && isatty(STDERR_FILENO);
-    for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
-        moe_trace_clear(&trace);
-        moe_comm_barrier(c);
-        const double origin = moe_comm_time();
-        moe_ep_route(&ep, x, logits, scores, ids, weights);
-        const double route = moe_comm_time() - origin;
-        rc = forward(&ep, x, ids, weights, y, &f, &trace, origin, &st);
-        const double layer = moe_comm_time() - origin;
-        f.seconds[MOE_STAGE_ROUTE] = route;
-        double *row = per_iter + (size_t)it * COLS;
-        iteration_row(&f, layer, row);
-        moe_comm_max_array(c, row, COLS);
-        row[COL_WINDOW] += row[COL_EXPERT_END];
-        if (it == 0)
-            memcpy(y_first, y, sizeof(float) * (size_t)(T * d));
-        else if (memcmp(y_first, y, sizeof(float) * (size_t)(T * d)) != 0)
-            s.iterations_identical = false;
-        if (progress)
-            fprintf(stderr, "\rmoe-ep: forward %d/%d", it + 1, iters);
-    }
-    if (progress)
-        fprintf(stderr, "\r\033[K");
+    if (!cfg.blocking && ep.link.enabled && ep.link.cb_ratio > 0)
+        rc = calibrate_link(c, &ep, &b, &s, &st);
 
+    /* The first wave count: report, pictures, check. */
+    if (rc == MOE_EXIT_OK)
+        rc = timed_forwards(c, &ep, &b, &s, &st);
     if (rc == MOE_EXIT_OK && (cfg.trace[0] || cfg.timeline[0]))
-        rc = write_pictures(c, &ep, &cfg, x, ids, weights, y_first, &trace, &st);
-
-    if (rc == MOE_EXIT_OK) {
-        summarize_times(per_iter, iters, &s);
-        summarize_traffic(c, &ep, &f, &s);
-        s.waves = f.waves;
-        s.wave_kind = f.wave_kind;
-        s.iterations_identical = moe_comm_min(c, s.iterations_identical ? 1.0 : 0.0) > 0.0;
-        if (cfg.check) {
-            double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d)); /* (T, d) */
-            moe_truth_forward(&cfg, x, ids, weights, T, truth);
-            moe_check_collective(c, &cfg, y, truth, &s);
-            free(truth);
-            if (!cfg.blocking)
-                rc = compare_with_reference(c, &ep, x, ids, weights, y, &s, &st);
-        }
+        rc = write_pictures(c, &ep, &cfg, b.x, b.ids, b.weights, b.y_first, &b.trace, &st);
+    if (rc == MOE_EXIT_OK && cfg.check) {
+        double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d)); /* (T, d) */
+        moe_truth_forward(&cfg, b.x, b.ids, b.weights, T, truth);
+        moe_check_collective(c, &cfg, b.y, truth, &s);
+        free(truth);
+        if (!cfg.blocking)
+            rc = compare_with_reference(c, &ep, b.x, b.ids, b.weights, b.y, &s, &st);
     }
+    /* The curve: every further wave count of --waves W1,W2,... */
+    s.curve_count = 0;
+    for (int n = 0; rc == MOE_EXIT_OK && !cfg.blocking && n < cfg.waves_count; n++) {
+        moe_run_summary point = s;
+        if (n > 0) {
+            cfg.waves = cfg.waves_list[n];
+            rc = timed_forwards(c, &ep, &b, &point, &st);
+        }
+        s.curve[s.curve_count++] = (moe_curve_point){
+            (int)cfg.waves_list[n], point.layer_seconds, point.pipeline_seconds,
+            point.compute_seconds, point.comm_seconds, point.wave_kind};
+    }
+    cfg.waves = cfg.waves_list[0];
+
     if (rc == MOE_EXIT_OK) {
         if (c->rank == 0) {
             moe_report_print(stdout, &s);
@@ -330,15 +395,15 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         moe_comm_print_error(c, &st);
     }
 
-    moe_trace_free(&trace);
-    free(per_iter);
-    free(y_first);
-    free(y);
-    free(weights);
-    free(ids);
-    free(scores);
-    free(logits);
-    free(x);
+    moe_trace_free(&b.trace);
+    free(b.per_iter);
+    free(b.y_first);
+    free(b.y);
+    free(b.weights);
+    free(b.ids);
+    free(b.scores);
+    free(b.logits);
+    free(b.x);
     moe_ep_free(&ep);
     return rc;
 }

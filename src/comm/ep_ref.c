@@ -42,6 +42,9 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
                               .topk = (int)cfg->topk,
                               .normalize = true};
     ep->gemm = (enum moe_gemm_kind)cfg->gemm;
+    ep->link.ranks_per_node = cfg->ranks_per_node > 0 ? (int)cfg->ranks_per_node : comm->ranks;
+    moe_status ignored; /* validated by moe_config_validate */
+    moe_link_parse(&ep->link, cfg->link, &ignored);
     ep->local_experts = moe_placement_local_experts(&ep->placement, comm->rank);
     ep->first_expert = ep->placement.first_expert[comm->rank];
 

@@ -2,7 +2,9 @@
 #define _POSIX_C_SOURCE 200809L
 #include "moe/progress.h"
 
+#include <math.h>
 #include <sched.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,29 +12,51 @@
 
 int moe_progress_thread_level = MPI_THREAD_SINGLE;
 
+/* Longest sleep while an operation waits for its modelled arrival: other
+ * operations in flight still need MPI calls to move. */
+#define ARRIVAL_SLICE 100e-6
+
 /* One MPI_Test round over the active operations; the caller holds the lock
- * in thread mode. Returns true when any operation is still in flight. */
-static bool test_round(moe_progress *p)
+ * in thread mode. Returns true when an operation still needs MPI calls;
+ * *next_ready is the earliest arrival of those that only wait for it. */
+static bool test_round(moe_progress *p, double *next_ready)
 {
-    bool pending = false;
+    bool needs_mpi = false;
+    *next_ready = INFINITY;
     for (int n = 0; n < p->n_ops; n++) {
         moe_comm_op *op = &p->ops[n];
         if (!op->active)
             continue;
-        int done = 0;
-        double t = MPI_Wtime();
-        MPI_Testall(op->count, op->requests, &done, MPI_STATUSES_IGNORE);
-        double now = MPI_Wtime();
-        p->test_seconds += now - t;
-        p->tests++;
-        if (done) {
-            op->active = false;
-            op->completed = now;
-        } else {
-            pending = true;
+        if (!op->mpi_done) {
+            int done = 0;
+            double t = MPI_Wtime();
+            MPI_Testall(op->count, op->requests, &done, MPI_STATUSES_IGNORE);
+            double now = MPI_Wtime();
+            p->test_seconds += now - t;
+            p->tests++;
+            if (done) {
+                op->mpi_done = true;
+                op->completed = now > op->ready_at ? now : op->ready_at;
+            } else {
+                needs_mpi = true;
+            }
+        }
+        if (op->mpi_done) {
+            if (MPI_Wtime() >= op->ready_at)
+                op->active = false;
+            else if (op->ready_at < *next_ready)
+                *next_ready = op->ready_at;
         }
     }
-    return pending;
+    return needs_mpi;
+}
+
+static void sleep_for(double seconds)
+{
+    if (seconds <= 0)
+        return;
+    struct timespec ts = {(time_t)seconds, (long)((seconds - floor(seconds)) * 1e9)};
+    nanosleep(&ts, NULL);
 }
 
 static void *progress_thread(void *arg)
@@ -40,13 +64,23 @@ static void *progress_thread(void *arg)
     moe_progress *p = arg;
     pthread_mutex_lock(&p->lock);
     while (!p->stop) {
-        bool before = test_round(p);
+        double next_ready;
+        bool needs_mpi = test_round(p, &next_ready);
         pthread_cond_broadcast(&p->changed);
-        if (before) {
+        if (needs_mpi) {
             /* Let the compute thread take the lock to post or to read. */
             pthread_mutex_unlock(&p->lock);
             sched_yield();
             pthread_mutex_lock(&p->lock);
+        } else if (isfinite(next_ready)) {
+            /* Only arrivals to wait for: sleep until the first, or a post. */
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            double wait = next_ready - MPI_Wtime();
+            double abs_time = (double)until.tv_sec + until.tv_nsec * 1e-9 + (wait > 0 ? wait : 0);
+            until.tv_sec = (time_t)abs_time;
+            until.tv_nsec = (long)((abs_time - floor(abs_time)) * 1e9);
+            pthread_cond_timedwait(&p->changed, &p->lock, &until);
         } else {
             pthread_cond_wait(&p->changed, &p->lock);
         }
@@ -104,28 +138,41 @@ void moe_progress_unlock(moe_progress *p)
         pthread_mutex_unlock(&p->lock);
 }
 
-void moe_progress_track(moe_progress *p, int op)
+void moe_progress_track(moe_progress *p, int op, double posted, double ready_at)
 {
     p->ops[op].active = true;
-    p->ops[op].posted = MPI_Wtime();
+    p->ops[op].mpi_done = false;
+    p->ops[op].posted = posted;
+    p->ops[op].ready_at = ready_at;
     if (p->kind == MOE_PROGRESS_THREAD)
         pthread_cond_broadcast(&p->changed); /* the caller holds the lock */
 }
 
 void moe_progress_poll(moe_progress *p)
 {
+    double next_ready;
     if (p->kind == MOE_PROGRESS_POLL)
-        test_round(p);
+        test_round(p, &next_ready);
 }
 
 void moe_progress_wait(moe_progress *p, int op)
 {
     if (p->kind == MOE_PROGRESS_POLL) {
-        /* Nothing to compute until op is in: poll, and yield the core to a
-         * rank that shares it (oversubscribed runs would starve otherwise). */
-        while (test_round(p) && p->ops[op].active)
-            sched_yield();
-        return;
+        /* Nothing to compute until op is in: poll, and give the core away
+         * meanwhile (to a rank that shares it), in slices short enough to
+         * keep the other operations in flight moving. */
+        for (;;) {
+            double next_ready;
+            bool needs_mpi = test_round(p, &next_ready);
+            if (!p->ops[op].active)
+                return;
+            if (p->ops[op].mpi_done) {
+                double wait = p->ops[op].ready_at - MPI_Wtime();
+                sleep_for(needs_mpi && wait > ARRIVAL_SLICE ? ARRIVAL_SLICE : wait);
+            } else {
+                sched_yield();
+            }
+        }
     }
     pthread_mutex_lock(&p->lock);
     while (p->ops[op].active)

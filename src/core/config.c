@@ -5,6 +5,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/config.h"
+#include "moe/link.h"
 
 #include <ctype.h>
 #include <dirent.h>
@@ -21,7 +22,7 @@
 #define MOE_INSTALLED_PRESET_DIR "/usr/local/share/moe-ep/presets"
 #endif
 
-enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET, FLAG_CHOICE, FLAG_PATH };
+enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET, FLAG_CHOICE, FLAG_TEXT, FLAG_WAVES };
 
 typedef struct {
     const char *name; /* flag without "--", and preset key */
@@ -44,13 +45,15 @@ static const flag_spec flags[] = {
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", "shared experts, applied to every token on its home rank"},
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1"},
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes"},
-    {"waves", FLAG_INT, FIELD(waves), 1, 1024, "W", "pipelined waves, at most --tokens"},
+    {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve"},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, "the blocking reference path (MPI_Alltoallv, no waves)"},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute"},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact", "expert GEMM: OpenBLAS, or the fixed-order kernel"},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL"},
-    {"trace", FLAG_PATH, FIELD(trace), 0, 0, "FILE.json", "Chrome trace of the last forward (Perfetto)"},
-    {"timeline", FLAG_PATH, FIELD(timeline), 0, 0, "FILE.svg", "SVG Gantt chart of the last forward"},
+    {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", "Chrome trace of the last forward (Perfetto)"},
+    {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", "SVG Gantt chart of the last forward"},
+    {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", "emulated links: cb=RATIO | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]"},
+    {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R", "ranks per virtual node; 0 = one node"},
     {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, "add the same forward at W = 1 to the timeline"},
 };
 #define N_FLAGS (sizeof flags / sizeof flags[0])
@@ -65,7 +68,8 @@ void moe_config_defaults(moe_config *cfg)
     cfg->topk = 2;
     cfg->shared_experts = 0;
     cfg->iters = 1;
-    cfg->waves = 4;
+    cfg->waves = cfg->waves_list[0] = 4;
+    cfg->waves_count = 1;
     cfg->progress = MOE_PROGRESS_POLL;
     cfg->gemm = 0; /* MOE_GEMM_BLAS */
     cfg->seed = 1;
@@ -118,7 +122,32 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
         return MOE_EXIT_OK;
     case FLAG_PRESET:
         return moe_fail(st, MOE_EXIT_USAGE, "%s: a preset cannot name another preset", where);
-    case FLAG_PATH:
+    case FLAG_WAVES: {
+        char text[256];
+        int count = 0;
+        snprintf(text, sizeof text, "%s", value);
+        for (char *save = NULL, *item = strtok_r(text, ",", &save); item;
+             item = strtok_r(NULL, ",", &save)) {
+            errno = 0;
+            long long v = strtoll(item, &end, 10);
+            if (*end != '\0' || errno == ERANGE || v < flag->min || v > flag->max)
+                return moe_fail(st, MOE_EXIT_USAGE,
+                                "%s must be an integer in [%lld, %lld] or a list of them, got '%s'",
+                                where, (long long)flag->min, (long long)flag->max, value);
+            if (count == MOE_MAX_WAVE_RUNS)
+                return moe_fail(st, MOE_EXIT_USAGE, "%s lists at most %d wave counts, got '%s'",
+                                where, MOE_MAX_WAVE_RUNS, value);
+            cfg->waves_list[count++] = v;
+        }
+        if (count == 0)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "%s must be an integer in [%lld, %lld] or a list of them, got '%s'",
+                            where, (long long)flag->min, (long long)flag->max, value);
+        cfg->waves_count = count;
+        cfg->waves = cfg->waves_list[0];
+        return MOE_EXIT_OK;
+    }
+    case FLAG_TEXT:
         if (strlen(value) >= MOE_NAME_MAX)
             return moe_fail(st, MOE_EXIT_USAGE, "%s: path longer than %d characters", where,
                             MOE_NAME_MAX - 1);
@@ -330,9 +359,14 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     if (cfg->topk > cfg->experts)
         return moe_fail(st, MOE_EXIT_USAGE, "--topk must be in [1, %lld] (at most --experts), got %lld",
                         (long long)cfg->experts, (long long)cfg->topk);
-    if (cfg->waves > cfg->tokens)
-        return moe_fail(st, MOE_EXIT_USAGE, "--waves must be in [1, %lld] (at most --tokens), got %lld",
-                        (long long)cfg->tokens, (long long)cfg->waves);
+    for (int n = 0; n < cfg->waves_count; n++)
+        if (cfg->waves_list[n] > cfg->tokens)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--waves must be in [1, %lld] (at most --tokens), got %lld",
+                            (long long)cfg->tokens, (long long)cfg->waves_list[n]);
+    moe_link link = {.ranks_per_node = 1};
+    if (moe_link_parse(&link, cfg->link, st))
+        return st->code;
     /* Every rank may receive every pair: G*T*k rows must fit an MPI count. */
     double pairs = (double)ranks * (double)cfg->tokens * (double)cfg->topk;
     if (pairs > (double)INT_MAX)

@@ -2,6 +2,8 @@
 #include "moe/report.h"
 
 #include "config.h"
+
+#include <math.h>
 #include "moe/experts.h"
 #include "moe/layout.h"
 
@@ -20,6 +22,13 @@ bool moe_report_check_passed(const moe_run_summary *s)
 }
 
 static const char *const progress_names[] = {"poll", "thread"};
+
+/* OSU: overlap = 1 - (T_layer - T_compute) / T_comm, clamped to [0, 1]. */
+static double overlap_fraction(double layer, double compute, double comm)
+{
+    const double overlap = comm > 0 ? 1.0 - (layer - compute) / comm : 0.0;
+    return overlap < 0 ? 0 : overlap > 1 ? 1 : overlap;
+}
 static const char *const gemm_names[] = {"blas", "exact"};
 
 void moe_report_print(FILE *out, const moe_run_summary *s)
@@ -30,7 +39,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     char b1[32], b2[32], b3[32];
 
     if (s->waves > 0)
-        fprintf(out, "moe-ep %s · MoE forward with expert parallelism · %d waves of %s · "
+        fprintf(out, "moe-ep %s · MoE forward with expert parallelism · W = %d (%s) · "
                      "progress %s · gemm %s\n",
                 PACKAGE_VERSION, s->waves,
                 s->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
@@ -77,10 +86,9 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         fprintf(out, " %9.2f", 1e3 * s->stage_seconds[n]);
     fprintf(out, " %9.2f\n", 1e3 * s->layer_seconds);
     if (s->waves > 0) {
-        /* OSU: overlap = 1 - (T_layer - T_compute) / T_comm, clamped to [0, 1]. */
         const double exposed = s->pipeline_seconds - s->compute_seconds;
-        double overlap = s->comm_seconds > 0 ? 1.0 - exposed / s->comm_seconds : 0.0;
-        overlap = overlap < 0 ? 0 : overlap > 1 ? 1 : overlap;
+        const double overlap =
+            overlap_fraction(s->pipeline_seconds, s->compute_seconds, s->comm_seconds);
         fprintf(out, "pipeline  %.2f ms from first dispatch to last combine · compute %.2f ms · "
                      "all-to-alls alone %.2f ms · exposed %.2f ms · overlap %.0f%% · in MPI_Test %.2f ms\n",
                 1e3 * s->pipeline_seconds, 1e3 * s->compute_seconds, 1e3 * s->comm_seconds,
@@ -90,11 +98,63 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     /* Ranks that share cores do not compute at the same moment: the aggregate
      * rate divides by the window in which any rank computed, never by one
      * rank's time, so it cannot exceed what the cores can do. */
+    if (s->waves > 0 && s->link && s->link->enabled) {
+        char text[160];
+        moe_link_describe(s->link, text, sizeof text);
+        fprintf(out, "link      emulated (docs/link-model.md): %s\n", text);
+        /* C: a rank's expert FLOP/s, measured (cb) or from this run. */
+        const double C = s->rank_flops > 0 ? s->rank_flops
+                         : s->compute_seconds > 0 ? s->expert_flops / G / s->compute_seconds : 0.0;
+        const double B = s->link->bandwidth[MOE_TIER_INTER] < s->link->bandwidth[MOE_TIER_INTRA]
+                             ? s->link->bandwidth[MOE_TIER_INTER] : s->link->bandwidth[MOE_TIER_INTRA];
+        const double cb = C / B;
+        /* FLOPs this layer does per byte it moves between ranks (dispatch +
+         * combine; messages to self cross no link). */
+        const double remote = s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0) +
+                              s->pairs_back_remote * d * 4.0;
+        const double need = remote > 0 ? s->expert_flops / remote : INFINITY;
+        fprintf(out, "          C/B = %.0f FLOP/byte (C = %.1f GFLOP/s per rank%s, B = %.3g GB/s) · "
+                     "overlap bound min(1, 2d/(C/B)) = %.0f%% (seed) · this layer does %.0f FLOP per "
+                     "byte moved: min(1, %.0f/(C/B)) = %.0f%%\n",
+                cb, C * 1e-9, s->rank_flops > 0 ? ", measured" : "", B * 1e-9,
+                100.0 * fmin(1.0, 2.0 * d / cb), need, need, 100.0 * fmin(1.0, need / cb));
+    }
+
     fprintf(out, "experts   %.2f GFLOP per forward in sgemm · %.1f GFLOP/s aggregate (over the "
                  "window any rank computed, %.2f ms) · slowest rank %.2f ms\n",
             s->expert_flops * 1e-9,
             s->expert_window > 0 ? s->expert_flops * 1e-9 / s->expert_window : 0.0,
             1e3 * s->expert_window, 1e3 * s->expert_seconds);
+
+    if (s->curve_count > 1) {
+        /* Two resources, the links and the cores, busy T_comm and T_compute
+         * in all. W equal waves take at least
+         *   max(T_comm, T_compute + T_comm/W):
+         * the links cannot do less than all the traffic, and the cores
+         * cannot start before the first wave's dispatch nor finish after the
+         * last wave's combine (together one wave's traffic, T_comm/W). The
+         * seed's five-stage formula T(1 + 4/W), T = (T_compute + T_comm)/5 at
+         * the first W, beside it: it assumes five equal stages on five
+         * resources. */
+        const moe_curve_point *first = &s->curve[0];
+        const double stage = (first->compute_seconds + first->comm_seconds) / 5.0;
+        fprintf(out, "curve     speed-up against W = %d, per forward, ms (median of %lld iters each)\n",
+                first->waves, (long long)cfg->iters);
+        fprintf(out, "          %4s %-12s %9s %8s %9s %8s %8s %9s %9s %8s %8s\n", "W", "waves", "layer",
+                "speedup", "pipeline", "compute", "comm", "bound", "pipe/bnd", "overlap", "T(1+4/W)");
+        for (int n = 0; n < s->curve_count; n++) {
+            const moe_curve_point *p = &s->curve[n];
+            const double W = p->waves, Tc = p->compute_seconds, Tm = p->comm_seconds;
+            const double bound = fmax(Tm, Tc + Tm / W);
+            fprintf(out, "          %4d %-12s %9.2f %8.2f %9.2f %8.2f %8.2f %9.2f %9.2f %7.0f%% %8.2f\n",
+                    p->waves, p->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
+                    1e3 * p->layer_seconds, first->layer_seconds / p->layer_seconds,
+                    1e3 * p->pipeline_seconds, 1e3 * Tc, 1e3 * Tm, 1e3 * bound,
+                    p->pipeline_seconds / bound,
+                    100.0 * overlap_fraction(p->pipeline_seconds, Tc, Tm),
+                    1e3 * stage * (1.0 + 4.0 / W));
+        }
+    }
 
     if (!s->checked)
         return;
