@@ -31,6 +31,7 @@ typedef struct {
     int64_t waves_list[MOE_MAX_WAVE_RUNS]; /* --waves W or W1,W2,... */
     int waves_count;
     bool blocking;             /* the blocking reference path instead of waves */
+    int64_t lookahead;         /* waves dispatched ahead of the one computing */
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;

@@ -5,9 +5,9 @@
  * dispatch and for combine, and its own expert GEMMs. The schedule keeps the
  * neighbours of the computing wave on the wire (the seed's five stages):
  *
- *   post dispatch(0)
- *   for w = 0 .. W-1:
- *       post dispatch(w+1)                      next wave's rows in flight
+ *   post dispatch(0 .. A)                       A = --lookahead (1: the seed's
+ *   for w = 0 .. W-1:                           neighbour-wave schedule)
+ *       post dispatch(w+A) once w > 0           later waves' rows in flight
  *       wait dispatch(w)
  *       experts of wave w: L1, activation, L2   combine(w-1), dispatch(w+1)
  *                                               progress at every stage end
@@ -275,10 +275,12 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     const double start = MPI_Wtime();
     stage_clock clock = {&progress, trace, origin, start, 0.0, 0, 0};
     moe_link_state links = {{{0}}};
-    post_dispatch(&ws[0], &progress, 0, G, row_type, ids_type, c->comm, &ep->link, &links);
+    /* Waves whose dispatch is in flight while a wave computes: --lookahead. */
+    const int ahead = (int)cfg->lookahead;
+    int posted = 0; /* dispatches posted so far */
     for (int w = 0; w < W; w++) {
-        if (w + 1 < W)
-            post_dispatch(&ws[w + 1], &progress, w + 1, G, row_type, ids_type, c->comm,
+        for (const int want = w + ahead + 1 < W ? w + ahead + 1 : W; posted < want; posted++)
+            post_dispatch(&ws[posted], &progress, posted, G, row_type, ids_type, c->comm,
                           &ep->link, &links);
         moe_progress_wait(&progress, w);
         clock.wave = w;

@@ -46,6 +46,7 @@ static const flag_spec flags[] = {
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1"},
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes"},
     {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve"},
+    {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", "waves dispatched ahead of the computing one (1: neighbours only)"},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, "the blocking reference path (MPI_Alltoallv, no waves)"},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute"},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact", "expert GEMM: OpenBLAS, or the fixed-order kernel"},
@@ -70,6 +71,7 @@ void moe_config_defaults(moe_config *cfg)
     cfg->iters = 1;
     cfg->waves = cfg->waves_list[0] = 4;
     cfg->waves_count = 1;
+    cfg->lookahead = 2;
     cfg->progress = MOE_PROGRESS_POLL;
     cfg->gemm = 0; /* MOE_GEMM_BLAS */
     cfg->seed = 1;

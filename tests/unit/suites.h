@@ -9,5 +9,6 @@ Suite *make_config_suite(void);
 Suite *make_router_suite(void);
 Suite *make_layout_suite(void);
 Suite *make_experts_suite(void);
+Suite *make_link_suite(void);
 
 #endif
