@@ -140,12 +140,19 @@ static void post_combine(wave_state *ws, moe_progress *p, int op, int G, MPI_Dat
     moe_progress_unlock(p);
 }
 
-static void add_comm_event(moe_trace *trace, const moe_comm_op *o, double origin, int wave,
-                           int kind, double bytes, moe_index rows)
+/* A comm event runs from when its operation had the wire to itself, i.e.
+ * from its post or the previous operation of its kind's completion,
+ * whichever is later, to its completion: operations posted together then
+ * show one after another, as they pass through the links. */
+static void add_comm_event(moe_trace *trace, const moe_comm_op *o, const moe_comm_op *previous,
+                           double origin, int wave, int kind, double bytes, moe_index rows)
 {
-    if (trace)
-        moe_trace_add(trace, (moe_event){wave, kind, o->posted - origin, o->completed - origin,
-                                         bytes, rows});
+    if (!trace)
+        return;
+    double start = o->posted;
+    if (previous && previous->completed > start)
+        start = previous->completed < o->completed ? previous->completed : o->completed;
+    moe_trace_add(trace, (moe_event){wave, kind, start - origin, o->completed - origin, bytes, rows});
 }
 
 /* Experts of one wave: per local expert of the wave, gather its rows, FFN
@@ -303,9 +310,11 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     stats->test_seconds = progress.test_seconds;
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
-        add_comm_event(trace, &progress.ops[w], origin, w, MOE_EVENT_DISPATCH,
+        add_comm_event(trace, &progress.ops[w], w ? &progress.ops[w - 1] : NULL, origin, w,
+                       MOE_EVENT_DISPATCH,
                        (double)s->rows_out * (double)(d * 4 + k * 4), s->rows_out);
-        add_comm_event(trace, &progress.ops[W + w], origin, w, MOE_EVENT_COMBINE,
+        add_comm_event(trace, &progress.ops[W + w], w ? &progress.ops[W + w - 1] : NULL, origin,
+                       w, MOE_EVENT_COMBINE,
                        (double)s->recv.pairs * (double)(d * 4), s->recv.pairs);
         stats->seconds[MOE_STAGE_DISPATCH] += progress.ops[w].completed - progress.ops[w].posted;
         stats->seconds[MOE_STAGE_COMBINE] += progress.ops[W + w].completed - progress.ops[W + w].posted;
