@@ -43,6 +43,10 @@ void moe_comm_print_error(const moe_comm *c, const moe_status *st);
 double moe_comm_max(const moe_comm *c, double v);
 double moe_comm_min(const moe_comm *c, double v);
 double moe_comm_sum(const moe_comm *c, double v);
+/* Element-wise sum of v (n) over ranks, in place on every rank. */
+void moe_comm_sum_array(const moe_comm *c, double *v, int n);
+/* all (G, n) on rank 0 = every rank's v (n); all is ignored elsewhere. */
+void moe_comm_gather_doubles(const moe_comm *c, const double *v, int n, double *all);
 /* Element-wise maximum of v (n) over ranks, in place. */
 void moe_comm_max_array(const moe_comm *c, double *v, int n);
 /* The maximum of v over ranks and the lowest rank holding it. */

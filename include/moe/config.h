@@ -17,6 +17,9 @@
 #define MOE_MAX_WAVE_RUNS 8 /* entries of --waves 1,2,4,8 */
 
 enum moe_progress_kind { MOE_PROGRESS_POLL, MOE_PROGRESS_THREAD };
+/* Where the gate weight multiplies: the expert output after L2 (DeepSeek-V3's
+ * reference code), or the SwiGLU output before L2 (fused GPU kernels). */
+enum moe_weight_at { MOE_WEIGHT_AT_OUTPUT, MOE_WEIGHT_AT_ACTIVATION };
 
 typedef struct {
     char preset[MOE_NAME_MAX]; /* name or path of the preset applied, "" if none */
@@ -40,6 +43,14 @@ typedef struct {
     char timeline[MOE_NAME_MAX]; /* SVG timeline path, "" for none */
     bool compare_serial;         /* add a W = 1 panel to the timeline */
     char link[MOE_NAME_MAX];     /* link model spec (link.h), "" for none */
+    int router;                  /* enum moe_router_kind */
+    int64_t groups;              /* deepseek-v3 expert groups */
+    int64_t topk_groups;         /* deepseek-v3 groups kept per token */
+    double route_scale;          /* deepseek-v3 weight scale */
+    double bias_scale;           /* deepseek-v3 correction bias in [-B, B); 0 = none */
+    bool norm_topk;              /* renormalise the k weights (softmax; V2 style) */
+    char skew[MOE_NAME_MAX];     /* --skew spec, "" for none */
+    int weight_at;               /* enum moe_weight_at */
     int64_t ranks_per_node;      /* R, virtual nodes; 0 = all ranks on one node */
 } moe_config;
 

@@ -38,12 +38,25 @@ typedef struct {
     float *shared_w1;  /* (S, ...) */
     float *shared_w2;  /* (S, ...) */
     float *gate;       /* (E, d) */
+    float *bias;       /* (E) deepseek-v3 correction bias, NULL without */
+    float *skew;       /* (E) --skew logit bias, NULL without */
     moe_link link;     /* the emulated interconnect (off unless --link) */
 } moe_ep;
 
 /* The weights of local expert l, or of shared expert s. */
 moe_expert_weights moe_ep_expert(const moe_ep *ep, int local);
 moe_expert_weights moe_ep_shared_expert(const moe_ep *ep, int shared);
+
+/* Local expert l on the rows recv assigns it: gather them from recv_rows
+ * (rows, d), run the FFN (with the gate weight from recv_meta (rows, 2k)
+ * applied before L2 when cfg->weight_at says so), scatter the outputs into
+ * expert_out (pairs, d). work holds (n, 2d + 1) floats, scratch (n, 3f). */
+void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l, const float *recv_rows,
+                       const int32_t *recv_meta, float *work, float *scratch, float *expert_out,
+                       const moe_ffn_hooks *hooks);
+
+/* Bytes of one expert-input work buffer row (see moe_ep_run_expert). */
+#define MOE_EXPERT_WORK_FLOATS(d) (2 * (d) + 1)
 
 /* y (T, d) += the shared experts of x (T, d), in blocks of
  * MOE_SHARED_ROW_BLOCK tokens; scratch (64, 3f), out (64, d). */

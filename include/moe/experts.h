@@ -36,13 +36,15 @@ typedef struct {
     moe_index chunk_rows; /* exact only: rows per chunk between calls; 0 = all */
 } moe_ffn_hooks;
 
-/* y (rows, d) = FFN(x (rows, d)); scratch (rows, 3f) floats. With blas the
- * batch is two whole sgemm calls, whatever the hooks (so the same rows give
- * the same bits); with exact it may run in row chunks (the bits do not
+/* y (rows, d) = FFN(x (rows, d)); scratch (rows, 3f) floats. act_scale
+ * (rows), when not NULL, multiplies each row of the activation before L2 (the
+ * gate weight applied inside the expert, as fused GPU kernels do). With blas
+ * the batch is two whole sgemm calls, whatever the hooks (so the same rows
+ * give the same bits); with exact it may run in row chunks (the bits do not
  * change). hooks may be NULL. */
 void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
                         moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
-                        const moe_ffn_hooks *hooks);
+                        const float *act_scale, const moe_ffn_hooks *hooks);
 
 /* The same in fp64, with w1 (2f, d) and w2 (d, f) in fp64;
  * scratch (rows, 3f) doubles. */

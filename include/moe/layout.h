@@ -89,6 +89,23 @@ void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int3
                          moe_index tokens, int topk, const moe_waves *waves, int wave);
 void moe_send_plan_free(moe_send_plan *plan);
 
+/* What travels with each dispatched row besides its d values: the token's
+ * top-k ids, then its k gate weights as fp32 bits (the receiver needs them
+ * when the weight is applied before L2). */
+#define MOE_META_WORDS(topk) (2 * (topk))
+
+/* meta (rows, 2k) for the tokens row_token[0 .. rows-1] of ids/weights (T, k). */
+void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe_index *row_token,
+                   moe_index rows, int32_t *meta);
+
+/* The gate weight of slot s in a row's meta. */
+static inline float moe_meta_weight(const int32_t *row_meta, int topk, int slot)
+{
+    float w;
+    __builtin_memcpy(&w, &row_meta[topk + slot], sizeof w);
+    return w;
+}
+
 /* The receive side of one rank: which received row visits which local expert,
  * and where the output goes in the combine send buffer. */
 typedef struct {
@@ -98,25 +115,34 @@ typedef struct {
     moe_index *expert_offset;  /* (EL+1) pairs of local expert l: [expert_offset[l], [l+1]) */
     moe_index *expert_row;     /* (pairs) received row of each pair, grouped by expert */
     moe_index *expert_pair;    /* (pairs) combine send row of each pair, grouped by expert */
+    int *expert_slot;          /* (pairs) top-k slot of each pair in its row */
     moe_index *source_pairs;   /* (G) combine rows going back to each source rank */
 } moe_recv_plan;
 
-/* ids_in (rows, k): the full top-k of each received row, as sent with it;
+/* meta_in (rows, 2k): the meta of each received row, as sent with it;
  * rows_from (G): rows received from each source. Only ids held by `rank` and
  * in wave `wave` (all, when waves is NULL) are used. */
 void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
-                         const int32_t *ids_in, moe_index rows, int topk,
+                         const int32_t *meta_in, moe_index rows, int topk,
                          const moe_index *rows_from, const moe_waves *waves, int wave);
 void moe_recv_plan_free(moe_recv_plan *plan);
 
 /* out (rows, width) = src (, width) rows at index[0 .. rows-1]. */
 void moe_gather_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
                      float *out);
-void moe_gather_ids(const int32_t *src, int width, const moe_index *index, moe_index rows,
-                    int32_t *out);
 /* dst (, width) rows at index[0 .. rows-1] = src (rows, width). */
 void moe_scatter_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
                       float *dst);
+
+/* rows (G): dispatch rows this rank sends to each rank in one forward, the
+ * sum over the waves of their deduplicated plans (waves NULL: one plan). */
+void moe_rows_per_destination(const moe_placement *p, const int32_t *ids, moe_index tokens,
+                              int topk, const moe_waves *waves, double *rows);
+
+/* hist (nodes + 1) += the number of tokens of ids (T, k) whose experts sit on
+ * exactly n distinct virtual nodes of ranks_per_node ranks. */
+void moe_nodes_per_token(const moe_placement *p, const int32_t *ids, moe_index tokens, int topk,
+                         int ranks_per_node, double *hist);
 
 /* slot_rows (T, k): for every (token, slot) of `plan`, the address of its
  * expert output row in back (pairs, d), the combine receive buffer. */
@@ -124,7 +150,8 @@ void moe_combine_locate(const moe_send_plan *plan, const float *back, moe_index 
                         const float **slot_rows);
 
 /* y (T, d) = sum over slots s = 0 .. k-1, in that order, of
- * weights[i,s] * slot_rows[i,s][0 .. d), fp32. */
+ * weights[i,s] * slot_rows[i,s][0 .. d), fp32; weights NULL: plain sum (the
+ * weights were applied before L2). */
 void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe_index tokens,
                         int topk, moe_index hidden, float *y);
 

@@ -46,6 +46,12 @@ typedef struct {
     double rank_flops;               /* --link cb: measured expert FLOP/s of a rank */
     moe_curve_point curve[MOE_MAX_WAVE_RUNS];
     int curve_count;
+    /* routing and traffic detail, filled on rank 0 */
+    int ranks_per_node, nodes;
+    const double *matrix;        /* (G, G) dispatch bytes, row rank to column rank */
+    const double *nodes_hist;    /* (nodes + 1) tokens whose experts span n nodes */
+    const double *rank_expert_seconds; /* (G) each rank's expert time, last forward */
+    moe_spread tokens_per_expert;
     /* --check */
     bool checked;
     bool iterations_identical; /* every iteration gave the same bits */

@@ -25,6 +25,7 @@ enum moe_tensor {
     MOE_TENSOR_W2 = 4,        /* W2  (d, f) of routed expert `entity` */
     MOE_TENSOR_SHARED_W1 = 5, /* W1  (2f, d) of shared expert `entity` */
     MOE_TENSOR_SHARED_W2 = 6, /* W2  (d, f) of shared expert `entity` */
+    MOE_TENSOR_BIAS = 7,      /* deepseek-v3 correction bias (E), entity 0 */
 };
 
 /* The fp32 value of element `index` of (tensor, entity): uniform in

@@ -3,9 +3,22 @@
  * Pure C, no MPI. The gate is computed per token with a fixed-order dot
  * product (fp64 accumulation over d, rounded once to fp32), not with BLAS:
  * a token's logits then depend on nothing but its own row, so routing is
- * identical whatever G, the batching or the thread count. This version has
- * the softmax top-k router (GShard/Mixtral style); the router kind is a field
- * so that further routers slot in beside it.
+ * identical whatever G, the batching or the thread count.
+ *
+ * Two routers:
+ *   softmax      GShard/Mixtral: softmax over all logits, top-k, optionally
+ *                renormalised over the k.
+ *   deepseek-v3  DeepSeek-V3's gate. With a correction bias: scores =
+ *                sigmoid(logits); the bias is added for selection only; the
+ *                experts split into `groups` groups whose score is the sum of
+ *                their two best biased scores; all but the best `topk_groups`
+ *                groups are masked with -inf (never 0: biased scores may be
+ *                negative); top-k of the masked biased scores; weights = the
+ *                unbiased scores there, divided by their sum, times
+ *                route_scale. Without a bias (DeepSeek-V2 style): softmax
+ *                scores, group score = the group's best score, no
+ *                renormalisation unless asked, times route_scale.
+ * Ties go to the lower index everywhere (experts and groups).
  */
 #ifndef MOE_ROUTER_H
 #define MOE_ROUTER_H
@@ -13,15 +26,21 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "moe/common.h"
 #include "moe/dims.h"
 
-enum moe_router_kind { MOE_ROUTER_SOFTMAX = 0 };
+enum moe_router_kind { MOE_ROUTER_SOFTMAX, MOE_ROUTER_DEEPSEEK_V3 };
 
 typedef struct {
     enum moe_router_kind kind;
-    int experts;    /* E */
-    int topk;       /* k */
-    bool normalize; /* divide the k selected scores by their sum */
+    int experts;      /* E */
+    int topk;         /* k */
+    bool normalize;   /* divide the k weights by their sum (always with a bias) */
+    int groups;       /* deepseek-v3: expert groups (1 = no group limit) */
+    int topk_groups;  /* deepseek-v3: groups kept per token */
+    float route_scale;
+    const float *bias; /* (E) deepseek-v3 correction bias, selection only; NULL = none */
+    const float *skew; /* (E) added to the logits before scoring (--skew); NULL = none */
 } moe_router;
 
 /* logits (T, E) = x (T, d) * gate (E, d)^T, each element a fixed-order fp64
@@ -29,11 +48,17 @@ typedef struct {
 void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_index hidden,
                        int experts, float *logits);
 
-/* From logits (T, E): scores (T, E) = softmax in fp64 rounded to fp32; then
- * ids (T, k) = the k best scores in descending order, ties to the lower
- * expert id; weights (T, k) = those scores, divided by their sum in slot
- * order (fp64, rounded to fp32) when r->normalize. Cannot fail. */
+/* From logits (T, E): scores (T, E) (after skew, before bias: softmax or
+ * sigmoid in fp64 rounded to fp32); ids (T, k) in selection order; weights
+ * (T, k) (normalised in fp64 in slot order, rounded to fp32, then times
+ * route_scale in fp32). Cannot fail: the configuration was validated. */
 void moe_router_select(const moe_router *r, const float *logits, moe_index tokens, float *scores,
                        int32_t *ids, float *weights);
+
+/* --skew: "" (none), "hot:E=+B[,E=B...]" (logit bias B on expert E) or
+ * "zipf:S" (bias -S*ln(e+1): expert e chosen about (e+1)^-S as often).
+ * skew (E) receives the biases. Returns MOE_EXIT_OK or MOE_EXIT_USAGE naming
+ * --skew. */
+int moe_skew_parse(const char *spec, int experts, float *skew, moe_status *st);
 
 #endif

@@ -238,6 +238,61 @@ static int write_pictures(const moe_comm *c, const moe_ep *ep, moe_config *cfg, 
     return local.code;
 }
 
+/* The routing and traffic of the last forward, in the arrays (owned by the
+ * caller, allocated here) that the report points to. Collective. */
+typedef struct {
+    double *matrix;       /* (G, G) on rank 0 */
+    double *nodes_hist;   /* (nodes + 1) */
+    double *rank_seconds; /* (G) on rank 0 */
+} traffic_detail;
+
+static void routing_detail(const moe_comm *c, const moe_ep *ep, const int32_t *ids,
+                           double expert_seconds, moe_run_summary *s, traffic_detail *out)
+{
+    const moe_config *cfg = ep->cfg;
+    const int G = c->ranks, E = (int)cfg->experts, k = (int)cfg->topk;
+    const moe_index T = cfg->tokens;
+    const int R = ep->link.ranks_per_node, nodes = (G + R - 1) / R;
+    const double row_bytes = (double)(cfg->hidden * 4 + MOE_META_WORDS(k) * 4);
+
+    double *rows = moe_xmalloc(sizeof(double) * (size_t)G);
+    moe_waves waves;
+    if (!cfg->blocking)
+        moe_waves_init(&waves, &ep->placement, (int)cfg->waves, T);
+    moe_rows_per_destination(&ep->placement, ids, T, k, cfg->blocking ? NULL : &waves, rows);
+    if (!cfg->blocking)
+        moe_waves_free(&waves);
+    for (int r = 0; r < G; r++)
+        rows[r] *= row_bytes;
+    out->matrix = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)G * (size_t)G) : NULL;
+    moe_comm_gather_doubles(c, rows, G, out->matrix);
+    free(rows);
+
+    out->nodes_hist = moe_xcalloc((size_t)nodes + 1, sizeof(double));
+    moe_nodes_per_token(&ep->placement, ids, T, k, R, out->nodes_hist);
+    moe_comm_sum_array(c, out->nodes_hist, nodes + 1);
+
+    double *per_expert = moe_xcalloc((size_t)E, sizeof(double));
+    for (moe_index n = 0; n < T * k; n++)
+        per_expert[ids[n]] += 1.0;
+    moe_comm_sum_array(c, per_expert, E);
+    s->tokens_per_expert = (moe_spread){per_expert[0], 0.0, per_expert[0]};
+    for (int e = 0; e < E; e++) {
+        s->tokens_per_expert.min = per_expert[e] < s->tokens_per_expert.min ? per_expert[e] : s->tokens_per_expert.min;
+        s->tokens_per_expert.max = per_expert[e] > s->tokens_per_expert.max ? per_expert[e] : s->tokens_per_expert.max;
+        s->tokens_per_expert.mean += per_expert[e] / E;
+    }
+    free(per_expert);
+
+    out->rank_seconds = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)G) : NULL;
+    moe_comm_gather_doubles(c, &expert_seconds, 1, out->rank_seconds);
+    s->ranks_per_node = R;
+    s->nodes = nodes;
+    s->matrix = out->matrix;
+    s->nodes_hist = out->nodes_hist;
+    s->rank_expert_seconds = out->rank_seconds;
+}
+
 /* The buffers of one run on this rank. */
 typedef struct {
     float *x;         /* (T, d) */
@@ -249,6 +304,7 @@ typedef struct {
     float *y_first;   /* (T, d) the first iteration's output */
     double *per_iter; /* (iters, COLS) */
     moe_trace trace;  /* the last iteration's events */
+    double last_expert_seconds; /* this rank's, in the last forward */
 } run_buffers;
 
 /* cfg->iters forwards at the current cfg->waves; fills the times, traffic and
@@ -289,6 +345,7 @@ static int timed_forwards(const moe_comm *c, const moe_ep *ep, run_buffers *b,
         return rc;
     summarize_times(b->per_iter, iters, s);
     summarize_traffic(c, ep, &f, s);
+    b->last_expert_seconds = f.seconds[MOE_STAGE_EXPERTS];
     s->waves = f.waves;
     s->wave_kind = f.wave_kind;
     s->iterations_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
@@ -360,6 +417,9 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     /* The first wave count: report, pictures, check. */
     if (rc == MOE_EXIT_OK)
         rc = timed_forwards(c, &ep, &b, &s, &st);
+    traffic_detail detail = {NULL, NULL, NULL};
+    if (rc == MOE_EXIT_OK)
+        routing_detail(c, &ep, b.ids, b.last_expert_seconds, &s, &detail);
     if (rc == MOE_EXIT_OK && (cfg.trace[0] || cfg.timeline[0]))
         rc = write_pictures(c, &ep, &cfg, b.x, b.ids, b.weights, b.y_first, &b.trace, &st);
     if (rc == MOE_EXIT_OK && cfg.check) {
@@ -395,6 +455,9 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         moe_comm_print_error(c, &st);
     }
 
+    free(detail.matrix);
+    free(detail.nodes_hist);
+    free(detail.rank_seconds);
     moe_trace_free(&b.trace);
     free(b.per_iter);
     free(b.y_first);

@@ -157,3 +157,13 @@ void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int coun
     free(bytes);
     free(counts);
 }
+
+void moe_comm_sum_array(const moe_comm *c, double *v, int n)
+{
+    MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, c->comm);
+}
+
+void moe_comm_gather_doubles(const moe_comm *c, const double *v, int n, double *all)
+{
+    MPI_Gather(v, n, MPI_DOUBLE, all, n, MPI_DOUBLE, 0, c->comm);
+}

@@ -37,10 +37,13 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     ep->cfg = cfg;
     ep->comm = *comm;
     moe_placement_init(&ep->placement, (int)cfg->experts, comm->ranks);
-    ep->router = (moe_router){.kind = MOE_ROUTER_SOFTMAX,
+    ep->router = (moe_router){.kind = (enum moe_router_kind)cfg->router,
                               .experts = (int)cfg->experts,
                               .topk = (int)cfg->topk,
-                              .normalize = true};
+                              .normalize = cfg->norm_topk,
+                              .groups = (int)cfg->groups,
+                              .topk_groups = (int)cfg->topk_groups,
+                              .route_scale = (float)cfg->route_scale};
     ep->gemm = (enum moe_gemm_kind)cfg->gemm;
     ep->link.ranks_per_node = cfg->ranks_per_node > 0 ? (int)cfg->ranks_per_node : comm->ranks;
     moe_status ignored; /* validated by moe_config_validate */
@@ -81,6 +84,17 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     free(w1);
     moe_synth_fill(cfg->seed, MOE_TENSOR_GATE, 0, 0, cfg->experts * d,
                    moe_synth_weight_scale(d), ep->gate);
+    if (cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0) {
+        ep->bias = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
+        moe_synth_fill(cfg->seed, MOE_TENSOR_BIAS, 0, 0, cfg->experts, (float)cfg->bias_scale,
+                       ep->bias);
+        ep->router.bias = ep->bias;
+    }
+    if (cfg->skew[0]) {
+        ep->skew = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
+        moe_skew_parse(cfg->skew, (int)cfg->experts, ep->skew, &ignored);
+        ep->router.skew = ep->skew;
+    }
     return MOE_EXIT_OK;
 }
 
@@ -91,8 +105,10 @@ void moe_ep_free(moe_ep *ep)
     free(ep->shared_w1);
     free(ep->shared_w2);
     free(ep->gate);
+    free(ep->bias);
+    free(ep->skew);
     moe_placement_free(&ep->placement);
-    ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = NULL;
+    ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = ep->bias = ep->skew = NULL;
 }
 
 void moe_ep_generate_tokens(const moe_ep *ep, float *x)
@@ -146,6 +162,28 @@ moe_expert_weights moe_ep_shared_expert(const moe_ep *ep, int shared)
     return weights_at(ep, ep->shared_w1, ep->shared_w2, shared);
 }
 
+void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l, const float *recv_rows,
+                       const int32_t *recv_meta, float *work, float *scratch, float *expert_out,
+                       const moe_ffn_hooks *hooks)
+{
+    const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
+    const int k = (int)ep->cfg->topk;
+    const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
+    if (n == 0)
+        return;
+    const moe_expert_weights w = moe_ep_expert(ep, l);
+    float *in = work, *out = work + n * d, *scale = NULL; /* (n, d), (n, d), (n) */
+    if (ep->cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION) {
+        scale = work + 2 * n * d;
+        for (moe_index m = 0; m < n; m++)
+            scale[m] = moe_meta_weight(recv_meta + recv->expert_row[first + m] * MOE_META_WORDS(k),
+                                       k, recv->expert_slot[first + m]);
+    }
+    moe_gather_rows(recv_rows, d, recv->expert_row + first, n, in);
+    moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);
+    moe_scatter_rows(out, d, recv->expert_pair + first, n, expert_out);
+}
+
 void moe_ep_shared_forward(const moe_ep *ep, const float *x, float *y, float *scratch, float *out)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
@@ -153,7 +191,7 @@ void moe_ep_shared_forward(const moe_ep *ep, const float *x, float *y, float *sc
         const moe_expert_weights w = moe_ep_shared_expert(ep, s);
         for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
             moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
-            moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch, out, NULL);
+            moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch, out, NULL, NULL);
             for (moe_index n = 0; n < rows * d; n++)
                 y[first * d + n] += out[n];
         }
@@ -169,11 +207,11 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
     memset(stats, 0, sizeof *stats);
 
-    MPI_Datatype row_type, ids_type; /* one token row (d floats); its top-k ids */
+    MPI_Datatype row_type, meta_type; /* one token row (d floats); its meta (2k words) */
     MPI_Type_contiguous((int)d, MPI_FLOAT, &row_type);
     MPI_Type_commit(&row_type);
-    MPI_Type_contiguous(k, MPI_INT32_T, &ids_type);
-    MPI_Type_commit(&ids_type);
+    MPI_Type_contiguous(MOE_META_WORDS(k), MPI_INT32_T, &meta_type);
+    MPI_Type_commit(&meta_type);
     int *send_counts = moe_xmalloc(sizeof(int) * (size_t)G), *send_displs = moe_xmalloc(sizeof(int) * (size_t)G);
     int *recv_counts = moe_xmalloc(sizeof(int) * (size_t)G), *recv_displs = moe_xmalloc(sizeof(int) * (size_t)G);
     moe_index *rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G); /* (G) */
@@ -193,9 +231,9 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     to_counts(rows_from, G, recv_counts, recv_displs);
     const moe_index rows_out = send.row_offset[G];
     float *send_rows = try_alloc(sizeof(float) * (size_t)(rows_out * d), "the dispatch send buffer", c->rank, &local);
-    int32_t *send_ids = try_alloc(sizeof(int32_t) * (size_t)(rows_out * k), "the dispatch ids", c->rank, &local);
+    int32_t *send_meta = try_alloc(sizeof(int32_t) * (size_t)(rows_out * MOE_META_WORDS(k)), "the dispatch ids", c->rank, &local);
     float *recv_rows = try_alloc(sizeof(float) * (size_t)(rows_in * d), "the dispatch receive buffer", c->rank, &local);
-    int32_t *recv_ids = try_alloc(sizeof(int32_t) * (size_t)(rows_in * k), "the received ids", c->rank, &local);
+    int32_t *recv_meta = try_alloc(sizeof(int32_t) * (size_t)(rows_in * MOE_META_WORDS(k)), "the received ids", c->rank, &local);
     float *back = try_alloc(sizeof(float) * (size_t)(send.pair_offset[G] * d), "the combine receive buffer", c->rank, &local);
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
 
@@ -203,23 +241,23 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     t = MPI_Wtime();
     if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
         moe_gather_rows(x, d, send.row_token, rows_out, send_rows);
-        moe_gather_ids(ids, k, send.row_token, rows_out, send_ids);
+        moe_pack_meta(ids, weights, k, send.row_token, rows_out, send_meta);
         MPI_Alltoallv(send_rows, send_counts, send_displs, row_type, recv_rows, recv_counts,
                       recv_displs, row_type, c->comm);
-        MPI_Alltoallv(send_ids, send_counts, send_displs, ids_type, recv_ids, recv_counts,
-                      recv_displs, ids_type, c->comm);
+        MPI_Alltoallv(send_meta, send_counts, send_displs, meta_type, recv_meta, recv_counts,
+                      recv_displs, meta_type, c->comm);
     }
     stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
     stats->rows_sent = rows_out;
     stats->rows_sent_remote = rows_out - send.row_count[c->rank];
     stats->rows_received = rows_in;
-    stats->bytes_dispatched = (double)rows_out * (double)(d * 4 + k * 4);
+    stats->bytes_dispatched = (double)rows_out * (double)(d * 4 + MOE_META_WORDS(k) * 4);
 
     moe_recv_plan recv = {0};
     float *expert_out = NULL, *expert_in = NULL, *scratch = NULL;
     if (local.code == MOE_EXIT_OK) {
         t = MPI_Wtime();
-        moe_recv_plan_build(&recv, &ep->placement, c->rank, recv_ids, rows_in, k, rows_from,
+        moe_recv_plan_build(&recv, &ep->placement, c->rank, recv_meta, rows_in, k, rows_from,
                             NULL, 0);
         stats->seconds[MOE_STAGE_PLAN] += MPI_Wtime() - t;
         moe_index most = MOE_SHARED_ROW_BLOCK; /* the shared experts reuse the scratch */
@@ -227,8 +265,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
             if (recv.expert_offset[l + 1] - recv.expert_offset[l] > most)
                 most = recv.expert_offset[l + 1] - recv.expert_offset[l];
         expert_out = try_alloc(sizeof(float) * (size_t)(recv.pairs * d), "the combine send buffer", c->rank, &local);
-        /* expert_in holds one expert's input rows, then its output rows. */
-        expert_in = try_alloc(sizeof(float) * (size_t)(most * 2 * d), "expert rows", c->rank, &local);
+        expert_in = try_alloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
         scratch = try_alloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
     }
 
@@ -236,14 +273,9 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         /* Experts: one FFN call per local expert, rows in global token order. */
         t = MPI_Wtime();
         moe_gemm_reset_flops();
-        for (int l = 0; l < EL; l++) {
-            const moe_index first = recv.expert_offset[l], n = recv.expert_offset[l + 1] - first;
-            const moe_expert_weights w = moe_ep_expert(ep, l);
-            float *in = expert_in, *out = expert_in + n * d; /* (n, d) each */
-            moe_gather_rows(recv_rows, d, recv.expert_row + first, n, in);
-            moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, NULL);
-            moe_scatter_rows(out, d, recv.expert_pair + first, n, expert_out);
-        }
+        for (int l = 0; l < EL; l++)
+            moe_ep_run_expert(ep, &recv, l, recv_rows, recv_meta, expert_in, scratch, expert_out,
+                              NULL);
         stats->expert_flops = moe_gemm_sflops();
         stats->pairs_received = recv.pairs;
         stats->expert_start = t;
@@ -263,7 +295,8 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         t = MPI_Wtime();
         const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * k)); /* (T, k) */
         moe_combine_locate(&send, back, d, slot_rows);
-        moe_combine_reduce(slot_rows, weights, T, k, d, y);
+        moe_combine_reduce(slot_rows, cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? weights : NULL, T,
+                           k, d, y);
         free(slot_rows);
         stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
 
@@ -277,9 +310,9 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     free(expert_out);
     moe_recv_plan_free(&recv);
     free(back);
-    free(recv_ids);
+    free(recv_meta);
     free(recv_rows);
-    free(send_ids);
+    free(send_meta);
     free(send_rows);
     moe_send_plan_free(&send);
     free(rows_from);
@@ -287,7 +320,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     free(recv_counts);
     free(send_displs);
     free(send_counts);
-    MPI_Type_free(&ids_type);
+    MPI_Type_free(&meta_type);
     MPI_Type_free(&row_type);
     if (local.code)
         *st = local;

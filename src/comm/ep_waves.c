@@ -31,7 +31,7 @@ typedef struct {
     moe_index *rows_from;                        /* (G) */
     int *counts;                                 /* (8, G): see the enum below */
     float *send_rows, *recv_rows, *expert_out, *back;
-    int32_t *send_ids, *recv_ids;
+    int32_t *send_meta, *recv_meta; /* (rows, 2k) */
     double dispatch_bytes[2][MOE_TIERS]; /* over the links: [in, out][tier] */
     double combine_bytes[2][MOE_TIERS];
 } wave_state;
@@ -111,7 +111,7 @@ static void track(moe_progress *p, int op, const moe_link *link, moe_link_state 
 }
 
 static void post_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Datatype row_type,
-                          MPI_Datatype ids_type, MPI_Comm comm, const moe_link *link,
+                          MPI_Datatype meta_type, MPI_Comm comm, const moe_link *link,
                           moe_link_state *links)
 {
     moe_comm_op *o = &p->ops[op];
@@ -119,8 +119,8 @@ static void post_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Da
     MPI_Ialltoallv(ws->send_rows, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), row_type,
                    ws->recv_rows, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), row_type, comm,
                    &o->requests[0]);
-    MPI_Ialltoallv(ws->send_ids, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), ids_type,
-                   ws->recv_ids, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), ids_type, comm,
+    MPI_Ialltoallv(ws->send_meta, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), meta_type,
+                   ws->recv_meta, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), meta_type, comm,
                    &o->requests[1]);
     o->count = 2;
     track(p, op, link, links, ws->dispatch_bytes);
@@ -160,20 +160,12 @@ static void add_comm_event(moe_trace *trace, const moe_comm_op *o, const moe_com
 static void wave_experts(const moe_ep *ep, wave_state *ws, float *expert_in, float *scratch,
                          stage_clock *clock)
 {
-    const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
     const moe_ffn_hooks hooks = {after_stage, clock,
                                  ep->gemm == MOE_GEMM_EXACT ? POLL_CHUNK_ROWS : 0};
     for (int l = 0; l < ws->recv.local_experts; l++) {
-        const moe_index first = ws->recv.expert_offset[l];
-        const moe_index n = ws->recv.expert_offset[l + 1] - first;
-        if (n == 0)
-            continue;
-        const moe_expert_weights w = moe_ep_expert(ep, l);
-        float *in = expert_in, *out = expert_in + n * d; /* (n, d) each */
-        clock->rows = n;
-        moe_gather_rows(ws->recv_rows, d, ws->recv.expert_row + first, n, in);
-        moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, &hooks);
-        moe_scatter_rows(out, d, ws->recv.expert_pair + first, n, ws->expert_out);
+        clock->rows = ws->recv.expert_offset[l + 1] - ws->recv.expert_offset[l];
+        moe_ep_run_expert(ep, &ws->recv, l, ws->recv_rows, ws->recv_meta, expert_in, scratch,
+                          ws->expert_out, &hooks);
     }
     const double now = MPI_Wtime(); /* the last scatter belongs to the last L2 */
     clock->compute += now - clock->mark;
@@ -195,8 +187,8 @@ static void free_waves(wave_state *waves, int W)
         free(ws->recv_rows);
         free(ws->expert_out);
         free(ws->back);
-        free(ws->send_ids);
-        free(ws->recv_ids);
+        free(ws->send_meta);
+        free(ws->recv_meta);
     }
     free(waves);
 }
@@ -212,11 +204,11 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     memset(stats, 0, sizeof *stats);
     stats->waves = W;
 
-    MPI_Datatype row_type, ids_type; /* one token row (d floats); its top-k ids */
+    MPI_Datatype row_type, meta_type; /* one token row (d floats); its meta (2k words) */
     MPI_Type_contiguous((int)d, MPI_FLOAT, &row_type);
     MPI_Type_commit(&row_type);
-    MPI_Type_contiguous(k, MPI_INT32_T, &ids_type);
-    MPI_Type_commit(&ids_type);
+    MPI_Type_contiguous(MOE_META_WORDS(k), MPI_INT32_T, &meta_type);
+    MPI_Type_commit(&meta_type);
 
     /* Plan: every wave's rows, one count exchange for all of them. */
     double t = MPI_Wtime();
@@ -246,21 +238,20 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
             s->rows_in += s->rows_from[r];
         }
         s->rows_out = s->send.row_offset[G];
-        link_bytes(ep, s->rows_from, s->send.row_count, (double)(d * 4 + k * 4), s->dispatch_bytes);
+        link_bytes(ep, s->rows_from, s->send.row_count, (double)(d * 4 + MOE_META_WORDS(k) * 4), s->dispatch_bytes);
         s->pairs_bound = s->rows_in * per_row_pairs;
         most = s->rows_in > most ? s->rows_in : most;
         to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
         to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
         to_counts(s->send.pair_count, G, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
         s->send_rows = try_alloc(sizeof(float) * (size_t)(s->rows_out * d), "dispatch rows", c->rank, &local);
-        s->send_ids = try_alloc(sizeof(int32_t) * (size_t)(s->rows_out * k), "dispatch ids", c->rank, &local);
+        s->send_meta = try_alloc(sizeof(int32_t) * (size_t)(s->rows_out * MOE_META_WORDS(k)), "dispatch ids", c->rank, &local);
         s->recv_rows = try_alloc(sizeof(float) * (size_t)(s->rows_in * d), "received rows", c->rank, &local);
-        s->recv_ids = try_alloc(sizeof(int32_t) * (size_t)(s->rows_in * k), "received ids", c->rank, &local);
+        s->recv_meta = try_alloc(sizeof(int32_t) * (size_t)(s->rows_in * MOE_META_WORDS(k)), "received ids", c->rank, &local);
         s->expert_out = try_alloc(sizeof(float) * (size_t)(s->pairs_bound * d), "expert outputs", c->rank, &local);
         s->back = try_alloc(sizeof(float) * (size_t)(s->send.pair_offset[G] * d), "combined rows", c->rank, &local);
     }
-    /* expert_in holds one expert's input rows, then its output rows. */
-    float *expert_in = try_alloc(sizeof(float) * (size_t)(most * 2 * d), "expert rows", c->rank, &local);
+    float *expert_in = try_alloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
     float *scratch = try_alloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
     const float **slot_rows = try_alloc(sizeof(float *) * (size_t)(T * k), "the reduce table", c->rank, &local);
     free(counts_in);
@@ -271,7 +262,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     }
     for (int w = 0; w < W; w++) {
         moe_gather_rows(x, d, ws[w].send.row_token, ws[w].rows_out, ws[w].send_rows);
-        moe_gather_ids(ids, k, ws[w].send.row_token, ws[w].rows_out, ws[w].send_ids);
+        moe_pack_meta(ids, weights, k, ws[w].send.row_token, ws[w].rows_out, ws[w].send_meta);
     }
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
 
@@ -287,13 +278,13 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     int posted = 0; /* dispatches posted so far */
     for (int w = 0; w < W; w++) {
         for (const int want = w + ahead + 1 < W ? w + ahead + 1 : W; posted < want; posted++)
-            post_dispatch(&ws[posted], &progress, posted, G, row_type, ids_type, c->comm,
+            post_dispatch(&ws[posted], &progress, posted, G, row_type, meta_type, c->comm,
                           &ep->link, &links);
         moe_progress_wait(&progress, w);
         clock.wave = w;
         clock.mark = MPI_Wtime();
         wave_state *s = &ws[w];
-        moe_recv_plan_build(&s->recv, &ep->placement, c->rank, s->recv_ids, s->rows_in, k,
+        moe_recv_plan_build(&s->recv, &ep->placement, c->rank, s->recv_meta, s->rows_in, k,
                             s->rows_from, &waves, w);
         MOE_ASSERT(s->recv.pairs <= s->pairs_bound);
         to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
@@ -312,7 +303,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         wave_state *s = &ws[w];
         add_comm_event(trace, &progress.ops[w], w ? &progress.ops[w - 1] : NULL, origin, w,
                        MOE_EVENT_DISPATCH,
-                       (double)s->rows_out * (double)(d * 4 + k * 4), s->rows_out);
+                       (double)s->rows_out * (double)(d * 4 + MOE_META_WORDS(k) * 4), s->rows_out);
         add_comm_event(trace, &progress.ops[W + w], w ? &progress.ops[W + w - 1] : NULL, origin,
                        w, MOE_EVENT_COMBINE,
                        (double)s->recv.pairs * (double)(d * 4), s->recv.pairs);
@@ -323,7 +314,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         stats->rows_received += s->rows_in;
         stats->pairs_received += s->recv.pairs;
         stats->pairs_back_remote += s->send.pair_offset[G] - s->send.pair_count[c->rank];
-        stats->bytes_dispatched += (double)s->rows_out * (double)(d * 4 + k * 4);
+        stats->bytes_dispatched += (double)s->rows_out * (double)(d * 4 + MOE_META_WORDS(k) * 4);
         stats->bytes_combined += (double)s->recv.pairs * (double)(d * 4);
     }
     moe_progress_free(&progress);
@@ -336,7 +327,8 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     t = MPI_Wtime();
     for (int w = 0; w < W; w++)
         moe_combine_locate(&ws[w].send, ws[w].back, d, slot_rows);
-    moe_combine_reduce(slot_rows, weights, T, k, d, y);
+    moe_combine_reduce(slot_rows, cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? weights : NULL, T, k,
+                       d, y);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
     t = MPI_Wtime();
     moe_ep_shared_forward(ep, x, y, scratch, expert_in);
@@ -356,8 +348,8 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         MPI_Ialltoallv(s->send_rows, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G), row_type,
                        s->recv_rows, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G), row_type,
                        c->comm, &requests[3 * w]);
-        MPI_Ialltoallv(s->send_ids, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G), ids_type,
-                       s->recv_ids, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G), ids_type,
+        MPI_Ialltoallv(s->send_meta, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G), meta_type,
+                       s->recv_meta, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G), meta_type,
                        c->comm, &requests[3 * w + 1]);
         MPI_Ialltoallv(s->expert_out, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G), row_type,
                        s->back, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G), row_type,
@@ -379,7 +371,7 @@ out:
     free(expert_in);
     free_waves(ws, W);
     moe_waves_free(&waves);
-    MPI_Type_free(&ids_type);
+    MPI_Type_free(&meta_type);
     MPI_Type_free(&row_type);
     return local.code;
 }

@@ -6,6 +6,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "moe/config.h"
 #include "moe/link.h"
+#include "moe/router.h"
 
 #include <ctype.h>
 #include <dirent.h>
@@ -22,13 +23,13 @@
 #define MOE_INSTALLED_PRESET_DIR "/usr/local/share/moe-ep/presets"
 #endif
 
-enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET, FLAG_CHOICE, FLAG_TEXT, FLAG_WAVES };
+enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET, FLAG_CHOICE, FLAG_TEXT, FLAG_WAVES, FLAG_REAL };
 
 typedef struct {
     const char *name; /* flag without "--", and preset key */
     enum flag_kind kind;
     size_t offset;
-    int64_t min, max; /* FLAG_INT only */
+    int64_t min, max; /* FLAG_INT and FLAG_WAVES; FLAG_REAL: [min, max] too */
     const char *value_name; /* FLAG_CHOICE: the choices, "a|b", stored as an index */
     const char *help;
 } flag_spec;
@@ -42,6 +43,14 @@ static const flag_spec flags[] = {
     {"ffn", FLAG_INT, FIELD(ffn), 1, 65536, "f", "FFN size of one expert"},
     {"experts", FLAG_INT, FIELD(experts), 1, 4096, "E", "routed experts"},
     {"topk", FLAG_INT, FIELD(topk), 1, 4096, "k", "experts per token, 1 <= k <= E"},
+    {"router", FLAG_CHOICE, FIELD(router), 0, 0, "softmax|deepseek-v3", "the gate (router.h)"},
+    {"groups", FLAG_INT, FIELD(groups), 1, 4096, "N", "deepseek-v3 expert groups (= nodes: node-limited routing)"},
+    {"topk-groups", FLAG_INT, FIELD(topk_groups), 1, 4096, "M", "deepseek-v3 groups kept per token"},
+    {"route-scale", FLAG_REAL, FIELD(route_scale), 0, 1000, "S", "deepseek-v3 weight scale"},
+    {"bias-scale", FLAG_REAL, FIELD(bias_scale), 0, 100, "B", "deepseek-v3 correction bias, uniform in [-B, B); 0 = none (V2 style)"},
+    {"norm-topk", FLAG_BOOL, FIELD(norm_topk), 0, 0, NULL, "renormalise the k weights (softmax, and deepseek-v3 without bias)"},
+    {"weight-at", FLAG_CHOICE, FIELD(weight_at), 0, 0, "output|activation", "gate weight on the expert output (V3 reference) or before L2 (fused kernels)"},
+    {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", "logit bias: hot:EXPERT=+B[,...] or zipf:S"},
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", "shared experts, applied to every token on its home rank"},
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1"},
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes"},
@@ -72,6 +81,12 @@ void moe_config_defaults(moe_config *cfg)
     cfg->waves = cfg->waves_list[0] = 4;
     cfg->waves_count = 1;
     cfg->lookahead = 2;
+    cfg->router = 0; /* MOE_ROUTER_SOFTMAX */
+    cfg->groups = 1;
+    cfg->topk_groups = 1;
+    cfg->route_scale = 1.0;
+    cfg->bias_scale = 0.01;
+    cfg->norm_topk = true;
     cfg->progress = MOE_PROGRESS_POLL;
     cfg->gemm = 0; /* MOE_GEMM_BLAS */
     cfg->seed = 1;
@@ -147,6 +162,16 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
                             where, (long long)flag->min, (long long)flag->max, value);
         cfg->waves_count = count;
         cfg->waves = cfg->waves_list[0];
+        return MOE_EXIT_OK;
+    }
+    case FLAG_REAL: {
+        errno = 0;
+        double v = strtod(value, &end);
+        if (*value == '\0' || *end != '\0' || errno == ERANGE || !(v >= (double)flag->min) ||
+            !(v <= (double)flag->max))
+            return moe_fail(st, MOE_EXIT_USAGE, "%s must be a number in [%lld, %lld], got '%s'",
+                            where, (long long)flag->min, (long long)flag->max, value);
+        *(double *)base = v;
         return MOE_EXIT_OK;
     }
     case FLAG_TEXT:
@@ -356,6 +381,34 @@ int moe_config_parse(moe_config *cfg, int argc, char **argv, moe_status *st)
     return MOE_EXIT_OK;
 }
 
+static int validate_router(const moe_config *cfg, moe_status *st)
+{
+    const int64_t E = cfg->experts, N = cfg->groups, M = cfg->topk_groups;
+    if (cfg->router != MOE_ROUTER_DEEPSEEK_V3) {
+        if (N != 1 || M != 1)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--groups and --topk-groups need --router deepseek-v3");
+    } else {
+        if (E % N != 0)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--groups must divide --experts %lld, got %lld", (long long)E, (long long)N);
+        if (M > N)
+            return moe_fail(st, MOE_EXIT_USAGE, "--topk-groups must be in [1, %lld] (at most --groups), got %lld",
+                            (long long)N, (long long)M);
+        if (cfg->bias_scale > 0 && N > 1 && E / N < 2)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--groups %lld leaves 1 expert per group, but the biased group score sums "
+                            "the top 2: use at most %lld groups, or --bias-scale 0",
+                            (long long)N, (long long)(E / 2));
+        if (cfg->topk > M * (E / N))
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--topk must be at most %lld (the experts in the %lld kept groups of %lld), got %lld",
+                            (long long)(M * (E / N)), (long long)M, (long long)(E / N), (long long)cfg->topk);
+    }
+    float skew[4096];
+    return moe_skew_parse(cfg->skew, (int)E, skew, st);
+}
+
 int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
 {
     if (cfg->topk > cfg->experts)
@@ -366,6 +419,8 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
             return moe_fail(st, MOE_EXIT_USAGE,
                             "--waves must be in [1, %lld] (at most --tokens), got %lld",
                             (long long)cfg->tokens, (long long)cfg->waves_list[n]);
+    if (validate_router(cfg, st))
+        return st->code;
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))
         return st->code;
@@ -404,7 +459,7 @@ void moe_config_print_flags(FILE *out)
         char left[64];
         snprintf(left, sizeof left, "--%s%s%s", flags[n].name, flags[n].value_name ? " " : "",
                  flags[n].value_name ? flags[n].value_name : "");
-        if (flags[n].kind == FLAG_INT)
+        if (flags[n].kind == FLAG_INT || flags[n].kind == FLAG_REAL)
             fprintf(out, "  %-22s %s [%lld..%lld]\n", left, flags[n].help,
                     (long long)flags[n].min, (long long)flags[n].max);
         else

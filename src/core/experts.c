@@ -2,11 +2,13 @@
 #include "moe/experts.h"
 
 #include <math.h>
+#include <stddef.h>
 
 #include "moe/gemm.h"
 #include "moe/rng.h"
 
-static void swiglu(const float *h, moe_index rows, moe_index ffn, float *a)
+/* a (rows, f) = silu(gate) * up, times scale[n] per row when scale is set. */
+static void swiglu(const float *h, moe_index rows, moe_index ffn, const float *scale, float *a)
 {
 #pragma omp parallel for schedule(static)
     for (moe_index n = 0; n < rows; n++) {
@@ -14,6 +16,9 @@ static void swiglu(const float *h, moe_index rows, moe_index ffn, float *a)
         float *act = a + n * ffn;
         for (moe_index c = 0; c < ffn; c++)
             act[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+        if (scale)
+            for (moe_index c = 0; c < ffn; c++)
+                act[c] *= scale[n];
     }
 }
 
@@ -25,7 +30,7 @@ static inline void after(const moe_ffn_hooks *hooks, enum moe_ffn_stage stage)
 
 void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
                         moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
-                        const moe_ffn_hooks *hooks)
+                        const float *act_scale, const moe_ffn_hooks *hooks)
 {
     if (rows == 0)
         return;
@@ -34,7 +39,7 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
     if (gemm == MOE_GEMM_BLAS) {
         moe_sgemm_nt(rows, 2 * ffn, hidden, x, hidden, w->w1, hidden, h, 2 * ffn);
         after(hooks, MOE_FFN_L1);
-        swiglu(h, rows, ffn, a);
+        swiglu(h, rows, ffn, act_scale, a);
         after(hooks, MOE_FFN_ACTIVATION);
         moe_sgemm_nt(rows, hidden, ffn, a, ffn, w->w2, ffn, y, hidden);
         after(hooks, MOE_FFN_L2);
@@ -46,7 +51,7 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
         moe_sgemm_exact(n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, 2 * ffn,
                         h + first * 2 * ffn, 2 * ffn);
         after(hooks, MOE_FFN_L1);
-        swiglu(h + first * 2 * ffn, n, ffn, a + first * ffn);
+        swiglu(h + first * 2 * ffn, n, ffn, act_scale ? act_scale + first : NULL, a + first * ffn);
         after(hooks, MOE_FFN_ACTIVATION);
         moe_sgemm_exact(n, hidden, ffn, a + first * ffn, ffn, w->w2t, hidden, y + first * hidden,
                         hidden);

@@ -165,7 +165,7 @@ static int local_slot(const moe_placement *p, int rank, int32_t e, const moe_wav
 }
 
 void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
-                         const int32_t *ids_in, moe_index rows, int topk,
+                         const int32_t *meta_in, moe_index rows, int topk,
                          const moe_index *rows_from, const moe_waves *waves, int wave)
 {
     const int G = p->ranks;
@@ -180,7 +180,7 @@ void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
     for (int source = 0; source < G; source++)
         for (moe_index n = 0; n < rows_from[source]; n++, row++)
             for (int s = 0; s < topk; s++) {
-                int local = local_slot(p, rank, ids_in[row * topk + s], waves, wave);
+                int local = local_slot(p, rank, meta_in[row * MOE_META_WORDS(topk) + s], waves, wave);
                 if (local >= 0) {
                     plan->expert_offset[local + 1]++;
                     plan->source_pairs[source]++;
@@ -196,14 +196,16 @@ void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
      * pair number. Each expert's list stays in ascending row order. */
     plan->expert_row = moe_xmalloc(sizeof(moe_index) * (size_t)pairs);
     plan->expert_pair = moe_xmalloc(sizeof(moe_index) * (size_t)pairs);
+    plan->expert_slot = moe_xmalloc(sizeof(int) * (size_t)pairs);
     moe_index *next = moe_xmalloc(sizeof(moe_index) * (size_t)(EL + 1));
     memcpy(next, plan->expert_offset, sizeof(moe_index) * (size_t)(EL + 1));
     moe_index pair = 0;
     for (row = 0; row < rows; row++)
         for (int s = 0; s < topk; s++) {
-            int local = local_slot(p, rank, ids_in[row * topk + s], waves, wave);
+            int local = local_slot(p, rank, meta_in[row * MOE_META_WORDS(topk) + s], waves, wave);
             if (local >= 0) {
                 plan->expert_row[next[local]] = row;
+                plan->expert_slot[next[local]] = s;
                 plan->expert_pair[next[local]] = pair++;
                 next[local]++;
             }
@@ -217,6 +219,7 @@ void moe_recv_plan_free(moe_recv_plan *plan)
     free(plan->expert_offset);
     free(plan->expert_row);
     free(plan->expert_pair);
+    free(plan->expert_slot);
     free(plan->source_pairs);
     memset(plan, 0, sizeof *plan);
 }
@@ -229,11 +232,14 @@ void moe_gather_rows(const float *src, moe_index width, const moe_index *index, 
         memcpy(out + n * width, src + index[n] * width, sizeof(float) * (size_t)width);
 }
 
-void moe_gather_ids(const int32_t *src, int width, const moe_index *index, moe_index rows,
-                    int32_t *out)
+void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe_index *row_token,
+                   moe_index rows, int32_t *meta)
 {
-    for (moe_index n = 0; n < rows; n++)
-        memcpy(out + n * width, src + index[n] * width, sizeof(int32_t) * (size_t)width);
+    for (moe_index n = 0; n < rows; n++) {
+        int32_t *out = meta + n * MOE_META_WORDS(topk);
+        memcpy(out, ids + row_token[n] * topk, sizeof(int32_t) * (size_t)topk);
+        memcpy(out + topk, weights + row_token[n] * topk, sizeof(float) * (size_t)topk);
+    }
 }
 
 void moe_scatter_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
@@ -242,6 +248,41 @@ void moe_scatter_rows(const float *src, moe_index width, const moe_index *index,
 #pragma omp parallel for schedule(static)
     for (moe_index n = 0; n < rows; n++)
         memcpy(dst + index[n] * width, src + n * width, sizeof(float) * (size_t)width);
+}
+
+void moe_rows_per_destination(const moe_placement *p, const int32_t *ids, moe_index tokens,
+                              int topk, const moe_waves *waves, double *rows)
+{
+    for (int r = 0; r < p->ranks; r++)
+        rows[r] = 0.0;
+    for (int w = 0; w < (waves ? waves->waves : 1); w++) {
+        moe_send_plan plan;
+        moe_send_plan_build(&plan, p, ids, tokens, topk, waves, w);
+        for (int r = 0; r < p->ranks; r++)
+            rows[r] += (double)plan.row_count[r];
+        moe_send_plan_free(&plan);
+    }
+}
+
+void moe_nodes_per_token(const moe_placement *p, const int32_t *ids, moe_index tokens, int topk,
+                         int ranks_per_node, double *hist)
+{
+    const int nodes = (p->ranks + ranks_per_node - 1) / ranks_per_node;
+    moe_index *last_token = moe_xmalloc(sizeof(moe_index) * (size_t)nodes); /* dedup marks */
+    for (int n = 0; n < nodes; n++)
+        last_token[n] = -1;
+    for (moe_index i = 0; i < tokens; i++) {
+        int reached = 0;
+        for (int s = 0; s < topk; s++) {
+            const int node = p->expert_rank[ids[i * topk + s]] / ranks_per_node;
+            if (last_token[node] != i) {
+                last_token[node] = i;
+                reached++;
+            }
+        }
+        hist[reached] += 1.0;
+    }
+    free(last_token);
 }
 
 void moe_combine_locate(const moe_send_plan *plan, const float *back, moe_index hidden,
@@ -261,8 +302,13 @@ void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe
         for (moe_index j = 0; j < hidden; j++)
             out[j] = 0.0f;
         for (int s = 0; s < topk; s++) {
-            const float w = weights[i * topk + s];
             const float *row = slot_rows[i * topk + s]; /* (d) */
+            if (!weights) {
+                for (moe_index j = 0; j < hidden; j++)
+                    out[j] += row[j];
+                continue;
+            }
+            const float w = weights[i * topk + s];
             for (moe_index j = 0; j < hidden; j++)
                 out[j] += w * row[j];
         }

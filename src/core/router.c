@@ -1,9 +1,13 @@
-/* router.c — gate logits and softmax top-k selection (see router.h). */
+/* router.c — gate logits, softmax and DeepSeek-V3 selection, skew (see router.h). */
+#define _POSIX_C_SOURCE 200809L
 #include "moe/router.h"
 
+#include <errno.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
-#include "moe/common.h"
+#define MOE_ROUTER_MAX_EXPERTS 4096 /* the --experts bound */
 
 void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_index hidden,
                        int experts, float *logits)
@@ -34,41 +38,137 @@ static void softmax_row(const float *logits, int experts, float *scores)
         scores[e] = (float)(exp((double)logits[e] - max) / sum);
 }
 
-/* The k largest of scores (E) in descending order; equal scores keep the
- * lower index first because only a strictly greater score displaces one.
- * O(E*k); E is at most MOE_ROUTER_MAX_EXPERTS (the --experts bound). */
-#define MOE_ROUTER_MAX_EXPERTS 4096
-static void top_k(const float *scores, int experts, int topk, int32_t *ids)
+static void sigmoid_row(const float *logits, int experts, float *scores)
+{
+    for (int e = 0; e < experts; e++)
+        scores[e] = (float)(1.0 / (1.0 + exp(-(double)logits[e])));
+}
+
+/* The k largest of values (n) in descending order into ids; equal values keep
+ * the lower index first because only a strictly greater value displaces one.
+ * -inf values are never taken while a finite one is left. O(n*k). */
+static void top_k(const float *values, int n, int k, int32_t *ids)
 {
     unsigned char taken[MOE_ROUTER_MAX_EXPERTS] = {0};
-    MOE_ASSERT(experts <= MOE_ROUTER_MAX_EXPERTS);
-    for (int s = 0; s < topk; s++) {
+    MOE_ASSERT(n <= MOE_ROUTER_MAX_EXPERTS);
+    for (int s = 0; s < k; s++) {
         int best = -1;
-        for (int e = 0; e < experts; e++)
-            if (!taken[e] && (best < 0 || scores[e] > scores[best]))
+        for (int e = 0; e < n; e++)
+            if (!taken[e] && (best < 0 || values[e] > values[best]))
                 best = e;
         taken[best] = 1;
         ids[s] = best;
     }
 }
 
+/* DeepSeek-V3 group limit on biased (E): keep the best topk_groups groups,
+ * mask the others' experts with -inf. */
+static void limit_groups(const moe_router *r, float *biased)
+{
+    const int per_group = r->experts / r->groups;
+    float group_score[MOE_ROUTER_MAX_EXPERTS];
+    int32_t kept[MOE_ROUTER_MAX_EXPERTS];
+    for (int g = 0; g < r->groups; g++) {
+        const float *member = biased + g * per_group;
+        if (r->bias) { /* sum of the two best, as V3 */
+            int32_t two[2];
+            top_k(member, per_group, 2, two);
+            group_score[g] = member[two[0]] + member[two[1]];
+        } else { /* the best, as V2 */
+            int32_t one;
+            top_k(member, per_group, 1, &one);
+            group_score[g] = member[one];
+        }
+    }
+    top_k(group_score, r->groups, r->topk_groups, kept);
+    unsigned char keep[MOE_ROUTER_MAX_EXPERTS] = {0};
+    for (int n = 0; n < r->topk_groups; n++)
+        keep[kept[n]] = 1;
+    for (int g = 0; g < r->groups; g++)
+        if (!keep[g])
+            for (int e = g * per_group; e < (g + 1) * per_group; e++)
+                biased[e] = -INFINITY;
+}
+
 void moe_router_select(const moe_router *r, const float *logits, moe_index tokens, float *scores,
                        int32_t *ids, float *weights)
 {
-    MOE_ASSERT(r->kind == MOE_ROUTER_SOFTMAX);
-    MOE_ASSERT(r->topk >= 1 && r->topk <= r->experts);
     const int E = r->experts, k = r->topk;
+    MOE_ASSERT(k >= 1 && k <= E && E <= MOE_ROUTER_MAX_EXPERTS);
+    MOE_ASSERT(r->groups >= 1 && E % r->groups == 0);
+    MOE_ASSERT(r->topk_groups >= 1 && r->topk_groups <= r->groups);
+    const bool sigmoid = r->kind == MOE_ROUTER_DEEPSEEK_V3 && r->bias;
+    const bool normalize = r->normalize || sigmoid;
 #pragma omp parallel for schedule(static)
     for (moe_index i = 0; i < tokens; i++) {
+        float skewed[MOE_ROUTER_MAX_EXPERTS], biased[MOE_ROUTER_MAX_EXPERTS];
         float *score = scores + i * E; /* (E) */
         int32_t *id = ids + i * k;     /* (k) */
         float *weight = weights + i * k;
-        softmax_row(logits + i * E, E, score);
-        top_k(score, E, k, id);
+        const float *logit = logits + i * E;
+        if (r->skew) {
+            for (int e = 0; e < E; e++)
+                skewed[e] = logit[e] + r->skew[e];
+            logit = skewed;
+        }
+        if (sigmoid)
+            sigmoid_row(logit, E, score);
+        else
+            softmax_row(logit, E, score);
+        for (int e = 0; e < E; e++)
+            biased[e] = r->bias ? score[e] + r->bias[e] : score[e];
+        if (r->kind == MOE_ROUTER_DEEPSEEK_V3 && r->groups > 1)
+            limit_groups(r, biased);
+        top_k(biased, E, k, id);
         double sum = 0.0;
         for (int s = 0; s < k; s++)
             sum += score[id[s]];
-        for (int s = 0; s < k; s++)
-            weight[s] = r->normalize ? (float)(score[id[s]] / sum) : score[id[s]];
+        for (int s = 0; s < k; s++) {
+            float w = normalize ? (float)(score[id[s]] / sum) : score[id[s]];
+            weight[s] = r->kind == MOE_ROUTER_DEEPSEEK_V3 ? w * r->route_scale : w;
+        }
     }
+}
+
+int moe_skew_parse(const char *spec, int experts, float *skew, moe_status *st)
+{
+    for (int e = 0; e < experts; e++)
+        skew[e] = 0.0f;
+    if (!*spec || !strcmp(spec, "none"))
+        return MOE_EXIT_OK;
+    char *end;
+    if (!strncmp(spec, "zipf:", 5)) {
+        errno = 0;
+        double s = strtod(spec + 5, &end);
+        if (end == spec + 5 || *end || errno || !(s >= 0) || s > 100)
+            return moe_fail(st, MOE_EXIT_USAGE, "--skew zipf:S needs S in [0, 100], got '%s'", spec);
+        for (int e = 0; e < experts; e++)
+            skew[e] = (float)(-s * log((double)e + 1.0));
+        return MOE_EXIT_OK;
+    }
+    if (strncmp(spec, "hot:", 4))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--skew must be hot:EXPERT=+B[,...] or zipf:S, got '%s'", spec);
+    char text[256];
+    snprintf(text, sizeof text, "%s", spec + 4);
+    int items = 0;
+    for (char *save = NULL, *item = strtok_r(text, ",", &save); item;
+         item = strtok_r(NULL, ",", &save), items++) {
+        errno = 0;
+        long e = strtol(item, &end, 10);
+        if (end == item || *end != '=' || errno || e < 0 || e >= experts)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--skew hot: expert must be in [0, %d] as in hot:0=+2, got '%s'",
+                            experts - 1, item);
+        const char *value = end + 1;
+        double b = strtod(value, &end);
+        if (end == value || *end || !isfinite(b) || fabs(b) > 100)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--skew hot: bias must be a number in [-100, 100] as in hot:0=+2, got '%s'",
+                            item);
+        skew[e] += (float)b;
+    }
+    if (items == 0)
+        return moe_fail(st, MOE_EXIT_USAGE, "--skew hot: needs EXPERT=+B, got '%s'", spec);
+    return MOE_EXIT_OK;
 }

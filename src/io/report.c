@@ -6,6 +6,7 @@
 #include <math.h>
 #include "moe/experts.h"
 #include "moe/layout.h"
+#include "moe/router.h"
 
 static void print_spread(FILE *out, const char *what, moe_spread s)
 {
@@ -31,12 +32,119 @@ static double overlap_fraction(double layer, double compute, double comm)
 }
 static const char *const gemm_names[] = {"blas", "exact"};
 
+static void print_router(FILE *out, const moe_config *cfg)
+{
+    if (cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0)
+        fprintf(out, "deepseek-v3 (sigmoid, correction bias in ±%g for selection, ", cfg->bias_scale);
+    else if (cfg->router == MOE_ROUTER_DEEPSEEK_V3)
+        fprintf(out, "deepseek-v3 without bias (V2 style: softmax, group max%s, ",
+                cfg->norm_topk ? ", renormalised" : "");
+    else
+        fprintf(out, "softmax top-%lld%s", (long long)cfg->topk, cfg->norm_topk ? " (renormalised)" : "");
+    if (cfg->router == MOE_ROUTER_DEEPSEEK_V3)
+        fprintf(out, "top-%lld, %lld groups keep %lld, route scale %g)", (long long)cfg->topk,
+                (long long)cfg->groups, (long long)cfg->topk_groups, cfg->route_scale);
+    fprintf(out, " · weight on the %s", cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? "expert output" : "activation (before L2)");
+    if (cfg->skew[0])
+        fprintf(out, " · skew %s", cfg->skew);
+    fprintf(out, "\n");
+}
+
+static void print_routing(FILE *out, const moe_run_summary *s)
+{
+    const int G = s->ranks;
+    fprintf(out, "routing   ");
+    print_router(out, s->cfg);
+    print_spread(out, "tokens per expert", s->tokens_per_expert);
+    print_spread(out, "dispatch rows received per rank", s->rows_received);
+    print_spread(out, "expert pairs computed per rank", s->pairs_received);
+    if (s->nodes_hist && s->nodes > 1) {
+        double total = 0.0;
+        for (int n = 0; n <= s->nodes; n++)
+            total += s->nodes_hist[n];
+        fprintf(out, "          nodes per token (%d virtual nodes of %d ranks):", s->nodes, s->ranks_per_node);
+        for (int n = 1; n <= s->nodes; n++)
+            if (s->nodes_hist[n] > 0)
+                fprintf(out, "  %d: %.1f%%", n, 100.0 * s->nodes_hist[n] / total);
+        fprintf(out, "\n");
+    }
+    if (s->rank_expert_seconds && G > 1) {
+        int slow = 0, fast = 0;
+        for (int r = 1; r < G; r++) {
+            slow = s->rank_expert_seconds[r] > s->rank_expert_seconds[slow] ? r : slow;
+            fast = s->rank_expert_seconds[r] < s->rank_expert_seconds[fast] ? r : fast;
+        }
+        fprintf(out, "          expert time: slowest rank %d %.2f ms, fastest rank %d %.2f ms; "
+                     "every rank waits for the slowest in the all-to-all\n",
+                slow, 1e3 * s->rank_expert_seconds[slow], fast, 1e3 * s->rank_expert_seconds[fast]);
+    }
+}
+
+static void print_traffic(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
+    const int G = s->ranks;
+    const double T = (double)cfg->tokens, k = (double)cfg->topk, d = (double)cfg->hidden;
+    char b1[32], b2[32], b3[32];
+    const double pairs = G * T * k, saved = pairs - s->rows_sent;
+    fprintf(out, "traffic   dispatch %s (%s to other ranks): %.0f rows for %.0f (token, expert) "
+                 "pairs, dedup saved %.1f%%\n",
+            moe_format_bytes(s->bytes_dispatched, b1, sizeof b1),
+            moe_format_bytes(s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0), b2, sizeof b2),
+            s->rows_sent, pairs, pairs > 0 ? 100.0 * saved / pairs : 0.0);
+    fprintf(out, "          combine  %s (%s from other ranks)\n",
+            moe_format_bytes(s->bytes_combined, b1, sizeof b1),
+            moe_format_bytes(s->pairs_back_remote * d * 4.0, b2, sizeof b2));
+    if (s->matrix && G <= 16) {
+        fprintf(out, "          dispatch KiB, from rank (row) to rank (column):\n          %6s", "");
+        for (int q = 0; q < G; q++)
+            fprintf(out, " %7d", q);
+        fprintf(out, "\n");
+        for (int r = 0; r < G; r++) {
+            fprintf(out, "          %6d", r);
+            for (int q = 0; q < G; q++)
+                fprintf(out, " %7.0f", s->matrix[r * G + q] / 1024.0);
+            fprintf(out, "\n");
+        }
+    } else if (s->matrix) {
+        moe_spread out_bytes = {INFINITY, 0, 0}, in_bytes = {INFINITY, 0, 0};
+        for (int r = 0; r < G; r++) {
+            double sent = 0, got = 0;
+            for (int q = 0; q < G; q++) {
+                sent += s->matrix[r * G + q];
+                got += s->matrix[q * G + r];
+            }
+            out_bytes = (moe_spread){fmin(out_bytes.min, sent), out_bytes.mean + sent / G, fmax(out_bytes.max, sent)};
+            in_bytes = (moe_spread){fmin(in_bytes.min, got), in_bytes.mean + got / G, fmax(in_bytes.max, got)};
+        }
+        fprintf(out, "          dispatch per rank (G = %d, matrix left out): sent min %s mean %s max %s\n", G,
+                moe_format_bytes(out_bytes.min, b1, sizeof b1), moe_format_bytes(out_bytes.mean, b2, sizeof b2),
+                moe_format_bytes(out_bytes.max, b3, sizeof b3));
+        fprintf(out, "          %*s received min %s mean %s max %s\n", 41, "",
+                moe_format_bytes(in_bytes.min, b1, sizeof b1), moe_format_bytes(in_bytes.mean, b2, sizeof b2),
+                moe_format_bytes(in_bytes.max, b3, sizeof b3));
+    }
+    if (s->matrix && s->nodes > 1) {
+        double intra = 0, inter = 0;
+        for (int r = 0; r < G; r++)
+            for (int q = 0; q < G; q++)
+                if (r != q)
+                    *(r / s->ranks_per_node == q / s->ranks_per_node ? &intra : &inter) += s->matrix[r * G + q];
+        fprintf(out, "          dispatch between ranks: intra-node %s, inter-node %s (%.0f%%)\n",
+                moe_format_bytes(intra, b1, sizeof b1), moe_format_bytes(inter, b2, sizeof b2),
+                intra + inter > 0 ? 100.0 * inter / (intra + inter) : 0.0);
+    }
+    const double direction = G * T * k * d * 4.0;
+    fprintf(out, "          tokens x k x d x 4 B = %.0f x %.0f x %.0f x 4 = %s per all-to-all without dedup; "
+                 "per layer (dispatch + combine) %s, per training step (forward + backward) %s\n",
+            G * T, k, d, moe_format_bytes(direction, b1, sizeof b1),
+            moe_format_bytes(2 * direction, b2, sizeof b2), moe_format_bytes(4 * direction, b3, sizeof b3));
+}
+
 void moe_report_print(FILE *out, const moe_run_summary *s)
 {
     const moe_config *cfg = s->cfg;
-    const double G = s->ranks, T = (double)cfg->tokens, k = (double)cfg->topk;
-    const double d = (double)cfg->hidden;
-    char b1[32], b2[32], b3[32];
+    const double G = s->ranks, d = (double)cfg->hidden;
 
     if (s->waves > 0)
         fprintf(out, "moe-ep %s · MoE forward with expert parallelism · W = %d (%s) · "
@@ -49,31 +157,18 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                      "path · gemm %s\n",
                 PACKAGE_VERSION, gemm_names[cfg->gemm]);
     fprintf(out, "config    preset %s · G=%d ranks · T=%lld tokens per rank (%.0f in all) · d=%lld · f=%lld\n",
-            cfg->preset[0] ? cfg->preset : "(none)", s->ranks, (long long)cfg->tokens, G * T,
+            cfg->preset[0] ? cfg->preset : "(none)", s->ranks, (long long)cfg->tokens, G * (double)cfg->tokens,
             (long long)cfg->hidden, (long long)cfg->ffn);
     fprintf(out, "          E=%lld routed experts (%d..%d per rank) · k=%lld · S=%lld shared · "
-                 "router softmax top-k · seed %llu · %lld iters\n",
+                 "seed %llu · %lld iters\n",
             (long long)cfg->experts, s->local_experts_min, s->local_experts_max,
             (long long)cfg->topk, (long long)cfg->shared_experts,
             (unsigned long long)cfg->seed, (long long)cfg->iters);
     fprintf(out, "machine   %d ranks on this host · %d cores · threads per rank: %d OpenMP, %d BLAS\n",
             s->ranks_on_host, s->cores, s->threads, s->blas_threads);
 
-    fprintf(out, "routing   received per rank\n");
-    print_spread(out, "dispatch rows (tokens)", s->rows_received);
-    print_spread(out, "expert pairs (token, expert)", s->pairs_received);
-
-    const double pairs = G * T * k, saved = pairs - s->rows_sent;
-    fprintf(out, "traffic   dispatch %s (%s to other ranks): %.0f rows for %.0f (token, expert) "
-                 "pairs, dedup saved %.1f%%\n",
-            moe_format_bytes(s->bytes_dispatched, b1, sizeof b1),
-            moe_format_bytes(s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0), b2, sizeof b2),
-            s->rows_sent, pairs, pairs > 0 ? 100.0 * saved / pairs : 0.0);
-    fprintf(out, "          combine  %s (%s from other ranks)\n",
-            moe_format_bytes(s->bytes_combined, b1, sizeof b1),
-            moe_format_bytes(s->pairs_back_remote * d * 4.0, b2, sizeof b2));
-    fprintf(out, "          tokens x k x d x 4 B = %.0f x %.0f x %.0f x 4 = %s per direction without dedup\n",
-            G * T, k, d, moe_format_bytes(G * T * k * d * 4.0, b3, sizeof b3));
+    print_routing(out, s);
+    print_traffic(out, s);
 
     fprintf(out, "time      ms per forward, max over ranks, median of %lld iters%s\n",
             (long long)cfg->iters,
@@ -160,7 +255,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         return;
     fprintf(out, "truth     dense fp64: all %lld experts on all %.0f tokens, gate-weighted "
                  "(zero when not selected), plus shared experts\n",
-            (long long)cfg->experts, G * T);
+            (long long)cfg->experts, G * (double)cfg->tokens);
     fprintf(out, "          rms(truth) %.3e · worst element: token %lld (rank %d) column %lld · "
                  "iterations bitwise identical: %s\n",
             s->ref_rms, s->worst_token, s->worst_rank, s->worst_column,

@@ -50,8 +50,8 @@ static void make_ids(int rank, int tokens, int experts, int topk, int32_t *ids)
  * expert writes (global token, its id); slot_rows (G, T, k) gets where each
  * (token, slot) of this round landed on its home rank. */
 enum { WIDTH = 2 };
-static void round_trip_wave(const moe_placement *p, const int32_t *ids, int T, int k,
-                            const moe_waves *waves, int wave, float **back,
+static void round_trip_wave(const moe_placement *p, const int32_t *ids, const float *weights,
+                            int T, int k, const moe_waves *waves, int wave, float **back,
                             const float **slot_rows)
 {
     const int G = p->ranks;
@@ -78,23 +78,29 @@ static void round_trip_wave(const moe_placement *p, const int32_t *ids, int T, i
         for (int r = 0; r < G; r++)
             rows += rows_from[r] = send[r].row_count[q];
         float *recv = malloc(sizeof(float) * (size_t)(rows * WIDTH + 1));
-        int32_t *recv_ids = malloc(sizeof(int32_t) * (size_t)(rows * k + 1));
+        int32_t *recv_meta = malloc(sizeof(int32_t) * (size_t)(rows * MOE_META_WORDS(k) + 1));
         moe_index at = 0;
         for (int r = 0; r < G; r++)
             for (moe_index n = send[r].row_offset[q]; n < send[r].row_offset[q + 1]; n++, at++) {
                 moe_index i = send[r].row_token[n];
                 recv[at * WIDTH] = (float)(r * T + i);
                 recv[at * WIDTH + 1] = 0.0f;
-                memcpy(recv_ids + at * k, ids + (r * T + i) * k, sizeof(int32_t) * (size_t)k);
+                moe_pack_meta(ids + r * T * k, weights + r * T * k, k, &i, 1,
+                              recv_meta + at * MOE_META_WORDS(k));
             }
         moe_recv_plan plan;
-        moe_recv_plan_build(&plan, p, q, recv_ids, rows, k, rows_from, waves, wave);
+        moe_recv_plan_build(&plan, p, q, recv_meta, rows, k, rows_from, waves, wave);
         float *out = malloc(sizeof(float) * (size_t)(plan.pairs * WIDTH + 1));
         for (int l = 0; l < plan.local_experts; l++)
             for (moe_index m = plan.expert_offset[l]; m < plan.expert_offset[l + 1]; m++) {
                 if (m > plan.expert_offset[l]) /* rows of an expert ascend */
                     ck_assert_int_lt(plan.expert_row[m - 1], plan.expert_row[m]);
                 moe_index row = plan.expert_row[m], pair = plan.expert_pair[m];
+                /* the pair's slot names this expert and carries its weight */
+                const int32_t *meta = recv_meta + row * MOE_META_WORDS(k);
+                ck_assert_int_eq(meta[plan.expert_slot[m]], p->first_expert[q] + l);
+                ck_assert_float_eq(moe_meta_weight(meta, k, plan.expert_slot[m]),
+                                   recv[row * WIDTH] * 16.0f + (float)plan.expert_slot[m]);
                 out[pair * WIDTH] = recv[row * WIDTH];
                 out[pair * WIDTH + 1] = (float)(p->first_expert[q] + l);
             }
@@ -109,7 +115,7 @@ static void round_trip_wave(const moe_placement *p, const int32_t *ids, int T, i
         ck_assert_int_eq(pair, plan.pairs);
         moe_recv_plan_free(&plan);
         free(out);
-        free(recv_ids);
+        free(recv_meta);
         free(recv);
     }
     for (int r = 0; r < G; r++) {
@@ -130,8 +136,11 @@ static void round_trip(int G, int T, int E, int k, int W)
     moe_placement p;
     moe_placement_init(&p, E, G);
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)(G * T * k + 1)); /* (G, T, k) */
+    float *weights = malloc(sizeof(float) * (size_t)(G * T * k + 1));  /* 16 * token + slot */
     for (int r = 0; r < G; r++)
         make_ids(r, T, E, k, ids + r * T * k);
+    for (int n = 0; n < G * T * k; n++)
+        weights[n] = (float)(16 * (n / k) + n % k);
     const float **slot_rows = calloc((size_t)(G * T * k + 1), sizeof *slot_rows);
     const int rounds = W ? W : 1;
     float **back = calloc((size_t)(G * rounds), sizeof *back);
@@ -139,7 +148,7 @@ static void round_trip(int G, int T, int E, int k, int W)
     if (W)
         moe_waves_init(&waves, &p, W, T);
     for (int w = 0; w < rounds; w++)
-        round_trip_wave(&p, ids, T, k, W ? &waves : NULL, w, back + w * G, slot_rows);
+        round_trip_wave(&p, ids, weights, T, k, W ? &waves : NULL, w, back + w * G, slot_rows);
     for (int r = 0; r < G; r++)
         for (int i = 0; i < T; i++)
             for (int s = 0; s < k; s++) {
@@ -154,6 +163,7 @@ static void round_trip(int G, int T, int E, int k, int W)
         moe_waves_free(&waves);
     free(back);
     free(slot_rows);
+    free(weights);
     free(ids);
     moe_placement_free(&p);
 }

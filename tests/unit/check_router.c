@@ -1,5 +1,6 @@
 /* check_router.c — gate logits and softmax top-k on hand-made cases. */
 #include <math.h>
+#include <string.h>
 
 #include "moe/router.h"
 #include "suites.h"
@@ -19,7 +20,7 @@ END_TEST
 
 START_TEST(topk_is_descending_and_weights_normalised)
 {
-    const moe_router r = {MOE_ROUTER_SOFTMAX, 5, 3, true};
+    const moe_router r = {MOE_ROUTER_SOFTMAX, 5, 3, true, 1, 1, 1.0f, NULL, NULL};
     const float logits[5] = {0.0f, 2.0f, -1.0f, 1.0f, 3.0f};
     float scores[5], weights[3];
     int32_t ids[3];
@@ -38,7 +39,7 @@ END_TEST
 
 START_TEST(ties_go_to_the_lower_expert)
 {
-    const moe_router r = {MOE_ROUTER_SOFTMAX, 6, 3, true};
+    const moe_router r = {MOE_ROUTER_SOFTMAX, 6, 3, true, 1, 1, 1.0f, NULL, NULL};
     const float logits[6] = {1.0f, 5.0f, 1.0f, 5.0f, 1.0f, 0.0f};
     float scores[6], weights[3];
     int32_t ids[3];
@@ -52,7 +53,7 @@ END_TEST
 
 START_TEST(all_equal_logits_pick_the_first_k)
 {
-    const moe_router r = {MOE_ROUTER_SOFTMAX, 4, 4, false};
+    const moe_router r = {MOE_ROUTER_SOFTMAX, 4, 4, false, 1, 1, 1.0f, NULL, NULL};
     const float logits[4] = {0.5f, 0.5f, 0.5f, 0.5f};
     float scores[4], weights[4];
     int32_t ids[4];
@@ -64,6 +65,109 @@ START_TEST(all_equal_logits_pick_the_first_k)
 }
 END_TEST
 
+static double sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+static moe_router v3(int E, int k, int groups, int topk_groups, const float *bias)
+{
+    return (moe_router){MOE_ROUTER_DEEPSEEK_V3, E, k, false, groups, topk_groups, 2.5f, bias, NULL};
+}
+
+/* The bias picks expert 0 although its score is the lowest; the weights are
+ * the unbiased sigmoid scores, normalised, times route_scale. */
+START_TEST(v3_bias_selects_but_does_not_weigh)
+{
+    const float logits[4] = {-1.0f, 0.5f, 1.0f, 0.0f};
+    const float bias[4] = {2.0f, 0.0f, 0.0f, 0.0f};
+    const moe_router r = v3(4, 2, 1, 1, bias);
+    float scores[4], weights[2];
+    int32_t ids[2];
+    moe_router_select(&r, logits, 1, scores, ids, weights);
+    ck_assert_int_eq(ids[0], 0); /* 0.269 + 2 */
+    ck_assert_int_eq(ids[1], 2); /* 0.731 */
+    const double s0 = (float)sigmoid(-1.0), s2 = (float)sigmoid(1.0);
+    ck_assert_float_eq(scores[0], (float)sigmoid(-1.0));
+    ck_assert_float_eq(weights[0], (float)(s0 / (s0 + s2)) * 2.5f);
+    ck_assert_float_eq(weights[1], (float)(s2 / (s0 + s2)) * 2.5f);
+}
+END_TEST
+
+/* Biased scores all negative: the masked group must still lose. A port that
+ * masks with 0 instead of -inf picks experts 0 and 1 here. */
+START_TEST(v3_masked_groups_lose_even_when_scores_are_negative)
+{
+    const float logits[4] = {3.0f, 2.9f, 0.0f, 0.1f};
+    const float bias[4] = {-9.0f, -9.0f, -5.0f, -5.0f};
+    const moe_router r = v3(4, 2, 2, 1, bias); /* groups {0,1}, {2,3}; keep 1 */
+    float scores[4], weights[2];
+    int32_t ids[2];
+    moe_router_select(&r, logits, 1, scores, ids, weights);
+    ck_assert_int_eq(ids[0], 3);
+    ck_assert_int_eq(ids[1], 2);
+}
+END_TEST
+
+/* Group scores: V3 sums the two best biased scores of a group. Group 0 has
+ * the single best expert but group 1 the better pair. */
+START_TEST(v3_group_score_is_the_top_two_sum)
+{
+    const float logits[6] = {4.0f, -4.0f, -4.0f, 1.0f, 1.0f, 1.0f};
+    const float bias[6] = {0};
+    const moe_router r = v3(6, 2, 2, 1, bias);
+    float scores[6], weights[2];
+    int32_t ids[2];
+    moe_router_select(&r, logits, 1, scores, ids, weights);
+    ck_assert_int_eq(ids[0], 3); /* equal scores: lower index first */
+    ck_assert_int_eq(ids[1], 4);
+}
+END_TEST
+
+/* Without a bias (V2 style): softmax scores, group score = the group's best,
+ * weights unnormalised, times route_scale. Equal groups: the lower wins. */
+START_TEST(v2_style_without_bias)
+{
+    const float logits[4] = {1.0f, 0.0f, 1.0f, 0.5f};
+    const moe_router r = v3(4, 1, 2, 1, NULL);
+    float scores[4], weights[1];
+    int32_t ids[1];
+    moe_router_select(&r, logits, 1, scores, ids, weights);
+    ck_assert_int_eq(ids[0], 0);
+    const double z = 2 * exp(1.0) + exp(0.0) + exp(0.5);
+    ck_assert_float_eq(weights[0], (float)(exp(1.0) / z) * 2.5f);
+}
+END_TEST
+
+START_TEST(skew_specs)
+{
+    float skew[8];
+    moe_status st = {0};
+    ck_assert_int_eq(moe_skew_parse("hot:0=+2,5=-1.5", 8, skew, &st), 0);
+    ck_assert_float_eq(skew[0], 2.0f);
+    ck_assert_float_eq(skew[5], -1.5f);
+    ck_assert_float_eq(skew[1], 0.0f);
+    ck_assert_int_eq(moe_skew_parse("zipf:1", 8, skew, &st), 0);
+    ck_assert_float_eq(skew[0], 0.0f);
+    ck_assert_float_eq(skew[3], (float)-log(4.0));
+    ck_assert_int_eq(moe_skew_parse("hot:8=+1", 8, skew, &st), MOE_EXIT_USAGE);
+    ck_assert_ptr_nonnull(strstr(st.message, "--skew"));
+    ck_assert_int_eq(moe_skew_parse("warm:1", 8, skew, &st), MOE_EXIT_USAGE);
+    ck_assert_int_eq(moe_skew_parse("zipf:-1", 8, skew, &st), MOE_EXIT_USAGE);
+}
+END_TEST
+
+/* The skew moves the logits: scores and choices follow it. */
+START_TEST(skew_moves_the_choice)
+{
+    const float logits[3] = {0.0f, 1.0f, 0.5f};
+    const float skew[3] = {2.0f, 0.0f, 0.0f};
+    const moe_router r = {MOE_ROUTER_SOFTMAX, 3, 1, true, 1, 1, 1.0f, NULL, skew};
+    float scores[3], weights[1];
+    int32_t ids[1];
+    moe_router_select(&r, logits, 1, scores, ids, weights);
+    ck_assert_int_eq(ids[0], 0);
+    ck_assert_float_eq(weights[0], 1.0f);
+}
+END_TEST
+
 Suite *make_router_suite(void)
 {
     Suite *s = suite_create("router");
@@ -72,6 +176,12 @@ Suite *make_router_suite(void)
     tcase_add_test(tc, topk_is_descending_and_weights_normalised);
     tcase_add_test(tc, ties_go_to_the_lower_expert);
     tcase_add_test(tc, all_equal_logits_pick_the_first_k);
+    tcase_add_test(tc, v3_bias_selects_but_does_not_weigh);
+    tcase_add_test(tc, v3_masked_groups_lose_even_when_scores_are_negative);
+    tcase_add_test(tc, v3_group_score_is_the_top_two_sum);
+    tcase_add_test(tc, v2_style_without_bias);
+    tcase_add_test(tc, skew_specs);
+    tcase_add_test(tc, skew_moves_the_choice);
     suite_add_tcase(s, tc);
     return s;
 }
