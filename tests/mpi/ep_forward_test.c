@@ -10,6 +10,9 @@
  *                        how the G-rank output must match the one-rank output
  *                        that rank 0 computes on MPI_COMM_SELF for all G*T
  *                        tokens (same seed, same global token ids)
+ *   --max-nodes M        every token's experts must lie on at most M virtual
+ *                        nodes (--ranks-per-node), as node-limited routing
+ *                        promises
  *   --sweep W1,W2,..     also run the wave pipeline at each W, with poll and
  *                        with thread progress, and compare it with the
  *                        blocking path on the same ranks: bitwise where that
@@ -40,6 +43,7 @@ typedef struct {
     bool route_elsewhere;
     bool np1_bitwise;
     const char *sweep; /* "1,2,4" or NULL */
+    int max_nodes;     /* 0: no bound to check */
 } test_options;
 
 /* ids/weights (T, k) for tokens with global ids first .. first+T-1: k experts
@@ -168,7 +172,7 @@ int main(int argc, char **argv)
 {
     moe_comm world;
     moe_comm_init(&argc, &argv, &world);
-    test_options opt = {false, true, NULL};
+    test_options opt = {false, true, NULL, 0};
     char **rest = malloc(sizeof(char *) * (size_t)argc);
     int n_rest = 0, failures = 0;
     for (int n = 1; n < argc; n++) {
@@ -178,6 +182,8 @@ int main(int argc, char **argv)
             opt.np1_bitwise = !strcmp(argv[++n], "bitwise");
         else if (!strcmp(argv[n], "--sweep") && n + 1 < argc)
             opt.sweep = argv[++n];
+        else if (!strcmp(argv[n], "--max-nodes") && n + 1 < argc)
+            opt.max_nodes = atoi(argv[++n]);
         else
             rest[n_rest++] = argv[n];
     }
@@ -235,11 +241,32 @@ int main(int argc, char **argv)
     else if (opt.route_elsewhere)
         moe_comm_sum(&world, (double)stats.rows_sent_remote);
 
-    /* 3. The wave pipeline against the blocking path. */
+    /* 3. Node-limited routing: no token reaches more than max_nodes nodes. */
+    if (opt.max_nodes > 0) {
+        const int R = cfg.ranks_per_node > 0 ? (int)cfg.ranks_per_node : G;
+        const int nodes = (G + R - 1) / R;
+        double *hist = moe_xcalloc((size_t)nodes + 1, sizeof(double));
+        moe_nodes_per_token(&home, ids, T, (int)k, R, hist);
+        moe_comm_sum_array(&world, hist, nodes + 1);
+        double over = 0.0;
+        for (int n = opt.max_nodes + 1; n <= nodes; n++)
+            over += hist[n];
+        if (r == 0) {
+            printf("nodes per token (%d nodes):", nodes);
+            for (int n = 1; n <= nodes; n++)
+                printf(" %d:%.0f", n, hist[n]);
+            printf(" -> %s (%.0f tokens over %d nodes)\n", over == 0.0 ? "ok" : "FAIL", over,
+                   opt.max_nodes);
+        }
+        failures += over != 0.0;
+        free(hist);
+    }
+
+    /* 4. The wave pipeline against the blocking path. */
     if (opt.sweep)
         failures += sweep_waves(&world, &cfg, &home, &opt, truth);
 
-    /* 4. Against one rank: gather y, recompute on MPI_COMM_SELF at rank 0. */
+    /* 5. Against one rank: gather y, recompute on MPI_COMM_SELF at rank 0. */
     float *all = r == 0 ? moe_xmalloc(sizeof(float) * (size_t)(G * T * d)) : NULL;
     MPI_Gather(y, (int)(T * d), MPI_FLOAT, all, (int)(T * d), MPI_FLOAT, 0, MPI_COMM_WORLD);
     if (r == 0) {
