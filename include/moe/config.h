@@ -16,7 +16,9 @@
 #define MOE_NAME_MAX 256
 #define MOE_MAX_WAVE_RUNS 8 /* entries of --waves 1,2,4,8 */
 
+enum moe_command { MOE_CMD_RUN, MOE_CMD_PLAN };
 enum moe_progress_kind { MOE_PROGRESS_POLL, MOE_PROGRESS_THREAD };
+enum moe_dtype { MOE_DTYPE_FP32, MOE_DTYPE_BF16, MOE_DTYPE_FP8 };
 /* Where the gate weight multiplies: the expert output after L2 (DeepSeek-V3's
  * reference code), or the SwiGLU output before L2 (fused GPU kernels). */
 enum moe_weight_at { MOE_WEIGHT_AT_OUTPUT, MOE_WEIGHT_AT_ACTIVATION };
@@ -51,18 +53,29 @@ typedef struct {
     bool norm_topk;              /* renormalise the k weights (softmax; V2 style) */
     char skew[MOE_NAME_MAX];     /* --skew spec, "" for none */
     int weight_at;               /* enum moe_weight_at */
+    /* moe-ep plan: the whole model and its cluster */
+    int64_t layers, moe_layers;
+    int param_dtype, dispatch_dtype, combine_dtype; /* enum moe_dtype */
+    char cluster[MOE_NAME_MAX];  /* cluster preset applied, "" if none */
+    int64_t gpus, gpus_per_node, ep;
+    double intra_bw, inter_bw;   /* GB/s per GPU */
+    double tflops;               /* TFLOP/s per GPU */
     int64_t ranks_per_node;      /* R, virtual nodes; 0 = all ranks on one node */
 } moe_config;
 
 void moe_config_defaults(moe_config *cfg);
 
-/* Parse `moe-ep run` arguments (argv[0] is the first flag). A --preset is
- * applied first, wherever it stands; the other flags then override it.
- * Returns MOE_EXIT_OK or MOE_EXIT_USAGE with st set. */
-int moe_config_parse(moe_config *cfg, int argc, char **argv, moe_status *st);
+/* Parse the arguments of `moe-ep run` or `moe-ep plan` (argv[0] is the first
+ * flag). A --preset (and for plan a --cluster) is applied first, wherever it
+ * stands; the other flags then override it. Returns MOE_EXIT_OK or
+ * MOE_EXIT_USAGE with st set. */
+int moe_config_parse(moe_config *cfg, enum moe_command command, int argc, char **argv,
+                     moe_status *st);
 
-/* Apply the preset NAME (data/presets/NAME.conf) or a path to a .conf file. */
-int moe_config_load_preset(moe_config *cfg, const char *name, moe_status *st);
+/* Apply the preset NAME (data/presets/NAME.conf) or a path to a .conf file;
+ * keys that only the other command takes are skipped. */
+int moe_config_load_preset(moe_config *cfg, enum moe_command command, const char *name,
+                           moe_status *st);
 
 /* Check the combination for G ranks (k <= E, sizes that fit the index
  * types). Ranks without an expert (E < G) are allowed. */
@@ -72,10 +85,11 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st);
  * routed rows taken at their mean (T*k rows in, T*k pairs out per rank). */
 double moe_config_memory_per_rank(const moe_config *cfg, int ranks);
 
-/* Flag help lines for --help: "  --tokens T   ...\n" ... */
-void moe_config_print_flags(FILE *out);
+/* Flag help lines of a command for --help: "  --tokens T   ...\n" ... */
+void moe_config_print_flags(FILE *out, enum moe_command command);
 
-/* The directories searched for presets, in order, separated by ':'. */
-const char *moe_config_preset_path(void);
+/* The directories searched for data/KIND ("presets", "clusters"), in order,
+ * separated by ':': $MOE_EP_DATA_DIR/KIND, the source tree's, the installed. */
+const char *moe_config_data_path(const char *kind);
 
 #endif

@@ -27,20 +27,20 @@ static void print_usage(FILE *out)
             "route, dispatch (MPI_Alltoallv), SwiGLU experts, combine, gate-weighted sum.\n"
             "Flags override the preset, whatever their order.\n"
             "\n");
-    moe_config_print_flags(out);
+    moe_config_print_flags(out, MOE_CMD_RUN);
     fprintf(out,
             "  --help                 this text\n"
             "\n"
             "Presets are searched in: %s\n"
             "Exit status: 0 ok, 1 check failed, 2 bad flag or config, 3 runtime error.\n",
-            moe_config_preset_path());
+            moe_config_data_path("presets"));
 }
 
 /* Parse and validate on every rank; estimate memory; agree. */
 static int set_up(const moe_comm *c, moe_config *cfg, int argc, char **argv, moe_status *st)
 {
     moe_config_defaults(cfg);
-    if (moe_config_parse(cfg, argc, argv, st) == MOE_EXIT_OK &&
+    if (moe_config_parse(cfg, MOE_CMD_RUN, argc, argv, st) == MOE_EXIT_OK &&
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
         if (c->rank == 0 && cfg->trace[0])
             moe_check_output_path("--trace", cfg->trace, st);

@@ -16,14 +16,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef MOE_SOURCE_PRESET_DIR
-#define MOE_SOURCE_PRESET_DIR "data/presets"
+#ifndef MOE_SOURCE_DATA_DIR
+#define MOE_SOURCE_DATA_DIR "data"
 #endif
-#ifndef MOE_INSTALLED_PRESET_DIR
-#define MOE_INSTALLED_PRESET_DIR "/usr/local/share/moe-ep/presets"
+#ifndef MOE_INSTALLED_DATA_DIR
+#define MOE_INSTALLED_DATA_DIR "/usr/local/share/moe-ep"
 #endif
 
-enum flag_kind { FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET, FLAG_CHOICE, FLAG_TEXT, FLAG_WAVES, FLAG_REAL };
+enum flag_kind {
+    FLAG_INT, FLAG_SEED, FLAG_BOOL, FLAG_PRESET, FLAG_CLUSTER, FLAG_CHOICE, FLAG_TEXT, FLAG_WAVES,
+    FLAG_REAL
+};
+
+/* Which subcommands take a flag (and use its preset key). */
+enum { RUN = 1 << MOE_CMD_RUN, PLAN = 1 << MOE_CMD_PLAN, BOTH = RUN | PLAN };
 
 typedef struct {
     const char *name; /* flag without "--", and preset key */
@@ -32,39 +38,52 @@ typedef struct {
     int64_t min, max; /* FLAG_INT and FLAG_WAVES; FLAG_REAL: [min, max] too */
     const char *value_name; /* FLAG_CHOICE: the choices, "a|b", stored as an index */
     const char *help;
+    unsigned commands; /* RUN, PLAN or BOTH */
 } flag_spec;
 
 #define FIELD(f) offsetof(moe_config, f)
 
 static const flag_spec flags[] = {
-    {"preset", FLAG_PRESET, FIELD(preset), 0, 0, "NAME", "data/presets/NAME.conf, or a path to a .conf file"},
-    {"tokens", FLAG_INT, FIELD(tokens), 1, 1 << 24, "T", "tokens per rank"},
-    {"hidden", FLAG_INT, FIELD(hidden), 1, 65536, "d", "hidden size"},
-    {"ffn", FLAG_INT, FIELD(ffn), 1, 65536, "f", "FFN size of one expert"},
-    {"experts", FLAG_INT, FIELD(experts), 1, 4096, "E", "routed experts"},
-    {"topk", FLAG_INT, FIELD(topk), 1, 4096, "k", "experts per token, 1 <= k <= E"},
-    {"router", FLAG_CHOICE, FIELD(router), 0, 0, "softmax|deepseek-v3", "the gate (router.h)"},
-    {"groups", FLAG_INT, FIELD(groups), 1, 4096, "N", "deepseek-v3 expert groups (= nodes: node-limited routing)"},
-    {"topk-groups", FLAG_INT, FIELD(topk_groups), 1, 4096, "M", "deepseek-v3 groups kept per token"},
-    {"route-scale", FLAG_REAL, FIELD(route_scale), 0, 1000, "S", "deepseek-v3 weight scale"},
-    {"bias-scale", FLAG_REAL, FIELD(bias_scale), 0, 100, "B", "deepseek-v3 correction bias, uniform in [-B, B); 0 = none (V2 style)"},
-    {"norm-topk", FLAG_BOOL, FIELD(norm_topk), 0, 0, NULL, "renormalise the k weights (softmax, and deepseek-v3 without bias)"},
-    {"weight-at", FLAG_CHOICE, FIELD(weight_at), 0, 0, "output|activation", "gate weight on the expert output (V3 reference) or before L2 (fused kernels)"},
-    {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", "logit bias: hot:EXPERT=+B[,...] or zipf:S"},
-    {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", "shared experts, applied to every token on its home rank"},
-    {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1"},
-    {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes"},
-    {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve"},
-    {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", "waves dispatched ahead of the computing one (1: neighbours only)"},
-    {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, "the blocking reference path (MPI_Alltoallv, no waves)"},
-    {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute"},
-    {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact", "expert GEMM: OpenBLAS, or the fixed-order kernel"},
-    {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL"},
-    {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", "Chrome trace of the last forward (Perfetto)"},
-    {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", "SVG Gantt chart of the last forward"},
-    {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", "emulated links: cb=RATIO | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]"},
-    {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R", "ranks per virtual node; 0 = one node"},
-    {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, "add the same forward at W = 1 to the timeline"},
+    {"preset", FLAG_PRESET, FIELD(preset), 0, 0, "NAME", "data/presets/NAME.conf, or a path to a .conf file", BOTH},
+    {"tokens", FLAG_INT, FIELD(tokens), 1, 1 << 24, "T", "tokens per rank", BOTH},
+    {"hidden", FLAG_INT, FIELD(hidden), 1, 65536, "d", "hidden size", BOTH},
+    {"ffn", FLAG_INT, FIELD(ffn), 1, 65536, "f", "FFN size of one expert", BOTH},
+    {"experts", FLAG_INT, FIELD(experts), 1, 4096, "E", "routed experts", BOTH},
+    {"topk", FLAG_INT, FIELD(topk), 1, 4096, "k", "experts per token, 1 <= k <= E", BOTH},
+    {"router", FLAG_CHOICE, FIELD(router), 0, 0, "softmax|deepseek-v3", "the gate (router.h)", BOTH},
+    {"groups", FLAG_INT, FIELD(groups), 1, 4096, "N", "deepseek-v3 expert groups (= nodes: node-limited routing)", BOTH},
+    {"topk-groups", FLAG_INT, FIELD(topk_groups), 1, 4096, "M", "deepseek-v3 groups kept per token", BOTH},
+    {"route-scale", FLAG_REAL, FIELD(route_scale), 0, 1000, "S", "deepseek-v3 weight scale", RUN},
+    {"bias-scale", FLAG_REAL, FIELD(bias_scale), 0, 100, "B", "deepseek-v3 correction bias, uniform in [-B, B); 0 = none (V2 style)", RUN},
+    {"norm-topk", FLAG_BOOL, FIELD(norm_topk), 0, 0, NULL, "renormalise the k weights (softmax, and deepseek-v3 without bias)", RUN},
+    {"weight-at", FLAG_CHOICE, FIELD(weight_at), 0, 0, "output|activation", "gate weight on the expert output (V3 reference) or before L2 (fused kernels)", RUN},
+    {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", "logit bias: hot:EXPERT=+B[,...] or zipf:S", RUN},
+    {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", "shared experts, applied to every token on its home rank", BOTH},
+    {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1", RUN},
+    {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes", RUN},
+    {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
+    {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
+    {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
+    {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute", RUN},
+    {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact", "expert GEMM: OpenBLAS, or the fixed-order kernel", RUN},
+    {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
+    {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", "Chrome trace of the last forward (Perfetto)", RUN},
+    {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", "SVG Gantt chart of the last forward", RUN},
+    {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", "emulated links: cb=RATIO | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
+    {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R", "ranks per virtual node; 0 = one node", RUN},
+    {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, "add the same forward at W = 1 to the timeline", RUN},
+    {"layers", FLAG_INT, FIELD(layers), 1, 1000, "L", "transformer layers", PLAN},
+    {"moe-layers", FLAG_INT, FIELD(moe_layers), 0, 1000, "L", "of which MoE layers", PLAN},
+    {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, "fp32|bf16|fp8", "weights", PLAN},
+    {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, "fp32|bf16|fp8", "dispatched activations", PLAN},
+    {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, "fp32|bf16|fp8", "combined expert outputs", PLAN},
+    {"cluster", FLAG_CLUSTER, FIELD(cluster), 0, 0, "NAME", "data/clusters/NAME.conf, or a path", PLAN},
+    {"gpus", FLAG_INT, FIELD(gpus), 1, 1 << 20, "N", "GPUs in the cluster", PLAN},
+    {"gpus-per-node", FLAG_INT, FIELD(gpus_per_node), 1, 1024, "N", "GPUs per node (one NVLink domain)", PLAN},
+    {"ep", FLAG_INT, FIELD(ep), 1, 1 << 20, "N", "expert-parallel group size", PLAN},
+    {"intra-bw", FLAG_REAL, FIELD(intra_bw), 0, 100000, "GB/s", "per-GPU bandwidth inside a node", PLAN},
+    {"inter-bw", FLAG_REAL, FIELD(inter_bw), 0, 100000, "GB/s", "per-GPU bandwidth between nodes", PLAN},
+    {"tflops", FLAG_REAL, FIELD(tflops), 0, 1000000, "TFLOP/s", "per-GPU dense FLOP/s of the expert GEMMs", PLAN},
 };
 #define N_FLAGS (sizeof flags / sizeof flags[0])
 
@@ -87,6 +106,10 @@ void moe_config_defaults(moe_config *cfg)
     cfg->route_scale = 1.0;
     cfg->bias_scale = 0.01;
     cfg->norm_topk = true;
+    cfg->layers = 1;
+    cfg->moe_layers = 1;
+    cfg->param_dtype = cfg->dispatch_dtype = cfg->combine_dtype = 0; /* fp32 */
+    cfg->gpus = cfg->gpus_per_node = cfg->ep = 1;
     cfg->progress = MOE_PROGRESS_POLL;
     cfg->gemm = 0; /* MOE_GEMM_BLAS */
     cfg->seed = 1;
@@ -138,7 +161,8 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
                             value);
         return MOE_EXIT_OK;
     case FLAG_PRESET:
-        return moe_fail(st, MOE_EXIT_USAGE, "%s: a preset cannot name another preset", where);
+    case FLAG_CLUSTER:
+        return moe_fail(st, MOE_EXIT_USAGE, "%s: a .conf file cannot name another", where);
     case FLAG_WAVES: {
         char text[256];
         int count = 0;
@@ -198,16 +222,17 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
     return MOE_EXIT_OK;
 }
 
-const char *moe_config_preset_path(void)
+const char *moe_config_data_path(const char *kind)
 {
-    static char path[3 * PATH_MAX];
-    const char *env = getenv("MOE_EP_PRESET_DIR");
-    snprintf(path, sizeof path, "%s%s%s:%s", env ? env : "", env ? ":" : "",
-             MOE_SOURCE_PRESET_DIR, MOE_INSTALLED_PRESET_DIR);
+    static char path[4 * PATH_MAX];
+    const char *env = getenv("MOE_EP_DATA_DIR");
+    snprintf(path, sizeof path, "%s%s%s%s%s/%s:%s/%s", env ? env : "", env ? "/" : "",
+             env ? kind : "", env ? ":" : "", MOE_SOURCE_DATA_DIR, kind, MOE_INSTALLED_DATA_DIR,
+             kind);
     return path;
 }
 
-static bool valid_preset_name(const char *name)
+static bool valid_name(const char *name)
 {
     if (!*name)
         return false;
@@ -217,11 +242,11 @@ static bool valid_preset_name(const char *name)
     return true;
 }
 
-/* Names of the presets in the search path, for the "unknown preset" hint. */
-static void list_presets(char *out, size_t size)
+/* Names of the .conf files of `kind` in its search path, for a hint. */
+static void list_names(const char *kind, char *out, size_t size)
 {
-    char path[3 * PATH_MAX];
-    snprintf(path, sizeof path, "%s", moe_config_preset_path());
+    char path[4 * PATH_MAX];
+    snprintf(path, sizeof path, "%s", moe_config_data_path(kind));
     out[0] = '\0';
     size_t used = 0;
     for (char *save = NULL, *dir = strtok_r(path, ":", &save); dir;
@@ -245,23 +270,26 @@ static void list_presets(char *out, size_t size)
     }
 }
 
-static FILE *open_preset(const char *name, char *file, size_t size, moe_status *st)
+/* Open data/KIND/NAME.conf (a preset or a cluster), or NAME itself when it is
+ * a path. flag names the flag for messages ("preset" or "cluster"). */
+static FILE *open_conf(const char *flag, const char *kind, const char *name, char *file,
+                       size_t size, moe_status *st)
 {
     if (strchr(name, '/')) {
         snprintf(file, size, "%s", name);
         FILE *fp = fopen(file, "r");
         if (!fp)
-            moe_fail(st, MOE_EXIT_USAGE, "--preset: cannot read '%s': %s", file, strerror(errno));
+            moe_fail(st, MOE_EXIT_USAGE, "--%s: cannot read '%s': %s", flag, file, strerror(errno));
         return fp;
     }
-    if (!valid_preset_name(name)) {
+    if (!valid_name(name)) {
         moe_fail(st, MOE_EXIT_USAGE,
-                 "--preset must be a name of letters, digits, '-' and '_', or a path, got '%s'",
+                 "--%s must be a name of letters, digits, '-' and '_', or a path, got '%s'", flag,
                  name);
         return NULL;
     }
-    char path[3 * PATH_MAX];
-    snprintf(path, sizeof path, "%s", moe_config_preset_path());
+    char path[4 * PATH_MAX];
+    snprintf(path, sizeof path, "%s", moe_config_data_path(kind));
     for (char *save = NULL, *dir = strtok_r(path, ":", &save); dir;
          dir = strtok_r(NULL, ":", &save)) {
         snprintf(file, size, "%s/%s.conf", dir, name);
@@ -270,8 +298,8 @@ static FILE *open_preset(const char *name, char *file, size_t size, moe_status *
             return fp;
     }
     char known[512];
-    list_presets(known, sizeof known);
-    moe_fail(st, MOE_EXIT_USAGE, "unknown preset '%s' (available: %s)", name,
+    list_names(kind, known, sizeof known);
+    moe_fail(st, MOE_EXIT_USAGE, "unknown %s '%s' (available: %s)", flag, name,
              known[0] ? known : "none found");
     return NULL;
 }
@@ -286,10 +314,13 @@ static char *trim(char *s)
     return s;
 }
 
-int moe_config_load_preset(moe_config *cfg, const char *name, moe_status *st)
+/* Apply a .conf file: keys of `command` are set; keys of the other command
+ * are skipped (a model preset serves run and plan alike); others fail. */
+static int load_conf(moe_config *cfg, enum moe_command command, const char *flag,
+                     const char *kind, const char *name, moe_status *st)
 {
     char file[PATH_MAX];
-    FILE *fp = open_preset(name, file, sizeof file, st);
+    FILE *fp = open_conf(flag, kind, name, file, sizeof file, st);
     if (!fp)
         return st->code;
     char line[1024];
@@ -310,23 +341,34 @@ int moe_config_load_preset(moe_config *cfg, const char *name, moe_status *st)
         }
         *equals = '\0';
         char *key = trim(text), *value = trim(equals + 1);
-        const flag_spec *flag = find_flag(key, strlen(key));
+        const flag_spec *spec = find_flag(key, strlen(key));
         char where[PATH_MAX + 64];
         snprintf(where, sizeof where, "%s:%d: %s", file, number, key);
-        if (!flag)
+        if (!spec)
             rc = moe_fail(st, MOE_EXIT_USAGE, "%s:%d: unknown key '%s'", file, number, key);
-        else
-            rc = set_value(cfg, flag, value, where, st);
+        else if (spec->kind == FLAG_PRESET || spec->kind == FLAG_CLUSTER)
+            rc = moe_fail(st, MOE_EXIT_USAGE, "%s: a .conf file cannot name another", where);
+        else if (spec->commands & (1u << command))
+            rc = set_value(cfg, spec, value, where, st);
     }
     fclose(fp);
-    if (rc == MOE_EXIT_OK)
-        snprintf(cfg->preset, sizeof cfg->preset, "%s", name);
     return rc;
 }
 
+int moe_config_load_preset(moe_config *cfg, enum moe_command command, const char *name,
+                           moe_status *st)
+{
+    if (load_conf(cfg, command, "preset", "presets", name, st))
+        return st->code;
+    snprintf(cfg->preset, sizeof cfg->preset, "%s", name);
+    return MOE_EXIT_OK;
+}
+
+static const char *const command_names[] = {"run", "plan"};
+
 /* Splits "--name=value" / "--name value"; returns the flag or sets st. */
-static const flag_spec *parse_flag(int argc, char **argv, int *at, const char **value,
-                                   moe_status *st)
+static const flag_spec *parse_flag(enum moe_command command, int argc, char **argv, int *at,
+                                   const char **value, moe_status *st)
 {
     const char *arg = argv[*at];
     if (strncmp(arg, "--", 2) != 0) {
@@ -336,9 +378,9 @@ static const flag_spec *parse_flag(int argc, char **argv, int *at, const char **
     const char *name = arg + 2, *equals = strchr(name, '=');
     size_t len = equals ? (size_t)(equals - name) : strlen(name);
     const flag_spec *flag = find_flag(name, len);
-    if (!flag) {
-        moe_fail(st, MOE_EXIT_USAGE, "unknown flag '--%.*s' (see moe-ep run --help)", (int)len,
-                 name);
+    if (!flag || !(flag->commands & (1u << command))) {
+        moe_fail(st, MOE_EXIT_USAGE, "unknown flag '--%.*s' for moe-ep %s (see moe-ep %s --help)",
+                 (int)len, name, command_names[command], command_names[command]);
         return NULL;
     }
     if (equals)
@@ -354,24 +396,33 @@ static const flag_spec *parse_flag(int argc, char **argv, int *at, const char **
     return flag;
 }
 
-int moe_config_parse(moe_config *cfg, int argc, char **argv, moe_status *st)
+int moe_config_parse(moe_config *cfg, enum moe_command command, int argc, char **argv,
+                     moe_status *st)
 {
-    /* Pass 1: the preset, so that flags override it whatever their order. */
-    const char *preset = NULL;
+    /* Pass 1: the preset and the cluster, so that flags override them
+     * whatever their order. */
+    const char *preset = NULL, *cluster = NULL;
     for (int at = 0; at < argc; at++) {
         const char *value = NULL;
-        const flag_spec *flag = parse_flag(argc, argv, &at, &value, st);
+        const flag_spec *flag = parse_flag(command, argc, argv, &at, &value, st);
         if (!flag)
             return st->code;
         if (flag->kind == FLAG_PRESET)
             preset = value;
+        if (flag->kind == FLAG_CLUSTER)
+            cluster = value;
     }
-    if (preset && moe_config_load_preset(cfg, preset, st))
+    if (preset && moe_config_load_preset(cfg, command, preset, st))
         return st->code;
+    if (cluster) {
+        if (load_conf(cfg, command, "cluster", "clusters", cluster, st))
+            return st->code;
+        snprintf(cfg->cluster, sizeof cfg->cluster, "%s", cluster);
+    }
     for (int at = 0; at < argc; at++) {
         const char *value = NULL;
-        const flag_spec *flag = parse_flag(argc, argv, &at, &value, st);
-        if (flag->kind == FLAG_PRESET)
+        const flag_spec *flag = parse_flag(command, argc, argv, &at, &value, st);
+        if (flag->kind == FLAG_PRESET || flag->kind == FLAG_CLUSTER)
             continue;
         char where[64];
         snprintf(where, sizeof where, "--%s", flag->name);
@@ -453,9 +504,11 @@ double moe_config_memory_per_rank(const moe_config *cfg, int ranks)
     return bytes;
 }
 
-void moe_config_print_flags(FILE *out)
+void moe_config_print_flags(FILE *out, enum moe_command command)
 {
     for (size_t n = 0; n < N_FLAGS; n++) {
+        if (!(flags[n].commands & (1u << command)))
+            continue;
         char left[64];
         snprintf(left, sizeof left, "--%s%s%s", flags[n].name, flags[n].value_name ? " " : "",
                  flags[n].value_name ? flags[n].value_name : "");

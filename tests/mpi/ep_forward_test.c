@@ -190,7 +190,7 @@ int main(int argc, char **argv)
     moe_config cfg;
     moe_status st = {0};
     moe_config_defaults(&cfg);
-    if (moe_config_parse(&cfg, n_rest, rest, &st) || moe_config_validate(&cfg, world.ranks, &st)) {
+    if (moe_config_parse(&cfg, MOE_CMD_RUN, n_rest, rest, &st) || moe_config_validate(&cfg, world.ranks, &st)) {
         if (world.rank == 0)
             fprintf(stderr, "ep_forward_test: %s\n", st.message);
         moe_comm_finalize();

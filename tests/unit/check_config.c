@@ -17,7 +17,7 @@ static int parse(moe_config *cfg, moe_status *st, const char *line)
         argv[argc++] = tok;
     moe_config_defaults(cfg);
     memset(st, 0, sizeof *st);
-    return moe_config_parse(cfg, argc, argv, st);
+    return moe_config_parse(cfg, MOE_CMD_RUN, argc, argv, st);
 }
 
 START_TEST(flags_set_fields)
