@@ -6,5 +6,6 @@
 #include "moe/comm.h"
 
 int moe_cli_run(const moe_comm *c, int argc, char **argv);
+int moe_cli_plan(const moe_comm *c, int argc, char **argv);
 
 #endif

@@ -10,5 +10,6 @@ Suite *make_router_suite(void);
 Suite *make_layout_suite(void);
 Suite *make_experts_suite(void);
 Suite *make_link_suite(void);
+Suite *make_plan_suite(void);
 
 #endif

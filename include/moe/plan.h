@@ -1,0 +1,53 @@
+/* plan.h — the seeds' arithmetic for a model on a cluster (`moe-ep plan`).
+ *
+ * Pure: no MPI, no I/O. Parameters, experts per GPU, all-to-all bytes per GPU
+ * per layer and per step, compute and communication time per layer, the
+ * hardware's compute-to-bandwidth ratio C/B against the workload's, the
+ * overlap bound and the wave pipeline time. docs/plan.md gives every formula
+ * and where the seeds' own figures disagree with each other.
+ */
+#ifndef MOE_PLAN_H
+#define MOE_PLAN_H
+
+#include "moe/config.h"
+
+typedef struct {
+    /* parameters */
+    double params_per_expert;   /* 3 d f: gate, up, down */
+    double routed_per_layer;    /* E x params_per_expert */
+    double shared_per_layer;    /* S x params_per_expert */
+    double routed_total;        /* moe_layers x routed_per_layer */
+    double routed_bytes;        /* at the weight dtype */
+    double experts_per_gpu;     /* E / EP */
+    int ep_nodes;               /* nodes the EP group spans: ceil(EP / gpus per node) */
+    /* traffic per GPU per MoE layer, forward, T tokens per GPU */
+    double dispatch_bytes;      /* T k d x dispatch bytes per value */
+    double combine_bytes;       /* T k d x combine bytes per value */
+    double remote_fraction;     /* share of (token, expert) copies leaving the node */
+    double node_limited_copies; /* node-limited routing: nodes a token reaches, <= M */
+    double inter_copies;        /* copies of a token over the inter-node link, on average */
+    double intra_copies;        /* copies of a token over NVLink, on average */
+    double step_forward_bytes;  /* (dispatch + combine) x MoE layers */
+    double step_training_bytes; /* forward and backward: twice that */
+    /* time per GPU per MoE layer, forward */
+    double compute_seconds;     /* 6 T k d f / FLOP/s */
+    double comm_seconds;        /* max(IB bytes / inter bw, NVLink bytes / intra bw) */
+    /* C/B */
+    double cb_intra, cb_inter;  /* FLOP/s over bytes/s */
+    double seed_need;           /* the seed's 2d FLOP per byte */
+    double layer_need;          /* this layer's FLOP per byte moved: 6 f / (b_dispatch + b_combine) */
+    double overlap_seed;        /* min(1, 2d / (C/B)), C/B of the inter-node link */
+    double overlap_layer;       /* min(1, layer_need / (C/B)) */
+    /* the wave pipeline of seed 003: five equal stages T = (compute + comm) / 5 */
+    double stage_seconds;
+    double naive_seconds;       /* 5 T */
+    double wave_seconds;        /* T (1 + 4 / W) */
+} moe_plan;
+
+/* Bytes per value of a dtype. */
+double moe_dtype_bytes(int dtype);
+
+/* Everything above from cfg (model, cluster, tokens per GPU, waves). */
+void moe_plan_compute(const moe_config *cfg, moe_plan *plan);
+
+#endif

@@ -1,0 +1,147 @@
+/* plan.c — `moe-ep plan`: the seeds' arithmetic for a model on a cluster.
+ *
+ * No communication happens: rank 0 prints (any other rank stays quiet), so
+ * `moe-ep plan` runs with or without mpirun. The numbers come from
+ * src/core/plan.c; docs/plan.md gives the formulas.
+ */
+#include <string.h>
+
+#include "moe/cli.h"
+#include "moe/plan.h"
+
+static void print_usage(FILE *out)
+{
+    fprintf(out,
+            "usage: moe-ep plan [--preset MODEL] [--cluster CLUSTER] [flags]\n"
+            "\n"
+            "The arithmetic of expert parallelism for a model on a cluster: parameters,\n"
+            "experts per GPU, all-to-all bytes per GPU per layer and per step, compute and\n"
+            "communication time per layer, C/B and the overlap bound, the wave pipeline.\n"
+            "Flags override the presets, whatever their order.\n"
+            "\n");
+    moe_config_print_flags(out, MOE_CMD_PLAN);
+    fprintf(out,
+            "  --help                 this text\n"
+            "\n"
+            "Models: %s\nClusters: %s\n",
+            moe_config_data_path("presets"), moe_config_data_path("clusters"));
+}
+
+static const char *const dtype_names[] = {"fp32", "bf16", "fp8"};
+
+/* 653.9B, 44.04M, ... */
+static char *count(double v, char *buf, size_t size)
+{
+    if (v >= 1e12)
+        snprintf(buf, size, "%.2fT", v / 1e12);
+    else if (v >= 1e9)
+        snprintf(buf, size, "%.2fB", v / 1e9);
+    else if (v >= 1e6)
+        snprintf(buf, size, "%.2fM", v / 1e6);
+    else
+        snprintf(buf, size, "%.0f", v);
+    return buf;
+}
+
+/* Decimal bytes, as the seeds write them: 1.31 TB, 234.9 MB. */
+static char *bytes(double v, char *buf, size_t size)
+{
+    static const char *const units[] = {"B", "KB", "MB", "GB", "TB", "PB"};
+    int u = 0;
+    while (v >= 1000.0 && u < 5) {
+        v /= 1000.0;
+        u++;
+    }
+    snprintf(buf, size, u ? "%.2f %s" : "%.0f %s", v, units[u]);
+    return buf;
+}
+
+static void print_plan(const moe_config *cfg, const moe_plan *p)
+{
+    char a[32], b[32], c[32];
+    printf("moe-ep plan · model %s · cluster %s\n", cfg->preset[0] ? cfg->preset : "(flags)",
+           cfg->cluster[0] ? cfg->cluster : "(flags)");
+    printf("model     d=%lld f=%lld · E=%lld routed + %lld shared · k=%lld · groups %lld keep %lld · "
+           "%lld layers, %lld MoE · weights %s, dispatch %s, combine %s\n",
+           (long long)cfg->hidden, (long long)cfg->ffn, (long long)cfg->experts,
+           (long long)cfg->shared_experts, (long long)cfg->topk, (long long)cfg->groups,
+           (long long)cfg->topk_groups, (long long)cfg->layers, (long long)cfg->moe_layers,
+           dtype_names[cfg->param_dtype], dtype_names[cfg->dispatch_dtype],
+           dtype_names[cfg->combine_dtype]);
+    printf("params    per expert 3 x d x f = 3 x %lld x %lld = %.0f\n", (long long)cfg->hidden,
+           (long long)cfg->ffn, p->params_per_expert);
+    printf("          per MoE layer: routed %lld x %s = %s, shared %s\n", (long long)cfg->experts,
+           count(p->params_per_expert, a, sizeof a), count(p->routed_per_layer, b, sizeof b),
+           count(p->shared_per_layer, c, sizeof c));
+    printf("          routed, %lld MoE layers: %s = %s in %s\n", (long long)cfg->moe_layers,
+           count(p->routed_total, a, sizeof a), bytes(p->routed_bytes, b, sizeof b),
+           dtype_names[cfg->param_dtype]);
+    printf("cluster   %lld GPUs, %lld per node · EP %lld over %d nodes · NVLink %g GB/s, IB %g GB/s "
+           "per GPU · %g TFLOP/s per GPU\n",
+           (long long)cfg->gpus, (long long)cfg->gpus_per_node, (long long)cfg->ep, p->ep_nodes,
+           cfg->intra_bw, cfg->inter_bw, cfg->tflops);
+    printf("experts   per GPU per MoE layer: %lld / %lld = %g\n", (long long)cfg->experts,
+           (long long)cfg->ep, p->experts_per_gpu);
+    printf("traffic   per GPU per MoE layer, T = %lld tokens: dispatch T x k x d x %g B = %s, combine "
+           "x %g B = %s\n",
+           (long long)cfg->tokens, moe_dtype_bytes(cfg->dispatch_dtype),
+           bytes(p->dispatch_bytes, a, sizeof a), moe_dtype_bytes(cfg->combine_dtype),
+           bytes(p->combine_bytes, b, sizeof b));
+    printf("          per step, %lld MoE layers: forward %s, forward + backward %s\n",
+           (long long)cfg->moe_layers, bytes(p->step_forward_bytes, a, sizeof a),
+           bytes(p->step_training_bytes, b, sizeof b));
+    printf("          %.1f%% of the (token, expert) copies leave their node", 100.0 * p->remote_fraction);
+    if (p->node_limited_copies > 0 && cfg->groups > 1)
+        printf("; node-limited routing sends a token to at most %g of %d nodes (instead of up to %lld)",
+               p->node_limited_copies, p->ep_nodes, (long long)cfg->topk);
+    printf("\n          copies of a token: %.2f over IB, %.2f over NVLink (per token, on average)\n",
+           p->inter_copies, p->intra_copies);
+    printf("time      per GPU per MoE layer, forward: experts 6 T k d f / FLOP/s = %.2f ms; "
+           "all-to-alls %.2f ms; compute : comm = 1 : %.2f\n",
+           1e3 * p->compute_seconds, 1e3 * p->comm_seconds,
+           p->compute_seconds > 0 ? p->comm_seconds / p->compute_seconds : 0.0);
+    printf("C/B       hardware: NVLink %.0f, IB %.0f FLOP/byte · workload: the seed's 2d = %.0f; "
+           "this layer 6f / (%g + %g B) = %.0f FLOP per byte moved\n",
+           p->cb_intra, p->cb_inter, p->seed_need, moe_dtype_bytes(cfg->dispatch_dtype),
+           moe_dtype_bytes(cfg->combine_dtype), p->layer_need);
+    printf("overlap   bound on the %s link: min(1, 2d/(C/B)) = %.0f%% (seed) · min(1, %.0f/(C/B)) = "
+           "%.0f%% (this layer)\n",
+           p->ep_nodes > 1 ? "inter-node" : "intra-node", 100.0 * p->overlap_seed, p->layer_need,
+           100.0 * p->overlap_layer);
+    printf("pipeline  five equal stages T = (compute + comm) / 5 = %.2f ms: naive 5T = %.2f ms; "
+           "W = %lld waves T(1 + 4/W) = %.2f ms (%.2fx)\n",
+           1e3 * p->stage_seconds, 1e3 * p->naive_seconds, (long long)cfg->waves,
+           1e3 * p->wave_seconds, p->wave_seconds > 0 ? p->naive_seconds / p->wave_seconds : 0.0);
+}
+
+int moe_cli_plan(const moe_comm *c, int argc, char **argv)
+{
+    for (int n = 0; n < argc; n++)
+        if (!strcmp(argv[n], "--help") || !strcmp(argv[n], "-h")) {
+            if (c->rank == 0)
+                print_usage(stdout);
+            return MOE_EXIT_OK;
+        }
+    moe_config cfg;
+    moe_status st = {0};
+    moe_config_defaults(&cfg);
+    if (moe_config_parse(&cfg, MOE_CMD_PLAN, argc, argv, &st) == MOE_EXIT_OK &&
+        cfg.ep > cfg.gpus)
+        moe_fail(&st, MOE_EXIT_USAGE, "--ep must be in [1, %lld] (at most --gpus), got %lld",
+                 (long long)cfg.gpus, (long long)cfg.ep);
+    if (st.code == MOE_EXIT_OK && cfg.moe_layers > cfg.layers)
+        moe_fail(&st, MOE_EXIT_USAGE, "--moe-layers must be in [0, %lld] (at most --layers), got %lld",
+                 (long long)cfg.layers, (long long)cfg.moe_layers);
+    if (st.code == MOE_EXIT_OK && cfg.topk > cfg.experts)
+        moe_fail(&st, MOE_EXIT_USAGE, "--topk must be in [1, %lld] (at most --experts), got %lld",
+                 (long long)cfg.experts, (long long)cfg.topk);
+    if (moe_comm_agree(c, &st)) {
+        moe_comm_print_error(c, &st);
+        return st.code;
+    }
+    moe_plan plan;
+    moe_plan_compute(&cfg, &plan);
+    if (c->rank == 0)
+        print_plan(&cfg, &plan);
+    return MOE_EXIT_OK;
+}

@@ -1,0 +1,70 @@
+/* plan.c — the seeds' arithmetic (see plan.h, docs/plan.md). */
+#include "moe/plan.h"
+
+#include <math.h>
+
+double moe_dtype_bytes(int dtype)
+{
+    return dtype == MOE_DTYPE_FP8 ? 1.0 : dtype == MOE_DTYPE_BF16 ? 2.0 : 4.0;
+}
+
+void moe_plan_compute(const moe_config *cfg, moe_plan *p)
+{
+    const double d = (double)cfg->hidden, f = (double)cfg->ffn, E = (double)cfg->experts;
+    const double k = (double)cfg->topk, T = (double)cfg->tokens, S = (double)cfg->shared_experts;
+    const double ep = (double)cfg->ep, per_node = (double)cfg->gpus_per_node;
+    const double b_dispatch = moe_dtype_bytes(cfg->dispatch_dtype);
+    const double b_combine = moe_dtype_bytes(cfg->combine_dtype);
+
+    p->params_per_expert = 3.0 * d * f;
+    p->routed_per_layer = E * p->params_per_expert;
+    p->shared_per_layer = S * p->params_per_expert;
+    p->routed_total = (double)cfg->moe_layers * p->routed_per_layer;
+    p->routed_bytes = p->routed_total * moe_dtype_bytes(cfg->param_dtype);
+    p->experts_per_gpu = E / ep;
+    p->ep_nodes = (int)ceil(ep / per_node);
+
+    p->dispatch_bytes = T * k * d * b_dispatch;
+    p->combine_bytes = T * k * d * b_combine;
+    /* Experts spread evenly over the EP group: a copy stays on its node with
+     * probability (GPUs per node within the group) / EP. */
+    const double node_gpus = per_node < ep ? per_node : ep;
+    p->remote_fraction = 1.0 - node_gpus / ep;
+    /* Node-limited routing keeps a token on at most M nodes, one copy per
+     * node over the inter-node link: at most M copies, M - 1 when the
+     * token's own node is among them. */
+    const double nodes_reached = cfg->topk_groups < p->ep_nodes ? (double)cfg->topk_groups : p->ep_nodes;
+    p->node_limited_copies = p->ep_nodes > 1 ? nodes_reached : 0.0;
+    p->step_forward_bytes = (p->dispatch_bytes + p->combine_bytes) * (double)cfg->moe_layers;
+    p->step_training_bytes = 2.0 * p->step_forward_bytes;
+
+    const double flops = cfg->tflops * 1e12, intra = cfg->intra_bw * 1e9, inter = cfg->inter_bw * 1e9;
+    p->compute_seconds = flops > 0 ? 6.0 * T * k * d * f / flops : 0.0;
+    /* Copies of a token per link. Plain EP: k copies, a remote_fraction of
+     * them over IB, (GPUs per node - 1)/EP of them over NVLink. Node-limited
+     * routing (groups > 1) sends one copy per remote node reached over IB,
+     * (M - 1) of M on average when the token's node is one of the M chosen
+     * at random (M (nodes - 1) / nodes), and the node forwards it over
+     * NVLink. The two links work in parallel. */
+    const double nodes = p->ep_nodes;
+    p->inter_copies = cfg->groups > 1 && nodes > 1 ? nodes_reached * (nodes - 1.0) / nodes
+                                                   : k * p->remote_fraction;
+    p->intra_copies = cfg->groups > 1 && nodes > 1 ? k * (node_gpus - 1.0) / node_gpus
+                                                   : k * (node_gpus - 1.0) / ep;
+    const double per_copy = T * d * (b_dispatch + b_combine);
+    const double inter_time = inter > 0 ? per_copy * p->inter_copies / inter : 0.0;
+    const double intra_time = intra > 0 ? per_copy * p->intra_copies / intra : 0.0;
+    p->comm_seconds = fmax(inter_time, intra_time);
+
+    p->cb_intra = intra > 0 ? flops / intra : 0.0;
+    p->cb_inter = inter > 0 ? flops / inter : 0.0;
+    p->seed_need = 2.0 * d;
+    p->layer_need = 6.0 * f / (b_dispatch + b_combine);
+    const double cb = p->ep_nodes > 1 ? p->cb_inter : p->cb_intra;
+    p->overlap_seed = cb > 0 ? fmin(1.0, p->seed_need / cb) : 1.0;
+    p->overlap_layer = cb > 0 ? fmin(1.0, p->layer_need / cb) : 1.0;
+
+    p->stage_seconds = (p->compute_seconds + p->comm_seconds) / 5.0;
+    p->naive_seconds = 5.0 * p->stage_seconds;
+    p->wave_seconds = p->stage_seconds * (1.0 + 4.0 / (double)cfg->waves);
+}
