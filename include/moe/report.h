@@ -65,6 +65,11 @@ typedef struct {
 
 void moe_report_print(FILE *out, const moe_run_summary *s);
 
+/* The lower bound of a curve point's pipeline time: with the links busy
+ * T_comm and the cores T_compute in all, W equal waves take at least
+ * max(T_comm, T_compute + T_comm/W) (docs/link-model.md). */
+double moe_curve_bound(const moe_curve_point *p);
+
 /* True when the check passed: within tolerance, finite, and run-to-run identical. */
 bool moe_report_check_passed(const moe_run_summary *s);
 

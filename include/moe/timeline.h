@@ -20,13 +20,23 @@ typedef struct {
     const moe_event *events;
 } moe_timeline_panel;
 
+/* The speed-up curve of a --waves list, drawn under the panels. */
+typedef struct {
+    int count;
+    const int *waves;        /* (count) W of each point */
+    const double *measured;  /* (count) pipeline seconds */
+    const double *bound;     /* (count) its lower bound, seconds */
+} moe_timeline_curve;
+
 /* Chrome trace events (chrome://tracing, Perfetto): one process per rank,
  * thread 0 the comm lane, thread 1 the compute lane; times in microseconds. */
 void moe_write_chrome_trace(FILE *out, const moe_timeline_panel *panel);
 
 /* A self-contained SVG: one panel per entry (e.g. the run, then the same at
- * W = 1), sharing one time axis, with a legend. */
-void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels);
+ * W = 1), sharing one time axis, with a legend; then the curve when it has
+ * two points or more (curve may be NULL). */
+void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels,
+                            const moe_timeline_curve *curve);
 
 /* Write a file atomically: the writer fills a temporary file beside path,
  * which is renamed over path only if everything was written. Returns

@@ -137,22 +137,6 @@ static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
     s->test_seconds = m[COL_TEST];
 }
 
-typedef struct {
-    const moe_timeline_panel *panels;
-    int count;
-} panel_list;
-
-static void write_trace(FILE *out, const void *arg)
-{
-    moe_write_chrome_trace(out, ((const panel_list *)arg)->panels);
-}
-
-static void write_svg(FILE *out, const void *arg)
-{
-    const panel_list *list = arg;
-    moe_write_timeline_svg(out, list->panels, list->count);
-}
-
 static int forward(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
                    float *y, moe_forward_stats *f, moe_trace *trace, double origin, moe_status *st)
 {
@@ -187,51 +171,79 @@ static int compare_with_reference(const moe_comm *c, const moe_ep *ep, const flo
     return rc;
 }
 
-/* --trace and --timeline: the last forward's events from every rank, and with
- * --compare-serial the same forward at W = 1 (into y_scratch). Collective. */
-static int write_pictures(const moe_comm *c, const moe_ep *ep, moe_config *cfg, const float *x,
-                          const int32_t *ids, const float *weights, float *y_scratch,
-                          const moe_trace *trace, moe_status *st)
-{
+/* --trace and --timeline: the first wave count's last forward from every
+ * rank and, with --compare-serial, the same forward at W = 1, gathered on
+ * rank 0 until they are written. */
+typedef struct {
     moe_timeline_panel panels[2];
-    int *offset[2] = {NULL, NULL};
-    moe_event *events[2] = {NULL, NULL};
+    int *offset[2];
+    moe_event *events[2];
     char titles[2][160];
+    int count;
+} pictures;
+
+static int collect_pictures(const moe_comm *c, const moe_ep *ep, moe_config *cfg, const float *x,
+                            const int32_t *ids, const float *weights, float *y_scratch,
+                            const moe_trace *trace, pictures *p, moe_status *st)
+{
     static const char *const progress_names[] = {"poll", "thread"};
-    int n_panels = 0;
-    moe_comm_gather_events(c, trace->events, trace->count, &offset[0], &events[0]);
-    snprintf(titles[0], sizeof titles[0], "W = %lld waves, progress %s, %d ranks",
+    moe_comm_gather_events(c, trace->events, trace->count, &p->offset[0], &p->events[0]);
+    snprintf(p->titles[0], sizeof p->titles[0], "W = %lld, progress %s, %d ranks",
              (long long)cfg->waves, progress_names[cfg->progress], c->ranks);
-    panels[n_panels++] = (moe_timeline_panel){titles[0], c->ranks, offset[0], events[0]};
-    if (cfg->compare_serial) {
-        const int64_t waves = cfg->waves;
-        moe_trace serial = {0};
-        moe_forward_stats f;
-        cfg->waves = 1;
-        moe_comm_barrier(c);
-        int rc = moe_ep_forward_waves(ep, x, ids, weights, y_scratch, &f, &serial,
-                                      moe_comm_time(), st);
-        cfg->waves = waves;
-        if (rc) {
-            moe_trace_free(&serial);
-            return rc;
-        }
-        moe_comm_gather_events(c, serial.events, serial.count, &offset[1], &events[1]);
-        moe_trace_free(&serial);
-        snprintf(titles[1], sizeof titles[1], "the same forward at W = 1 (no overlap)");
-        panels[n_panels++] = (moe_timeline_panel){titles[1], c->ranks, offset[1], events[1]};
+    p->panels[p->count++] = (moe_timeline_panel){p->titles[0], c->ranks, p->offset[0], p->events[0]};
+    if (!cfg->compare_serial)
+        return MOE_EXIT_OK;
+    const int64_t waves = cfg->waves;
+    moe_trace serial = {0};
+    moe_forward_stats f;
+    cfg->waves = 1;
+    moe_comm_barrier(c);
+    int rc = moe_ep_forward_waves(ep, x, ids, weights, y_scratch, &f, &serial, moe_comm_time(), st);
+    cfg->waves = waves;
+    if (rc == MOE_EXIT_OK) {
+        moe_comm_gather_events(c, serial.events, serial.count, &p->offset[1], &p->events[1]);
+        snprintf(p->titles[1], sizeof p->titles[1], "the same forward at W = 1 (no overlap)");
+        p->panels[p->count++] = (moe_timeline_panel){p->titles[1], c->ranks, p->offset[1], p->events[1]};
     }
+    moe_trace_free(&serial);
+    return rc;
+}
+
+typedef struct {
+    const pictures *pictures;
+    const moe_timeline_curve *curve;
+} picture_files;
+
+static void write_trace(FILE *out, const void *arg)
+{
+    moe_write_chrome_trace(out, &((const picture_files *)arg)->pictures->panels[0]);
+}
+
+static void write_svg(FILE *out, const void *arg)
+{
+    const picture_files *files = arg;
+    moe_write_timeline_svg(out, files->pictures->panels, files->pictures->count, files->curve);
+}
+
+/* Rank 0 writes the files (the curve under the timeline); all agree. */
+static int write_pictures(const moe_comm *c, const moe_config *cfg, const pictures *p,
+                          const moe_run_summary *s, moe_status *st)
+{
+    int waves[MOE_MAX_WAVE_RUNS];
+    double measured[MOE_MAX_WAVE_RUNS], bound[MOE_MAX_WAVE_RUNS];
+    for (int n = 0; n < s->curve_count; n++) {
+        waves[n] = s->curve[n].waves;
+        measured[n] = s->curve[n].pipeline_seconds;
+        bound[n] = moe_curve_bound(&s->curve[n]);
+    }
+    const moe_timeline_curve curve = {s->curve_count, waves, measured, bound};
+    const picture_files files = {p, &curve};
     moe_status local = {0};
     if (c->rank == 0) {
-        const panel_list list = {panels, n_panels};
         if (cfg->trace[0])
-            moe_write_file_atomic(cfg->trace, write_trace, &list, &local);
+            moe_write_file_atomic(cfg->trace, write_trace, &files, &local);
         if (cfg->timeline[0] && local.code == MOE_EXIT_OK)
-            moe_write_file_atomic(cfg->timeline, write_svg, &list, &local);
-    }
-    for (int p = 0; p < 2; p++) {
-        free(offset[p]);
-        free(events[p]);
+            moe_write_file_atomic(cfg->timeline, write_svg, &files, &local);
     }
     if (moe_comm_agree(c, &local))
         *st = local;
@@ -420,8 +432,10 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     traffic_detail detail = {NULL, NULL, NULL};
     if (rc == MOE_EXIT_OK)
         routing_detail(c, &ep, b.ids, b.last_expert_seconds, &s, &detail);
-    if (rc == MOE_EXIT_OK && (cfg.trace[0] || cfg.timeline[0]))
-        rc = write_pictures(c, &ep, &cfg, b.x, b.ids, b.weights, b.y_first, &b.trace, &st);
+    pictures pics = {.count = 0};
+    const bool drawing = cfg.trace[0] || cfg.timeline[0];
+    if (rc == MOE_EXIT_OK && drawing)
+        rc = collect_pictures(c, &ep, &cfg, b.x, b.ids, b.weights, b.y_first, &b.trace, &pics, &st);
     if (rc == MOE_EXIT_OK && cfg.check) {
         double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d)); /* (T, d) */
         moe_truth_forward(&cfg, b.x, b.ids, b.weights, T, truth);
@@ -443,6 +457,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
             point.compute_seconds, point.comm_seconds, point.wave_kind};
     }
     cfg.waves = cfg.waves_list[0];
+    if (rc == MOE_EXIT_OK && drawing)
+        rc = write_pictures(c, &cfg, &pics, &s, &st);
 
     if (rc == MOE_EXIT_OK) {
         if (c->rank == 0) {
@@ -455,6 +471,10 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         moe_comm_print_error(c, &st);
     }
 
+    for (int p = 0; p < 2; p++) {
+        free(pics.offset[p]);
+        free(pics.events[p]);
+    }
     free(detail.matrix);
     free(detail.nodes_hist);
     free(detail.rank_seconds);

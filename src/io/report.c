@@ -8,6 +8,14 @@
 #include "moe/layout.h"
 #include "moe/router.h"
 
+/* The links cannot do less than all the traffic, and the cores cannot start
+ * before the first wave's dispatch nor finish before the last wave's combine
+ * (together one wave's traffic, T_comm/W). */
+double moe_curve_bound(const moe_curve_point *p)
+{
+    return fmax(p->comm_seconds, p->compute_seconds + p->comm_seconds / p->waves);
+}
+
 static void print_spread(FILE *out, const char *what, moe_spread s)
 {
     fprintf(out, "          %-34s min %-9.0f mean %-10.1f max %-9.0f imbalance %.2f\n", what,
@@ -222,15 +230,9 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
             1e3 * s->expert_window, 1e3 * s->expert_seconds);
 
     if (s->curve_count > 1) {
-        /* Two resources, the links and the cores, busy T_comm and T_compute
-         * in all. W equal waves take at least
-         *   max(T_comm, T_compute + T_comm/W):
-         * the links cannot do less than all the traffic, and the cores
-         * cannot start before the first wave's dispatch nor finish after the
-         * last wave's combine (together one wave's traffic, T_comm/W). The
-         * seed's five-stage formula T(1 + 4/W), T = (T_compute + T_comm)/5 at
-         * the first W, beside it: it assumes five equal stages on five
-         * resources. */
+        /* Each point against moe_curve_bound, and the seed's five-stage
+         * formula T(1 + 4/W), T = (T_compute + T_comm)/5 at the first W,
+         * which assumes five equal stages on five resources. */
         const moe_curve_point *first = &s->curve[0];
         const double stage = (first->compute_seconds + first->comm_seconds) / 5.0;
         fprintf(out, "curve     speed-up against W = %d, per forward, ms (median of %lld iters each)\n",
@@ -240,7 +242,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         for (int n = 0; n < s->curve_count; n++) {
             const moe_curve_point *p = &s->curve[n];
             const double W = p->waves, Tc = p->compute_seconds, Tm = p->comm_seconds;
-            const double bound = fmax(Tm, Tc + Tm / W);
+            const double bound = moe_curve_bound(p);
             fprintf(out, "          %4d %-12s %9.2f %8.2f %9.2f %8.2f %8.2f %9.2f %9.2f %7.0f%% %8.2f\n",
                     p->waves, p->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
                     1e3 * p->layer_seconds, first->layer_seconds / p->layer_seconds,

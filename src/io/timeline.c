@@ -67,7 +67,61 @@ static double tick_step(double span, int n)
     return 10 * power;
 }
 
-void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels)
+enum { CURVE_HEIGHT = 230 };
+
+/* The curve: pipeline time against W, measured and bound, on a plot of
+ * `plot` pixels at (left, top). */
+static void write_curve(FILE *out, const moe_timeline_curve *curve, int left, int top, int plot)
+{
+    double most = 0.0;
+    for (int n = 0; n < curve->count; n++)
+        most = fmax(most, fmax(curve->measured[n], curve->bound[n]));
+    const int height = CURVE_HEIGHT - 70, width = plot / 2, y0 = top + 30;
+    const double step = tick_step(1e3 * most, 4);
+    const double top_ms = ceil(1e3 * most / step) * step;
+    fprintf(out, "<text x=\"%d\" y=\"%d\" font-size=\"14\" font-weight=\"bold\">pipeline time "
+                 "against W: measured, and the bound max(T_comm, T_compute + T_comm/W)</text>\n",
+            left, top + 16);
+    for (double t = 0.0; t <= top_ms + 1e-9; t += step) {
+        const double y = y0 + height - t / top_ms * height;
+        fprintf(out, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", left,
+                y, left + width, y);
+        fprintf(out, "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%g ms</text>\n", left - 6,
+                y + 4, t);
+    }
+    const char *const colour[2] = {"#222", "#e15759"};
+    for (int line = 0; line < 2; line++) {
+        const double *v = line ? curve->bound : curve->measured;
+        fprintf(out, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"",
+                colour[line], line ? " stroke-dasharray=\"6 4\"" : "");
+        for (int n = 0; n < curve->count; n++)
+            fprintf(out, "%.1f,%.1f ", left + (n + 0.5) * width / curve->count,
+                    y0 + height - 1e3 * v[n] / top_ms * height);
+        fprintf(out, "\"/>\n");
+        for (int n = 0; n < curve->count; n++)
+            fprintf(out, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"%s\"><title>W = %d: %.2f ms</title></circle>\n",
+                    left + (n + 0.5) * width / curve->count,
+                    y0 + height - 1e3 * v[n] / top_ms * height, colour[line], curve->waves[n],
+                    1e3 * v[n]);
+    }
+    for (int n = 0; n < curve->count; n++) {
+        const double x = left + (n + 0.5) * width / curve->count;
+        fprintf(out, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">W = %d</text>\n", x,
+                y0 + height + 16, curve->waves[n]);
+        fprintf(out, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\" fill=\"#555\">%.2fx</text>\n",
+                x, y0 + height + 30, curve->measured[0] / curve->measured[n]);
+    }
+    const int lx = left + width + 30;
+    fprintf(out, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#222\" stroke-width=\"2\"/>"
+                 "<text x=\"%d\" y=\"%d\">measured (speed-up under each W)</text>\n",
+            lx, y0 + 10, lx + 24, y0 + 10, lx + 30, y0 + 14);
+    fprintf(out, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#e15759\" stroke-width=\"2\" "
+                 "stroke-dasharray=\"6 4\"/><text x=\"%d\" y=\"%d\">lower bound</text>\n",
+            lx, y0 + 30, lx + 24, y0 + 30, lx + 30, y0 + 34);
+}
+
+void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels,
+                            const moe_timeline_curve *curve)
 {
     double span = 0.0;
     int ranks = 1;
@@ -85,7 +139,8 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
     const int panel_head = 34, axis = 30;
     const int panel_height = panel_head + ranks * (2 * lane + gap) + axis;
     const int width = left + plot + right, legend = 34;
-    const int height = n_panels * panel_height + legend + 10;
+    const bool with_curve = curve && curve->count > 1;
+    const int height = n_panels * panel_height + legend + 10 + (with_curve ? CURVE_HEIGHT : 0);
     const double scale = plot / span; /* pixels per second */
     const double step = tick_step(1e3 * span, 8); /* in ms */
 
@@ -151,6 +206,8 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
     }
     fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave</text>\n",
             left + MOE_EVENT_KINDS * 150, ly + 11);
+    if (with_curve)
+        write_curve(out, curve, left, ly + legend, plot);
     fprintf(out, "</svg>\n");
 }
 
