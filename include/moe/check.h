@@ -9,10 +9,10 @@
 #include "moe/comm.h"
 #include "moe/report.h"
 
-/* y (T, d) fp32 from the EP path, truth (T, d) fp64 for this rank's tokens.
- * Fills s->ref_rms, tol, cmp, worst_*, nonfinite and sets s->checked.
- * Collective. */
+/* y (T, d) fp32 from the EP path, truth (T, d) fp64 for this rank's tokens,
+ * allow (T, d) its extra tolerance or NULL. Fills s->ref_rms, tol, cmp,
+ * worst_*, nonfinite and sets s->checked. Collective. */
 void moe_check_collective(const moe_comm *c, const moe_config *cfg, const float *y,
-                          const double *truth, moe_run_summary *s);
+                          const double *truth, const double *allow, moe_run_summary *s);
 
 #endif

@@ -56,6 +56,7 @@ typedef struct {
     /* moe-ep plan: the whole model and its cluster */
     int64_t layers, moe_layers;
     int param_dtype, dispatch_dtype, combine_dtype; /* enum moe_dtype */
+    int fp8_scale;               /* 0: fp32 scales, 1: powers of two (UE8M0) */
     char cluster[MOE_NAME_MAX];  /* cluster preset applied, "" if none */
     int64_t gpus, gpus_per_node, ep;
     double intra_bw, inter_bw;   /* GB/s per GPU */

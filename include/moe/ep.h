@@ -43,6 +43,10 @@ typedef struct {
     moe_link link;     /* the emulated interconnect (off unless --link) */
 } moe_ep;
 
+/* x (T, d) as the ranks receive it: x itself for --dispatch-dtype fp32,
+ * else its quantised copy in scratch (T, d). */
+const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch);
+
 /* The weights of local expert l, or of shared expert s. */
 moe_expert_weights moe_ep_expert(const moe_ep *ep, int local);
 moe_expert_weights moe_ep_shared_expert(const moe_ep *ep, int shared);

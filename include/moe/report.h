@@ -52,6 +52,9 @@ typedef struct {
     const double *nodes_hist;    /* (nodes + 1) tokens whose experts span n nodes */
     const double *rank_expert_seconds; /* (G) each rank's expert time, last forward */
     moe_spread tokens_per_expert;
+    /* what --dtype, --dispatch-dtype, --combine-dtype cost against fp32 */
+    bool quantised;
+    double quant_max_abs, quant_max_rel_rms; /* max |y - y_fp32|, and over rms(y_fp32) */
     /* --check */
     bool checked;
     bool iterations_identical; /* every iteration gave the same bits */

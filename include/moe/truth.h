@@ -15,9 +15,17 @@
 #include "moe/config.h"
 #include "moe/dims.h"
 
-/* y (T, d) = dense MoE output for x (T, d) routed to ids/weights (T, k). */
-void moe_truth_forward(const moe_config *cfg, const float *x, const int32_t *ids,
-                       const float *weights, moe_index tokens, double *y);
+/* y (T, d) = dense MoE output for tokens routed to ids/weights (T, k): the
+ * routed experts see x_dispatched (T, d) (the rows as the ranks receive
+ * them, after --dispatch-dtype), the shared experts x (T, d). Weights are
+ * rounded to --dtype and expert outputs to --combine-dtype, as on the EP path.
+ * allow (T, d), when not NULL, receives the extra tolerance of the rounding
+ * steps the truth cannot replay bit for bit: with --combine-dtype bf16, the
+ * EP path rounds an fp32 expert output and the truth an fp64 one, which may
+ * land one bf16 step apart; allow is one bf16 step of every rounded term. */
+void moe_truth_forward(const moe_config *cfg, const float *x, const float *x_dispatched,
+                       const int32_t *ids, const float *weights, moe_index tokens, double *y,
+                       double *allow);
 
 /* Tolerance of the EP output against the truth: |got - ref| <= abs + rel*|ref|. */
 typedef struct {
@@ -43,7 +51,8 @@ typedef struct {
 /* Sum of ref[n]^2, for the rms that sets the tolerance. */
 double moe_sum_squares(const double *ref, moe_index n);
 
-void moe_compare(const float *got, const double *ref, moe_index n, moe_tolerance tol,
-                 moe_compare_stats *stats);
+/* allow (n), when not NULL, is added to each element's tolerance. */
+void moe_compare(const float *got, const double *ref, const double *allow, moe_index n,
+                 moe_tolerance tol, moe_compare_stats *stats);
 
 #endif

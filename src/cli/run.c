@@ -14,7 +14,9 @@
 #include "moe/cli.h"
 #include "moe/ep.h"
 #include "moe/gemm.h"
+#include "moe/quant.h"
 #include "moe/report.h"
+#include "moe/rng.h"
 #include "moe/timeline.h"
 #include "moe/truth.h"
 
@@ -143,6 +145,41 @@ static int forward(const moe_ep *ep, const float *x, const int32_t *ids, const f
     if (!ep->cfg->blocking)
         return moe_ep_forward_waves(ep, x, ids, weights, y, f, trace, origin, st);
     return moe_ep_forward_ref(ep, x, ids, weights, y, f, st);
+}
+
+/* The dense truth with the run's rounding, then (when the run emulates a
+ * lower precision) the fp32 truth, for what the precision itself costs.
+ * Collective. */
+static void check_against_truth(const moe_comm *c, const moe_ep *ep, const float *x,
+                                const int32_t *ids, const float *weights, const float *y,
+                                moe_run_summary *s)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, n = T * d;
+    double *truth = moe_xmalloc(sizeof(double) * (size_t)n); /* (T, d) */
+    double *allow = cfg->combine_dtype == MOE_DTYPE_FP32 ? NULL : moe_xmalloc(sizeof(double) * (size_t)n);
+    float *scratch = moe_xmalloc(sizeof(float) * (size_t)n);
+    moe_truth_forward(cfg, x, moe_ep_dispatched_tokens(ep, x, scratch), ids, weights, T, truth,
+                      allow);
+    moe_check_collective(c, cfg, y, truth, allow, s);
+    s->quantised = cfg->param_dtype != MOE_DTYPE_FP32 || cfg->dispatch_dtype != MOE_DTYPE_FP32 ||
+                   cfg->combine_dtype != MOE_DTYPE_FP32;
+    if (s->quantised) {
+        moe_config full = *cfg;
+        full.param_dtype = full.dispatch_dtype = full.combine_dtype = MOE_DTYPE_FP32;
+        moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, scratch);
+        moe_truth_forward(&full, scratch, scratch, ids, weights, T, truth, NULL);
+        double max_abs = 0.0;
+        for (moe_index m = 0; m < n; m++)
+            max_abs = fmax(max_abs, fabs((double)y[m] - truth[m]));
+        const double rms = sqrt(moe_comm_sum(c, moe_sum_squares(truth, n)) /
+                                ((double)c->ranks * (double)n));
+        s->quant_max_abs = moe_comm_max(c, max_abs);
+        s->quant_max_rel_rms = rms > 0 ? s->quant_max_abs / rms : 0.0;
+    }
+    free(scratch);
+    free(allow);
+    free(truth);
 }
 
 /* The wave pipeline against the blocking reference path on the same ranks:
@@ -437,10 +474,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     if (rc == MOE_EXIT_OK && drawing)
         rc = collect_pictures(c, &ep, &cfg, b.x, b.ids, b.weights, b.y_first, &b.trace, &pics, &st);
     if (rc == MOE_EXIT_OK && cfg.check) {
-        double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d)); /* (T, d) */
-        moe_truth_forward(&cfg, b.x, b.ids, b.weights, T, truth);
-        moe_check_collective(c, &cfg, b.y, truth, &s);
-        free(truth);
+        check_against_truth(c, &ep, b.x, b.ids, b.weights, b.y, &s);
         if (!cfg.blocking)
             rc = compare_with_reference(c, &ep, b.x, b.ids, b.weights, b.y, &s, &st);
     }

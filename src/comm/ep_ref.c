@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "moe/experts.h"
+#include "moe/quant.h"
 #include "moe/gemm.h"
 #include "moe/rng.h"
 
@@ -75,6 +76,8 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
             moe_shared_expert_generate(cfg->seed, n - ep->local_experts, d, f, gen1, gen2);
         else
             moe_expert_generate(cfg->seed, ep->first_expert + n, d, f, gen1, gen2);
+        moe_precision_weights(cfg->param_dtype, gen1, (moe_index)w1_size);
+        moe_precision_weights(cfg->param_dtype, gen2, (moe_index)w2_size);
         if (w1) {
             moe_transpose(2 * f, d, w1, dst1);
             moe_transpose(d, f, w2, dst2);
@@ -84,6 +87,7 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     free(w1);
     moe_synth_fill(cfg->seed, MOE_TENSOR_GATE, 0, 0, cfg->experts * d,
                    moe_synth_weight_scale(d), ep->gate);
+    moe_precision_weights(cfg->param_dtype, ep->gate, cfg->experts * d);
     if (cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0) {
         ep->bias = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
         moe_synth_fill(cfg->seed, MOE_TENSOR_BIAS, 0, 0, cfg->experts, (float)cfg->bias_scale,
@@ -115,7 +119,8 @@ void moe_ep_generate_tokens(const moe_ep *ep, float *x)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     const uint64_t first_token = (uint64_t)ep->comm.rank * (uint64_t)T;
-    moe_synth_fill(ep->cfg->seed, MOE_TENSOR_TOKENS, 0, first_token * (uint64_t)d, T * d, 1.0f, x);
+    moe_synth_tokens(ep->cfg->seed, first_token, T, d, x);
+    moe_precision_weights(ep->cfg->param_dtype, x, T * d);
 }
 
 void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
@@ -152,6 +157,15 @@ static moe_expert_weights weights_at(const moe_ep *ep, const float *w1, const fl
     return w;
 }
 
+const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch)
+{
+    if (ep->cfg->dispatch_dtype == MOE_DTYPE_FP32)
+        return x;
+    moe_precision_dispatch(ep->cfg->dispatch_dtype, ep->cfg->fp8_scale == 1, x, ep->cfg->tokens,
+                           ep->cfg->hidden, scratch);
+    return scratch;
+}
+
 moe_expert_weights moe_ep_expert(const moe_ep *ep, int local)
 {
     return weights_at(ep, ep->w1, ep->w2, local);
@@ -181,6 +195,7 @@ void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l, const
     }
     moe_gather_rows(recv_rows, d, recv->expert_row + first, n, in);
     moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);
+    moe_precision_combine(ep->cfg->combine_dtype, out, n * d);
     moe_scatter_rows(out, d, recv->expert_pair + first, n, expert_out);
 }
 
@@ -237,10 +252,16 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     float *back = try_alloc(sizeof(float) * (size_t)(send.pair_offset[G] * d), "the combine receive buffer", c->rank, &local);
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
 
-    /* Dispatch: each row once per destination, with the token's full top-k. */
+    float *x_scratch = cfg->dispatch_dtype == MOE_DTYPE_FP32
+                           ? NULL
+                           : try_alloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
+
+    /* Dispatch: each row once per destination (quantised as --dispatch-dtype
+     * says), with the token's full top-k and weights. */
     t = MPI_Wtime();
     if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
-        moe_gather_rows(x, d, send.row_token, rows_out, send_rows);
+        moe_gather_rows(moe_ep_dispatched_tokens(ep, x, x_scratch), d, send.row_token, rows_out,
+                        send_rows);
         moe_pack_meta(ids, weights, k, send.row_token, rows_out, send_meta);
         MPI_Alltoallv(send_rows, send_counts, send_displs, row_type, recv_rows, recv_counts,
                       recv_displs, row_type, c->comm);
@@ -308,6 +329,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     free(scratch);
     free(expert_in);
     free(expert_out);
+    free(x_scratch);
     moe_recv_plan_free(&recv);
     free(back);
     free(recv_meta);

@@ -254,14 +254,18 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     float *expert_in = try_alloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
     float *scratch = try_alloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
     const float **slot_rows = try_alloc(sizeof(float *) * (size_t)(T * k), "the reduce table", c->rank, &local);
+    float *x_scratch = cfg->dispatch_dtype == MOE_DTYPE_FP32
+                           ? NULL
+                           : try_alloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
     free(counts_in);
     free(counts_out);
     if (moe_comm_agree(c, &local)) {
         *st = local;
         goto out;
     }
+    const float *x_dispatch = moe_ep_dispatched_tokens(ep, x, x_scratch);
     for (int w = 0; w < W; w++) {
-        moe_gather_rows(x, d, ws[w].send.row_token, ws[w].rows_out, ws[w].send_rows);
+        moe_gather_rows(x_dispatch, d, ws[w].send.row_token, ws[w].rows_out, ws[w].send_rows);
         moe_pack_meta(ids, weights, k, ws[w].send.row_token, ws[w].rows_out, ws[w].send_meta);
     }
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
@@ -366,6 +370,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     free(requests);
 
 out:
+    free(x_scratch);
     free(slot_rows);
     free(scratch);
     free(expert_in);

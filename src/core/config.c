@@ -74,9 +74,10 @@ static const flag_spec flags[] = {
     {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, "add the same forward at W = 1 to the timeline", RUN},
     {"layers", FLAG_INT, FIELD(layers), 1, 1000, "L", "transformer layers", PLAN},
     {"moe-layers", FLAG_INT, FIELD(moe_layers), 0, 1000, "L", "of which MoE layers", PLAN},
-    {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, "fp32|bf16|fp8", "weights", PLAN},
-    {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, "fp32|bf16|fp8", "dispatched activations", PLAN},
-    {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, "fp32|bf16|fp8", "combined expert outputs", PLAN},
+    {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, "fp32|bf16|fp8", "weights and input tokens (run: fp32 or bf16)", BOTH},
+    {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, "fp32|bf16|fp8", "dispatched rows (fp8: E4M3, one scale per 128 values)", BOTH},
+    {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, "fp32|bf16|fp8", "expert outputs sent back (run: fp32 or bf16)", BOTH},
+    {"fp8-scale", FLAG_CHOICE, FIELD(fp8_scale), 0, 0, "float|ue8m0", "fp8 dispatch scales: amax/448, or a power of two", RUN},
     {"cluster", FLAG_CLUSTER, FIELD(cluster), 0, 0, "NAME", "data/clusters/NAME.conf, or a path", PLAN},
     {"gpus", FLAG_INT, FIELD(gpus), 1, 1 << 20, "N", "GPUs in the cluster", PLAN},
     {"gpus-per-node", FLAG_INT, FIELD(gpus_per_node), 1, 1024, "N", "GPUs per node (one NVLink domain)", PLAN},
@@ -472,6 +473,10 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                             (long long)cfg->tokens, (long long)cfg->waves_list[n]);
     if (validate_router(cfg, st))
         return st->code;
+    if (cfg->param_dtype == MOE_DTYPE_FP8)
+        return moe_fail(st, MOE_EXIT_USAGE, "--dtype must be fp32 or bf16 for moe-ep run, got fp8");
+    if (cfg->combine_dtype == MOE_DTYPE_FP8)
+        return moe_fail(st, MOE_EXIT_USAGE, "--combine-dtype must be fp32 or bf16 for moe-ep run, got fp8");
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))
         return st->code;

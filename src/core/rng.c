@@ -85,3 +85,10 @@ float moe_synth_weight_scale(moe_index fan_in)
 {
     return (float)(1.0 / sqrt((double)fan_in));
 }
+
+void moe_synth_tokens(uint64_t seed, uint64_t first_token, moe_index tokens, moe_index hidden,
+                      float *x)
+{
+    moe_synth_fill(seed, MOE_TENSOR_TOKENS, 0, first_token * (uint64_t)hidden, tokens * hidden, 1.0f,
+                   x);
+}

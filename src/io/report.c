@@ -39,6 +39,7 @@ static double overlap_fraction(double layer, double compute, double comm)
     return overlap < 0 ? 0 : overlap > 1 ? 1 : overlap;
 }
 static const char *const gemm_names[] = {"blas", "exact"};
+static const char *const dtype_names[] = {"fp32", "bf16", "fp8"};
 
 static void print_router(FILE *out, const moe_config *cfg)
 {
@@ -265,6 +266,12 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     if (s->nonfinite)
         fprintf(out, "          non-finite output at token %lld (rank %d) column %lld\n",
                 s->worst_token, s->worst_rank, s->worst_column);
+    if (s->quantised)
+        fprintf(out, "precision weights and tokens %s, dispatch %s%s, combine %s: against the fp32 "
+                     "truth max |diff| %.3e = %.2e x rms (the cost of the precision, not checked)\n",
+                dtype_names[cfg->param_dtype], dtype_names[cfg->dispatch_dtype],
+                cfg->dispatch_dtype == MOE_DTYPE_FP8 ? (cfg->fp8_scale ? " (E4M3, UE8M0 scales per 128)" : " (E4M3, fp32 scales per 128)") : "",
+                dtype_names[cfg->combine_dtype], s->quant_max_abs, s->quant_max_rel_rms);
     if (s->ref_compared)
         fprintf(out, "          vs the blocking reference path: %s (%.0f values differ, max |diff| "
                      "%.3e; %s)\n",
@@ -272,7 +279,9 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                 s->ref_max_diff,
                 s->ref_bitwise_expected ? "bitwise expected"
                                         : "token-chunk waves with blas: within tolerance expected");
-    fprintf(out, "check: %s max_abs=%.3e max_rel=%.3e tol=%.3e+%.3e*|ref| used=%.1f%%\n",
+    fprintf(out, "check: %s max_abs=%.3e max_rel=%.3e tol=%.3e+%.3e*|ref|%s used=%.1f%%\n",
             moe_report_check_passed(s) ? "PASS" : "FAIL", s->cmp.max_abs, s->cmp.max_rel,
-            s->tol.abs, s->tol.rel, 100.0 * s->cmp.max_used);
+            s->tol.abs, s->tol.rel,
+            cfg->combine_dtype == MOE_DTYPE_BF16 ? "+1 bf16 step per combined term" : "",
+            100.0 * s->cmp.max_used);
 }

@@ -113,7 +113,7 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
 /* The wave pipeline at every W of opt->sweep and both progress modes against
  * the blocking path, on the ranks of `world`. Returns the failures. */
 static int sweep_waves(const moe_comm *world, moe_config *cfg, const moe_placement *home,
-                       const test_options *opt, const double *truth)
+                       const test_options *opt, const double *truth, const double *allow)
 {
     const moe_index T = cfg->tokens, d = cfg->hidden, k = cfg->topk;
     float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
@@ -146,7 +146,7 @@ static int sweep_waves(const moe_comm *world, moe_config *cfg, const moe_placeme
             differ = moe_comm_sum(world, differ);
             const bool bitwise = ep.gemm == MOE_GEMM_EXACT || stats.wave_kind == MOE_WAVES_EXPERT_SLOTS;
             moe_run_summary s = {.cfg = cfg};
-            moe_check_collective(world, cfg, y, truth, &s);
+            moe_check_collective(world, cfg, y, truth, allow, &s);
             const bool ok = bitwise ? differ == 0.0 : !s.nonfinite && s.cmp.max_used <= 1.0;
             if (world->rank == 0)
                 printf("W=%-2d %-6s %-12s vs blocking path: %s, %.0f values differ "
@@ -211,9 +211,18 @@ int main(int argc, char **argv)
 
     /* 1. Against the dense fp64 truth. */
     double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
-    moe_truth_forward(&cfg, x, ids, weights, T, truth);
+    double *allow = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    float *x_dispatched = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    {
+        moe_ep ep;
+        if (moe_ep_init(&ep, &cfg, &world, &st) == MOE_EXIT_OK) {
+            moe_truth_forward(&cfg, x, moe_ep_dispatched_tokens(&ep, x, x_dispatched), ids,
+                              weights, T, truth, allow);
+            moe_ep_free(&ep);
+        }
+    }
     moe_run_summary s = {.cfg = &cfg};
-    moe_check_collective(&world, &cfg, y, truth, &s);
+    moe_check_collective(&world, &cfg, y, truth, allow, &s);
     const bool truth_ok = !s.nonfinite && s.cmp.max_used <= 1.0;
     if (r == 0)
         printf("np=%d W=%d vs dense truth: %s max_abs=%.3e max_rel=%.3e used=%.1f%% of tol %.3e+%.3e*|ref|\n",
@@ -264,7 +273,7 @@ int main(int argc, char **argv)
 
     /* 4. The wave pipeline against the blocking path. */
     if (opt.sweep)
-        failures += sweep_waves(&world, &cfg, &home, &opt, truth);
+        failures += sweep_waves(&world, &cfg, &home, &opt, truth, allow);
 
     /* 5. Against one rank: gather y, recompute on MPI_COMM_SELF at rank 0. */
     float *all = r == 0 ? moe_xmalloc(sizeof(float) * (size_t)(G * T * d)) : NULL;
@@ -322,6 +331,8 @@ int main(int argc, char **argv)
         free(all);
     }
     MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    free(x_dispatched);
+    free(allow);
     free(truth);
     free(weights);
     free(ids);

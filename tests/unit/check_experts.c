@@ -45,7 +45,7 @@ START_TEST(compare_reports_worst_and_nonfinite)
     float got[4] = {1.0f, -2.0f, 0.001f, 4.0f};
     const moe_tolerance tol = {1e-3, 1e-3}; /* rms floor = 1 */
     moe_compare_stats st;
-    moe_compare(got, ref, 4, tol, &st);
+    moe_compare(got, ref, NULL, 4, tol, &st);
     ck_assert_int_eq(st.worst, 2);
     ck_assert_double_eq_tol(st.max_abs, 0.001, 1e-9);
     ck_assert_double_eq_tol(st.max_rel, 0.001, 1e-9); /* against the floor, not |0| */
@@ -53,7 +53,7 @@ START_TEST(compare_reports_worst_and_nonfinite)
     ck_assert_int_eq(st.first_nonfinite, -1);
     got[3] = NAN;
     got[1] = INFINITY;
-    moe_compare(got, ref, 4, tol, &st);
+    moe_compare(got, ref, NULL, 4, tol, &st);
     ck_assert_int_eq(st.first_nonfinite, 1);
     ck_assert_int_eq(st.worst, 1);
     ck_assert(isinf(st.max_used));

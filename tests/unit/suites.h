@@ -11,5 +11,6 @@ Suite *make_layout_suite(void);
 Suite *make_experts_suite(void);
 Suite *make_link_suite(void);
 Suite *make_plan_suite(void);
+Suite *make_quant_suite(void);
 
 #endif

@@ -1,0 +1,64 @@
+/* quant.h — bit-exact BF16 and FP8 (E4M3) emulation, and block quantisation.
+ *
+ * Pure C, no MPI. Values stay in fp32 buffers; "rounding to bf16" means
+ * replacing each value by the nearest bf16 value, so the arithmetic around
+ * it (fp32 accumulation, as GPU tensor cores do) is unchanged.
+ *
+ * BF16: the top 16 bits of an fp32, rounded to nearest even; Inf stays Inf,
+ *       NaN stays a (quiet) NaN, overflow past the largest bf16 gives Inf.
+ * E4M3 (OCP FP8 E4M3FN): 1 sign, 4 exponent (bias 7), 3 mantissa bits; no
+ *       Inf; 0x7F/0xFF are NaN; the largest finite value is 448, the
+ *       smallest subnormal 2^-9. Conversion rounds to nearest even and
+ *       saturates to +-448 (as DeepEP and the usual quantisation kernels do).
+ */
+#ifndef MOE_QUANT_H
+#define MOE_QUANT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "moe/dims.h"
+
+#define MOE_FP8_BLOCK 128 /* values per FP8 scale, along a row */
+#define MOE_E4M3_MAX 448.0f
+
+uint16_t moe_f32_to_bf16(float x);
+float moe_bf16_to_f32(uint16_t h);
+static inline float moe_round_bf16(float x) { return moe_bf16_to_f32(moe_f32_to_bf16(x)); }
+
+uint8_t moe_f32_to_e4m3(float x);
+float moe_e4m3_to_f32(uint8_t q);
+
+/* v (n) = the nearest bf16 values, in place. */
+void moe_round_bf16_array(float *v, moe_index n);
+
+/* One row of `width` values quantised to E4M3 in blocks of 128: per block,
+ * scale = amax / 448 (an exact power of two at least that large when
+ * pow2_scales: the UE8M0 scales of DeepSeek-V3's FP8 recipe; 1 when the block
+ * is all zero), q = e4m3(x / scale). q (width) and scales (ceil(width/128))
+ * receive the result; dequantised (width), when not NULL, q * scale. */
+void moe_quantize_e4m3_row(const float *x, moe_index width, bool pow2_scales, uint8_t *q,
+                           float *scales, float *dequantised);
+
+/* The number of scales of a row of width values. */
+static inline moe_index moe_fp8_blocks(moe_index width)
+{
+    return (width + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+}
+
+/* The precision a run emulates (config.h: --dtype, --dispatch-dtype,
+ * --combine-dtype, --fp8-scale), applied at the same points by the EP path
+ * and the dense truth. */
+/* w (n): weights (and the layer's input tokens) rounded to --dtype. */
+void moe_precision_weights(int dtype, float *w, moe_index n);
+
+/* out (T, d) = the rows of x (T, d) as a rank receives them after
+ * --dispatch-dtype quantisation (fp8: E4M3 with one scale per 128 values of
+ * a row, dequantised; bf16: rounded). */
+void moe_precision_dispatch(int dispatch_dtype, bool pow2_scales, const float *x, moe_index tokens,
+                            moe_index hidden, float *out);
+
+/* rows (n) rounded to --combine-dtype before they travel back. */
+void moe_precision_combine(int combine_dtype, float *rows, moe_index n);
+
+#endif

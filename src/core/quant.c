@@ -1,0 +1,147 @@
+/* quant.c — BF16 and FP8 E4M3 conversions and block quantisation (see quant.h). */
+#include "moe/quant.h"
+
+#include "moe/common.h"
+#include "moe/config.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline uint32_t bits_of(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static inline float float_of(uint32_t u)
+{
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+uint16_t moe_f32_to_bf16(float x)
+{
+    uint32_t u = bits_of(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep the sign, make it quiet */
+        return (uint16_t)((u >> 16) | 0x0040u);
+    /* Round to nearest even on the 16 dropped bits; a carry into the
+     * exponent rounds up to the next binade, or to Inf past the largest. */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+float moe_bf16_to_f32(uint16_t h) { return float_of((uint32_t)h << 16); }
+
+void moe_round_bf16_array(float *v, moe_index n)
+{
+    for (moe_index m = 0; m < n; m++)
+        v[m] = moe_round_bf16(v[m]);
+}
+
+float moe_e4m3_to_f32(uint8_t q)
+{
+    const int sign = q >> 7, exponent = (q >> 3) & 0xf, mantissa = q & 7;
+    float v;
+    if (exponent == 0xf && mantissa == 7)
+        return NAN;
+    if (exponent == 0)
+        v = ldexpf((float)mantissa, -9); /* subnormal: m * 2^-3 * 2^-6 */
+    else
+        v = ldexpf((float)(8 + mantissa), exponent - 7 - 3);
+    return sign ? -v : v;
+}
+
+uint8_t moe_f32_to_e4m3(float x)
+{
+    const uint8_t sign = signbit(x) ? 0x80 : 0x00;
+    if (isnan(x))
+        return 0x7f | sign;
+    float a = fabsf(x);
+    if (a >= MOE_E4M3_MAX) /* saturate, Inf included */
+        return sign | 0x7e;
+    /* Scale so that the representable neighbours are consecutive integers:
+     * in the binade [2^e, 2^(e+1)) values are multiples of 2^(e-3); below
+     * 2^-6 (subnormal) multiples of 2^-9. Round to nearest even there. */
+    int e;
+    frexpf(a, &e);      /* a = f * 2^e, f in [0.5, 1): binade 2^(e-1) */
+    int binade = e - 1; /* a in [2^binade, 2^(binade+1)) */
+    if (binade < -6)
+        binade = -6;
+    const int shift = binade - 3; /* quantum 2^shift */
+    float units = ldexpf(a, -shift);
+    float rounded = nearbyintf(units); /* default rounding mode: to nearest even */
+    float value = ldexpf(rounded, shift);
+    if (value >= MOE_E4M3_MAX)
+        return sign | 0x7e;
+    if (value == 0.0f)
+        return sign;
+    /* Encode value = (8 + m) * 2^(E - 10) or m * 2^-9. */
+    int ve;
+    frexpf(value, &ve);
+    const int exponent = ve - 1 + 7;
+    if (exponent <= 0)
+        return sign | (uint8_t)(int)ldexpf(value, 9);
+    const int mantissa = (int)ldexpf(value, -(ve - 1) + 3) - 8;
+    return sign | (uint8_t)(exponent << 3) | (uint8_t)mantissa;
+}
+
+void moe_quantize_e4m3_row(const float *x, moe_index width, bool pow2_scales, uint8_t *q,
+                           float *scales, float *dequantised)
+{
+    for (moe_index b = 0; b * MOE_FP8_BLOCK < width; b++) {
+        const moe_index first = b * MOE_FP8_BLOCK;
+        const moe_index end = first + MOE_FP8_BLOCK < width ? first + MOE_FP8_BLOCK : width;
+        float amax = 0.0f;
+        for (moe_index j = first; j < end; j++)
+            amax = fmaxf(amax, fabsf(x[j]));
+        float scale = amax > 0.0f && isfinite(amax) ? amax / MOE_E4M3_MAX : 1.0f;
+        if (pow2_scales && amax > 0.0f && isfinite(amax)) {
+            int e;
+            const float f = frexpf(scale, &e); /* scale = f 2^e, f in [0.5, 1) */
+            scale = ldexpf(1.0f, f == 0.5f ? e - 1 : e);
+        }
+        scales[b] = scale;
+        for (moe_index j = first; j < end; j++) {
+            q[j] = moe_f32_to_e4m3(x[j] / scale);
+            if (dequantised)
+                dequantised[j] = moe_e4m3_to_f32(q[j]) * scale;
+        }
+    }
+}
+
+void moe_precision_weights(int dtype, float *w, moe_index n)
+{
+    if (dtype == MOE_DTYPE_BF16)
+        moe_round_bf16_array(w, n);
+}
+
+void moe_precision_dispatch(int dispatch_dtype, bool pow2_scales, const float *x, moe_index tokens,
+                            moe_index hidden, float *out)
+{
+    if (dispatch_dtype == MOE_DTYPE_FP8) {
+#pragma omp parallel
+        {
+            uint8_t *q = moe_xmalloc((size_t)hidden);
+            float *scales = moe_xmalloc(sizeof(float) * (size_t)moe_fp8_blocks(hidden));
+#pragma omp for schedule(static)
+            for (moe_index i = 0; i < tokens; i++)
+                moe_quantize_e4m3_row(x + i * hidden, hidden, pow2_scales, q, scales,
+                                      out + i * hidden);
+            free(scales);
+            free(q);
+        }
+        return;
+    }
+    memcpy(out, x, sizeof(float) * (size_t)(tokens * hidden));
+    if (dispatch_dtype == MOE_DTYPE_BF16)
+        moe_round_bf16_array(out, tokens * hidden);
+}
+
+void moe_precision_combine(int combine_dtype, float *rows, moe_index n)
+{
+    if (combine_dtype == MOE_DTYPE_BF16)
+        moe_round_bf16_array(rows, n);
+}
