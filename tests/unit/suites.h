@@ -12,5 +12,6 @@ Suite *make_experts_suite(void);
 Suite *make_link_suite(void);
 Suite *make_plan_suite(void);
 Suite *make_quant_suite(void);
+Suite *make_golden_suite(void);
 
 #endif

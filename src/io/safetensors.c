@@ -1,0 +1,260 @@
+/* safetensors.c — the safetensors format with jansson (see safetensors.h). */
+#define _POSIX_C_SOURCE 200809L
+#include "moe/safetensors.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "moe/sha256.h"
+
+static const struct {
+    const char *name;
+    size_t size;
+} dtypes[MOE_ST_DTYPES] = {{"F32", 4}, {"F64", 8}, {"I32", 4}, {"BOOL", 1}, {"U8", 1}};
+
+size_t moe_st_dtype_size(enum moe_st_dtype dtype) { return dtypes[dtype].size; }
+const char *moe_st_dtype_name(enum moe_st_dtype dtype) { return dtypes[dtype].name; }
+
+int64_t moe_st_elements(int ndim, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++)
+        n *= shape[i];
+    return n;
+}
+
+static uint64_t tensor_bytes(const moe_st_tensor *t)
+{
+    return (uint64_t)moe_st_elements(t->ndim, t->shape) * moe_st_dtype_size(t->dtype);
+}
+
+/* The header: metadata, then each tensor in order with consecutive offsets,
+ * padded with spaces to a multiple of 8 bytes so that the data is aligned. */
+static char *build_header(const moe_st_tensor *tensors, int n, const char *metadata_json,
+                          size_t *length, moe_status *st)
+{
+    json_t *root = json_object();
+    if (metadata_json) {
+        json_error_t error;
+        json_t *meta = json_loads(metadata_json, 0, &error);
+        if (!meta) {
+            json_decref(root);
+            moe_fail(st, MOE_EXIT_RUNTIME, "internal: bad metadata JSON: %s", error.text);
+            return NULL;
+        }
+        json_object_set_new(root, "__metadata__", meta);
+    }
+    uint64_t offset = 0;
+    for (int i = 0; i < n; i++) {
+        json_t *entry = json_object(), *shape = json_array();
+        for (int dim = 0; dim < tensors[i].ndim; dim++)
+            json_array_append_new(shape, json_integer(tensors[i].shape[dim]));
+        json_object_set_new(entry, "dtype", json_string(moe_st_dtype_name(tensors[i].dtype)));
+        json_object_set_new(entry, "shape", shape);
+        json_t *offsets = json_array();
+        json_array_append_new(offsets, json_integer((json_int_t)offset));
+        offset += tensor_bytes(&tensors[i]);
+        json_array_append_new(offsets, json_integer((json_int_t)offset));
+        json_object_set_new(entry, "data_offsets", offsets);
+        json_object_set_new(root, tensors[i].name, entry);
+    }
+    char *text = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    json_decref(root);
+    size_t len = strlen(text), padded = (len + 7) / 8 * 8;
+    char *header = realloc(text, padded + 1);
+    memset(header + len, ' ', padded - len);
+    header[padded] = '\0';
+    *length = padded;
+    return header;
+}
+
+static bool write_hashed(FILE *fp, moe_sha256 *h, const void *data, size_t bytes)
+{
+    moe_sha256_update(h, data, bytes);
+    return fwrite(data, 1, bytes, fp) == bytes;
+}
+
+int moe_st_write(const char *path, const moe_st_tensor *tensors, int n, const char *metadata_json,
+                 char *sha256_hex, moe_status *st)
+{
+    size_t header_len;
+    char *header = build_header(tensors, n, metadata_json, &header_len, st);
+    if (!header)
+        return st->code;
+    char tmp[600];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    FILE *fp = fopen(tmp, "wb");
+    if (!fp) {
+        free(header);
+        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s': %s", tmp, strerror(errno));
+    }
+    moe_sha256 h;
+    moe_sha256_init(&h);
+    uint8_t length[8];
+    for (int b = 0; b < 8; b++)
+        length[b] = (uint8_t)((uint64_t)header_len >> (8 * b));
+    bool ok = write_hashed(fp, &h, length, 8) && write_hashed(fp, &h, header, header_len);
+    free(header);
+    for (int i = 0; ok && i < n; i++) {
+        const moe_st_tensor *t = &tensors[i];
+        if (t->data) {
+            ok = write_hashed(fp, &h, t->data, tensor_bytes(t));
+            continue;
+        }
+        const size_t row = tensor_bytes(t) / (size_t)(t->shape[0] ? t->shape[0] : 1);
+        void *buffer = moe_xmalloc(row);
+        for (int64_t r = 0; ok && r < t->shape[0]; r++) {
+            t->fill(t->ctx, r, buffer);
+            ok = write_hashed(fp, &h, buffer, row);
+        }
+        free(buffer);
+    }
+    const int saved = errno;
+    if (fflush(fp) != 0 || ferror(fp))
+        ok = false;
+    if (fclose(fp) != 0 || !ok) {
+        unlink(tmp);
+        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s': %s", path,
+                        strerror(saved ? saved : errno));
+    }
+    if (rename(tmp, path) != 0) {
+        const int err = errno;
+        unlink(tmp);
+        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot rename '%s' to '%s': %s", tmp, path,
+                        strerror(err));
+    }
+    uint8_t digest[32];
+    moe_sha256_final(&h, digest);
+    if (sha256_hex)
+        moe_sha256_hex(digest, sha256_hex);
+    return MOE_EXIT_OK;
+}
+
+static int bad(moe_st_file *f, moe_status *st, const char *what)
+{
+    moe_fail(st, MOE_EXIT_USAGE, "'%s' is not a valid safetensors file: %s", f->path, what);
+    moe_st_close(f);
+    return st->code;
+}
+
+int moe_st_open(const char *path, moe_st_file *f, moe_status *st)
+{
+    memset(f, 0, sizeof *f);
+    snprintf(f->path, sizeof f->path, "%s", path);
+    f->fp = fopen(path, "rb");
+    if (!f->fp)
+        return moe_fail(st, MOE_EXIT_USAGE, "cannot read '%s': %s", path, strerror(errno));
+    struct stat info;
+    if (fstat(fileno(f->fp), &info) != 0)
+        return bad(f, st, "cannot stat it");
+    const uint64_t file_size = (uint64_t)info.st_size;
+    uint8_t length[8];
+    if (file_size < 8 || fread(length, 1, 8, f->fp) != 8)
+        return bad(f, st, "shorter than its 8-byte header length");
+    uint64_t header_len = 0;
+    for (int b = 0; b < 8; b++)
+        header_len |= (uint64_t)length[b] << (8 * b);
+    if (header_len > file_size - 8 || header_len > (100u << 20))
+        return bad(f, st, "its header length runs past the end of the file");
+    char *header = moe_xmalloc((size_t)header_len + 1);
+    if (fread(header, 1, (size_t)header_len, f->fp) != header_len) {
+        free(header);
+        return bad(f, st, "truncated header");
+    }
+    header[header_len] = '\0';
+    json_error_t error;
+    json_t *root = json_loadb(header, (size_t)header_len, 0, &error);
+    free(header);
+    if (!root || !json_is_object(root)) {
+        json_decref(root);
+        return bad(f, st, "its header is not a JSON object");
+    }
+    f->data_start = 8 + header_len;
+    const uint64_t data_size = file_size - f->data_start;
+    f->entries = moe_xcalloc(json_object_size(root) + 1, sizeof *f->entries);
+    const char *key;
+    json_t *value;
+    json_object_foreach(root, key, value) {
+        if (!strcmp(key, "__metadata__"))
+            continue;
+        moe_st_entry *e = &f->entries[f->count];
+        json_t *dtype = json_object_get(value, "dtype"), *shape = json_object_get(value, "shape");
+        json_t *offsets = json_object_get(value, "data_offsets");
+        if (strlen(key) >= MOE_ST_NAME_MAX || !json_is_string(dtype) || !json_is_array(shape) ||
+            json_array_size(shape) > MOE_ST_MAX_DIMS || !json_is_array(offsets) ||
+            json_array_size(offsets) != 2) {
+            json_decref(root);
+            return bad(f, st, "a tensor entry lacks dtype, shape or data_offsets");
+        }
+        snprintf(e->name, sizeof e->name, "%s", key);
+        e->dtype = MOE_ST_DTYPES;
+        for (int t = 0; t < MOE_ST_DTYPES; t++)
+            if (!strcmp(json_string_value(dtype), dtypes[t].name))
+                e->dtype = (enum moe_st_dtype)t;
+        if (e->dtype == MOE_ST_DTYPES) {
+            json_decref(root);
+            return bad(f, st, "a tensor has a dtype this reader does not know");
+        }
+        e->ndim = (int)json_array_size(shape);
+        uint64_t elements = 1;
+        for (int dim = 0; dim < e->ndim; dim++) {
+            json_t *n = json_array_get(shape, (size_t)dim);
+            if (!json_is_integer(n) || json_integer_value(n) < 0 || json_integer_value(n) > (1ll << 40)) {
+                json_decref(root);
+                return bad(f, st, "a shape is not a list of sizes");
+            }
+            e->shape[dim] = json_integer_value(n);
+            elements *= (uint64_t)e->shape[dim];
+        }
+        json_t *b = json_array_get(offsets, 0), *end = json_array_get(offsets, 1);
+        if (!json_is_integer(b) || !json_is_integer(end) || json_integer_value(b) < 0 ||
+            json_integer_value(end) < json_integer_value(b)) {
+            json_decref(root);
+            return bad(f, st, "bad data_offsets");
+        }
+        e->begin = (uint64_t)json_integer_value(b);
+        e->end = (uint64_t)json_integer_value(end);
+        if (e->end > data_size) {
+            json_decref(root);
+            return bad(f, st, "a tensor runs past the end of the file (truncated?)");
+        }
+        if (elements > (1ull << 50) || e->end - e->begin != elements * dtypes[e->dtype].size) {
+            json_decref(root);
+            return bad(f, st, "a tensor's bytes do not match its shape and dtype");
+        }
+        f->count++;
+    }
+    json_decref(root);
+    return MOE_EXIT_OK;
+}
+
+const moe_st_entry *moe_st_find(const moe_st_file *f, const char *name)
+{
+    for (int n = 0; n < f->count; n++)
+        if (!strcmp(f->entries[n].name, name))
+            return &f->entries[n];
+    return NULL;
+}
+
+int moe_st_read(const moe_st_file *f, const moe_st_entry *e, void *out, moe_status *st)
+{
+    const size_t bytes = (size_t)(e->end - e->begin);
+    if (fseeko(f->fp, (off_t)(f->data_start + e->begin), SEEK_SET) != 0 ||
+        fread(out, 1, bytes, f->fp) != bytes)
+        return moe_fail(st, MOE_EXIT_USAGE, "cannot read tensor '%s' from '%s'", e->name, f->path);
+    return MOE_EXIT_OK;
+}
+
+void moe_st_close(moe_st_file *f)
+{
+    if (f->fp)
+        fclose(f->fp);
+    free(f->entries);
+    f->fp = NULL;
+    f->entries = NULL;
+    f->count = 0;
+}

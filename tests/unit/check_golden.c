@@ -1,0 +1,135 @@
+/* check_golden.c — SHA-256 against FIPS 180-4's examples, and safetensors
+ * round trips and corrupt files. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "moe/safetensors.h"
+#include "moe/sha256.h"
+#include "suites.h"
+
+static void hash_hex(const char *text, char hex[65])
+{
+    moe_sha256 h;
+    uint8_t digest[32];
+    moe_sha256_init(&h);
+    moe_sha256_update(&h, text, strlen(text));
+    moe_sha256_final(&h, digest);
+    moe_sha256_hex(digest, hex);
+}
+
+START_TEST(sha256_known_answers)
+{
+    char hex[65];
+    hash_hex("abc", hex);
+    ck_assert_str_eq(hex, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    hash_hex("", hex);
+    ck_assert_str_eq(hex, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    hash_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq", hex);
+    ck_assert_str_eq(hex, "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+}
+END_TEST
+
+static void fill_rows(const void *ctx, int64_t row, void *out)
+{
+    const int *width = ctx;
+    for (int j = 0; j < *width; j++)
+        ((float *)out)[j] = (float)(row * 10 + j);
+}
+
+static void temp_path(char *path, size_t size)
+{
+    snprintf(path, size, "/tmp/moe-ep-st-%ld-%d.safetensors", (long)getpid(), rand());
+}
+
+START_TEST(round_trip)
+{
+    const float a[6] = {1, 2, 3, 4, 5, 6};
+    const int32_t ids[3] = {7, -1, 42};
+    const double truth[2] = {0.5, -0.25};
+    const int width = 3;
+    moe_st_tensor t[4] = {
+        {.name = "a", .dtype = MOE_ST_F32, .ndim = 2, .shape = {2, 3}, .data = a},
+        {.name = "ids", .dtype = MOE_ST_I32, .ndim = 1, .shape = {3}, .data = ids},
+        {.name = "truth", .dtype = MOE_ST_F64, .ndim = 1, .shape = {2}, .data = truth},
+        {.name = "generated", .dtype = MOE_ST_F32, .ndim = 2, .shape = {4, 3}, .fill = fill_rows, .ctx = &width},
+    };
+    char path[128], hex[65];
+    temp_path(path, sizeof path);
+    moe_status st = {0};
+    ck_assert_int_eq(moe_st_write(path, t, 4, "{\"seed\": \"1\"}", hex, &st), 0);
+    ck_assert_int_eq((int)strlen(hex), 64);
+    moe_st_file f;
+    ck_assert_int_eq(moe_st_open(path, &f, &st), 0);
+    ck_assert_int_eq(f.count, 4);
+    ck_assert_int_eq((int)(f.data_start % 8), 0);
+    const moe_st_entry *e = moe_st_find(&f, "generated");
+    ck_assert_ptr_nonnull(e);
+    float g[12];
+    ck_assert_int_eq(moe_st_read(&f, e, g, &st), 0);
+    ck_assert_float_eq(g[3 * 2 + 1], 21.0f);
+    int32_t back[3];
+    ck_assert_int_eq(moe_st_read(&f, moe_st_find(&f, "ids"), back, &st), 0);
+    ck_assert_int_eq(memcmp(back, ids, sizeof ids), 0);
+    moe_st_close(&f);
+    unlink(path);
+}
+END_TEST
+
+/* Corrupt files: each is an error with a message, never a crash. A case is
+ * raw bytes, or a header whose length is written in front of it followed by
+ * `data` zero bytes. */
+static const struct {
+    const char *raw;
+    size_t raw_length;
+    const char *header;
+    size_t data;
+    const char *fragment;
+} corrupt[] = {
+    {"\x04\x00\x00", 3, NULL, 0, "shorter than"},
+    {"\xff\x00\x00\x00\x00\x00\x00\x00{}", 10, NULL, 0, "runs past the end"},
+    {NULL, 0, "[1]", 0, "not a JSON object"},
+    {NULL, 0, "{\"a\":1}", 0, "lacks dtype"},
+    {NULL, 0, "{\"a\":{\"dtype\":\"F16\",\"shape\":[1],\"data_offsets\":[0,2]}}", 2, "does not know"},
+    {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 4, "truncated"},
+    {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8, "do not match"},
+    {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,8]}}", 8, "list of sizes"},
+    {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8, "bad data_offsets"},
+};
+
+START_TEST(corrupt_files_are_errors)
+{
+    char path[128];
+    temp_path(path, sizeof path);
+    FILE *fp = fopen(path, "wb");
+    if (corrupt[_i].raw) {
+        fwrite(corrupt[_i].raw, 1, corrupt[_i].raw_length, fp);
+    } else {
+        const uint64_t length = strlen(corrupt[_i].header);
+        for (int b = 0; b < 8; b++)
+            fputc((int)((length >> (8 * b)) & 0xff), fp);
+        fputs(corrupt[_i].header, fp);
+        for (size_t n = 0; n < corrupt[_i].data; n++)
+            fputc(0, fp);
+    }
+    fclose(fp);
+    moe_st_file f;
+    moe_status st = {0};
+    ck_assert_int_eq(moe_st_open(path, &f, &st), MOE_EXIT_USAGE);
+    ck_assert_msg(strstr(st.message, corrupt[_i].fragment), "case %d: %s", _i, st.message);
+    unlink(path);
+}
+END_TEST
+
+Suite *make_golden_suite(void)
+{
+    Suite *s = suite_create("golden");
+    TCase *tc = tcase_create("files");
+    tcase_add_test(tc, sha256_known_answers);
+    tcase_add_test(tc, round_trip);
+    tcase_add_loop_test(tc, corrupt_files_are_errors, 0, sizeof corrupt / sizeof corrupt[0]);
+    suite_add_tcase(s, tc);
+    return s;
+}
