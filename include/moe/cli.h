@@ -3,9 +3,20 @@
 #ifndef MOE_CLI_H
 #define MOE_CLI_H
 
+#include <stdint.h>
+
 #include "moe/comm.h"
 
 int moe_cli_run(const moe_comm *c, int argc, char **argv);
 int moe_cli_plan(const moe_comm *c, int argc, char **argv);
+int moe_cli_verify(const moe_comm *c, int argc, char **argv);
+
+struct moe_ep_s;
+/* run --dump: the golden set of this run into cfg->dump, from this rank's
+ * tokens x (T, d), routing ids/weights (T, k), logits/scores (T, E).
+ * *bytes receives the set's size on rank 0. Collective. */
+int moe_cli_dump(const moe_comm *c, const struct moe_ep_s *ep, const float *x, const int32_t *ids,
+                 const float *weights, const float *logits, const float *scores, double *bytes,
+                 moe_status *st);
 
 #endif

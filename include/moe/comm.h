@@ -47,6 +47,14 @@ double moe_comm_sum(const moe_comm *c, double v);
 void moe_comm_sum_array(const moe_comm *c, double *v, int n);
 /* all (G, n) on rank 0 = every rank's v (n); all is ignored elsewhere. */
 void moe_comm_gather_doubles(const moe_comm *c, const double *v, int n, double *all);
+/* all on rank 0 = every rank's `bytes` bytes of mine, in rank order (all is
+ * ignored elsewhere). Collective. */
+void moe_comm_gather_bytes(const moe_comm *c, const void *mine, size_t bytes, void *all);
+/* The same with a size per rank: rank 0 receives a malloc'd *all and the
+ * sizes (G), NULL elsewhere. Returns MOE_EXIT_RUNTIME on every rank when a
+ * size passes what one MPI count can say (2 GiB). Collective. */
+int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, void **all,
+                           size_t *sizes, moe_status *st);
 /* Element-wise maximum of v (n) over ranks, in place. */
 void moe_comm_max_array(const moe_comm *c, double *v, int n);
 /* The maximum of v over ranks and the lowest rank holding it. */

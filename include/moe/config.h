@@ -53,6 +53,8 @@ typedef struct {
     bool norm_topk;              /* renormalise the k weights (softmax; V2 style) */
     char skew[MOE_NAME_MAX];     /* --skew spec, "" for none */
     int weight_at;               /* enum moe_weight_at */
+    char dump[MOE_NAME_MAX];     /* golden set directory, "" for none */
+    bool dump_weights;           /* include the weights in the golden set */
     /* moe-ep plan: the whole model and its cluster */
     int64_t layers, moe_layers;
     int param_dtype, dispatch_dtype, combine_dtype; /* enum moe_dtype */
@@ -85,6 +87,11 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st);
 /* Bytes one rank needs for the forward (and the truth with --check), with the
  * routed rows taken at their mean (T*k rows in, T*k pairs out per rank). */
 double moe_config_memory_per_rank(const moe_config *cfg, int ranks);
+
+/* The flags of a command with their current values, for a golden
+ * manifest: calls emit(ctx, name, value) for each. */
+void moe_config_describe(const moe_config *cfg, enum moe_command command,
+                         void (*emit)(void *ctx, const char *name, const char *value), void *ctx);
 
 /* Flag help lines of a command for --help: "  --tokens T   ...\n" ... */
 void moe_config_print_flags(FILE *out, enum moe_command command);

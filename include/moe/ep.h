@@ -23,7 +23,7 @@
  * whenever blocks cover the same global tokens (T a multiple of 64). */
 #define MOE_SHARED_ROW_BLOCK 64
 
-typedef struct {
+typedef struct moe_ep_s {
     const moe_config *cfg;
     moe_comm comm;
     moe_placement placement;
@@ -79,11 +79,26 @@ void moe_ep_generate_tokens(const moe_ep *ep, float *x);
 void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
                   float *weights);
 
+/* What the blocking path saw on this rank, for --dump (owned copies). */
+typedef struct {
+    moe_index rows;      /* dispatch rows received */
+    float *recv_x;       /* (rows, d) as received, after --dispatch-dtype */
+    int32_t *recv_token; /* (rows) global token id of each */
+    moe_index pairs;     /* (row, expert) pairs computed */
+    float *out;          /* (pairs, d) expert outputs as sent back, after --combine-dtype */
+    int32_t *pair;       /* (pairs, 2) global token id and expert id of each */
+} moe_ep_capture;
+
+void moe_ep_capture_free(moe_ep_capture *capture);
+
 /* y (T, d) = the MoE layer for x (T, d) routed by ids/weights (T, k).
- * Collective. Returns MOE_EXIT_OK, or MOE_EXIT_RUNTIME on every rank (with
- * st set) if a buffer could not be allocated on any rank. */
+ * Collective. capture, when not NULL, receives the rows this rank received
+ * and the expert outputs it sent back. Returns MOE_EXIT_OK, or
+ * MOE_EXIT_RUNTIME on every rank (with st set) if a buffer could not be
+ * allocated on any rank. */
 int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
-                       const float *weights, float *y, moe_forward_stats *stats, moe_status *st);
+                       const float *weights, float *y, moe_forward_stats *stats,
+                       moe_ep_capture *capture, moe_status *st);
 
 /* The same layer in cfg->waves pipelined waves (ep_waves.c), with progress
  * driven as cfg->progress says. Appends this rank's events to trace (may be

@@ -90,13 +90,18 @@ void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int3
 void moe_send_plan_free(moe_send_plan *plan);
 
 /* What travels with each dispatched row besides its d values: the token's
- * top-k ids, then its k gate weights as fp32 bits (the receiver needs them
- * when the weight is applied before L2). */
-#define MOE_META_WORDS(topk) (2 * (topk))
+ * top-k ids, its k gate weights as fp32 bits (the receiver needs them when
+ * the weight is applied before L2), and its global token id (the payload
+ * identifies itself, as DeepEP's tests do). */
+#define MOE_META_WORDS(topk) (2 * (topk) + 1)
 
-/* meta (rows, 2k) for the tokens row_token[0 .. rows-1] of ids/weights (T, k). */
+/* meta (rows, 2k + 1) for the tokens row_token[0 .. rows-1] of ids/weights
+ * (T, k), whose global ids start at first_token. */
 void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe_index *row_token,
-                   moe_index rows, int32_t *meta);
+                   moe_index rows, moe_index first_token, int32_t *meta);
+
+/* The global token id in a row's meta. */
+static inline int32_t moe_meta_token(const int32_t *row_meta, int topk) { return row_meta[2 * topk]; }
 
 /* The gate weight of slot s in a row's meta. */
 static inline float moe_meta_weight(const int32_t *row_meta, int topk, int slot)

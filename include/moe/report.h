@@ -53,6 +53,7 @@ typedef struct {
     const double *rank_expert_seconds; /* (G) each rank's expert time, last forward */
     moe_spread tokens_per_expert;
     /* what --dtype, --dispatch-dtype, --combine-dtype cost against fp32 */
+    double dump_bytes, dump_seconds; /* --dump */
     bool quantised;
     double quant_max_abs, quant_max_rel_rms; /* max |y - y_fp32|, and over rms(y_fp32) */
     /* --check */

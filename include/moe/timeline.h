@@ -49,4 +49,8 @@ int moe_write_file_atomic(const char *path, void (*writer)(FILE *, const void *)
  * exists and is writable.) Returns MOE_EXIT_OK or MOE_EXIT_USAGE naming flag. */
 int moe_check_output_path(const char *flag, const char *path, moe_status *st);
 
+/* Usage check before a run: can dir be written? (It is a writable directory,
+ * or it does not exist and its parent is writable.) */
+int moe_check_output_dir(const char *flag, const char *dir, moe_status *st);
+
 #endif

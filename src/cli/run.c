@@ -48,6 +48,8 @@ static int set_up(const moe_comm *c, moe_config *cfg, int argc, char **argv, moe
             moe_check_output_path("--trace", cfg->trace, st);
         if (c->rank == 0 && cfg->timeline[0] && st->code == MOE_EXIT_OK)
             moe_check_output_path("--timeline", cfg->timeline, st);
+        if (c->rank == 0 && cfg->dump[0] && st->code == MOE_EXIT_OK)
+            moe_check_output_dir("--dump", cfg->dump, st);
         if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE, "--compare-serial needs --timeline FILE.svg");
         if (cfg->blocking && (cfg->trace[0] || cfg->timeline[0]) && st->code == MOE_EXIT_OK)
@@ -144,7 +146,7 @@ static int forward(const moe_ep *ep, const float *x, const int32_t *ids, const f
 {
     if (!ep->cfg->blocking)
         return moe_ep_forward_waves(ep, x, ids, weights, y, f, trace, origin, st);
-    return moe_ep_forward_ref(ep, x, ids, weights, y, f, st);
+    return moe_ep_forward_ref(ep, x, ids, weights, y, f, NULL, st);
 }
 
 /* The dense truth with the run's rounding, then (when the run emulates a
@@ -191,7 +193,7 @@ static int compare_with_reference(const moe_comm *c, const moe_ep *ep, const flo
     const moe_index n = ep->cfg->tokens * ep->cfg->hidden;
     float *y_ref = moe_xmalloc(sizeof(float) * (size_t)n); /* (T, d) */
     moe_forward_stats f;
-    int rc = moe_ep_forward_ref(ep, x, ids, weights, y_ref, &f, st);
+    int rc = moe_ep_forward_ref(ep, x, ids, weights, y_ref, &f, NULL, st);
     double differ = 0.0, max_diff = 0.0;
     for (moe_index m = 0; rc == MOE_EXIT_OK && m < n; m++)
         if (memcmp(&y[m], &y_ref[m], sizeof(float)) != 0) {
@@ -477,6 +479,11 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         check_against_truth(c, &ep, b.x, b.ids, b.weights, b.y, &s);
         if (!cfg.blocking)
             rc = compare_with_reference(c, &ep, b.x, b.ids, b.weights, b.y, &s, &st);
+    }
+    if (rc == MOE_EXIT_OK && cfg.dump[0]) {
+        const double t = moe_comm_time();
+        rc = moe_cli_dump(c, &ep, b.x, b.ids, b.weights, b.logits, b.scores, &s.dump_bytes, &st);
+        s.dump_seconds = moe_comm_time() - t;
     }
     /* The curve: every further wave count of --waves W1,W2,... */
     s.curve_count = 0;

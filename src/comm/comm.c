@@ -2,6 +2,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "moe/comm.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,4 +167,51 @@ void moe_comm_sum_array(const moe_comm *c, double *v, int n)
 void moe_comm_gather_doubles(const moe_comm *c, const double *v, int n, double *all)
 {
     MPI_Gather(v, n, MPI_DOUBLE, all, n, MPI_DOUBLE, 0, c->comm);
+}
+
+void moe_comm_gather_bytes(const moe_comm *c, const void *mine, size_t bytes, void *all)
+{
+    MOE_ASSERT(bytes <= (size_t)INT_MAX);
+    MPI_Gather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, 0, c->comm);
+}
+
+int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, void **all,
+                           size_t *sizes, moe_status *st)
+{
+    /* Counts and displacements are ints: every size and the total must fit. */
+    const int G = c->ranks;
+    long long mine_count = (long long)bytes, *counts = NULL;
+    if (c->rank == 0)
+        counts = moe_xmalloc(sizeof(long long) * (size_t)G);
+    MPI_Gather(&mine_count, 1, MPI_LONG_LONG, counts, 1, MPI_LONG_LONG, 0, c->comm);
+    moe_status local = {0};
+    long long total = 0;
+    for (int r = 0; c->rank == 0 && r < G; r++)
+        total += counts[r];
+    if (total > INT_MAX)
+        moe_fail(&local, MOE_EXIT_RUNTIME, "%lld bytes to gather on rank 0, more than one MPI count "
+                 "(2 GiB): dump a smaller config", total);
+    if (moe_comm_agree(c, &local)) {
+        free(counts);
+        *st = local;
+        return st->code;
+    }
+    int *icounts = NULL, *displs = NULL;
+    *all = NULL;
+    if (c->rank == 0) {
+        icounts = moe_xmalloc(sizeof(int) * (size_t)G);
+        displs = moe_xmalloc(sizeof(int) * (size_t)G);
+        for (int r = 0, at = 0; r < G; r++) {
+            icounts[r] = (int)counts[r];
+            displs[r] = at;
+            sizes[r] = (size_t)counts[r];
+            at += icounts[r];
+        }
+        *all = moe_xmalloc((size_t)total + 1);
+    }
+    MPI_Gatherv(mine, (int)bytes, MPI_BYTE, *all, icounts, displs, MPI_BYTE, 0, c->comm);
+    free(displs);
+    free(icounts);
+    free(counts);
+    return MOE_EXIT_OK;
 }

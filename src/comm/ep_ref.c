@@ -213,8 +213,41 @@ void moe_ep_shared_forward(const moe_ep *ep, const float *x, float *y, float *sc
     }
 }
 
+void moe_ep_capture_free(moe_ep_capture *capture)
+{
+    free(capture->recv_x);
+    free(capture->recv_token);
+    free(capture->out);
+    free(capture->pair);
+    memset(capture, 0, sizeof *capture);
+}
+
+/* Copies of what this rank received and sent back, pairs in combine order. */
+static void capture_rank(const moe_recv_plan *recv, const float *recv_rows,
+                         const int32_t *recv_meta, const float *expert_out, int first_expert,
+                         moe_index d, int k, moe_ep_capture *capture)
+{
+    capture->rows = recv->rows;
+    capture->recv_x = moe_xmalloc(sizeof(float) * (size_t)(recv->rows * d));
+    memcpy(capture->recv_x, recv_rows, sizeof(float) * (size_t)(recv->rows * d));
+    capture->recv_token = moe_xmalloc(sizeof(int32_t) * (size_t)recv->rows);
+    for (moe_index r = 0; r < recv->rows; r++)
+        capture->recv_token[r] = moe_meta_token(recv_meta + r * MOE_META_WORDS(k), k);
+    capture->pairs = recv->pairs;
+    capture->out = moe_xmalloc(sizeof(float) * (size_t)(recv->pairs * d));
+    memcpy(capture->out, expert_out, sizeof(float) * (size_t)(recv->pairs * d));
+    capture->pair = moe_xmalloc(sizeof(int32_t) * (size_t)(2 * recv->pairs));
+    for (int l = 0; l < recv->local_experts; l++)
+        for (moe_index m = recv->expert_offset[l]; m < recv->expert_offset[l + 1]; m++) {
+            const moe_index p = recv->expert_pair[m];
+            capture->pair[2 * p] = capture->recv_token[recv->expert_row[m]];
+            capture->pair[2 * p + 1] = first_expert + l;
+        }
+}
+
 int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
-                       const float *weights, float *y, moe_forward_stats *stats, moe_status *st)
+                       const float *weights, float *y, moe_forward_stats *stats,
+                       moe_ep_capture *capture, moe_status *st)
 {
     const moe_config *cfg = ep->cfg;
     const moe_comm *c = &ep->comm;
@@ -262,7 +295,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
         moe_gather_rows(moe_ep_dispatched_tokens(ep, x, x_scratch), d, send.row_token, rows_out,
                         send_rows);
-        moe_pack_meta(ids, weights, k, send.row_token, rows_out, send_meta);
+        moe_pack_meta(ids, weights, k, send.row_token, rows_out, (moe_index)c->rank * T, send_meta);
         MPI_Alltoallv(send_rows, send_counts, send_displs, row_type, recv_rows, recv_counts,
                       recv_displs, row_type, c->comm);
         MPI_Alltoallv(send_meta, send_counts, send_displs, meta_type, recv_meta, recv_counts,
@@ -299,6 +332,8 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
                               NULL);
         stats->expert_flops = moe_gemm_sflops();
         stats->pairs_received = recv.pairs;
+        if (capture)
+            capture_rank(&recv, recv_rows, recv_meta, expert_out, ep->first_expert, d, k, capture);
         stats->expert_start = t;
         stats->expert_end = MPI_Wtime();
         stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - t;

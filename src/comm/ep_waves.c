@@ -266,7 +266,8 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     const float *x_dispatch = moe_ep_dispatched_tokens(ep, x, x_scratch);
     for (int w = 0; w < W; w++) {
         moe_gather_rows(x_dispatch, d, ws[w].send.row_token, ws[w].rows_out, ws[w].send_rows);
-        moe_pack_meta(ids, weights, k, ws[w].send.row_token, ws[w].rows_out, ws[w].send_meta);
+        moe_pack_meta(ids, weights, k, ws[w].send.row_token, ws[w].rows_out, (moe_index)c->rank * T,
+                      ws[w].send_meta);
     }
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
 

@@ -67,6 +67,8 @@ static const flag_spec flags[] = {
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact", "expert GEMM: OpenBLAS, or the fixed-order kernel", RUN},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
+    {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", "write the golden set of this run (docs/golden.md)", RUN},
+    {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, "include the weights in --dump (default true)", RUN},
     {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", "Chrome trace of the last forward (Perfetto)", RUN},
     {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", "SVG Gantt chart of the last forward", RUN},
     {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", "emulated links: cb=RATIO | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
@@ -107,6 +109,7 @@ void moe_config_defaults(moe_config *cfg)
     cfg->route_scale = 1.0;
     cfg->bias_scale = 0.01;
     cfg->norm_topk = true;
+    cfg->dump_weights = true;
     cfg->layers = 1;
     cfg->moe_layers = 1;
     cfg->param_dtype = cfg->dispatch_dtype = cfg->combine_dtype = 0; /* fp32 */
@@ -522,5 +525,51 @@ void moe_config_print_flags(FILE *out, enum moe_command command)
                     (long long)flags[n].min, (long long)flags[n].max);
         else
             fprintf(out, "  %-22s %s\n", left, flags[n].help);
+    }
+}
+
+void moe_config_describe(const moe_config *cfg, enum moe_command command,
+                         void (*emit)(void *ctx, const char *name, const char *value), void *ctx)
+{
+    for (size_t n = 0; n < N_FLAGS; n++) {
+        const flag_spec *flag = &flags[n];
+        if (!(flag->commands & (1u << command)))
+            continue;
+        const char *base = (const char *)cfg + flag->offset;
+        char value[MOE_NAME_MAX + 32];
+        switch (flag->kind) {
+        case FLAG_INT:
+            snprintf(value, sizeof value, "%lld", (long long)*(const int64_t *)base);
+            break;
+        case FLAG_SEED:
+            snprintf(value, sizeof value, "%llu", (unsigned long long)*(const uint64_t *)base);
+            break;
+        case FLAG_BOOL:
+            snprintf(value, sizeof value, "%s", *(const bool *)base ? "true" : "false");
+            break;
+        case FLAG_REAL:
+            snprintf(value, sizeof value, "%.17g", *(const double *)base);
+            break;
+        case FLAG_CHOICE: {
+            const char *choice = flag->value_name;
+            for (int index = *(const int *)base; index > 0 && choice; index--)
+                choice = strchr(choice, '|') ? strchr(choice, '|') + 1 : NULL;
+            size_t len = choice && strchr(choice, '|') ? (size_t)(strchr(choice, '|') - choice)
+                                                       : (choice ? strlen(choice) : 0);
+            snprintf(value, sizeof value, "%.*s", (int)len, choice ? choice : "");
+            break;
+        }
+        case FLAG_WAVES: {
+            size_t used = 0;
+            value[0] = '\0';
+            for (int w = 0; w < cfg->waves_count; w++)
+                used += (size_t)snprintf(value + used, sizeof value - used, "%s%lld", w ? "," : "",
+                                         (long long)cfg->waves_list[w]);
+            break;
+        }
+        default: /* preset, cluster, text */
+            snprintf(value, sizeof value, "%s", base);
+        }
+        emit(ctx, flag->name, value);
     }
 }

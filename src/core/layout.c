@@ -233,12 +233,13 @@ void moe_gather_rows(const float *src, moe_index width, const moe_index *index, 
 }
 
 void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe_index *row_token,
-                   moe_index rows, int32_t *meta)
+                   moe_index rows, moe_index first_token, int32_t *meta)
 {
     for (moe_index n = 0; n < rows; n++) {
         int32_t *out = meta + n * MOE_META_WORDS(topk);
         memcpy(out, ids + row_token[n] * topk, sizeof(int32_t) * (size_t)topk);
         memcpy(out + topk, weights + row_token[n] * topk, sizeof(float) * (size_t)topk);
+        out[2 * topk] = (int32_t)(first_token + row_token[n]);
     }
 }
 

@@ -254,6 +254,11 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         }
     }
 
+    if (cfg->dump[0]) {
+        char size[32];
+        fprintf(out, "golden    %s: %s in %.2f s (moe-ep verify %s CANDIDATE.safetensors)\n", cfg->dump,
+                moe_format_bytes(s->dump_bytes, size, sizeof size), s->dump_seconds, cfg->dump);
+    }
     if (!s->checked)
         return;
     fprintf(out, "truth     dense fp64: all %lld experts on all %.0f tokens, gate-weighted "

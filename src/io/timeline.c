@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* Stage colours: comm in blues, compute in warm tones. */
@@ -246,5 +247,24 @@ int moe_check_output_path(const char *flag, const char *path, moe_status *st)
     if (access(dir, W_OK) != 0)
         return moe_fail(st, MOE_EXIT_USAGE, "%s: cannot create '%s': directory '%s' %s", flag,
                         path, dir, errno == ENOENT ? "does not exist" : "is not writable");
+    return MOE_EXIT_OK;
+}
+
+int moe_check_output_dir(const char *flag, const char *dir, moe_status *st)
+{
+    struct stat info;
+    if (stat(dir, &info) == 0) {
+        if (!S_ISDIR(info.st_mode))
+            return moe_fail(st, MOE_EXIT_USAGE, "%s: '%s' exists and is not a directory", flag, dir);
+        if (access(dir, W_OK) != 0)
+            return moe_fail(st, MOE_EXIT_USAGE, "%s: directory '%s' is not writable", flag, dir);
+        return MOE_EXIT_OK;
+    }
+    char copy[PATH_MAX];
+    snprintf(copy, sizeof copy, "%s", dir);
+    const char *parent = dirname(copy);
+    if (access(parent, W_OK) != 0)
+        return moe_fail(st, MOE_EXIT_USAGE, "%s: cannot create '%s': directory '%s' %s", flag, dir,
+                        parent, errno == ENOENT ? "does not exist" : "is not writable");
     return MOE_EXIT_OK;
 }

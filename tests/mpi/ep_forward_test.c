@@ -103,7 +103,7 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
     route(&ep, home_placement, tokens_per_rank, (moe_index)c->rank * cfg->tokens, x, opt, ids,
           weights);
     int rc = !cfg->blocking ? moe_ep_forward_waves(&ep, x, ids, weights, y, stats, NULL, 0.0, &st)
-                            : moe_ep_forward_ref(&ep, x, ids, weights, y, stats, &st);
+                            : moe_ep_forward_ref(&ep, x, ids, weights, y, stats, NULL, &st);
     if (rc)
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
     moe_ep_free(&ep);
@@ -132,7 +132,7 @@ static int sweep_waves(const moe_comm *world, moe_config *cfg, const moe_placeme
     moe_ep_generate_tokens(&ep, x);
     route(&ep, home, T, (moe_index)world->rank * T, x, opt, ids, weights);
     moe_forward_stats stats;
-    failures += moe_ep_forward_ref(&ep, x, ids, weights, y_ref, &stats, &st) != 0;
+    failures += moe_ep_forward_ref(&ep, x, ids, weights, y_ref, &stats, NULL, &st) != 0;
     char list[256];
     snprintf(list, sizeof list, "%s", opt->sweep);
     for (char *save = NULL, *item = strtok_r(list, ",", &save); item; item = strtok_r(NULL, ",", &save))

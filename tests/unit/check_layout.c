@@ -85,8 +85,9 @@ static void round_trip_wave(const moe_placement *p, const int32_t *ids, const fl
                 moe_index i = send[r].row_token[n];
                 recv[at * WIDTH] = (float)(r * T + i);
                 recv[at * WIDTH + 1] = 0.0f;
-                moe_pack_meta(ids + r * T * k, weights + r * T * k, k, &i, 1,
+                moe_pack_meta(ids + r * T * k, weights + r * T * k, k, &i, 1, (moe_index)r * T,
                               recv_meta + at * MOE_META_WORDS(k));
+                ck_assert_int_eq(moe_meta_token(recv_meta + at * MOE_META_WORDS(k), k), r * T + i);
             }
         moe_recv_plan plan;
         moe_recv_plan_build(&plan, p, q, recv_meta, rows, k, rows_from, waves, wave);

@@ -1,0 +1,51 @@
+/* golden.h — golden sets: stage-by-stage tensors for a GPU port, and the
+ * comparison of a port's tensors with them (`moe-ep verify`).
+ *
+ * A golden set is a directory of safetensors files, one per stage, and a
+ * manifest.json (written last) that lists the config, the seed, the moe-ep
+ * version, every file's SHA-256, and every tensor's stage, dtype, shape and
+ * tolerance contract. docs/golden.md describes each tensor. No MPI here.
+ */
+#ifndef MOE_GOLDEN_H
+#define MOE_GOLDEN_H
+
+#include <stdio.h>
+
+#include "moe/common.h"
+#include "moe/safetensors.h"
+
+/* The stages, in pipeline order; a tensor's file is "<stage>.safetensors". */
+enum moe_stage_file {
+    MOE_GOLDEN_INPUTS, MOE_GOLDEN_ROUTER, MOE_GOLDEN_LAYOUT, MOE_GOLDEN_DISPATCH,
+    MOE_GOLDEN_EXPERTS, MOE_GOLDEN_OUTPUT, MOE_GOLDEN_STAGES
+};
+extern const char *const moe_golden_stage_names[MOE_GOLDEN_STAGES];
+
+/* How verify compares a tensor. */
+enum moe_golden_rule {
+    MOE_RULE_EXACT,     /* every bit (inputs, integers, quantised payloads) */
+    MOE_RULE_TOLERANCE, /* |got - ref| <= abs + rel*|ref| */
+    MOE_RULE_TOPK,      /* ids exact, or a near-tie (see docs/golden.md) */
+};
+
+typedef struct {
+    moe_st_tensor tensor;
+    enum moe_stage_file stage;
+    enum moe_golden_rule rule;
+    double abs, rel;
+} moe_golden_tensor;
+
+/* Write the set into dir (created if missing; if dir does not exist the set
+ * is built beside it and renamed into place, so a failed dump leaves
+ * nothing). config_json: a JSON object for the manifest's "config".
+ * *bytes receives the total size. Returns MOE_EXIT_OK or MOE_EXIT_RUNTIME. */
+int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
+                     const char *config_json, double *bytes, moe_status *st);
+
+/* Compare the tensors of candidate with the set in dir, print the table to
+ * out. Returns MOE_EXIT_OK (all within contract), MOE_EXIT_CHECK_FAILED
+ * (some not; the first failing stage is named), or MOE_EXIT_USAGE for a
+ * missing, corrupt or mismatched golden set or candidate (st says what). */
+int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_status *st);
+
+#endif

@@ -1,0 +1,278 @@
+/* dump.c — `moe-ep run --dump DIR`: the golden set of this run.
+ *
+ * One more forward on the blocking reference path captures what each rank
+ * received and sent back; the truth is computed as for --check; rank 0
+ * gathers the rest and writes the set (src/io/golden.c). Inputs and weights
+ * are not gathered: rank 0 regenerates them from the seed (they are a pure
+ * function of it, docs/data.md). Collective.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/cli.h"
+#include "moe/ep.h"
+#include "moe/golden.h"
+#include "moe/quant.h"
+#include "moe/rng.h"
+#include "moe/truth.h"
+
+#define UNIT_ROUNDOFF 0x1p-24
+
+typedef struct {
+    uint64_t seed;
+    moe_index d, f;
+    int dtype;
+    bool shared, second; /* shared experts; W2 rather than W1 */
+} weight_source;
+
+/* One expert's W1 (2f, d) or W2 (d, f), regenerated and rounded to --dtype. */
+static void fill_weight(const void *ctx, int64_t expert, void *out)
+{
+    const weight_source *w = ctx;
+    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * w->f * w->d));
+    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(w->d * w->f));
+    if (w->shared)
+        moe_shared_expert_generate(w->seed, (int)expert, w->d, w->f, w1, w2);
+    else
+        moe_expert_generate(w->seed, (int)expert, w->d, w->f, w1, w2);
+    const moe_index n = w->second ? w->d * w->f : 2 * w->f * w->d;
+    memcpy(out, w->second ? w2 : w1, sizeof(float) * (size_t)n);
+    moe_precision_weights(w->dtype, out, n);
+    free(w2);
+    free(w1);
+}
+
+static double rms_f32(const float *v, int64_t n)
+{
+    double sum = 0.0;
+    for (int64_t m = 0; m < n; m++)
+        sum += (double)v[m] * v[m];
+    return n ? sqrt(sum / (double)n) : 0.0;
+}
+
+typedef struct {
+    moe_golden_tensor *items;
+    int count, capacity;
+} tensor_list;
+
+static moe_golden_tensor *add(tensor_list *l, const char *name, enum moe_st_dtype dtype,
+                              enum moe_stage_file stage, enum moe_golden_rule rule, const void *data,
+                              int ndim, int64_t d0, int64_t d1, int64_t d2)
+{
+    if (l->count == l->capacity) {
+        l->capacity = l->capacity ? 2 * l->capacity : 32;
+        l->items = realloc(l->items, sizeof *l->items * (size_t)l->capacity);
+        MOE_ASSERT(l->items != NULL);
+    }
+    moe_golden_tensor *g = &l->items[l->count++];
+    memset(g, 0, sizeof *g);
+    snprintf(g->tensor.name, sizeof g->tensor.name, "%s", name);
+    g->tensor.dtype = dtype;
+    g->tensor.ndim = ndim;
+    const int64_t dims[3] = {d0, d1, d2};
+    for (int i = 0; i < ndim; i++)
+        g->tensor.shape[i] = dims[i];
+    g->tensor.data = data;
+    g->stage = stage;
+    g->rule = rule;
+    return g;
+}
+
+/* A float tensor compared within rel * (|ref| + rms): the rms floor covers
+ * elements much smaller than the terms that made them (truth.h). */
+static void tolerate(moe_golden_tensor *g, double rel)
+{
+    g->rel = rel;
+    g->abs = rel * rms_f32(g->tensor.data, moe_st_elements(g->tensor.ndim, g->tensor.shape));
+}
+
+/* The config as a JSON object of strings; where the set was written is not
+ * part of what it is, so --dump is left out. */
+static void emit_config(void *ctx, const char *name, const char *value)
+{
+    char **json = ctx;
+    if (!strcmp(name, "dump"))
+        return;
+    size_t len = strlen(*json);
+    *json = realloc(*json, len + strlen(name) + strlen(value) + 16);
+    sprintf(*json + len, "%s\"%s\": \"%s\"", len > 1 ? ", " : "", name, value);
+}
+
+int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const int32_t *ids,
+                 const float *weights, const float *logits, const float *scores, double *bytes,
+                 moe_status *st)
+{
+    const moe_config *cfg = ep->cfg;
+    const int G = c->ranks, E = (int)cfg->experts, k = (int)cfg->topk, S = (int)cfg->shared_experts;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
+    const int64_t N = (int64_t)G * T;
+
+    /* 1. This rank's share: a captured forward and the truth. */
+    float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *x_scratch = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    moe_ep_capture cap = {0};
+    moe_forward_stats stats;
+    int rc = moe_ep_forward_ref(ep, x, ids, weights, y, &stats, &cap, st);
+    if (rc) {
+        free(truth);
+        free(x_scratch);
+        free(y);
+        return rc;
+    }
+    moe_truth_forward(cfg, x, moe_ep_dispatched_tokens(ep, x, x_scratch), ids, weights, T, truth,
+                      NULL);
+
+    /* 2. Gathered on rank 0. */
+    const bool root = c->rank == 0;
+    float *all_logits = root ? moe_xmalloc(sizeof(float) * (size_t)(N * E)) : NULL;
+    float *all_scores = root ? moe_xmalloc(sizeof(float) * (size_t)(N * E)) : NULL;
+    int32_t *all_ids = root ? moe_xmalloc(sizeof(int32_t) * (size_t)(N * k)) : NULL;
+    float *all_weights = root ? moe_xmalloc(sizeof(float) * (size_t)(N * k)) : NULL;
+    float *all_y = root ? moe_xmalloc(sizeof(float) * (size_t)(N * d)) : NULL;
+    double *all_truth = root ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
+    moe_comm_gather_bytes(c, logits, sizeof(float) * (size_t)(T * E), all_logits);
+    moe_comm_gather_bytes(c, scores, sizeof(float) * (size_t)(T * E), all_scores);
+    moe_comm_gather_bytes(c, ids, sizeof(int32_t) * (size_t)(T * k), all_ids);
+    moe_comm_gather_bytes(c, weights, sizeof(float) * (size_t)(T * k), all_weights);
+    moe_comm_gather_bytes(c, y, sizeof(float) * (size_t)(T * d), all_y);
+    moe_comm_gather_bytes(c, truth, sizeof(double) * (size_t)(T * d), all_truth);
+    void *recv_x = NULL, *recv_token = NULL, *out = NULL, *pair = NULL;
+    size_t *sizes[4];
+    for (int n = 0; n < 4; n++)
+        sizes[n] = root ? moe_xcalloc((size_t)G, sizeof(size_t)) : NULL;
+    rc = moe_comm_gatherv_bytes(c, cap.recv_x, sizeof(float) * (size_t)(cap.rows * d), &recv_x, sizes[0], st);
+    if (!rc)
+        rc = moe_comm_gatherv_bytes(c, cap.recv_token, sizeof(int32_t) * (size_t)cap.rows, &recv_token, sizes[1], st);
+    if (!rc)
+        rc = moe_comm_gatherv_bytes(c, cap.out, sizeof(float) * (size_t)(cap.pairs * d), &out, sizes[2], st);
+    if (!rc)
+        rc = moe_comm_gatherv_bytes(c, cap.pair, sizeof(int32_t) * (size_t)(2 * cap.pairs), &pair, sizes[3], st);
+
+    /* 3. Rank 0 lays out the set and writes it. */
+    moe_status local = {0};
+    if (root && rc == MOE_EXIT_OK) {
+        tensor_list l = {0};
+        const double u = UNIT_ROUNDOFF;
+        const double combine = cfg->combine_dtype == MOE_DTYPE_BF16 ? 0x1p-8 : 0.0;
+        float *tokens = moe_xmalloc(sizeof(float) * (size_t)(N * d));
+        moe_synth_tokens(cfg->seed, 0, N, d, tokens);
+        moe_precision_weights(cfg->param_dtype, tokens, N * d);
+        add(&l, "tokens.x", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, tokens, 2, N, d, 0);
+        add(&l, "gate.weight", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->gate, 2, E, d, 0);
+        if (ep->bias)
+            add(&l, "gate.bias", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->bias, 1, E, 0, 0);
+        weight_source sources[4] = {
+            {cfg->seed, d, f, cfg->param_dtype, false, false}, {cfg->seed, d, f, cfg->param_dtype, false, true},
+            {cfg->seed, d, f, cfg->param_dtype, true, false},  {cfg->seed, d, f, cfg->param_dtype, true, true}};
+        if (cfg->dump_weights) {
+            static const char *const names[4] = {"experts.w1", "experts.w2", "shared.w1", "shared.w2"};
+            for (int n = 0; n < 4; n++) {
+                const int64_t count = n < 2 ? E : S;
+                if (count == 0)
+                    continue;
+                moe_golden_tensor *g = add(&l, names[n], MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT,
+                                           NULL, 3, count, n % 2 ? d : 2 * f, n % 2 ? f : d);
+                g->tensor.fill = fill_weight;
+                g->tensor.ctx = &sources[n];
+            }
+        }
+        /* router */
+        float *selection = moe_xmalloc(sizeof(float) * (size_t)(N * E));
+        for (int64_t m = 0; m < N * E; m++)
+            selection[m] = ep->bias ? all_scores[m] + ep->bias[m % E] : all_scores[m];
+        tolerate(add(&l, "router.logits", MOE_ST_F32, MOE_GOLDEN_ROUTER, MOE_RULE_TOLERANCE, all_logits, 2, N, E, 0), u * d);
+        tolerate(add(&l, "router.scores", MOE_ST_F32, MOE_GOLDEN_ROUTER, MOE_RULE_TOLERANCE, all_scores, 2, N, E, 0), u * (d + E));
+        tolerate(add(&l, "router.selection", MOE_ST_F32, MOE_GOLDEN_ROUTER, MOE_RULE_TOLERANCE, selection, 2, N, E, 0), u * (d + E + 1));
+        add(&l, "router.topk_ids", MOE_ST_I32, MOE_GOLDEN_ROUTER, MOE_RULE_TOPK, all_ids, 2, N, k, 0);
+        tolerate(add(&l, "router.topk_weights", MOE_ST_F32, MOE_GOLDEN_ROUTER, MOE_RULE_TOLERANCE, all_weights, 2, N, k, 0), u * (d + E + k));
+        /* layout, from the ids and the placement */
+        const int R = ep->link.ranks_per_node, nodes = (G + R - 1) / R;
+        uint8_t *in_rank = moe_xcalloc((size_t)(N * G), 1);
+        int32_t *per_rank = moe_xcalloc((size_t)G, sizeof(int32_t));
+        int32_t *per_expert = moe_xcalloc((size_t)E, sizeof(int32_t));
+        int32_t *per_node = moe_xcalloc((size_t)nodes, sizeof(int32_t));
+        uint8_t *node_seen = moe_xmalloc((size_t)nodes);
+        for (int64_t i = 0; i < N; i++) {
+            memset(node_seen, 0, (size_t)nodes);
+            for (int s = 0; s < k; s++) {
+                const int e = all_ids[i * k + s], r = ep->placement.expert_rank[e];
+                per_expert[e]++;
+                in_rank[i * G + r] = 1;
+                node_seen[r / R] = 1;
+            }
+            for (int r = 0; r < G; r++)
+                per_rank[r] += in_rank[i * G + r];
+            for (int n = 0; n < nodes; n++)
+                per_node[n] += node_seen[n];
+        }
+        free(node_seen);
+        add(&l, "layout.tokens_per_rank", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, per_rank, 1, G, 0, 0);
+        add(&l, "layout.tokens_per_expert", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, per_expert, 1, E, 0, 0);
+        add(&l, "layout.tokens_per_node", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, per_node, 1, nodes, 0, 0);
+        add(&l, "layout.is_token_in_rank", MOE_ST_BOOL, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, in_rank, 2, N, G, 0);
+        /* per rank: received rows, expert outputs */
+        char name[MOE_ST_NAME_MAX];
+        size_t at[4] = {0, 0, 0, 0};
+        for (int r = 0; r < G; r++) {
+            const int64_t rows = (int64_t)(sizes[1][r] / sizeof(int32_t));
+            const int64_t pairs = (int64_t)(sizes[3][r] / (2 * sizeof(int32_t)));
+            snprintf(name, sizeof name, "dispatch.rank%d.x", r);
+            add(&l, name, MOE_ST_F32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, (char *)recv_x + at[0], 2, rows, d, 0);
+            snprintf(name, sizeof name, "dispatch.rank%d.token", r);
+            add(&l, name, MOE_ST_I32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, (char *)recv_token + at[1], 1, rows, 0, 0);
+            snprintf(name, sizeof name, "experts.rank%d.out", r);
+            tolerate(add(&l, name, MOE_ST_F32, MOE_GOLDEN_EXPERTS, MOE_RULE_TOLERANCE, (char *)out + at[2], 2, pairs, d, 0),
+                     u * (d + f) + combine);
+            snprintf(name, sizeof name, "experts.rank%d.pair", r);
+            add(&l, name, MOE_ST_I32, MOE_GOLDEN_EXPERTS, MOE_RULE_EXACT, (char *)pair + at[3], 2, pairs, 2, 0);
+            for (int n = 0; n < 4; n++)
+                at[n] += sizes[n][r];
+        }
+        /* output */
+        const double rel_y = u * (d + f + k + S) + combine;
+        tolerate(add(&l, "output.y", MOE_ST_F32, MOE_GOLDEN_OUTPUT, MOE_RULE_TOLERANCE, all_y, 2, N, d, 0), rel_y);
+        moe_golden_tensor *gt = add(&l, "output.truth", MOE_ST_F64, MOE_GOLDEN_OUTPUT, MOE_RULE_TOLERANCE, all_truth, 2, N, d, 0);
+        gt->rel = rel_y;
+        gt->abs = rel_y * rms_f32(all_y, N * d);
+
+        char *config = moe_xmalloc(2);
+        strcpy(config, "{");
+        moe_config_describe(cfg, MOE_CMD_RUN, emit_config, &config);
+        emit_config(&config, "ranks", (snprintf(name, sizeof name, "%d", G), name));
+        config = realloc(config, strlen(config) + 2);
+        strcat(config, "}");
+        moe_golden_write(cfg->dump, l.items, l.count, config, bytes, &local);
+        free(config);
+        free(per_node);
+        free(per_expert);
+        free(per_rank);
+        free(in_rank);
+        free(selection);
+        free(tokens);
+        free(l.items);
+    }
+    for (int n = 0; n < 4; n++)
+        free(sizes[n]);
+    free(pair);
+    free(out);
+    free(recv_token);
+    free(recv_x);
+    free(all_truth);
+    free(all_y);
+    free(all_weights);
+    free(all_ids);
+    free(all_scores);
+    free(all_logits);
+    moe_ep_capture_free(&cap);
+    free(truth);
+    free(x_scratch);
+    free(y);
+    if (rc)
+        return rc;
+    if (moe_comm_agree(c, &local))
+        *st = local;
+    return local.code;
+}

@@ -1,0 +1,46 @@
+/* verify.c — `moe-ep verify GOLDEN_DIR CANDIDATE.safetensors`: a port's
+ * tensors against a golden set, stage by stage (src/io/golden.c). Rank 0
+ * does the work; it needs no mpirun. */
+#include <string.h>
+
+#include "moe/cli.h"
+#include "moe/golden.h"
+
+static void print_usage(FILE *out)
+{
+    fprintf(out,
+            "usage: moe-ep verify GOLDEN_DIR CANDIDATE.safetensors\n"
+            "\n"
+            "Compares every tensor of CANDIDATE whose name is in GOLDEN_DIR/manifest.json\n"
+            "with the golden one under its contract (exact, abs + rel*|ref|, or top-k ids\n"
+            "with near-ties), prints a table in pipeline order and names the first stage\n"
+            "that fails. Exit status: 0 all within contract, 1 some not, 2 bad files.\n");
+}
+
+int moe_cli_verify(const moe_comm *c, int argc, char **argv)
+{
+    for (int n = 0; n < argc; n++)
+        if (!strcmp(argv[n], "--help") || !strcmp(argv[n], "-h")) {
+            if (c->rank == 0)
+                print_usage(stdout);
+            return MOE_EXIT_OK;
+        }
+    moe_status st = {0};
+    int rc = MOE_EXIT_OK;
+    if (argc != 2)
+        rc = moe_fail(&st, MOE_EXIT_USAGE, "verify needs GOLDEN_DIR and CANDIDATE.safetensors, got %d argument%s",
+                      argc, argc == 1 ? "" : "s");
+    else if (c->rank == 0)
+        rc = moe_golden_verify(argv[0], argv[1], stdout, &st);
+    fflush(stdout);
+    /* every rank leaves with rank 0's verdict */
+    moe_status shared = {0};
+    if (rc == MOE_EXIT_USAGE)
+        shared = st;
+    if (moe_comm_agree(c, &shared) == MOE_EXIT_USAGE) {
+        moe_comm_print_error(c, &shared);
+        return MOE_EXIT_USAGE;
+    }
+    moe_status verdict = {.code = rc == MOE_EXIT_CHECK_FAILED ? MOE_EXIT_CHECK_FAILED : MOE_EXIT_OK};
+    return moe_comm_agree(c, &verdict);
+}

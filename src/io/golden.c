@@ -1,0 +1,371 @@
+/* golden.c — writing golden sets and verifying candidates (see golden.h). */
+#define _POSIX_C_SOURCE 200809L
+#include "moe/golden.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "moe/sha256.h"
+
+const char *const moe_golden_stage_names[MOE_GOLDEN_STAGES] = {
+    "inputs", "router", "layout", "dispatch", "experts", "output",
+};
+static const char *const rule_names[] = {"exact", "tolerance", "topk"};
+
+/* ---- writing ------------------------------------------------------------ */
+
+static json_t *tensor_json(const moe_golden_tensor *g)
+{
+    json_t *t = json_object(), *shape = json_array();
+    for (int dim = 0; dim < g->tensor.ndim; dim++)
+        json_array_append_new(shape, json_integer(g->tensor.shape[dim]));
+    json_object_set_new(t, "file", json_sprintf("%s.safetensors", moe_golden_stage_names[g->stage]));
+    json_object_set_new(t, "stage", json_string(moe_golden_stage_names[g->stage]));
+    json_object_set_new(t, "dtype", json_string(moe_st_dtype_name(g->tensor.dtype)));
+    json_object_set_new(t, "shape", shape);
+    json_object_set_new(t, "compare", json_string(rule_names[g->rule]));
+    json_object_set_new(t, "abs", json_real(g->abs));
+    json_object_set_new(t, "rel", json_real(g->rel));
+    return t;
+}
+
+static int write_manifest(const char *path, json_t *manifest, moe_status *st)
+{
+    char tmp[760];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    if (json_dump_file(manifest, tmp, JSON_INDENT(1) | JSON_PRESERVE_ORDER) != 0) {
+        unlink(tmp);
+        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s'", path);
+    }
+    if (rename(tmp, path) != 0) {
+        unlink(tmp);
+        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot rename '%s': %s", tmp, strerror(errno));
+    }
+    return MOE_EXIT_OK;
+}
+
+int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
+                     const char *config_json, double *bytes, moe_status *st)
+{
+    struct stat info;
+    const bool fresh = stat(dir, &info) != 0;
+    char work[520];
+    snprintf(work, sizeof work, fresh ? "%s.partial.%ld" : "%s", dir, (long)getpid());
+    if (fresh && mkdir(work, 0777) != 0)
+        return moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot create '%s': %s", work, strerror(errno));
+    json_error_t error;
+    json_t *config = json_loads(config_json, 0, &error);
+    json_t *manifest = json_object(), *files = json_object(), *list = json_object();
+    json_object_set_new(manifest, "format", json_string("moe-ep golden set"));
+    json_object_set_new(manifest, "format_version", json_integer(1));
+    json_object_set_new(manifest, "moe_ep_version", json_string(PACKAGE_VERSION));
+    json_object_set_new(manifest, "config", config ? config : json_object());
+    json_t *stages = json_array();
+    for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
+        json_array_append_new(stages, json_string(moe_golden_stage_names[s]));
+    json_object_set_new(manifest, "stages", stages);
+    *bytes = 0.0;
+    int rc = MOE_EXIT_OK;
+    moe_st_tensor *batch = moe_xmalloc(sizeof(moe_st_tensor) * (size_t)(n ? n : 1));
+    for (int stage = 0; stage < MOE_GOLDEN_STAGES && rc == MOE_EXIT_OK; stage++) {
+        int count = 0;
+        for (int i = 0; i < n; i++)
+            if ((int)tensors[i].stage == stage) {
+                batch[count++] = tensors[i].tensor;
+                json_object_set_new(list, tensors[i].tensor.name, tensor_json(&tensors[i]));
+            }
+        if (count == 0)
+            continue;
+        char path[700], hex[65], name[64];
+        snprintf(name, sizeof name, "%s.safetensors", moe_golden_stage_names[stage]);
+        snprintf(path, sizeof path, "%s/%s", work, name);
+        char meta[160];
+        snprintf(meta, sizeof meta, "{\"format\": \"moe-ep golden set\", \"stage\": \"%s\"}",
+                 moe_golden_stage_names[stage]);
+        rc = moe_st_write(path, batch, count, meta, hex, st);
+        if (rc == MOE_EXIT_OK && stat(path, &info) == 0) {
+            json_t *file = json_object();
+            json_object_set_new(file, "sha256", json_string(hex));
+            json_object_set_new(file, "bytes", json_integer((json_int_t)info.st_size));
+            json_object_set_new(files, name, file);
+            *bytes += (double)info.st_size;
+        }
+    }
+    free(batch);
+    json_object_set_new(manifest, "files", files);
+    json_object_set_new(manifest, "tensors", list);
+    if (rc == MOE_EXIT_OK) {
+        char path[700];
+        snprintf(path, sizeof path, "%s/manifest.json", work);
+        rc = write_manifest(path, manifest, st);
+    }
+    json_decref(manifest);
+    if (fresh) {
+        if (rc == MOE_EXIT_OK && rename(work, dir) != 0)
+            rc = moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot rename '%s' to '%s': %s", work,
+                          dir, strerror(errno));
+        if (rc != MOE_EXIT_OK) { /* leave nothing behind */
+            for (int stage = 0; stage < MOE_GOLDEN_STAGES; stage++) {
+                char path[700];
+                snprintf(path, sizeof path, "%s/%s.safetensors", work, moe_golden_stage_names[stage]);
+                unlink(path);
+            }
+            char path[700];
+            snprintf(path, sizeof path, "%s/manifest.json", work);
+            unlink(path);
+            rmdir(work);
+        }
+    }
+    return rc;
+}
+
+/* ---- verifying ---------------------------------------------------------- */
+
+/* A file's SHA-256 as hex. */
+static bool file_sha256(const char *path, char hex[65])
+{
+    FILE *fp = fopen(path, "rb");
+    if (!fp)
+        return false;
+    moe_sha256 h;
+    moe_sha256_init(&h);
+    char buffer[1 << 16];
+    size_t got;
+    while ((got = fread(buffer, 1, sizeof buffer, fp)) > 0)
+        moe_sha256_update(&h, buffer, got);
+    fclose(fp);
+    uint8_t digest[32];
+    moe_sha256_final(&h, digest);
+    moe_sha256_hex(digest, hex);
+    return true;
+}
+
+static double element(const void *data, enum moe_st_dtype dtype, int64_t i)
+{
+    switch (dtype) {
+    case MOE_ST_F32: return ((const float *)data)[i];
+    case MOE_ST_F64: return ((const double *)data)[i];
+    case MOE_ST_I32: return ((const int32_t *)data)[i];
+    default: return ((const uint8_t *)data)[i];
+    }
+}
+
+typedef struct {
+    double max_abs, max_rel, max_used;
+    int64_t first_bad, bad, near_ties;
+} verdict;
+
+/* ids (N, k): a mismatch is a near-tie when the golden selection scores of
+ * the golden and the candidate expert differ by at most the scores'
+ * tolerance; the candidate chose a different but equally good expert. */
+static void compare_topk(const int32_t *ref, const int32_t *got, int64_t n, int k,
+                         const float *selection, int experts, double tol_abs, double tol_rel,
+                         verdict *v)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t token = i / k;
+        if (ref[i] == got[i])
+            continue;
+        bool tie = selection && got[i] >= 0 && got[i] < experts;
+        if (tie) {
+            const double a = selection[token * experts + ref[i]];
+            const double b = selection[token * experts + got[i]];
+            tie = fabs(a - b) <= tol_abs + tol_rel * fabs(a);
+        }
+        if (tie) {
+            v->near_ties++;
+            continue;
+        }
+        if (v->bad++ == 0)
+            v->first_bad = i;
+    }
+}
+
+static void compare_values(const void *ref, const void *got, enum moe_st_dtype dtype, int64_t n,
+                           enum moe_golden_rule rule, double tol_abs, double tol_rel, verdict *v)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const double r = element(ref, dtype, i), g = element(got, dtype, i);
+        double err = fabs(g - r);
+        if (!isfinite(g) && !(isnan(g) && isnan(r)))
+            err = INFINITY;
+        if (isnan(g) && isnan(r))
+            err = 0.0;
+        const double bound = rule == MOE_RULE_EXACT ? 0.0 : tol_abs + tol_rel * fabs(r);
+        const double used = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0.0);
+        v->max_abs = fmax(v->max_abs, err);
+        if (fabs(r) > 0)
+            v->max_rel = fmax(v->max_rel, err / fabs(r));
+        v->max_used = fmax(v->max_used, used);
+        if (err > bound && v->bad++ == 0)
+            v->first_bad = i;
+    }
+}
+
+static void index_text(int64_t flat, int ndim, const int64_t *shape, char *buf, size_t size)
+{
+    int64_t idx[MOE_ST_MAX_DIMS];
+    for (int dim = ndim - 1; dim >= 0; dim--) {
+        idx[dim] = shape[dim] ? flat % shape[dim] : 0;
+        flat = shape[dim] ? flat / shape[dim] : 0;
+    }
+    size_t used = (size_t)snprintf(buf, size, "[");
+    for (int dim = 0; dim < ndim; dim++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", dim ? "," : "", (long long)idx[dim]);
+    snprintf(buf + used, size - used, "]");
+}
+
+/* Load a golden tensor, checking its file against the manifest's SHA-256. */
+static void *load_golden(const char *dir, const char *file, const char *name, json_t *files,
+                         moe_st_entry *entry, moe_status *st)
+{
+    char path[700], hex[65];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    json_t *info = json_object_get(files, file);
+    const char *want = json_string_value(json_object_get(info, "sha256"));
+    if (!want || !file_sha256(path, hex) || strcmp(hex, want) != 0) {
+        moe_fail(st, MOE_EXIT_USAGE,
+                 "golden file '%s' is missing or differs from its manifest checksum; regenerate the "
+                 "set with moe-ep run --dump and the manifest's config", path);
+        return NULL;
+    }
+    moe_st_file f;
+    if (moe_st_open(path, &f, st))
+        return NULL;
+    const moe_st_entry *e = moe_st_find(&f, name);
+    void *data = NULL;
+    if (!e) {
+        moe_fail(st, MOE_EXIT_USAGE, "golden file '%s' lacks tensor '%s'", path, name);
+    } else {
+        *entry = *e;
+        data = moe_xmalloc((size_t)(e->end - e->begin) + 1);
+        if (moe_st_read(&f, e, data, st)) {
+            free(data);
+            data = NULL;
+        }
+    }
+    moe_st_close(&f);
+    return data;
+}
+
+int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_status *st)
+{
+    char path[700];
+    snprintf(path, sizeof path, "%s/manifest.json", dir);
+    json_error_t error;
+    json_t *manifest = json_load_file(path, 0, &error);
+    if (!manifest)
+        return moe_fail(st, MOE_EXIT_USAGE, "cannot read golden manifest '%s': %s (line %d)", path,
+                        error.text, error.line);
+    json_t *tensors = json_object_get(manifest, "tensors"), *files = json_object_get(manifest, "files");
+    if (!json_is_object(tensors) || !json_is_object(files)) {
+        json_decref(manifest);
+        return moe_fail(st, MOE_EXIT_USAGE, "'%s' is not a moe-ep golden manifest", path);
+    }
+    moe_st_file cand;
+    if (moe_st_open(candidate, &cand, st)) {
+        json_decref(manifest);
+        return st->code;
+    }
+    /* The selection scores, for the top-k near-tie rule. */
+    moe_st_entry sel_entry;
+    moe_status ignored = {0};
+    float *selection = json_object_get(tensors, "router.selection")
+                           ? load_golden(dir, "router.safetensors", "router.selection", files, &sel_entry, &ignored)
+                           : NULL;
+    const int experts = selection ? (int)sel_entry.shape[1] : 0;
+    json_t *scores_info = json_object_get(tensors, "router.selection");
+    const double sel_abs = json_real_value(json_object_get(scores_info, "abs"));
+    const double sel_rel = json_real_value(json_object_get(scores_info, "rel"));
+
+    fprintf(out, "%-28s %-9s %-10s %11s %11s %8s %10s  %s\n", "tensor", "stage", "rule", "max abs",
+            "max rel", "% of tol", "mismatch", "first mismatch");
+    int first_failing_stage = MOE_GOLDEN_STAGES, compared = 0, rc = MOE_EXIT_OK;
+    for (int stage = 0; stage < MOE_GOLDEN_STAGES && rc == MOE_EXIT_OK; stage++)
+        for (int n = 0; n < cand.count && rc == MOE_EXIT_OK; n++) {
+            const moe_st_entry *e = &cand.entries[n];
+            json_t *info = json_object_get(tensors, e->name);
+            const char *stage_name = json_string_value(json_object_get(info, "stage"));
+            if (!info || !stage_name || strcmp(stage_name, moe_golden_stage_names[stage]))
+                continue;
+            moe_st_entry golden_entry;
+            void *ref = load_golden(dir, json_string_value(json_object_get(info, "file")), e->name,
+                                    files, &golden_entry, st);
+            if (!ref) {
+                rc = st->code;
+                break;
+            }
+            bool same_shape = golden_entry.ndim == e->ndim && golden_entry.dtype == e->dtype;
+            for (int dim = 0; same_shape && dim < e->ndim; dim++)
+                same_shape = golden_entry.shape[dim] == e->shape[dim];
+            if (!same_shape) {
+                free(ref);
+                rc = moe_fail(st, MOE_EXIT_USAGE,
+                              "candidate tensor '%s' is %s with %d dims, golden is %s with %d dims "
+                              "(or the sizes differ): not comparable",
+                              e->name, moe_st_dtype_name(e->dtype), e->ndim,
+                              moe_st_dtype_name(golden_entry.dtype), golden_entry.ndim);
+                break;
+            }
+            void *got = moe_xmalloc((size_t)(e->end - e->begin) + 1);
+            if (moe_st_read(&cand, e, got, st)) {
+                free(got);
+                free(ref);
+                rc = st->code;
+                break;
+            }
+            const char *rule_text = json_string_value(json_object_get(info, "compare"));
+            const enum moe_golden_rule rule = !strcmp(rule_text, "topk") ? MOE_RULE_TOPK
+                                              : !strcmp(rule_text, "tolerance") ? MOE_RULE_TOLERANCE
+                                                                                : MOE_RULE_EXACT;
+            const double tol_abs = json_real_value(json_object_get(info, "abs"));
+            const double tol_rel = json_real_value(json_object_get(info, "rel"));
+            const int64_t count = moe_st_elements(e->ndim, e->shape);
+            verdict v = {0, 0, 0, -1, 0, 0};
+            if (rule == MOE_RULE_TOPK)
+                compare_topk(ref, got, count, (int)e->shape[e->ndim - 1], selection, experts,
+                             sel_abs, sel_rel, &v);
+            else
+                compare_values(ref, got, e->dtype, count, rule, tol_abs, tol_rel, &v);
+            char where[64] = "";
+            if (v.bad)
+                index_text(v.first_bad, e->ndim, e->shape, where, sizeof where);
+            char used[16];
+            snprintf(used, sizeof used, rule == MOE_RULE_TOLERANCE ? "%.1f" : "-", 100.0 * v.max_used);
+            fprintf(out, "%-28s %-9s %-10s %11.3e %11.3e %8s %10lld  %s%s\n", e->name, stage_name,
+                    rule_text, v.max_abs, v.max_rel, used, (long long)v.bad, v.bad ? where : "-",
+                    v.near_ties ? " (near-ties accepted)" : "");
+            if (v.near_ties)
+                fprintf(out, "%-28s %lld top-k ids differ only by near-ties\n", "",
+                        (long long)v.near_ties);
+            if (v.bad && stage < first_failing_stage)
+                first_failing_stage = stage;
+            compared++;
+            free(got);
+            free(ref);
+        }
+    for (int n = 0; n < cand.count && rc == MOE_EXIT_OK; n++)
+        if (!json_object_get(tensors, cand.entries[n].name))
+            fprintf(out, "%-28s (not in the golden set: ignored)\n", cand.entries[n].name);
+    free(selection);
+    moe_st_close(&cand);
+    json_decref(manifest);
+    if (rc != MOE_EXIT_OK)
+        return rc;
+    if (compared == 0)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "'%s' holds no tensor of the golden set (names as in %s/manifest.json)",
+                        candidate, dir);
+    if (first_failing_stage < MOE_GOLDEN_STAGES) {
+        fprintf(out, "verify: FAIL, first failing stage: %s\n", moe_golden_stage_names[first_failing_stage]);
+        return MOE_EXIT_CHECK_FAILED;
+    }
+    fprintf(out, "verify: PASS, %d tensors within contract\n", compared);
+    return MOE_EXIT_OK;
+}

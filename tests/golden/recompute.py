@@ -1,0 +1,79 @@
+"""Recompute a golden set's combined output from its dumped inputs, top-k and
+dispatched rows with numpy, and compare it with the dumped output.
+
+    /usr/bin/python3 tests/golden/recompute.py GOLDEN_DIR
+
+A cross-language check: the SwiGLU experts, the gate-weighted sum, the shared
+experts and the bf16 combine rounding are written here again, in float64.
+Exit 0 when every element is within the manifest's tolerance for output.y.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import st  # noqa: E402
+
+
+def bf16(values):
+    """Round float32 values to the nearest bfloat16 (ties to even)."""
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+
+
+def ffn(x, w1, w2):
+    h = x @ w1.T.astype(np.float64)
+    f = w1.shape[0] // 2
+    gate, up = h[:, :f], h[:, f:]
+    return (gate / (1.0 + np.exp(-gate)) * up) @ w2.T.astype(np.float64)
+
+
+def main(golden):
+    manifest = json.load(open(os.path.join(golden, "manifest.json")))
+    config = manifest["config"]
+    files = {}
+    for stage in manifest["stages"]:
+        path = os.path.join(golden, stage + ".safetensors")
+        if os.path.exists(path):
+            files.update(st.load(path)[0])
+    x = files["tokens.x"].astype(np.float64)
+    ids, weights = files["router.topk_ids"], files["router.topk_weights"].astype(np.float64)
+    n, k = ids.shape
+    # What each token's experts received: its dispatched row (the same on every rank).
+    xq = np.zeros_like(x)
+    ranks = int(config["ranks"])
+    for r in range(ranks):
+        xq[files["dispatch.rank%d.token" % r]] = files["dispatch.rank%d.x" % r]
+    combine_bf16 = config["combine-dtype"] == "bf16"
+    before_l2 = config["weight-at"] == "activation"
+    y = np.zeros_like(x)
+    for e in range(files["experts.w1"].shape[0]):
+        rows, slots = np.nonzero(ids == e)
+        if rows.size == 0:
+            continue
+        out = ffn(xq[rows], files["experts.w1"][e], files["experts.w2"][e])
+        g = weights[rows, slots][:, None]
+        if combine_bf16:
+            term = bf16(g * out) if before_l2 else g * bf16(out)
+        else:
+            term = g * out
+        np.add.at(y, rows, term)
+    for s in range(files["shared.w1"].shape[0] if "shared.w1" in files else 0):
+        y += ffn(x, files["shared.w1"][s], files["shared.w2"][s])
+    ref = files["output.y"].astype(np.float64)
+    contract = manifest["tensors"]["output.y"]
+    bound = contract["abs"] + contract["rel"] * np.abs(ref)
+    err = np.abs(y - ref)
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    ok = bool(np.all(err <= bound))
+    print("numpy recompute of %s: %d tokens x %d, max |diff| %.3e, worst at %s using %.1f%% of "
+          "tolerance: %s" % (golden, n, x.shape[1], err.max(), tuple(int(i) for i in worst),
+                             100 * (err / bound).max(), "ok" if ok else "FAIL"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

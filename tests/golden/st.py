@@ -1,0 +1,49 @@
+"""Read and write safetensors files with the standard library and numpy only.
+
+Used by the golden-set tests; no C code of moe-ep takes part, so the files are
+checked against the format itself.
+"""
+import json
+import struct
+
+import numpy as np
+
+DTYPES = {"F32": np.float32, "F64": np.float64, "I32": np.int32, "BOOL": np.bool_, "U8": np.uint8}
+NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+def load(path):
+    """All tensors of a file, as a dict of numpy arrays, and its metadata."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + length])
+    data = blob[8 + length :]
+    meta = header.pop("__metadata__", {})
+    tensors = {}
+    for name, entry in header.items():
+        begin, end = entry["data_offsets"]
+        array = np.frombuffer(data[begin:end], dtype=DTYPES[entry["dtype"]])
+        tensors[name] = array.reshape(entry["shape"])
+    return tensors, meta
+
+
+def save(path, tensors):
+    """Write a dict of numpy arrays (in insertion order)."""
+    header, offset, chunks = {}, 0, []
+    for name, array in tensors.items():
+        raw = np.ascontiguousarray(array).tobytes()
+        header[name] = {
+            "dtype": NAMES[np.dtype(array.dtype)],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        offset += len(raw)
+        chunks.append(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for raw in chunks:
+            f.write(raw)
