@@ -9,6 +9,7 @@
 #define MOE_COMM_H
 
 #include <mpi.h>
+#include <stdbool.h>
 
 #include "moe/common.h"
 #include "moe/stats.h"
@@ -35,6 +36,18 @@ void moe_comm_attach(moe_comm *c, MPI_Comm comm);
  * not MOE_EXIT_OK, st on rank 0 holds the message of the lowest rank with
  * that code, prefixed with "rank N: " when N != 0. */
 int moe_comm_agree(const moe_comm *c, moe_status *st);
+
+/* Fault injection for the tests: with MOE_EP_FAULT=RANK:STAGE in the
+ * environment, rank RANK fails at STAGE (generate, plan, dispatch, experts,
+ * combine, dump) as an allocation or I/O failure would. Returns true, with
+ * st set to a runtime error, when this rank is to fail here. */
+bool moe_fault_here(const moe_comm *c, const char *stage, moe_status *st);
+
+/* For a failure where the ranks cannot agree (inside the wave pipeline):
+ * print "moe-ep: error: rank R: MESSAGE" and end the job with MPI_Abort
+ * (exit status 3). Does not return. Rank 0's own collective errors name no
+ * rank; others' are prefixed "rank R: " by moe_comm_agree. */
+void moe_comm_abort(const moe_comm *c, const moe_status *st) __attribute__((noreturn));
 
 /* Rank 0 prints "moe-ep: error: MESSAGE" to stderr. */
 void moe_comm_print_error(const moe_comm *c, const moe_status *st);

@@ -40,6 +40,7 @@ typedef struct {
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;
+    double init_scale;           /* tokens uniform in [-init_scale, init_scale) */
     bool check; /* compare with the dense fp64 truth */
     char trace[MOE_NAME_MAX];    /* Chrome trace JSON path, "" for none */
     char timeline[MOE_NAME_MAX]; /* SVG timeline path, "" for none */

@@ -38,9 +38,10 @@ float moe_synth_value(uint64_t seed, enum moe_tensor tensor, uint32_t entity, ui
 void moe_synth_fill(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t first,
                     moe_index count, float scale, float *out);
 
-/* x (T, d) = the input tokens with global ids first_token .. first_token+T-1. */
+/* x (T, d) = the input tokens with global ids first_token .. first_token+T-1,
+ * uniform in [-scale, scale) (--init-scale). */
 void moe_synth_tokens(uint64_t seed, uint64_t first_token, moe_index tokens, moe_index hidden,
-                      float *x);
+                      float scale, float *x);
 
 /* The scale of a weight whose dot products run over fan_in inputs:
  * (float)(1 / sqrt(fan_in)), computed in double then rounded once. */

@@ -151,14 +151,21 @@ int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const int3
     if (!rc)
         rc = moe_comm_gatherv_bytes(c, cap.pair, sizeof(int32_t) * (size_t)(2 * cap.pairs), &pair, sizes[3], st);
 
-    /* 3. Rank 0 lays out the set and writes it. */
+    /* 3. Every rank still well (an injected fault stands for a failure
+     * here)? Then rank 0 lays out the set and writes it. */
     moe_status local = {0};
+    if (rc == MOE_EXIT_OK) {
+        moe_fault_here(c, "dump", &local);
+        rc = moe_comm_agree(c, &local);
+        if (rc)
+            *st = local;
+    }
     if (root && rc == MOE_EXIT_OK) {
         tensor_list l = {0};
         const double u = UNIT_ROUNDOFF;
         const double combine = cfg->combine_dtype == MOE_DTYPE_BF16 ? 0x1p-8 : 0.0;
         float *tokens = moe_xmalloc(sizeof(float) * (size_t)(N * d));
-        moe_synth_tokens(cfg->seed, 0, N, d, tokens);
+        moe_synth_tokens(cfg->seed, 0, N, d, (float)cfg->init_scale, tokens);
         moe_precision_weights(cfg->param_dtype, tokens, N * d);
         add(&l, "tokens.x", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, tokens, 2, N, d, 0);
         add(&l, "gate.weight", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->gate, 2, E, d, 0);

@@ -169,7 +169,7 @@ static void check_against_truth(const moe_comm *c, const moe_ep *ep, const float
     if (s->quantised) {
         moe_config full = *cfg;
         full.param_dtype = full.dispatch_dtype = full.combine_dtype = MOE_DTYPE_FP32;
-        moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, scratch);
+        moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, (float)cfg->init_scale, scratch);
         moe_truth_forward(&full, scratch, scratch, ids, weights, T, truth, NULL);
         double max_abs = 0.0;
         for (moe_index m = 0; m < n; m++)

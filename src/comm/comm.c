@@ -215,3 +215,22 @@ int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, vo
     free(counts);
     return MOE_EXIT_OK;
 }
+
+bool moe_fault_here(const moe_comm *c, const char *stage, moe_status *st)
+{
+    const char *spec = getenv("MOE_EP_FAULT");
+    int rank;
+    char where[32];
+    if (!spec || sscanf(spec, "%d:%31s", &rank, where) != 2 || rank != c->rank || strcmp(where, stage))
+        return false;
+    moe_fail(st, MOE_EXIT_RUNTIME, "injected fault at stage %s (MOE_EP_FAULT)", stage);
+    return true;
+}
+
+void moe_comm_abort(const moe_comm *c, const moe_status *st)
+{
+    fprintf(stderr, "moe-ep: error: rank %d: %s\n", c->rank, st->message);
+    fflush(stderr);
+    MPI_Abort(c->comm, MOE_EXIT_RUNTIME);
+    abort(); /* MPI_Abort does not return */
+}

@@ -60,6 +60,7 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     ep->shared_w1 = try_alloc(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
     ep->shared_w2 = try_alloc(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
     ep->gate = try_alloc(sizeof(float) * (size_t)(cfg->experts * d), "the gate", comm->rank, &local);
+    moe_fault_here(comm, "generate", &local);
     if (moe_comm_agree(comm, &local)) {
         *st = local;
         moe_ep_free(ep);
@@ -119,7 +120,7 @@ void moe_ep_generate_tokens(const moe_ep *ep, float *x)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     const uint64_t first_token = (uint64_t)ep->comm.rank * (uint64_t)T;
-    moe_synth_tokens(ep->cfg->seed, first_token, T, d, x);
+    moe_synth_tokens(ep->cfg->seed, first_token, T, d, (float)ep->cfg->init_scale, x);
     moe_precision_weights(ep->cfg->param_dtype, x, T * d);
 }
 
@@ -288,6 +289,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     float *x_scratch = cfg->dispatch_dtype == MOE_DTYPE_FP32
                            ? NULL
                            : try_alloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
+    moe_fault_here(c, "plan", &local);
 
     /* Dispatch: each row once per destination (quantised as --dispatch-dtype
      * says), with the token's full top-k and weights. */
@@ -321,6 +323,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         expert_out = try_alloc(sizeof(float) * (size_t)(recv.pairs * d), "the combine send buffer", c->rank, &local);
         expert_in = try_alloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
         scratch = try_alloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
+        moe_fault_here(c, "dispatch", &local);
     }
 
     if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
@@ -337,7 +340,12 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         stats->expert_start = t;
         stats->expert_end = MPI_Wtime();
         stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - t;
-
+    }
+    /* A rank that failed in its experts (an injected fault stands for it)
+     * stops every rank here, before the combine. */
+    if (local.code == MOE_EXIT_OK)
+        moe_fault_here(c, "experts", &local);
+    if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
         /* Combine: outputs go back to the rows' home ranks. */
         t = MPI_Wtime();
         to_counts(recv.source_pairs, G, send_counts, send_displs);
@@ -347,7 +355,9 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
         stats->bytes_combined = (double)recv.pairs * (double)(d * 4);
         stats->pairs_back_remote = send.pair_offset[G] - send.pair_count[c->rank];
-
+        moe_fault_here(c, "combine", &local);
+    }
+    if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
         t = MPI_Wtime();
         const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * k)); /* (T, k) */
         moe_combine_locate(&send, back, d, slot_rows);

@@ -259,6 +259,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
                            : try_alloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
     free(counts_in);
     free(counts_out);
+    moe_fault_here(c, "plan", &local);
     if (moe_comm_agree(c, &local)) {
         *st = local;
         goto out;
@@ -286,6 +287,9 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
             post_dispatch(&ws[posted], &progress, posted, G, row_type, meta_type, c->comm,
                           &ep->link, &links);
         moe_progress_wait(&progress, w);
+        moe_status fault = {0};
+        if (moe_fault_here(c, "dispatch", &fault))
+            moe_comm_abort(c, &fault);
         clock.wave = w;
         clock.mark = MPI_Wtime();
         wave_state *s = &ws[w];
@@ -295,7 +299,13 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
         link_bytes(ep, s->send.pair_count, s->recv.source_pairs, (double)(d * 4), s->combine_bytes);
         wave_experts(ep, s, expert_in, scratch, &clock);
+        /* Inside the pipeline the ranks cannot stop together: a failing rank
+         * ends the job (an injected fault stands for a failure here). */
+        if (moe_fault_here(c, "experts", &fault))
+            moe_comm_abort(c, &fault);
         post_combine(s, &progress, W + w, G, row_type, c->comm, &ep->link, &links);
+        if (moe_fault_here(c, "combine", &fault))
+            moe_comm_abort(c, &fault);
     }
     for (int w = 0; w < W; w++)
         moe_progress_wait(&progress, W + w);

@@ -11,6 +11,8 @@
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <float.h>
+#include <math.h>
 #include <limits.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -60,6 +62,7 @@ static const flag_spec flags[] = {
     {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", "logit bias: hot:EXPERT=+B[,...] or zipf:S", RUN},
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", "shared experts, applied to every token on its home rank", BOTH},
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1", RUN},
+    {"init-scale", FLAG_REAL, FIELD(init_scale), 0, 1000000000000000000LL, "S", "input tokens uniform in [-S, S)", RUN},
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes", RUN},
     {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
@@ -117,6 +120,7 @@ void moe_config_defaults(moe_config *cfg)
     cfg->progress = MOE_PROGRESS_POLL;
     cfg->gemm = 0; /* MOE_GEMM_BLAS */
     cfg->seed = 1;
+    cfg->init_scale = 1.0;
     cfg->check = false;
 }
 
@@ -476,6 +480,20 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                             (long long)cfg->tokens, (long long)cfg->waves_list[n]);
     if (validate_router(cfg, st))
         return st->code;
+    if (!(cfg->init_scale > 0))
+        return moe_fail(st, MOE_EXIT_USAGE, "--init-scale must be a number in (0, 1e18], got %g",
+                        cfg->init_scale);
+    /* The largest value the layer can make: |h| <= S sqrt(d) (a row of W1
+     * has norm <= 1 at scale 1/sqrt(d)), the activation <= |h|^2, an output
+     * <= sqrt(f) times that. Past FLT_MAX (bf16's range too) fp32 turns
+     * into Inf and NaN; say so before running. */
+    const double reach = cfg->init_scale * cfg->init_scale * (double)cfg->hidden * sqrt((double)cfg->ffn);
+    if (reach > FLT_MAX / 16)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--init-scale %g could overflow fp32%s: activations may reach %.1e, past "
+                        "FLT_MAX/16 = %.1e (room for the sums); use at most %.3g",
+                        cfg->init_scale, cfg->param_dtype == MOE_DTYPE_BF16 ? " and bf16" : "", reach,
+                        (double)FLT_MAX / 16, sqrt(FLT_MAX / 16 / ((double)cfg->hidden * sqrt((double)cfg->ffn))));
     if (cfg->param_dtype == MOE_DTYPE_FP8)
         return moe_fail(st, MOE_EXIT_USAGE, "--dtype must be fp32 or bf16 for moe-ep run, got fp8");
     if (cfg->combine_dtype == MOE_DTYPE_FP8)

@@ -87,8 +87,8 @@ float moe_synth_weight_scale(moe_index fan_in)
 }
 
 void moe_synth_tokens(uint64_t seed, uint64_t first_token, moe_index tokens, moe_index hidden,
-                      float *x)
+                      float scale, float *x)
 {
-    moe_synth_fill(seed, MOE_TENSOR_TOKENS, 0, first_token * (uint64_t)hidden, tokens * hidden, 1.0f,
+    moe_synth_fill(seed, MOE_TENSOR_TOKENS, 0, first_token * (uint64_t)hidden, tokens * hidden, scale,
                    x);
 }
