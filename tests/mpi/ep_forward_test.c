@@ -225,8 +225,8 @@ int main(int argc, char **argv)
     moe_check_collective(&world, &cfg, y, truth, allow, &s);
     const bool truth_ok = !s.nonfinite && s.cmp.max_used <= 1.0;
     if (r == 0)
-        printf("np=%d W=%d vs dense truth: %s max_abs=%.3e max_rel=%.3e used=%.1f%% of tol %.3e+%.3e*|ref|\n",
-               G, (int)cfg.waves, truth_ok ? "ok" : "FAIL", s.cmp.max_abs, s.cmp.max_rel, 100 * s.cmp.max_used,
+        printf("np=%d %s vs dense truth: %s max_abs=%.3e max_rel=%.3e used=%.1f%% of tol %.3e+%.3e*|ref|\n",
+               G, cfg.blocking ? "blocking" : "waves", truth_ok ? "ok" : "FAIL", s.cmp.max_abs, s.cmp.max_rel, 100 * s.cmp.max_used,
                s.tol.abs, s.tol.rel);
     failures += !truth_ok;
 
