@@ -1,4 +1,5 @@
 /* link.c — the emulated interconnect model (see link.h, docs/link-model.md). */
+#define _POSIX_C_SOURCE 200809L
 #include "moe/link.h"
 
 #include <math.h>
