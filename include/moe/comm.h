@@ -12,6 +12,7 @@
 #include <stdbool.h>
 
 #include "moe/common.h"
+#include "moe/dims.h"
 #include "moe/stats.h"
 
 typedef struct {
@@ -68,6 +69,13 @@ void moe_comm_gather_bytes(const moe_comm *c, const void *mine, size_t bytes, vo
  * size passes what one MPI count can say (2 GiB). Collective. */
 int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, void **all,
                            size_t *sizes, moe_status *st);
+/* The plain all-to-all anchor of moe-ep bench: a blocking MPI_Alltoallv
+ * sending rows[r] rows of d floats to each rank r, buffers and counts set up
+ * once (prepare, collective) so that run times the call alone. */
+typedef struct moe_alltoallv_anchor moe_alltoallv_anchor;
+moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double *rows, moe_index d);
+void moe_comm_alltoallv_run(moe_alltoallv_anchor *a);
+void moe_comm_alltoallv_free(moe_alltoallv_anchor *a);
 /* Element-wise maximum of v (n) over ranks, in place. */
 void moe_comm_max_array(const moe_comm *c, double *v, int n);
 /* The maximum of v over ranks and the lowest rank holding it. */

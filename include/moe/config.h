@@ -16,7 +16,7 @@
 #define MOE_NAME_MAX 256
 #define MOE_MAX_WAVE_RUNS 8 /* entries of --waves 1,2,4,8 */
 
-enum moe_command { MOE_CMD_RUN, MOE_CMD_PLAN };
+enum moe_command { MOE_CMD_RUN, MOE_CMD_PLAN, MOE_CMD_BENCH };
 enum moe_progress_kind { MOE_PROGRESS_POLL, MOE_PROGRESS_THREAD };
 enum moe_dtype { MOE_DTYPE_FP32, MOE_DTYPE_BF16, MOE_DTYPE_FP8 };
 /* Where the gate weight multiplies: the expert output after L2 (DeepSeek-V3's
@@ -54,6 +54,10 @@ typedef struct {
     bool norm_topk;              /* renormalise the k weights (softmax; V2 style) */
     char skew[MOE_NAME_MAX];     /* --skew spec, "" for none */
     int weight_at;               /* enum moe_weight_at */
+    /* moe-ep bench */
+    int64_t warmup;              /* untimed forwards before each wave count */
+    char csv[MOE_NAME_MAX];      /* table as CSV, "" for none */
+    char plot[MOE_NAME_MAX];     /* SVG plot of layer time and overlap against W */
     char dump[MOE_NAME_MAX];     /* golden set directory, "" for none */
     bool dump_weights;           /* include the weights in the golden set */
     /* moe-ep plan: the whole model and its cluster */

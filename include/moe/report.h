@@ -35,6 +35,7 @@ typedef struct {
     double bytes_dispatched, bytes_combined;
     double stage_seconds[MOE_STAGES]; /* median over iterations of the max over ranks */
     double layer_seconds;             /* the same for the whole forward */
+    double layer_min, layer_max;      /* over the iterations */
     double expert_flops;              /* summed over ranks, one forward */
     double expert_seconds;            /* median of the max over ranks */
     double expert_window;             /* median of: last rank's expert end - first rank's start */

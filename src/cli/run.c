@@ -19,6 +19,7 @@
 #include "moe/rng.h"
 #include "moe/timeline.h"
 #include "moe/truth.h"
+#include "run.h"
 
 static void print_usage(FILE *out)
 {
@@ -38,11 +39,17 @@ static void print_usage(FILE *out)
             moe_config_data_path("presets"));
 }
 
-/* Parse and validate on every rank; estimate memory; agree. */
-static int set_up(const moe_comm *c, moe_config *cfg, int argc, char **argv, moe_status *st)
+int moe_run_set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, int argc,
+                   char **argv, moe_status *st)
 {
     moe_config_defaults(cfg);
-    if (moe_config_parse(cfg, MOE_CMD_RUN, argc, argv, st) == MOE_EXIT_OK &&
+    if (command == MOE_CMD_BENCH) { /* bench sweeps W unless told otherwise */
+        static const int64_t sweep[] = {1, 2, 4, 8};
+        memcpy(cfg->waves_list, sweep, sizeof sweep);
+        cfg->waves_count = 4;
+        cfg->iters = 5;
+    }
+    if (moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
         if (c->rank == 0 && cfg->trace[0])
             moe_check_output_path("--trace", cfg->trace, st);
@@ -50,6 +57,12 @@ static int set_up(const moe_comm *c, moe_config *cfg, int argc, char **argv, moe
             moe_check_output_path("--timeline", cfg->timeline, st);
         if (c->rank == 0 && cfg->dump[0] && st->code == MOE_EXIT_OK)
             moe_check_output_dir("--dump", cfg->dump, st);
+        if (c->rank == 0 && cfg->csv[0] && st->code == MOE_EXIT_OK)
+            moe_check_output_path("--csv", cfg->csv, st);
+        if (c->rank == 0 && cfg->plot[0] && st->code == MOE_EXIT_OK)
+            moe_check_output_path("--plot", cfg->plot, st);
+        if (command == MOE_CMD_BENCH && cfg->blocking && st->code == MOE_EXIT_OK)
+            moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
         if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE, "--compare-serial needs --timeline FILE.svg");
         if (cfg->blocking && (cfg->trace[0] || cfg->timeline[0]) && st->code == MOE_EXIT_OK)
@@ -133,6 +146,11 @@ static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
     }
     memcpy(s->stage_seconds, m, sizeof s->stage_seconds);
     s->layer_seconds = m[COL_LAYER];
+    s->layer_min = s->layer_max = per_iter[COL_LAYER];
+    for (int it = 1; it < iters; it++) {
+        s->layer_min = fmin(s->layer_min, per_iter[(size_t)it * COLS + COL_LAYER]);
+        s->layer_max = fmax(s->layer_max, per_iter[(size_t)it * COLS + COL_LAYER]);
+    }
     s->expert_seconds = m[COL_EXPERTS];
     s->expert_window = m[COL_WINDOW];
     s->pipeline_seconds = m[COL_PIPELINE];
@@ -344,24 +362,35 @@ static void routing_detail(const moe_comm *c, const moe_ep *ep, const int32_t *i
     s->rank_expert_seconds = out->rank_seconds;
 }
 
-/* The buffers of one run on this rank. */
-typedef struct {
-    float *x;         /* (T, d) */
-    float *logits;    /* (T, E) */
-    float *scores;    /* (T, E) */
-    int32_t *ids;     /* (T, k) */
-    float *weights;   /* (T, k) */
-    float *y;         /* (T, d) */
-    float *y_first;   /* (T, d) the first iteration's output */
-    double *per_iter; /* (iters, COLS) */
-    moe_trace trace;  /* the last iteration's events */
-    double last_expert_seconds; /* this rank's, in the last forward */
-} run_buffers;
+void moe_run_buffers_init(run_buffers *b, const moe_config *cfg)
+{
+    const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
+    memset(b, 0, sizeof *b);
+    b->x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    b->logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    b->scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    b->ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    b->weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    b->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    b->y_first = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    b->per_iter = moe_xmalloc(sizeof(double) * (size_t)(cfg->iters * COLS));
+}
 
-/* cfg->iters forwards at the current cfg->waves; fills the times, traffic and
- * run-to-run identity of s. Collective. */
-static int timed_forwards(const moe_comm *c, const moe_ep *ep, run_buffers *b,
-                          moe_run_summary *s, moe_status *st)
+void moe_run_buffers_free(run_buffers *b)
+{
+    moe_trace_free(&b->trace);
+    free(b->per_iter);
+    free(b->y_first);
+    free(b->y);
+    free(b->weights);
+    free(b->ids);
+    free(b->scores);
+    free(b->logits);
+    free(b->x);
+}
+
+int moe_run_timed_forwards(const moe_comm *c, const moe_ep *ep, run_buffers *b,
+                           moe_run_summary *s, moe_status *st)
 {
     const moe_config *cfg = ep->cfg;
     const moe_index n = cfg->tokens * cfg->hidden;
@@ -403,11 +432,10 @@ static int timed_forwards(const moe_comm *c, const moe_ep *ep, run_buffers *b,
     return MOE_EXIT_OK;
 }
 
-/* --link cb=RATIO: B = C / RATIO, with C the expert FLOP/s of a rank measured
- * by one untimed forward without the link model (summed FLOPs over summed
- * compute seconds of all ranks). Collective. */
-static int calibrate_link(const moe_comm *c, moe_ep *ep, run_buffers *b, moe_run_summary *s,
-                          moe_status *st)
+/* C is measured by one untimed forward without the link model (summed FLOPs
+ * over summed compute seconds of all ranks). Collective. */
+int moe_run_calibrate_link(const moe_comm *c, moe_ep *ep, run_buffers *b, moe_run_summary *s,
+                           moe_status *st)
 {
     moe_forward_stats f;
     ep->link.enabled = false;
@@ -436,7 +464,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
 
     moe_config cfg;
     moe_status st = {0};
-    if (set_up(c, &cfg, argc, argv, &st)) {
+    if (moe_run_set_up(c, &cfg, MOE_CMD_RUN, argc, argv, &st)) {
         moe_comm_print_error(c, &st);
         return st.code;
     }
@@ -446,28 +474,19 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         moe_comm_print_error(c, &st);
         return st.code;
     }
-    const moe_index T = cfg.tokens, d = cfg.hidden, E = cfg.experts, k = cfg.topk;
-    run_buffers b = {
-        .x = moe_xmalloc(sizeof(float) * (size_t)(T * d)),
-        .logits = moe_xmalloc(sizeof(float) * (size_t)(T * E)),
-        .scores = moe_xmalloc(sizeof(float) * (size_t)(T * E)),
-        .ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)),
-        .weights = moe_xmalloc(sizeof(float) * (size_t)(T * k)),
-        .y = moe_xmalloc(sizeof(float) * (size_t)(T * d)),
-        .y_first = moe_xmalloc(sizeof(float) * (size_t)(T * d)),
-        .per_iter = moe_xmalloc(sizeof(double) * (size_t)(cfg.iters * COLS)),
-    };
+    run_buffers b;
+    moe_run_buffers_init(&b, &cfg);
     moe_ep_generate_tokens(&ep, b.x);
     moe_run_summary s = {.cfg = &cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
                          .cores = c->cores, .threads = c->threads,
                          .blas_threads = moe_gemm_threads(), .link = &ep.link};
     int rc = MOE_EXIT_OK;
     if (!cfg.blocking && ep.link.enabled && ep.link.cb_ratio > 0)
-        rc = calibrate_link(c, &ep, &b, &s, &st);
+        rc = moe_run_calibrate_link(c, &ep, &b, &s, &st);
 
     /* The first wave count: report, pictures, check. */
     if (rc == MOE_EXIT_OK)
-        rc = timed_forwards(c, &ep, &b, &s, &st);
+        rc = moe_run_timed_forwards(c, &ep, &b, &s, &st);
     traffic_detail detail = {NULL, NULL, NULL};
     if (rc == MOE_EXIT_OK)
         routing_detail(c, &ep, b.ids, b.last_expert_seconds, &s, &detail);
@@ -491,7 +510,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         moe_run_summary point = s;
         if (n > 0) {
             cfg.waves = cfg.waves_list[n];
-            rc = timed_forwards(c, &ep, &b, &point, &st);
+            rc = moe_run_timed_forwards(c, &ep, &b, &point, &st);
         }
         s.curve[s.curve_count++] = (moe_curve_point){
             (int)cfg.waves_list[n], point.layer_seconds, point.pipeline_seconds,
@@ -519,15 +538,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     free(detail.matrix);
     free(detail.nodes_hist);
     free(detail.rank_seconds);
-    moe_trace_free(&b.trace);
-    free(b.per_iter);
-    free(b.y_first);
-    free(b.y);
-    free(b.weights);
-    free(b.ids);
-    free(b.scores);
-    free(b.logits);
-    free(b.x);
+    moe_run_buffers_free(&b);
     moe_ep_free(&ep);
     return rc;
 }

@@ -234,3 +234,54 @@ void moe_comm_abort(const moe_comm *c, const moe_status *st)
     MPI_Abort(c->comm, MOE_EXIT_RUNTIME);
     abort(); /* MPI_Abort does not return */
 }
+
+struct moe_alltoallv_anchor {
+    MPI_Comm comm;
+    MPI_Datatype row;
+    int *send, *recv, *send_at, *recv_at; /* (G) each */
+    float *send_buf, *recv_buf;
+};
+
+moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double *rows, moe_index d)
+{
+    const int G = c->ranks;
+    moe_alltoallv_anchor *a = moe_xcalloc(1, sizeof *a);
+    a->comm = c->comm;
+    a->send = moe_xmalloc(sizeof(int) * (size_t)G);
+    a->recv = moe_xmalloc(sizeof(int) * (size_t)G);
+    a->send_at = moe_xmalloc(sizeof(int) * (size_t)G);
+    a->recv_at = moe_xmalloc(sizeof(int) * (size_t)G);
+    for (int r = 0; r < G; r++)
+        a->send[r] = (int)rows[r];
+    MPI_Alltoall(a->send, 1, MPI_INT, a->recv, 1, MPI_INT, c->comm);
+    long long out = 0, in = 0;
+    for (int r = 0; r < G; r++) {
+        a->send_at[r] = (int)out;
+        a->recv_at[r] = (int)in;
+        out += a->send[r];
+        in += a->recv[r];
+    }
+    MPI_Type_contiguous((int)d, MPI_FLOAT, &a->row);
+    MPI_Type_commit(&a->row);
+    a->send_buf = moe_xcalloc((size_t)(out * d) + 1, sizeof(float));
+    a->recv_buf = moe_xcalloc((size_t)(in * d) + 1, sizeof(float));
+    return a;
+}
+
+void moe_comm_alltoallv_run(moe_alltoallv_anchor *a)
+{
+    MPI_Alltoallv(a->send_buf, a->send, a->send_at, a->row, a->recv_buf, a->recv, a->recv_at,
+                  a->row, a->comm);
+}
+
+void moe_comm_alltoallv_free(moe_alltoallv_anchor *a)
+{
+    MPI_Type_free(&a->row);
+    free(a->recv_buf);
+    free(a->send_buf);
+    free(a->recv_at);
+    free(a->send_at);
+    free(a->recv);
+    free(a->send);
+    free(a);
+}

@@ -31,7 +31,13 @@ enum flag_kind {
 };
 
 /* Which subcommands take a flag (and use its preset key). */
-enum { RUN = 1 << MOE_CMD_RUN, PLAN = 1 << MOE_CMD_PLAN, BOTH = RUN | PLAN };
+/* bench takes every flag of run (it runs the same layer) and its own. */
+enum {
+    RUN = 1 << MOE_CMD_RUN | 1 << MOE_CMD_BENCH,
+    PLAN = 1 << MOE_CMD_PLAN,
+    BENCH = 1 << MOE_CMD_BENCH,
+    BOTH = RUN | PLAN
+};
 
 typedef struct {
     const char *name; /* flag without "--", and preset key */
@@ -77,6 +83,9 @@ static const flag_spec flags[] = {
     {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", "emulated links: cb=RATIO | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
     {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R", "ranks per virtual node; 0 = one node", RUN},
     {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, "add the same forward at W = 1 to the timeline", RUN},
+    {"warmup", FLAG_INT, FIELD(warmup), 0, 1000, "N", "untimed forwards before each wave count", BENCH},
+    {"csv", FLAG_TEXT, FIELD(csv), 0, 0, "FILE", "write the table as CSV", BENCH},
+    {"plot", FLAG_TEXT, FIELD(plot), 0, 0, "FILE.svg", "plot layer time and overlap against W", BENCH},
     {"layers", FLAG_INT, FIELD(layers), 1, 1000, "L", "transformer layers", PLAN},
     {"moe-layers", FLAG_INT, FIELD(moe_layers), 0, 1000, "L", "of which MoE layers", PLAN},
     {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, "fp32|bf16|fp8", "weights and input tokens (run: fp32 or bf16)", BOTH},
@@ -113,6 +122,7 @@ void moe_config_defaults(moe_config *cfg)
     cfg->bias_scale = 0.01;
     cfg->norm_topk = true;
     cfg->dump_weights = true;
+    cfg->warmup = 2;
     cfg->layers = 1;
     cfg->moe_layers = 1;
     cfg->param_dtype = cfg->dispatch_dtype = cfg->combine_dtype = 0; /* fp32 */
@@ -372,7 +382,7 @@ int moe_config_load_preset(moe_config *cfg, enum moe_command command, const char
     return MOE_EXIT_OK;
 }
 
-static const char *const command_names[] = {"run", "plan"};
+static const char *const command_names[] = {"run", "plan", "bench"};
 
 /* Splits "--name=value" / "--name value"; returns the flag or sets st. */
 static const flag_spec *parse_flag(enum moe_command command, int argc, char **argv, int *at,

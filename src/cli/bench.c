@@ -1,0 +1,301 @@
+/* bench.c — `moe-ep bench`: the wave pipeline at each W, against anchors
+ * measured in the same run.
+ *
+ * Per wave count: warm-up forwards, then timed ones (layer time median, min,
+ * max over iterations of the max over ranks). Anchors, on the same cores and
+ * ranks: one sgemm of the same FLOPs as a rank's experts (M = its pairs,
+ * N = 3f, K = d), and one plain MPI_Alltoallv pair with the same counts as
+ * the forward's dispatch and combine. GEMM efficiency = anchor sgemm time /
+ * expert compute time; all-to-all efficiency = anchor time / the forward's
+ * all-to-alls alone (all in flight, as measured for the overlap). Peak RSS
+ * per rank against the least the rank must hold. Rank 0 prints a table, and
+ * writes --csv and --plot.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "moe/cli.h"
+#include "moe/gemm.h"
+#include "moe/timeline.h"
+#include "run.h"
+
+typedef struct {
+    int waves, wave_kind;
+    double layer, layer_min, layer_max;  /* seconds */
+    double tokens_per_second;            /* all ranks */
+    double expert_gflops;                /* all ranks, over the expert compute time */
+    double gemm_efficiency;
+    double a2a_bytes_per_second;         /* dispatch + combine bytes over T_comm */
+    double a2a_efficiency;
+    double overlap;
+    double rss_mb, rss_ratio;            /* peak per rank (max), against the minimum */
+} bench_row;
+
+static int compare(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median over 3 runs of fn, max over ranks, after a barrier each. */
+static double timed(const moe_comm *c, void (*fn)(void *), void *arg)
+{
+    double t[3];
+    fn(arg); /* warm-up */
+    for (int n = 0; n < 3; n++) {
+        moe_comm_barrier(c);
+        const double start = moe_comm_time();
+        fn(arg);
+        t[n] = moe_comm_max(c, moe_comm_time() - start);
+    }
+    qsort(t, 3, sizeof t[0], compare);
+    return t[1];
+}
+
+typedef struct {
+    moe_index M, N, K;
+    float *A, *B, *C;
+} sgemm_anchor;
+
+static void run_sgemm(void *arg)
+{
+    sgemm_anchor *g = arg;
+    moe_sgemm_nt(g->M, g->N, g->K, g->A, g->K, g->B, g->K, g->C, g->N);
+}
+
+typedef struct {
+    moe_alltoallv_anchor *dispatch, *combine;
+} a2a_anchor;
+
+static void run_alltoallv(void *arg)
+{
+    a2a_anchor *a = arg;
+    moe_comm_alltoallv_run(a->dispatch);
+    moe_comm_alltoallv_run(a->combine);
+}
+
+/* The least a rank must hold for a forward: its weights, the tokens and the
+ * output, and the rows it sends and receives (the pairs coming back too). */
+static double minimum_bytes(const moe_ep *ep, const moe_forward_stats *f)
+{
+    const moe_config *cfg = ep->cfg;
+    const double d = (double)cfg->hidden, f3 = 3.0 * (double)cfg->ffn * d;
+    const double weights = (ep->local_experts + cfg->shared_experts) * f3 + cfg->experts * d;
+    const double rows = 2.0 * (double)cfg->tokens + (double)f->rows_sent + (double)f->rows_received +
+                        2.0 * (double)f->pairs_received;
+    return 4.0 * (weights + rows * d);
+}
+
+static void write_csv(FILE *out, const void *arg)
+{
+    const bench_row *rows = arg;
+    fprintf(out, "waves,kind,layer_ms,layer_min_ms,layer_max_ms,tokens_per_s,expert_gflops,"
+                 "gemm_efficiency,a2a_gb_per_s,a2a_efficiency,overlap,rss_mb,rss_ratio\n");
+    for (const bench_row *r = rows; r->waves; r++)
+        fprintf(out, "%d,%s,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.3f,%.3f,%.3f,%.1f,%.2f\n", r->waves,
+                r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert-slots" : "token-chunks",
+                1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
+                r->expert_gflops, r->gemm_efficiency, r->a2a_bytes_per_second * 1e-9,
+                r->a2a_efficiency, r->overlap, r->rss_mb, r->rss_ratio);
+}
+
+/* Layer time (left axis) and overlap (right axis) against W. */
+static void write_plot(FILE *out, const void *arg)
+{
+    const bench_row *rows = arg;
+    int n = 0;
+    double most = 0.0;
+    for (; rows[n].waves; n++)
+        most = fmax(most, rows[n].layer_max);
+    const int left = 80, top = 40, width = 560, height = 300;
+    fprintf(out, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"760\" height=\"420\" "
+                 "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
+    fprintf(out, "<text x=\"%d\" y=\"24\" font-size=\"15\" font-weight=\"bold\">moe-ep bench: layer time "
+                 "(median, min-max) and overlap against W</text>\n", left);
+    const double top_ms = ceil(1e3 * most / 10.0) * 10.0;
+    for (int t = 0; t <= 4; t++) {
+        const double y = top + height - t * height / 4.0;
+        fprintf(out, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+                     "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%.0f ms</text>"
+                     "<text x=\"%d\" y=\"%.1f\">%d%%</text>\n",
+                left, y, left + width, y, left - 6, y + 4, top_ms * t / 4.0, left + width + 6, y + 4, 25 * t);
+    }
+    for (int line = 0; line < 2; line++) {
+        fprintf(out, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\" points=\"", line ? "#e15759" : "#4e79a7");
+        for (int i = 0; i < n; i++) {
+            const double v = line ? rows[i].overlap : 1e3 * rows[i].layer / top_ms;
+            fprintf(out, "%.1f,%.1f ", left + (i + 0.5) * width / n, top + height - v * height);
+        }
+        fprintf(out, "\"/>\n");
+    }
+    for (int i = 0; i < n; i++) {
+        const double x = left + (i + 0.5) * width / n;
+        fprintf(out, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#4e79a7\"/>\n", x,
+                top + height - 1e3 * rows[i].layer_min / top_ms * height, x,
+                top + height - 1e3 * rows[i].layer_max / top_ms * height);
+        fprintf(out, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"4\" fill=\"#4e79a7\"/>"
+                     "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">W = %d</text>\n",
+                x, top + height - 1e3 * rows[i].layer / top_ms * height, x, top + height + 18, rows[i].waves);
+    }
+    fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#4e79a7\">layer time (left)</text>"
+                 "<text x=\"%d\" y=\"%d\" fill=\"#e15759\">overlap (right)</text>\n</svg>\n",
+            left, top + height + 44, left + 200, top + height + 44);
+}
+
+static void print_usage(FILE *out)
+{
+    fprintf(out,
+            "usage: mpirun -np G moe-ep bench [--preset NAME] [--waves 1,2,4,8] [flags]\n"
+            "\n"
+            "The wave pipeline at each W (default 1,2,4,8), --warmup untimed then --iters timed\n"
+            "forwards, against anchors measured in the same run: one sgemm of the experts' FLOPs\n"
+            "and one plain MPI_Alltoallv of the forward's counts. Takes every flag of run.\n"
+            "\n");
+    moe_config_print_flags(out, MOE_CMD_BENCH);
+}
+
+int moe_cli_bench(const moe_comm *c, int argc, char **argv)
+{
+    for (int n = 0; n < argc; n++)
+        if (!strcmp(argv[n], "--help") || !strcmp(argv[n], "-h")) {
+            if (c->rank == 0)
+                print_usage(stdout);
+            return MOE_EXIT_OK;
+        }
+    moe_config cfg;
+    moe_status st = {0};
+    if (moe_run_set_up(c, &cfg, MOE_CMD_BENCH, argc, argv, &st)) {
+        moe_comm_print_error(c, &st);
+        return st.code;
+    }
+    moe_ep ep;
+    if (moe_ep_init(&ep, &cfg, c, &st)) {
+        moe_comm_print_error(c, &st);
+        return st.code;
+    }
+    run_buffers b;
+    moe_run_buffers_init(&b, &cfg);
+    moe_ep_generate_tokens(&ep, b.x);
+    moe_run_summary s = {.cfg = &cfg, .ranks = c->ranks, .link = &ep.link};
+    int rc = MOE_EXIT_OK;
+    if (ep.link.enabled && ep.link.cb_ratio > 0)
+        rc = moe_run_calibrate_link(c, &ep, &b, &s, &st);
+    bench_row rows[MOE_MAX_WAVE_RUNS + 1];
+    memset(rows, 0, sizeof rows);
+    const moe_index T = cfg.tokens, d = cfg.hidden, f = cfg.ffn;
+    double gemm_anchor = 0.0;
+    const int iters = (int)cfg.iters;
+    for (int n = 0; rc == MOE_EXIT_OK && n < cfg.waves_count; n++) {
+        cfg.waves = cfg.waves_list[n];
+        if (c->rank == 0)
+            fprintf(stderr, "bench: W = %lld: %lld warm-up and %d timed forwards\n",
+                    (long long)cfg.waves, (long long)cfg.warmup, iters);
+        cfg.iters = cfg.warmup;
+        if (cfg.warmup > 0)
+            rc = moe_run_timed_forwards(c, &ep, &b, &s, &st);
+        cfg.iters = iters;
+        moe_forward_stats f_last;
+        if (rc == MOE_EXIT_OK)
+            rc = moe_run_timed_forwards(c, &ep, &b, &s, &st);
+        if (rc)
+            break;
+        /* Anchors: the sgemm once (the experts' FLOPs do not depend on W),
+         * the all-to-all per W (per-wave dedup changes the counts). */
+        moe_forward_stats probe;
+        moe_comm_barrier(c);
+        rc = moe_ep_forward_waves(&ep, b.x, b.ids, b.weights, b.y, &probe, NULL, 0.0, &st);
+        if (rc)
+            break;
+        f_last = probe;
+        if (n == 0) {
+            sgemm_anchor g = {f_last.pairs_received, 3 * f, d, NULL, NULL, NULL};
+            g.A = moe_xcalloc((size_t)(g.M * g.K) + 1, sizeof(float));
+            g.B = moe_xcalloc((size_t)(g.N * g.K) + 1, sizeof(float));
+            g.C = moe_xmalloc(sizeof(float) * (size_t)(g.M * g.N) + 1);
+            gemm_anchor = timed(c, run_sgemm, &g);
+            free(g.C);
+            free(g.B);
+            free(g.A);
+        }
+        /* dispatch: this W's rows per destination; combine: the pairs that
+         * come back from each rank, sent the other way (the same bytes
+         * between every two ranks, transposed) */
+        double *dispatch_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
+        double *combine_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
+        moe_waves waves;
+        moe_waves_init(&waves, &ep.placement, (int)cfg.waves, T);
+        moe_rows_per_destination(&ep.placement, b.ids, T, (int)cfg.topk, &waves, dispatch_rows);
+        moe_waves_free(&waves);
+        moe_send_plan plan;
+        moe_send_plan_build(&plan, &ep.placement, b.ids, T, (int)cfg.topk, NULL, 0);
+        for (int r = 0; r < c->ranks; r++)
+            combine_rows[r] = (double)plan.pair_count[r];
+        moe_send_plan_free(&plan);
+        a2a_anchor a = {moe_comm_alltoallv_prepare(c, dispatch_rows, d),
+                        moe_comm_alltoallv_prepare(c, combine_rows, d)};
+        const double a2a_anchor_seconds = timed(c, run_alltoallv, &a);
+        moe_comm_alltoallv_free(a.combine);
+        moe_comm_alltoallv_free(a.dispatch);
+        free(combine_rows);
+        free(dispatch_rows);
+
+        struct rusage usage;
+        getrusage(RUSAGE_SELF, &usage);
+        const double rss = (double)usage.ru_maxrss * 1024.0;
+        const double ratio = moe_comm_max(c, rss / minimum_bytes(&ep, &f_last));
+        const double bytes = s.bytes_dispatched + s.bytes_combined;
+        const double expert_time = s.compute_seconds;
+        rows[n] = (bench_row){
+            .waves = (int)cfg.waves,
+            .wave_kind = s.wave_kind,
+            .layer = s.layer_seconds,
+            .layer_min = s.layer_min,
+            .layer_max = s.layer_max,
+            .tokens_per_second = (double)c->ranks * (double)T / s.layer_seconds,
+            .expert_gflops = s.expert_flops * 1e-9 / expert_time,
+            .gemm_efficiency = gemm_anchor / expert_time,
+            .a2a_bytes_per_second = bytes / s.comm_seconds,
+            .a2a_efficiency = a2a_anchor_seconds / s.comm_seconds,
+            .overlap = s.comm_seconds > 0 ? fmax(0.0, fmin(1.0, 1.0 - (s.pipeline_seconds - s.compute_seconds) / s.comm_seconds)) : 0.0,
+            .rss_mb = moe_comm_max(c, rss) / 1048576.0,
+            .rss_ratio = ratio,
+        };
+    }
+    moe_status local = {0};
+    if (rc == MOE_EXIT_OK && c->rank == 0) {
+        printf("moe-ep bench · preset %s · G=%d ranks · T=%lld d=%lld f=%lld E=%lld k=%lld · "
+               "%lld timed forwards per W (after %lld warm-up) · gemm %s · progress %s\n",
+               cfg.preset[0] ? cfg.preset : "(none)", c->ranks, (long long)T, (long long)d,
+               (long long)f, (long long)cfg.experts, (long long)cfg.topk, (long long)cfg.iters,
+               (long long)cfg.warmup, cfg.gemm ? "exact" : "blas", cfg.progress ? "thread" : "poll");
+        printf("anchors   sgemm of the experts' FLOPs: %.2f ms (%.1f GFLOP/s on %d ranks) · plain "
+               "MPI_Alltoallv of the same counts, per W below\n",
+               1e3 * gemm_anchor, s.expert_flops * 1e-9 / gemm_anchor, c->ranks);
+        printf("%4s %-12s %22s %10s %9s %7s %9s %7s %8s %14s\n", "W", "waves", "layer ms (med min-max)",
+               "tokens/s", "GFLOP/s", "gemm", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
+        for (const bench_row *r = rows; r->waves; r++)
+            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %9.1f %7.2f %9.2f %7.2f %7.0f%% %8.0f (%.2f)\n",
+                   r->waves, r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
+                   1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
+                   r->expert_gflops, r->gemm_efficiency, r->a2a_bytes_per_second * 1e-9,
+                   r->a2a_efficiency, 100.0 * r->overlap, r->rss_mb, r->rss_ratio);
+        fflush(stdout);
+        if (cfg.csv[0])
+            moe_write_file_atomic(cfg.csv, write_csv, rows, &local);
+        if (cfg.plot[0] && local.code == MOE_EXIT_OK)
+            moe_write_file_atomic(cfg.plot, write_plot, rows, &local);
+    }
+    if (rc == MOE_EXIT_OK && moe_comm_agree(c, &local)) {
+        st = local;
+        rc = st.code;
+    }
+    if (rc)
+        moe_comm_print_error(c, &st);
+    moe_run_buffers_free(&b);
+    moe_ep_free(&ep);
+    return rc;
+}
