@@ -3,9 +3,14 @@
 #ifndef MOE_CLI_H
 #define MOE_CLI_H
 
+#include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "moe/comm.h"
+
+/* --help or -h among the arguments: rank 0 prints usage; returns true. */
+bool moe_cli_help(const moe_comm *c, int argc, char **argv, void (*usage)(FILE *out));
 
 int moe_cli_run(const moe_comm *c, int argc, char **argv);
 int moe_cli_plan(const moe_comm *c, int argc, char **argv);

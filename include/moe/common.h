@@ -11,6 +11,8 @@
 #include <stddef.h>
 #include <stdio.h>
 
+#include "moe/dims.h"
+
 /* Exit codes, the same on every rank. */
 enum {
     MOE_EXIT_OK = 0,
@@ -48,6 +50,14 @@ void *moe_malloc_check(size_t bytes, const char *file, int line);
 void *moe_calloc_check(size_t count, size_t size, const char *file, int line);
 #define moe_xmalloc(bytes) moe_malloc_check((bytes), __FILE__, __LINE__)
 #define moe_xcalloc(count, size) moe_calloc_check((count), (size), __FILE__, __LINE__)
+
+/* malloc whose failure is recorded in st (a runtime error naming the size,
+ * what it was for and the rank) instead of aborting, so that the ranks can
+ * agree on it; a first failure is kept. A zero size gives a valid pointer. */
+void *moe_try_malloc(size_t bytes, const char *what, int rank, moe_status *st);
+
+/* counts (n) and displs (n) as MPI wants them (ints) from row counts count (n). */
+void moe_to_counts(const moe_index *count, int n, int *counts, int *displs);
 
 /* Bytes of memory this machine can still give (MemAvailable), or its
  * physical memory when that is unknown. */

@@ -29,6 +29,17 @@ static void print_usage(FILE *out)
             PACKAGE_VERSION);
 }
 
+bool moe_cli_help(const moe_comm *c, int argc, char **argv, void (*usage)(FILE *out))
+{
+    for (int n = 0; n < argc; n++)
+        if (!strcmp(argv[n], "--help") || !strcmp(argv[n], "-h")) {
+            if (c->rank == 0)
+                usage(stdout);
+            return true;
+        }
+    return false;
+}
+
 int main(int argc, char **argv)
 {
     moe_comm c;

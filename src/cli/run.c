@@ -455,12 +455,8 @@ int moe_run_calibrate_link(const moe_comm *c, moe_ep *ep, run_buffers *b, moe_ru
 
 int moe_cli_run(const moe_comm *c, int argc, char **argv)
 {
-    for (int n = 0; n < argc; n++)
-        if (!strcmp(argv[n], "--help") || !strcmp(argv[n], "-h")) {
-            if (c->rank == 0)
-                print_usage(stdout);
-            return MOE_EXIT_OK;
-        }
+    if (moe_cli_help(c, argc, argv, print_usage))
+        return MOE_EXIT_OK;
 
     moe_config cfg;
     moe_status st = {0};

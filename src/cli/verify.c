@@ -19,12 +19,8 @@ static void print_usage(FILE *out)
 
 int moe_cli_verify(const moe_comm *c, int argc, char **argv)
 {
-    for (int n = 0; n < argc; n++)
-        if (!strcmp(argv[n], "--help") || !strcmp(argv[n], "-h")) {
-            if (c->rank == 0)
-                print_usage(stdout);
-            return MOE_EXIT_OK;
-        }
+    if (moe_cli_help(c, argc, argv, print_usage))
+        return MOE_EXIT_OK;
     moe_status st = {0};
     int rc = MOE_EXIT_OK;
     if (argc != 2)

@@ -19,18 +19,6 @@ const char *const moe_stage_names[MOE_STAGES] = {
     "route", "plan", "dispatch", "experts", "combine", "reduce", "shared",
 };
 
-/* malloc whose failure is recorded in st instead of aborting, so that the
- * ranks can agree on it. A zero size gives a valid pointer. */
-static void *try_alloc(size_t bytes, const char *what, int rank, moe_status *st)
-{
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p && st->code == MOE_EXIT_OK) {
-        char text[32];
-        moe_fail(st, MOE_EXIT_RUNTIME, "cannot allocate %s for %s on rank %d",
-                 moe_format_bytes((double)bytes, text, sizeof text), what, rank);
-    }
-    return p;
-}
 
 int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_status *st)
 {
@@ -55,11 +43,11 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     const moe_index d = cfg->hidden, f = cfg->ffn, S = cfg->shared_experts;
     const size_t w1_size = (size_t)(2 * f * d), w2_size = (size_t)(d * f);
     moe_status local = {0};
-    ep->w1 = try_alloc(sizeof(float) * w1_size * (size_t)ep->local_experts, "expert W1", comm->rank, &local);
-    ep->w2 = try_alloc(sizeof(float) * w2_size * (size_t)ep->local_experts, "expert W2", comm->rank, &local);
-    ep->shared_w1 = try_alloc(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
-    ep->shared_w2 = try_alloc(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
-    ep->gate = try_alloc(sizeof(float) * (size_t)(cfg->experts * d), "the gate", comm->rank, &local);
+    ep->w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)ep->local_experts, "expert W1", comm->rank, &local);
+    ep->w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)ep->local_experts, "expert W2", comm->rank, &local);
+    ep->shared_w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
+    ep->shared_w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
+    ep->gate = moe_try_malloc(sizeof(float) * (size_t)(cfg->experts * d), "the gate", comm->rank, &local);
     moe_fault_here(comm, "generate", &local);
     if (moe_comm_agree(comm, &local)) {
         *st = local;
@@ -132,16 +120,6 @@ void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores
     moe_router_select(&ep->router, logits, T, scores, ids, weights);
 }
 
-/* MPI counts and displacements (in rows of a derived type) from row counts. */
-static void to_counts(const moe_index *count, int ranks, int *counts, int *displs)
-{
-    moe_index offset = 0;
-    for (int r = 0; r < ranks; r++) {
-        counts[r] = (int)count[r];
-        displs[r] = (int)offset;
-        offset += count[r];
-    }
-}
 
 static moe_expert_weights weights_at(const moe_ep *ep, const float *w1, const float *w2, int n)
 {
@@ -270,25 +248,25 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     double t = MPI_Wtime();
     moe_send_plan send;
     moe_send_plan_build(&send, &ep->placement, ids, T, k, NULL, 0);
-    to_counts(send.row_count, G, send_counts, send_displs);
+    moe_to_counts(send.row_count, G, send_counts, send_displs);
     MPI_Alltoall(send_counts, 1, MPI_INT, recv_counts, 1, MPI_INT, c->comm);
     moe_index rows_in = 0;
     for (int r = 0; r < G; r++) {
         rows_from[r] = recv_counts[r];
         rows_in += recv_counts[r];
     }
-    to_counts(rows_from, G, recv_counts, recv_displs);
+    moe_to_counts(rows_from, G, recv_counts, recv_displs);
     const moe_index rows_out = send.row_offset[G];
-    float *send_rows = try_alloc(sizeof(float) * (size_t)(rows_out * d), "the dispatch send buffer", c->rank, &local);
-    int32_t *send_meta = try_alloc(sizeof(int32_t) * (size_t)(rows_out * MOE_META_WORDS(k)), "the dispatch ids", c->rank, &local);
-    float *recv_rows = try_alloc(sizeof(float) * (size_t)(rows_in * d), "the dispatch receive buffer", c->rank, &local);
-    int32_t *recv_meta = try_alloc(sizeof(int32_t) * (size_t)(rows_in * MOE_META_WORDS(k)), "the received ids", c->rank, &local);
-    float *back = try_alloc(sizeof(float) * (size_t)(send.pair_offset[G] * d), "the combine receive buffer", c->rank, &local);
+    float *send_rows = moe_try_malloc(sizeof(float) * (size_t)(rows_out * d), "the dispatch send buffer", c->rank, &local);
+    int32_t *send_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(rows_out * MOE_META_WORDS(k)), "the dispatch ids", c->rank, &local);
+    float *recv_rows = moe_try_malloc(sizeof(float) * (size_t)(rows_in * d), "the dispatch receive buffer", c->rank, &local);
+    int32_t *recv_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(rows_in * MOE_META_WORDS(k)), "the received ids", c->rank, &local);
+    float *back = moe_try_malloc(sizeof(float) * (size_t)(send.pair_offset[G] * d), "the combine receive buffer", c->rank, &local);
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
 
     float *x_scratch = cfg->dispatch_dtype == MOE_DTYPE_FP32
                            ? NULL
-                           : try_alloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
+                           : moe_try_malloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
     moe_fault_here(c, "plan", &local);
 
     /* Dispatch: each row once per destination (quantised as --dispatch-dtype
@@ -320,9 +298,9 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         for (int l = 0; l < EL; l++)
             if (recv.expert_offset[l + 1] - recv.expert_offset[l] > most)
                 most = recv.expert_offset[l + 1] - recv.expert_offset[l];
-        expert_out = try_alloc(sizeof(float) * (size_t)(recv.pairs * d), "the combine send buffer", c->rank, &local);
-        expert_in = try_alloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
-        scratch = try_alloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
+        expert_out = moe_try_malloc(sizeof(float) * (size_t)(recv.pairs * d), "the combine send buffer", c->rank, &local);
+        expert_in = moe_try_malloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
+        scratch = moe_try_malloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
         moe_fault_here(c, "dispatch", &local);
     }
 
@@ -348,8 +326,8 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
         /* Combine: outputs go back to the rows' home ranks. */
         t = MPI_Wtime();
-        to_counts(recv.source_pairs, G, send_counts, send_displs);
-        to_counts(send.pair_count, G, recv_counts, recv_displs);
+        moe_to_counts(recv.source_pairs, G, send_counts, send_displs);
+        moe_to_counts(send.pair_count, G, recv_counts, recv_displs);
         MPI_Alltoallv(expert_out, send_counts, send_displs, row_type, back, recv_counts,
                       recv_displs, row_type, c->comm);
         stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;

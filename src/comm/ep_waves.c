@@ -66,26 +66,7 @@ static void after_stage(void *arg, enum moe_ffn_stage stage)
  * L1 at d = 1024, so a poll costs well under 1 % of the compute around it. */
 #define POLL_CHUNK_ROWS 32
 
-static void *try_alloc(size_t bytes, const char *what, int rank, moe_status *st)
-{
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p && st->code == MOE_EXIT_OK) {
-        char text[32];
-        moe_fail(st, MOE_EXIT_RUNTIME, "cannot allocate %s for %s on rank %d",
-                 moe_format_bytes((double)bytes, text, sizeof text), what, rank);
-    }
-    return p;
-}
 
-static void to_counts(const moe_index *count, int ranks, int *counts, int *displs)
-{
-    moe_index offset = 0;
-    for (int r = 0; r < ranks; r++) {
-        counts[r] = (int)count[r];
-        displs[r] = (int)offset;
-        offset += count[r];
-    }
-}
 
 /* The bytes an all-to-all moves over each tier: in_rows (G) to this rank and
  * out_rows (G) from it, row_bytes each; messages to self cross no link. */
@@ -241,22 +222,22 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         link_bytes(ep, s->rows_from, s->send.row_count, (double)(d * 4 + MOE_META_WORDS(k) * 4), s->dispatch_bytes);
         s->pairs_bound = s->rows_in * per_row_pairs;
         most = s->rows_in > most ? s->rows_in : most;
-        to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
-        to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
-        to_counts(s->send.pair_count, G, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
-        s->send_rows = try_alloc(sizeof(float) * (size_t)(s->rows_out * d), "dispatch rows", c->rank, &local);
-        s->send_meta = try_alloc(sizeof(int32_t) * (size_t)(s->rows_out * MOE_META_WORDS(k)), "dispatch ids", c->rank, &local);
-        s->recv_rows = try_alloc(sizeof(float) * (size_t)(s->rows_in * d), "received rows", c->rank, &local);
-        s->recv_meta = try_alloc(sizeof(int32_t) * (size_t)(s->rows_in * MOE_META_WORDS(k)), "received ids", c->rank, &local);
-        s->expert_out = try_alloc(sizeof(float) * (size_t)(s->pairs_bound * d), "expert outputs", c->rank, &local);
-        s->back = try_alloc(sizeof(float) * (size_t)(s->send.pair_offset[G] * d), "combined rows", c->rank, &local);
+        moe_to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
+        moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
+        moe_to_counts(s->send.pair_count, G, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
+        s->send_rows = moe_try_malloc(sizeof(float) * (size_t)(s->rows_out * d), "dispatch rows", c->rank, &local);
+        s->send_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(s->rows_out * MOE_META_WORDS(k)), "dispatch ids", c->rank, &local);
+        s->recv_rows = moe_try_malloc(sizeof(float) * (size_t)(s->rows_in * d), "received rows", c->rank, &local);
+        s->recv_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(s->rows_in * MOE_META_WORDS(k)), "received ids", c->rank, &local);
+        s->expert_out = moe_try_malloc(sizeof(float) * (size_t)(s->pairs_bound * d), "expert outputs", c->rank, &local);
+        s->back = moe_try_malloc(sizeof(float) * (size_t)(s->send.pair_offset[G] * d), "combined rows", c->rank, &local);
     }
-    float *expert_in = try_alloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
-    float *scratch = try_alloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
-    const float **slot_rows = try_alloc(sizeof(float *) * (size_t)(T * k), "the reduce table", c->rank, &local);
+    float *expert_in = moe_try_malloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
+    float *scratch = moe_try_malloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
+    const float **slot_rows = moe_try_malloc(sizeof(float *) * (size_t)(T * k), "the reduce table", c->rank, &local);
     float *x_scratch = cfg->dispatch_dtype == MOE_DTYPE_FP32
                            ? NULL
-                           : try_alloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
+                           : moe_try_malloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
     free(counts_in);
     free(counts_out);
     moe_fault_here(c, "plan", &local);
@@ -296,7 +277,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         moe_recv_plan_build(&s->recv, &ep->placement, c->rank, s->recv_meta, s->rows_in, k,
                             s->rows_from, &waves, w);
         MOE_ASSERT(s->recv.pairs <= s->pairs_bound);
-        to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
+        moe_to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
         link_bytes(ep, s->send.pair_count, s->recv.source_pairs, (double)(d * 4), s->combine_bytes);
         wave_experts(ep, s, expert_in, scratch, &clock);
         /* Inside the pipeline the ranks cannot stop together: a failing rank

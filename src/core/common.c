@@ -81,3 +81,24 @@ double moe_memory_available(void)
         return kib * 1024.0;
     return (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
 }
+
+void *moe_try_malloc(size_t bytes, const char *what, int rank, moe_status *st)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p && st->code == MOE_EXIT_OK) {
+        char text[32];
+        moe_fail(st, MOE_EXIT_RUNTIME, "cannot allocate %s for %s on rank %d",
+                 moe_format_bytes((double)bytes, text, sizeof text), what, rank);
+    }
+    return p;
+}
+
+void moe_to_counts(const moe_index *count, int n, int *counts, int *displs)
+{
+    moe_index offset = 0;
+    for (int r = 0; r < n; r++) {
+        counts[r] = (int)count[r];
+        displs[r] = (int)offset;
+        offset += count[r];
+    }
+}
