@@ -164,22 +164,14 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         return MOE_EXIT_OK;
     moe_config cfg;
     moe_status st = {0};
-    if (moe_run_set_up(c, &cfg, MOE_CMD_BENCH, argc, argv, &st)) {
-        moe_comm_print_error(c, &st);
-        return st.code;
-    }
     moe_ep ep;
-    if (moe_ep_init(&ep, &cfg, c, &st)) {
-        moe_comm_print_error(c, &st);
-        return st.code;
-    }
     run_buffers b;
-    moe_run_buffers_init(&b, &cfg);
-    moe_ep_generate_tokens(&ep, b.x);
-    moe_run_summary s = {.cfg = &cfg, .ranks = c->ranks, .link = &ep.link};
-    int rc = MOE_EXIT_OK;
-    if (ep.link.enabled && ep.link.cb_ratio > 0)
-        rc = moe_run_calibrate_link(c, &ep, &b, &s, &st);
+    moe_run_summary s;
+    int rc = moe_run_prepare(c, MOE_CMD_BENCH, argc, argv, &cfg, &ep, &b, &s, &st);
+    if (rc) {
+        moe_comm_print_error(c, &st);
+        return rc;
+    }
     bench_row rows[MOE_MAX_WAVE_RUNS + 1];
     memset(rows, 0, sizeof rows);
     const moe_index T = cfg.tokens, d = cfg.hidden, f = cfg.ffn;

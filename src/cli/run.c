@@ -453,32 +453,41 @@ int moe_run_calibrate_link(const moe_comm *c, moe_ep *ep, run_buffers *b, moe_ru
     return MOE_EXIT_OK;
 }
 
+int moe_run_prepare(const moe_comm *c, enum moe_command command, int argc, char **argv,
+                    moe_config *cfg, moe_ep *ep, run_buffers *b, moe_run_summary *s,
+                    moe_status *st)
+{
+    if (moe_run_set_up(c, cfg, command, argc, argv, st) || moe_ep_init(ep, cfg, c, st))
+        return st->code;
+    moe_run_buffers_init(b, cfg);
+    moe_ep_generate_tokens(ep, b->x);
+    *s = (moe_run_summary){.cfg = cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
+                           .cores = c->cores, .threads = c->threads,
+                           .blas_threads = moe_gemm_threads(), .link = &ep->link};
+    int rc = MOE_EXIT_OK;
+    if (!cfg->blocking && ep->link.enabled && ep->link.cb_ratio > 0)
+        rc = moe_run_calibrate_link(c, ep, b, s, st);
+    if (rc) {
+        moe_run_buffers_free(b);
+        moe_ep_free(ep);
+    }
+    return rc;
+}
+
 int moe_cli_run(const moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
         return MOE_EXIT_OK;
-
     moe_config cfg;
     moe_status st = {0};
-    if (moe_run_set_up(c, &cfg, MOE_CMD_RUN, argc, argv, &st)) {
-        moe_comm_print_error(c, &st);
-        return st.code;
-    }
-
     moe_ep ep;
-    if (moe_ep_init(&ep, &cfg, c, &st)) {
-        moe_comm_print_error(c, &st);
-        return st.code;
-    }
     run_buffers b;
-    moe_run_buffers_init(&b, &cfg);
-    moe_ep_generate_tokens(&ep, b.x);
-    moe_run_summary s = {.cfg = &cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
-                         .cores = c->cores, .threads = c->threads,
-                         .blas_threads = moe_gemm_threads(), .link = &ep.link};
-    int rc = MOE_EXIT_OK;
-    if (!cfg.blocking && ep.link.enabled && ep.link.cb_ratio > 0)
-        rc = moe_run_calibrate_link(c, &ep, &b, &s, &st);
+    moe_run_summary s;
+    int rc = moe_run_prepare(c, MOE_CMD_RUN, argc, argv, &cfg, &ep, &b, &s, &st);
+    if (rc) {
+        moe_comm_print_error(c, &st);
+        return rc;
+    }
 
     /* The first wave count: report, pictures, check. */
     if (rc == MOE_EXIT_OK)

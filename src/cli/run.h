@@ -33,6 +33,13 @@ void moe_run_buffers_free(run_buffers *b);
 int moe_run_timed_forwards(const moe_comm *c, const moe_ep *ep, run_buffers *b,
                            moe_run_summary *s, moe_status *st);
 
+/* Set-up, the layer's weights, the buffers and tokens, the summary, and the
+ * link calibration: everything run and bench do before their forwards.
+ * On failure (st set, the same on every rank) nothing stays allocated. */
+int moe_run_prepare(const moe_comm *c, enum moe_command command, int argc, char **argv,
+                    moe_config *cfg, moe_ep *ep, run_buffers *b, moe_run_summary *s,
+                    moe_status *st);
+
 /* --link cb=RATIO: B = C / RATIO with C a rank's measured expert FLOP/s. */
 int moe_run_calibrate_link(const moe_comm *c, moe_ep *ep, run_buffers *b, moe_run_summary *s,
                            moe_status *st);
