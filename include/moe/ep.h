@@ -2,8 +2,9 @@
  *
  * moe_ep_forward_ref is the blocking reference path: count exchange with
  * MPI_Alltoall, dispatch and combine with MPI_Alltoallv, one SwiGLU FFN call
- * per local expert on its rows in global token order. Faster paths must
- * match it; it is never removed.
+ * per local expert on its rows in global token order. moe_ep_forward_waves
+ * is the pipelined path; it must match the reference (bitwise where the
+ * contract says so), which is never removed.
  */
 #ifndef MOE_EP_H
 #define MOE_EP_H

@@ -1,8 +1,10 @@
 /* run.c — `moe-ep run`: one EP forward per iteration, the report, the check.
  *
  * Phases, as HPCG runs them: set-up (parse, validate, agree), generation,
- * timed forwards on the reference path, validation against the dense truth,
- * report. Every rank runs every phase; only rank 0 prints.
+ * timed forwards (the wave pipeline, or the blocking reference path with
+ * --blocking), pictures, validation against the dense truth and the blocking
+ * path, the golden dump, the --waves curve, report. Every rank runs every
+ * phase; only rank 0 prints.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
