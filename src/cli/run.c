@@ -16,6 +16,7 @@
 #include "moe/cli.h"
 #include "moe/ep.h"
 #include "moe/gemm.h"
+#include "moe/progress.h"
 #include "moe/quant.h"
 #include "moe/report.h"
 #include "moe/rng.h"
@@ -70,6 +71,13 @@ int moe_run_set_up(const moe_comm *c, moe_config *cfg, enum moe_command command,
         if (cfg->blocking && (cfg->trace[0] || cfg->timeline[0]) && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE,
                      "--trace and --timeline show the wave pipeline; drop --blocking");
+    }
+    if (st->code == MOE_EXIT_OK && cfg->progress == MOE_PROGRESS_THREAD &&
+        moe_progress_thread_level < MPI_THREAD_SERIALIZED) {
+        if (c->rank == 0)
+            fprintf(stderr, "moe-ep: note: --progress thread needs MPI_THREAD_SERIALIZED, which this "
+                            "MPI library does not grant; polling instead\n");
+        cfg->progress = MOE_PROGRESS_POLL;
     }
     if (st->code == MOE_EXIT_OK) {
         const double need = moe_config_memory_per_rank(cfg, c->ranks);

@@ -98,8 +98,11 @@ void moe_progress_init(moe_progress *p, enum moe_progress_kind kind, int n_ops)
     p->ops = moe_xcalloc((size_t)n_ops, sizeof *p->ops);
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->changed, NULL);
-    if (kind == MOE_PROGRESS_THREAD) {
-        MOE_ASSERT(moe_progress_thread_level >= MPI_THREAD_SERIALIZED);
+    /* Without MPI_THREAD_SERIALIZED (or a thread) the compute thread polls;
+     * moe-ep run says so once at start-up. */
+    if (kind == MOE_PROGRESS_THREAD && moe_progress_thread_level < MPI_THREAD_SERIALIZED)
+        p->kind = MOE_PROGRESS_POLL;
+    if (p->kind == MOE_PROGRESS_THREAD) {
         p->thread_running = pthread_create(&p->thread, NULL, progress_thread, p) == 0;
         if (!p->thread_running)
             p->kind = MOE_PROGRESS_POLL; /* no thread: the compute thread polls */
