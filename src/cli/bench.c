@@ -186,21 +186,20 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         if (cfg.warmup > 0)
             rc = moe_run_timed_forwards(c, &ep, &b, &s, &st);
         cfg.iters = iters;
-        moe_forward_stats f_last;
         if (rc == MOE_EXIT_OK)
             rc = moe_run_timed_forwards(c, &ep, &b, &s, &st);
         if (rc)
             break;
         /* Anchors: the sgemm once (the experts' FLOPs do not depend on W),
-         * the all-to-all per W (per-wave dedup changes the counts). */
+         * the all-to-all per W (per-wave dedup changes the counts); one more
+         * forward gives this rank's rows and pairs. */
         moe_forward_stats probe;
         moe_comm_barrier(c);
         rc = moe_ep_forward_waves(&ep, b.x, b.ids, b.weights, b.y, &probe, NULL, 0.0, &st);
         if (rc)
             break;
-        f_last = probe;
         if (n == 0) {
-            sgemm_anchor g = {f_last.pairs_received, 3 * f, d, NULL, NULL, NULL};
+            sgemm_anchor g = {probe.pairs_received, 3 * f, d, NULL, NULL, NULL};
             g.A = moe_xcalloc((size_t)(g.M * g.K) + 1, sizeof(float));
             g.B = moe_xcalloc((size_t)(g.N * g.K) + 1, sizeof(float));
             g.C = moe_xmalloc(sizeof(float) * (size_t)(g.M * g.N) + 1);
@@ -234,7 +233,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         struct rusage usage;
         getrusage(RUSAGE_SELF, &usage);
         const double rss = (double)usage.ru_maxrss * 1024.0;
-        const double ratio = moe_comm_max(c, rss / minimum_bytes(&ep, &f_last));
+        const double ratio = moe_comm_max(c, rss / minimum_bytes(&ep, &probe));
         const double bytes = s.bytes_dispatched + s.bytes_combined;
         const double expert_time = s.compute_seconds;
         rows[n] = (bench_row){
