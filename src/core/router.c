@@ -9,30 +9,47 @@
 
 #define MOE_ROUTER_MAX_EXPERTS 4096 /* the --experts bound */
 
-/* Experts per pass over a token: their dot products run side by side, each
- * still one sequential sum over j, so the bits are those of one dot product
- * at a time; eight independent chains keep the FPU busy instead of waiting
- * on one chain's additions. */
-#define GATE_EXPERTS 8
+/* Tokens per pass over the gate. Each logit is still one sequential fp64
+ * sum over j = 0 .. d-1 (the bits of one dot product at a time); the sums of
+ * all experts of a few tokens run side by side over a transposed fp64 copy
+ * of the gate, so the loop over experts is contiguous and vectorises, and
+ * each gate row is loaded once for several tokens. */
+#define GATE_TOKENS 4
 
 void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_index hidden,
                        int experts, float *logits)
 {
+    const moe_index E = experts;
+    double *gate_t = moe_xmalloc(sizeof(double) * (size_t)(hidden * E)); /* (d, E) */
 #pragma omp parallel for schedule(static)
-    for (moe_index i = 0; i < tokens; i++) {
-        const float *row = x + i * hidden; /* (d) */
-        for (int e0 = 0; e0 < experts; e0 += GATE_EXPERTS) {
-            const int n = experts - e0 < GATE_EXPERTS ? experts - e0 : GATE_EXPERTS;
-            double sum[GATE_EXPERTS] = {0};
+    for (moe_index j = 0; j < hidden; j++)
+        for (moe_index e = 0; e < E; e++)
+            gate_t[j * E + e] = gate[e * hidden + j];
+#pragma omp parallel
+    {
+        double *sum = moe_xmalloc(sizeof(double) * (size_t)(GATE_TOKENS * E)); /* (4, E) */
+#pragma omp for schedule(static)
+        for (moe_index i0 = 0; i0 < tokens; i0 += GATE_TOKENS) {
+            const int n = tokens - i0 < GATE_TOKENS ? (int)(tokens - i0) : GATE_TOKENS;
+            for (moe_index m = 0; m < n * E; m++)
+                sum[m] = 0.0;
             for (moe_index j = 0; j < hidden; j++) {
-                const double xj = row[j];
-                for (int e = 0; e < n; e++)
-                    sum[e] += xj * (double)gate[(moe_index)(e0 + e) * hidden + j];
+                const double *g = gate_t + j * E;
+                for (int t = 0; t < n; t++) {
+                    const double xj = x[(i0 + t) * hidden + j];
+                    double *acc = sum + t * E;
+#pragma omp simd
+                    for (moe_index e = 0; e < E; e++)
+                        acc[e] += xj * g[e];
+                }
             }
-            for (int e = 0; e < n; e++)
-                logits[i * experts + e0 + e] = (float)sum[e];
+            for (int t = 0; t < n; t++)
+                for (moe_index e = 0; e < E; e++)
+                    logits[(i0 + t) * E + e] = (float)sum[t * E + e];
         }
+        free(sum);
     }
+    free(gate_t);
 }
 
 static void softmax_row(const float *logits, int experts, float *scores)
