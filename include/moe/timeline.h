@@ -10,6 +10,7 @@
 #include <stdio.h>
 
 #include "moe/common.h"
+#include "moe/files.h"
 #include "moe/stats.h"
 
 /* One run's events: events of rank r are events[offset[r] .. offset[r+1]). */
@@ -37,20 +38,5 @@ void moe_write_chrome_trace(FILE *out, const moe_timeline_panel *panel);
  * two points or more (curve may be NULL). */
 void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels,
                             const moe_timeline_curve *curve);
-
-/* Write a file atomically: the writer fills a temporary file beside path,
- * which is renamed over path only if everything was written. Returns
- * MOE_EXIT_OK, or MOE_EXIT_RUNTIME with st naming the path and the reason;
- * nothing is left behind on failure. */
-int moe_write_file_atomic(const char *path, void (*writer)(FILE *, const void *),
-                          const void *arg, moe_status *st);
-
-/* Usage check before a run: can a file be created at path? (Its directory
- * exists and is writable.) Returns MOE_EXIT_OK or MOE_EXIT_USAGE naming flag. */
-int moe_check_output_path(const char *flag, const char *path, moe_status *st);
-
-/* Usage check before a run: can dir be written? (It is a writable directory,
- * or it does not exist and its parent is writable.) */
-int moe_check_output_dir(const char *flag, const char *dir, moe_status *st);
 
 #endif

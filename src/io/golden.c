@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "config.h"
+#include "moe/files.h"
 #include "moe/sha256.h"
 
 const char *const moe_golden_stage_names[MOE_GOLDEN_STAGES] = {
@@ -35,19 +36,9 @@ static json_t *tensor_json(const moe_golden_tensor *g)
     return t;
 }
 
-static int write_manifest(const char *path, json_t *manifest, moe_status *st)
+static void write_json(FILE *fp, const void *manifest)
 {
-    char tmp[760];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-    if (json_dump_file(manifest, tmp, JSON_INDENT(1) | JSON_PRESERVE_ORDER) != 0) {
-        unlink(tmp);
-        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s'", path);
-    }
-    if (rename(tmp, path) != 0) {
-        unlink(tmp);
-        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot rename '%s': %s", tmp, strerror(errno));
-    }
-    return MOE_EXIT_OK;
+    json_dumpf((const json_t *)manifest, fp, JSON_INDENT(1) | JSON_PRESERVE_ORDER);
 }
 
 int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
@@ -103,7 +94,7 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
     if (rc == MOE_EXIT_OK) {
         char path[700];
         snprintf(path, sizeof path, "%s/manifest.json", work);
-        rc = write_manifest(path, manifest, st);
+        rc = moe_write_file_atomic(path, write_json, manifest, st);
     }
     json_decref(manifest);
     if (fresh) {

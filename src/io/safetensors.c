@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "moe/files.h"
 #include "moe/sha256.h"
 
 static const struct {
@@ -72,66 +73,64 @@ static char *build_header(const moe_st_tensor *tensors, int n, const char *metad
     return header;
 }
 
-static bool write_hashed(FILE *fp, moe_sha256 *h, const void *data, size_t bytes)
+/* What the atomic writer's callback needs: the header, the tensors, and the
+ * hash of every byte written. */
+typedef struct {
+    const char *header;
+    size_t header_len;
+    const moe_st_tensor *tensors;
+    int n;
+    moe_sha256 hash;
+} st_payload;
+
+static void write_hashed(FILE *fp, moe_sha256 *h, const void *data, size_t bytes)
 {
     moe_sha256_update(h, data, bytes);
-    return fwrite(data, 1, bytes, fp) == bytes;
+    fwrite(data, 1, bytes, fp);
+}
+
+/* Errors show in ferror(fp), which the atomic writer checks. */
+static void write_payload(FILE *fp, const void *arg)
+{
+    st_payload *p = (st_payload *)arg;
+    uint8_t length[8];
+    for (int b = 0; b < 8; b++)
+        length[b] = (uint8_t)((uint64_t)p->header_len >> (8 * b));
+    write_hashed(fp, &p->hash, length, 8);
+    write_hashed(fp, &p->hash, p->header, p->header_len);
+    for (int i = 0; i < p->n && !ferror(fp); i++) {
+        const moe_st_tensor *t = &p->tensors[i];
+        if (t->data) {
+            write_hashed(fp, &p->hash, t->data, tensor_bytes(t));
+            continue;
+        }
+        const size_t row = tensor_bytes(t) / (size_t)(t->shape[0] ? t->shape[0] : 1);
+        void *buffer = moe_xmalloc(row);
+        for (int64_t r = 0; r < t->shape[0] && !ferror(fp); r++) {
+            t->fill(t->ctx, r, buffer);
+            write_hashed(fp, &p->hash, buffer, row);
+        }
+        free(buffer);
+    }
 }
 
 int moe_st_write(const char *path, const moe_st_tensor *tensors, int n, const char *metadata_json,
                  char *sha256_hex, moe_status *st)
 {
-    size_t header_len;
-    char *header = build_header(tensors, n, metadata_json, &header_len, st);
+    st_payload payload = {.tensors = tensors, .n = n};
+    char *header = build_header(tensors, n, metadata_json, &payload.header_len, st);
     if (!header)
         return st->code;
-    char tmp[600];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-    FILE *fp = fopen(tmp, "wb");
-    if (!fp) {
-        free(header);
-        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s': %s", tmp, strerror(errno));
-    }
-    moe_sha256 h;
-    moe_sha256_init(&h);
-    uint8_t length[8];
-    for (int b = 0; b < 8; b++)
-        length[b] = (uint8_t)((uint64_t)header_len >> (8 * b));
-    bool ok = write_hashed(fp, &h, length, 8) && write_hashed(fp, &h, header, header_len);
+    payload.header = header;
+    moe_sha256_init(&payload.hash);
+    const int rc = moe_write_file_atomic(path, write_payload, &payload, st);
     free(header);
-    for (int i = 0; ok && i < n; i++) {
-        const moe_st_tensor *t = &tensors[i];
-        if (t->data) {
-            ok = write_hashed(fp, &h, t->data, tensor_bytes(t));
-            continue;
-        }
-        const size_t row = tensor_bytes(t) / (size_t)(t->shape[0] ? t->shape[0] : 1);
-        void *buffer = moe_xmalloc(row);
-        for (int64_t r = 0; ok && r < t->shape[0]; r++) {
-            t->fill(t->ctx, r, buffer);
-            ok = write_hashed(fp, &h, buffer, row);
-        }
-        free(buffer);
-    }
-    const int saved = errno;
-    if (fflush(fp) != 0 || ferror(fp))
-        ok = false;
-    if (fclose(fp) != 0 || !ok) {
-        unlink(tmp);
-        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s': %s", path,
-                        strerror(saved ? saved : errno));
-    }
-    if (rename(tmp, path) != 0) {
-        const int err = errno;
-        unlink(tmp);
-        return moe_fail(st, MOE_EXIT_RUNTIME, "cannot rename '%s' to '%s': %s", tmp, path,
-                        strerror(err));
-    }
-    uint8_t digest[32];
-    moe_sha256_final(&h, digest);
-    if (sha256_hex)
+    if (rc == MOE_EXIT_OK && sha256_hex) {
+        uint8_t digest[32];
+        moe_sha256_final(&payload.hash, digest);
         moe_sha256_hex(digest, sha256_hex);
-    return MOE_EXIT_OK;
+    }
+    return rc;
 }
 
 static int bad(moe_st_file *f, moe_status *st, const char *what)
