@@ -35,12 +35,6 @@ typedef struct {
     double rss_mb, rss_ratio;            /* peak per rank (max), against the minimum */
 } bench_row;
 
-static int compare(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* The median over 3 runs of fn, max over ranks, after a barrier each. */
 static double timed(const moe_comm *c, void (*fn)(void *), void *arg)
 {
@@ -52,8 +46,7 @@ static double timed(const moe_comm *c, void (*fn)(void *), void *arg)
         fn(arg);
         t[n] = moe_comm_max(c, moe_comm_time() - start);
     }
-    qsort(t, 3, sizeof t[0], compare);
-    return t[1];
+    return moe_run_median(t, 3);
 }
 
 typedef struct {

@@ -100,7 +100,7 @@ static int compare_doubles(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static double median(double *v, int n)
+double moe_run_median(double *v, int n)
 {
     qsort(v, (size_t)n, sizeof *v, compare_doubles);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
@@ -152,7 +152,7 @@ static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
     for (int n = 0; n < COLS; n++) {
         for (int it = 0; it < iters; it++)
             column[it] = per_iter[(size_t)it * COLS + n];
-        m[n] = median(column, iters);
+        m[n] = moe_run_median(column, iters);
     }
     memcpy(s->stage_seconds, m, sizeof s->stage_seconds);
     s->layer_seconds = m[COL_LAYER];

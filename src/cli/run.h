@@ -20,6 +20,9 @@ typedef struct {
     double last_expert_seconds; /* this rank's, in the last forward */
 } run_buffers;
 
+/* The median of v (n); sorts v. */
+double moe_run_median(double *v, int n);
+
 /* Parse and validate `command`'s arguments on every rank, estimate memory,
  * check output paths; agree. */
 int moe_run_set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, int argc,

@@ -1,16 +1,9 @@
-/* timeline.c — Chrome trace JSON, SVG Gantt chart, atomic files (see timeline.h). */
+/* timeline.c — Chrome trace JSON and the SVG Gantt chart (see timeline.h). */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/timeline.h"
 
-#include <errno.h>
-#include <libgen.h>
-#include <limits.h>
 #include <math.h>
 #include <stdbool.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 /* Stage colours: comm in blues, compute in warm tones. */
 static const char *const colours[MOE_EVENT_KINDS] = {
