@@ -9,12 +9,62 @@
 
 #define MOE_ROUTER_MAX_EXPERTS 4096 /* the --experts bound */
 
-/* Tokens per pass over the gate. Each logit is still one sequential fp64
- * sum over j = 0 .. d-1 (the bits of one dot product at a time); the sums of
- * all experts of a few tokens run side by side over a transposed fp64 copy
- * of the gate, so the loop over experts is contiguous and vectorises, and
- * each gate row is loaded once for several tokens. */
+/* The gate's logits. Each logit is one sequential fp64 sum over
+ * j = 0 .. d-1 of x[i, j] * W_g[e, j], rounded to fp32 at the end: the bits
+ * of a dot product computed one term at a time, whatever the blocking. For
+ * speed the sums of GATE_TOKENS tokens by GATE_EXPERTS experts run side by
+ * side in registers over a transposed fp64 copy of the gate, so every gate
+ * value loaded serves several tokens and every token value several experts;
+ * the additions into one sum still happen in j order. */
 #define GATE_TOKENS 4
+#define GATE_EXPERTS 8
+
+typedef double lanes4 __attribute__((vector_size(32)));
+typedef double lanes4_unaligned __attribute__((vector_size(32), aligned(8), may_alias));
+
+/* sum (n, ne) of tokens xd (n, d) in fp64 against experts [e0, e0 + ne) of
+ * gate_t (d, E); n <= GATE_TOKENS, ne <= GATE_EXPERTS. A full block keeps its
+ * 4 x 8 sums in eight 4-lane registers; lane e of a register only ever adds
+ * its own term, in j order, as the scalar loop does. */
+__attribute__((target_clones("avx2", "default")))
+static void gate_block(const double *xd, const double *gate_t, moe_index hidden, moe_index E,
+                       moe_index e0, int n, int ne, double sum[GATE_TOKENS][GATE_EXPERTS])
+{
+    if (n == GATE_TOKENS && ne == GATE_EXPERTS) {
+        lanes4 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0},
+               a31 = {0};
+        const double *x0 = xd, *x1 = xd + hidden, *x2 = xd + 2 * hidden, *x3 = xd + 3 * hidden;
+        for (moe_index j = 0; j < hidden; j++) {
+            const double *g = gate_t + j * E + e0;
+            const lanes4 g0 = *(const lanes4_unaligned *)g, g1 = *(const lanes4_unaligned *)(g + 4);
+            a00 += x0[j] * g0;
+            a01 += x0[j] * g1;
+            a10 += x1[j] * g0;
+            a11 += x1[j] * g1;
+            a20 += x2[j] * g0;
+            a21 += x2[j] * g1;
+            a30 += x3[j] * g0;
+            a31 += x3[j] * g1;
+        }
+        lanes4_unaligned *out = (lanes4_unaligned *)&sum[0][0]; /* rows of 8: two lanes4 */
+        out[0] = a00;
+        out[1] = a01;
+        out[2] = a10;
+        out[3] = a11;
+        out[4] = a20;
+        out[5] = a21;
+        out[6] = a30;
+        out[7] = a31;
+        return;
+    }
+    for (int t = 0; t < n; t++)
+        for (int e = 0; e < ne; e++) {
+            double acc = 0.0;
+            for (moe_index j = 0; j < hidden; j++)
+                acc += xd[t * hidden + j] * gate_t[j * E + e0 + e];
+            sum[t][e] = acc;
+        }
+}
 
 void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_index hidden,
                        int experts, float *logits)
@@ -27,27 +77,24 @@ void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_
             gate_t[j * E + e] = gate[e * hidden + j];
 #pragma omp parallel
     {
-        double *sum = moe_xmalloc(sizeof(double) * (size_t)(GATE_TOKENS * E)); /* (4, E) */
+        double *xd = moe_xmalloc(sizeof(double) * (size_t)(GATE_TOKENS * hidden)); /* (4, d) */
+        double sum[GATE_TOKENS][GATE_EXPERTS];
 #pragma omp for schedule(static)
         for (moe_index i0 = 0; i0 < tokens; i0 += GATE_TOKENS) {
             const int n = tokens - i0 < GATE_TOKENS ? (int)(tokens - i0) : GATE_TOKENS;
-            for (moe_index m = 0; m < n * E; m++)
-                sum[m] = 0.0;
-            for (moe_index j = 0; j < hidden; j++) {
-                const double *g = gate_t + j * E;
-                for (int t = 0; t < n; t++) {
-                    const double xj = x[(i0 + t) * hidden + j];
-                    double *acc = sum + t * E;
+            const float *xi = x + i0 * hidden;
 #pragma omp simd
-                    for (moe_index e = 0; e < E; e++)
-                        acc[e] += xj * g[e];
-                }
+            for (moe_index m = 0; m < n * hidden; m++)
+                xd[m] = xi[m];
+            for (moe_index e0 = 0; e0 < E; e0 += GATE_EXPERTS) {
+                const int ne = E - e0 < GATE_EXPERTS ? (int)(E - e0) : GATE_EXPERTS;
+                gate_block(xd, gate_t, hidden, E, e0, n, ne, sum);
+                for (int t = 0; t < n; t++)
+                    for (int e = 0; e < ne; e++)
+                        logits[(i0 + t) * E + e0 + e] = (float)sum[t][e];
             }
-            for (int t = 0; t < n; t++)
-                for (moe_index e = 0; e < E; e++)
-                    logits[(i0 + t) * E + e] = (float)sum[t * E + e];
         }
-        free(sum);
+        free(xd);
     }
     free(gate_t);
 }
