@@ -2,6 +2,9 @@
  *
  *   h = x W1^T            (rows, 2f): columns [0, f) gate, [f, 2f) up
  *   a = silu(gate) * up   (rows, f),  silu(g) = g / (1 + exp(-g))
+ *
+ * exp is moe_exp_fp32 (below), specified to the bit, so a port can match the
+ * activation exactly rather than inherit its C library's expf.
  *   y = a W2^T            (rows, d)
  *
  * Pure: no MPI. The fp32 version issues exactly two sgemm calls for a batch,
@@ -50,6 +53,18 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
  * scratch (rows, 3f) doubles. */
 void moe_expert_forward_f64(const double *w1, const double *w2, const double *x, moe_index rows,
                             moe_index hidden, moe_index ffn, double *scratch, double *y);
+
+/* e^x in fp32, every step one IEEE single operation (round to nearest, no
+ * fused multiply-add):
+ *   x > 88.7228317: +inf;  x < -87.3365402: 0      (the floats nearest
+ *       ln FLT_MAX and ln FLT_MIN inside them: results stay finite, normal)
+ *   n = (x * 1.44269504 + 1.5*2^23) - 1.5*2^23          round(x / ln 2)
+ *   r = (x - n * 0.693359375) - n * -2.12194440e-4      ln 2 in two parts
+ *   p = Horner, from the top, of 1/5040, 1/720, 1/120, 1/24, 1/6, 1/2, 1, 1
+ *       (the Taylor series of e^r to degree 7, each coefficient rounded)
+ *   e^x = p * 2^(n/2) * 2^(n - n/2)                    n/2 truncated
+ * NaN gives NaN. Within 2 ulp of e^x over the range (tested). */
+float moe_exp_fp32(float x);
 
 /* Generate routed expert e's weights (fp32) into w1 (2f, d) and w2 (d, f). */
 void moe_expert_generate(uint64_t seed, int expert, moe_index hidden, moe_index ffn, float *w1,

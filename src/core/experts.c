@@ -3,21 +3,86 @@
 
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "moe/gemm.h"
 #include "moe/rng.h"
 
+/* e^x in fp32 on 8 lanes, as moe_exp_fp32 specifies (experts.h): every step
+ * is one IEEE single-precision operation per lane, so the bits do not depend
+ * on the machine or the vector width. */
+typedef float lanes8 __attribute__((vector_size(32)));
+/* The helpers below pass 8-lane vectors by value; they are static and
+ * inlined, so no call crosses an ABI boundary whatever the target. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float lanes8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t ints8 __attribute__((vector_size(32)));
+
+static inline lanes8 select8(ints8 mask, lanes8 yes, lanes8 no)
+{
+    return (lanes8)((mask & (ints8)yes) | (~mask & (ints8)no));
+}
+
+static inline lanes8 exp8(lanes8 x)
+{
+    const float hi = 88.7228317f, lo = -87.3365402f; /* e^x finite and normal between */
+    const float shifter = 12582912.0f;                 /* 1.5 * 2^23 */
+    const ints8 over = x > hi, under = x < lo;
+    lanes8 xc = select8(over, (lanes8){0} + hi, x);
+    xc = select8(under, (lanes8){0} + lo, xc);
+    const lanes8 t = xc * 1.44269504f + shifter; /* round(xc / ln 2) in the low bits */
+    const lanes8 n = t - shifter;
+    const ints8 k = (ints8)t - 0x4b400000; /* n as an integer */
+    const lanes8 r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+    lanes8 p = (lanes8){0} + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const ints8 k1 = k / 2, k2 = k - k1; /* 2^k = 2^k1 * 2^k2, each normal */
+    const lanes8 e = p * (lanes8)((k1 + 127) << 23) * (lanes8)((k2 + 127) << 23);
+    return select8(over, (lanes8){0} + INFINITY, select8(under, (lanes8){0}, e));
+}
+
+float moe_exp_fp32(float x)
+{
+    const lanes8 v = {x};
+    return exp8(v)[0];
+}
+
+/* act (n) = silu(gate) * up on 8 lanes. */
+static inline lanes8 swiglu8(lanes8 gate, lanes8 up)
+{
+    return gate / (1.0f + exp8(-gate)) * up;
+}
+
 /* a (rows, f) = silu(gate) * up, times scale[n] per row when scale is set. */
+__attribute__((target_clones("avx2", "default")))
 static void swiglu(const float *h, moe_index rows, moe_index ffn, const float *scale, float *a)
 {
 #pragma omp parallel for schedule(static)
     for (moe_index n = 0; n < rows; n++) {
         const float *gate = h + n * 2 * ffn, *up = gate + ffn;
         float *act = a + n * ffn;
-        for (moe_index c = 0; c < ffn; c++)
-            act[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+        moe_index c = 0;
+        for (; c + 8 <= ffn; c += 8)
+            *(lanes8_unaligned *)(act + c) =
+                swiglu8(*(const lanes8_unaligned *)(gate + c), *(const lanes8_unaligned *)(up + c));
+        if (c < ffn) {
+            lanes8 g = {0}, u = {0};
+            for (moe_index i = c; i < ffn; i++) {
+                g[i - c] = gate[i];
+                u[i - c] = up[i];
+            }
+            const lanes8 v = swiglu8(g, u);
+            for (moe_index i = c; i < ffn; i++)
+                act[i] = v[i - c];
+        }
         if (scale)
-            for (moe_index c = 0; c < ffn; c++)
+            for (c = 0; c < ffn; c++)
                 act[c] *= scale[n];
     }
 }

@@ -11,7 +11,7 @@
 
 START_TEST(ffn_matches_the_definition)
 {
-    enum { ROWS = 5, D = 12, F = 7 };
+    enum { ROWS = 5, D = 12, F = 19 }; /* F: two 8-lane blocks and a tail */
     float w1[2 * F * D], w2[D * F], x[ROWS * D], y[ROWS * D], scratch[ROWS * 3 * F];
     moe_expert_generate(3, 2, D, F, w1, w2);
     for (int n = 0; n < ROWS * D; n++)
@@ -115,6 +115,47 @@ START_TEST(exact_ffn_is_chunk_independent)
 }
 END_TEST
 
+/* Units in the last place of float v's binade. */
+static double ulp_of(float v)
+{
+    return (double)nextafterf(fabsf(v), INFINITY) - (double)fabsf(v);
+}
+
+START_TEST(exp_fp32_is_within_2_ulp_and_handles_the_edges)
+{
+    const float lo = -87.3365402f, hi = 88.7228317f;
+    double worst = 0.0;
+    long n = 0;
+    /* every 257th float of either sign up to the ends of the range */
+    for (uint32_t bits = 0; bits < 0x42b20000u; bits += 257)
+        for (int sign = 0; sign < 2; sign++) {
+        const uint32_t b = bits | (uint32_t)sign << 31;
+        float x;
+        memcpy(&x, &b, sizeof x);
+        if (x < lo || x > hi)
+            continue;
+        n++;
+        const float e = moe_exp_fp32(x);
+        const double exact = exp((double)x);
+        const double err = fabs((double)e - exact) / ulp_of((float)exact);
+        if (err > worst)
+            worst = err;
+        }
+    ck_assert_int_gt(n, 1000000);
+    ck_assert_double_le(worst, 2.0);
+    ck_assert_float_eq(moe_exp_fp32(0.0f), 1.0f);
+    ck_assert_float_eq(moe_exp_fp32(-0.0f), 1.0f);
+    ck_assert_float_eq(moe_exp_fp32(1.0f), 2.71828175f); /* e to fp32, hand-checked */
+    ck_assert_float_eq(moe_exp_fp32(89.0f), INFINITY);
+    ck_assert_float_eq(moe_exp_fp32(INFINITY), INFINITY);
+    ck_assert_float_eq(moe_exp_fp32(-88.0f), 0.0f);
+    ck_assert_float_eq(moe_exp_fp32(-INFINITY), 0.0f);
+    ck_assert(isnan(moe_exp_fp32(NAN)));
+    ck_assert(isfinite(moe_exp_fp32(hi)) && moe_exp_fp32(hi) > 3.4e38f);
+    ck_assert(moe_exp_fp32(lo) >= 1.1754944e-38f); /* FLT_MIN: never subnormal */
+}
+END_TEST
+
 Suite *make_experts_suite(void)
 {
     Suite *s = suite_create("experts");
@@ -123,6 +164,7 @@ Suite *make_experts_suite(void)
     tcase_add_test(tc, compare_reports_worst_and_nonfinite);
     tcase_add_test(tc, exact_gemm_is_the_scalar_loop);
     tcase_add_test(tc, exact_ffn_is_chunk_independent);
+    tcase_add_test(tc, exp_fp32_is_within_2_ulp_and_handles_the_edges);
     suite_add_tcase(s, tc);
     return s;
 }
