@@ -56,6 +56,23 @@ void *moe_calloc_check(size_t count, size_t size, const char *file, int line);
  * agree on it; a first failure is kept. A zero size gives a valid pointer. */
 void *moe_try_malloc(size_t bytes, const char *what, int rank, moe_status *st);
 
+/* A buffer kept across calls: moe_buffer_fit gives it at least `bytes`,
+ * reusing the block it has when that is big enough and not more than a third
+ * larger (so a smaller need hands memory back rather than holding it). The
+ * contents are not kept. On failure (recorded in st as moe_try_malloc does)
+ * the buffer is empty and NULL is returned. */
+typedef struct {
+    void *data;
+    size_t bytes;
+} moe_buffer;
+
+void *moe_buffer_fit(moe_buffer *b, size_t bytes, const char *what, int rank, moe_status *st);
+void moe_buffer_free(moe_buffer *b);
+
+/* A 64-bit digest of n bytes (FNV-1a over 8-byte words, then the tail):
+ * enough to tell whether two outputs are the same bits. */
+uint64_t moe_digest64(const void *data, size_t n);
+
 /* counts (n) and displs (n) as MPI wants them (ints) from row counts count (n). */
 void moe_to_counts(const moe_index *count, int n, int *counts, int *displs);
 

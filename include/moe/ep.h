@@ -24,6 +24,20 @@
  * whenever blocks cover the same global tokens (T a multiple of 64). */
 #define MOE_SHARED_ROW_BLOCK 64
 
+/* The wave path's large buffers, kept across forwards: a forward reuses
+ * them (no allocation and no page faults once they are sized), and refits
+ * them when the configuration changes. */
+enum { MOE_WAVE_SEND_ROWS, MOE_WAVE_SEND_META, MOE_WAVE_RECV_ROWS, MOE_WAVE_RECV_META,
+       MOE_WAVE_EXPERT_OUT, MOE_WAVE_BACK, MOE_WAVE_BUFFERS };
+typedef struct {
+    int waves;              /* wave slots held */
+    moe_buffer *wave;       /* (waves, MOE_WAVE_BUFFERS) */
+    moe_buffer expert_in;   /* the largest expert batch's rows (moe_ep_run_expert's work) */
+    moe_buffer scratch;     /* and its activations */
+    moe_buffer slot_rows;   /* the reduce table */
+    moe_buffer x_scratch;   /* the quantised tokens (--dispatch-dtype) */
+} moe_ep_workspace;
+
 typedef struct moe_ep_s {
     const moe_config *cfg;
     moe_comm comm;
@@ -42,6 +56,7 @@ typedef struct moe_ep_s {
     float *bias;       /* (E) deepseek-v3 correction bias, NULL without */
     float *skew;       /* (E) --skew logit bias, NULL without */
     moe_link link;     /* the emulated interconnect (off unless --link) */
+    moe_ep_workspace *work; /* the wave path's buffers (mutable through a const moe_ep) */
 } moe_ep;
 
 /* x (T, d) as the ranks receive it: x itself for --dispatch-dtype fp32,

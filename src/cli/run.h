@@ -14,7 +14,7 @@ typedef struct {
     int32_t *ids;     /* (T, k) */
     float *weights;   /* (T, k) */
     float *y;         /* (T, d) */
-    float *y_first;   /* (T, d) the first iteration's output */
+    uint64_t y_digest; /* of the first iteration's output */
     double *per_iter; /* (iters, columns) per-iteration maxima over ranks */
     moe_trace trace;  /* the last iteration's events */
     double last_expert_seconds; /* this rank's, in the last forward */

@@ -48,6 +48,7 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     ep->shared_w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
     ep->shared_w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
     ep->gate = moe_try_malloc(sizeof(float) * (size_t)(cfg->experts * d), "the gate", comm->rank, &local);
+    ep->work = moe_xcalloc(1, sizeof *ep->work);
     moe_fault_here(comm, "generate", &local);
     if (moe_comm_agree(comm, &local)) {
         *st = local;
@@ -101,6 +102,18 @@ void moe_ep_free(moe_ep *ep)
     free(ep->bias);
     free(ep->skew);
     moe_placement_free(&ep->placement);
+    if (ep->work) {
+        moe_ep_workspace *work = ep->work;
+        for (int n = 0; n < work->waves * MOE_WAVE_BUFFERS; n++)
+            moe_buffer_free(&work->wave[n]);
+        free(work->wave);
+        moe_buffer_free(&work->expert_in);
+        moe_buffer_free(&work->scratch);
+        moe_buffer_free(&work->slot_rows);
+        moe_buffer_free(&work->x_scratch);
+        free(work);
+        ep->work = NULL;
+    }
     ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = ep->bias = ep->skew = NULL;
 }
 

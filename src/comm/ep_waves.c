@@ -27,11 +27,11 @@
 typedef struct {
     moe_send_plan send;
     moe_recv_plan recv;
-    moe_index rows_out, rows_in, pairs_bound;
+    moe_index rows_out, rows_in, pairs_in;
     moe_index *rows_from;                        /* (G) */
     int *counts;                                 /* (8, G): see the enum below */
-    float *send_rows, *recv_rows, *expert_out, *back;
-    int32_t *send_meta, *recv_meta; /* (rows, 2k) */
+    float *send_rows, *recv_rows, *expert_out, *back; /* in ep->work */
+    int32_t *send_meta, *recv_meta; /* (rows, 2k + 1), in ep->work */
     double dispatch_bytes[2][MOE_TIERS]; /* over the links: [in, out][tier] */
     double combine_bytes[2][MOE_TIERS];
 } wave_state;
@@ -164,12 +164,6 @@ static void free_waves(wave_state *waves, int W)
         moe_recv_plan_free(&ws->recv);
         free(ws->rows_from);
         free(ws->counts);
-        free(ws->send_rows);
-        free(ws->recv_rows);
-        free(ws->expert_out);
-        free(ws->back);
-        free(ws->send_meta);
-        free(ws->recv_meta);
     }
     free(waves);
 }
@@ -191,53 +185,85 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     MPI_Type_contiguous(MOE_META_WORDS(k), MPI_INT32_T, &meta_type);
     MPI_Type_commit(&meta_type);
 
-    /* Plan: every wave's rows, one count exchange for all of them. */
+    /* Plan: every wave's rows, and one count exchange for all of them: per
+     * destination and wave, the rows, then the pairs of each of the
+     * destination's experts (EM slots, EM the most experts a rank holds), so
+     * that every buffer is sized exactly before anything moves. */
     double t = MPI_Wtime();
     moe_waves waves;
     moe_waves_init(&waves, &ep->placement, W, T);
     stats->wave_kind = waves.kind;
+    int EM = 0;
+    for (int r = 0; r < G; r++)
+        if (moe_placement_local_experts(&ep->placement, r) > EM)
+            EM = moe_placement_local_experts(&ep->placement, r);
+    const int stride = 1 + EM; /* counts of one (rank, wave) */
     wave_state *ws = moe_xcalloc((size_t)W, sizeof *ws);
-    int *counts_out = moe_xmalloc(sizeof(int) * (size_t)(G * W)); /* (G, W) */
-    int *counts_in = moe_xmalloc(sizeof(int) * (size_t)(G * W));  /* (G, W) */
+    int *counts_out = moe_xcalloc((size_t)(G * W * stride), sizeof(int)); /* (G, W, 1+EM) */
+    int *counts_in = moe_xmalloc(sizeof(int) * (size_t)(G * W * stride));
     for (int w = 0; w < W; w++) {
         moe_send_plan_build(&ws[w].send, &ep->placement, ids, T, k, &waves, w);
         for (int r = 0; r < G; r++)
-            counts_out[r * W + w] = (int)ws[w].send.row_count[r];
+            counts_out[(r * W + w) * stride] = (int)ws[w].send.row_count[r];
     }
-    MPI_Alltoall(counts_out, W, MPI_INT, counts_in, W, MPI_INT, c->comm);
+    for (moe_index i = 0; i < T; i++)
+        for (int slot = 0; slot < k; slot++) {
+            const int e = ids[i * k + slot], r = ep->placement.expert_rank[e];
+            const int l = e - ep->placement.first_expert[r];
+            counts_out[(r * W + moe_wave_of(&waves, i, e)) * stride + 1 + l]++;
+        }
+    MPI_Alltoall(counts_out, W * stride, MPI_INT, counts_in, W * stride, MPI_INT, c->comm);
 
     moe_status local = {0};
-    moe_index most = MOE_SHARED_ROW_BLOCK; /* rows of the largest wave, for scratch */
-    const int per_row_pairs = k < EL ? k : EL;
+    moe_ep_workspace *work = ep->work;
+    if (work->waves < W) {
+        work->wave = realloc(work->wave, sizeof(moe_buffer) * (size_t)(W * MOE_WAVE_BUFFERS));
+        MOE_ASSERT(work->wave);
+        memset(work->wave + work->waves * MOE_WAVE_BUFFERS, 0,
+               sizeof(moe_buffer) * (size_t)((W - work->waves) * MOE_WAVE_BUFFERS));
+        work->waves = W;
+    }
+    for (int n = W * MOE_WAVE_BUFFERS; n < work->waves * MOE_WAVE_BUFFERS; n++)
+        moe_buffer_free(&work->wave[n]); /* slots of a larger W before */
+    moe_index most = MOE_SHARED_ROW_BLOCK; /* rows of the largest expert batch, for scratch */
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
         s->rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G);
         s->counts = moe_xmalloc(sizeof(int) * (size_t)(N_COUNTS * G));
-        s->rows_in = 0;
+        s->rows_in = s->pairs_in = 0;
         for (int r = 0; r < G; r++) {
-            s->rows_from[r] = counts_in[r * W + w];
-            s->rows_in += s->rows_from[r];
+            const int *in = counts_in + (r * W + w) * stride;
+            s->rows_from[r] = in[0];
+            s->rows_in += in[0];
+            for (int l = 0; l < EM; l++)
+                s->pairs_in += in[1 + l];
+        }
+        for (int l = 0; l < EL; l++) {
+            moe_index rows = 0; /* expert l's batch in this wave */
+            for (int r = 0; r < G; r++)
+                rows += counts_in[(r * W + w) * stride + 1 + l];
+            most = rows > most ? rows : most;
         }
         s->rows_out = s->send.row_offset[G];
         link_bytes(ep, s->rows_from, s->send.row_count, (double)(d * 4 + MOE_META_WORDS(k) * 4), s->dispatch_bytes);
-        s->pairs_bound = s->rows_in * per_row_pairs;
-        most = s->rows_in > most ? s->rows_in : most;
         moe_to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
         moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
         moe_to_counts(s->send.pair_count, G, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
-        s->send_rows = moe_try_malloc(sizeof(float) * (size_t)(s->rows_out * d), "dispatch rows", c->rank, &local);
-        s->send_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(s->rows_out * MOE_META_WORDS(k)), "dispatch ids", c->rank, &local);
-        s->recv_rows = moe_try_malloc(sizeof(float) * (size_t)(s->rows_in * d), "received rows", c->rank, &local);
-        s->recv_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(s->rows_in * MOE_META_WORDS(k)), "received ids", c->rank, &local);
-        s->expert_out = moe_try_malloc(sizeof(float) * (size_t)(s->pairs_bound * d), "expert outputs", c->rank, &local);
-        s->back = moe_try_malloc(sizeof(float) * (size_t)(s->send.pair_offset[G] * d), "combined rows", c->rank, &local);
+        moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
+        const size_t row = sizeof(float) * (size_t)d, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
+        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], row * (size_t)s->rows_out, "dispatch rows", c->rank, &local);
+        s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", c->rank, &local);
+        s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], row * (size_t)s->rows_in, "received rows", c->rank, &local);
+        s->recv_meta = moe_buffer_fit(&b[MOE_WAVE_RECV_META], meta * (size_t)s->rows_in, "received ids", c->rank, &local);
+        s->expert_out = moe_buffer_fit(&b[MOE_WAVE_EXPERT_OUT], row * (size_t)s->pairs_in, "expert outputs", c->rank, &local);
+        s->back = moe_buffer_fit(&b[MOE_WAVE_BACK], row * (size_t)s->send.pair_offset[G], "combined rows", c->rank, &local);
     }
-    float *expert_in = moe_try_malloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
-    float *scratch = moe_try_malloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
-    const float **slot_rows = moe_try_malloc(sizeof(float *) * (size_t)(T * k), "the reduce table", c->rank, &local);
+    float *expert_in = moe_buffer_fit(&work->expert_in, sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
+    float *scratch = moe_buffer_fit(&work->scratch, sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
+    const float **slot_rows = moe_buffer_fit(&work->slot_rows, sizeof(float *) * (size_t)(T * k), "the reduce table", c->rank, &local);
     float *x_scratch = cfg->dispatch_dtype == MOE_DTYPE_FP32
                            ? NULL
-                           : moe_try_malloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
+                           : moe_buffer_fit(&work->x_scratch, sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
     free(counts_in);
     free(counts_out);
     moe_fault_here(c, "plan", &local);
@@ -276,7 +302,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         wave_state *s = &ws[w];
         moe_recv_plan_build(&s->recv, &ep->placement, c->rank, s->recv_meta, s->rows_in, k,
                             s->rows_from, &waves, w);
-        MOE_ASSERT(s->recv.pairs <= s->pairs_bound);
+        MOE_ASSERT(s->recv.pairs == s->pairs_in);
         moe_to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
         link_bytes(ep, s->send.pair_count, s->recv.source_pairs, (double)(d * 4), s->combine_bytes);
         wave_experts(ep, s, expert_in, scratch, &clock);
@@ -364,10 +390,6 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     free(requests);
 
 out:
-    free(x_scratch);
-    free(slot_rows);
-    free(scratch);
-    free(expert_in);
     free_waves(ws, W);
     moe_waves_free(&waves);
     MPI_Type_free(&meta_type);

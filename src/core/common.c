@@ -82,6 +82,37 @@ double moe_memory_available(void)
     return (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
 }
 
+void *moe_buffer_fit(moe_buffer *b, size_t bytes, const char *what, int rank, moe_status *st)
+{
+    if (b->data && bytes <= b->bytes && b->bytes - b->bytes / 4 <= bytes)
+        return b->data;
+    moe_buffer_free(b); /* first, so old and new never coexist */
+    b->data = moe_try_malloc(bytes, what, rank, st);
+    b->bytes = b->data ? bytes : 0;
+    return b->data;
+}
+
+void moe_buffer_free(moe_buffer *b)
+{
+    free(b->data);
+    b->data = NULL;
+    b->bytes = 0;
+}
+
+uint64_t moe_digest64(const void *data, size_t n)
+{
+    const unsigned char *p = data;
+    uint64_t h = 0xcbf29ce484222325u;
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t w;
+        memcpy(&w, p, sizeof w);
+        h = (h ^ w) * 0x100000001b3u;
+    }
+    for (; n > 0; n--, p++)
+        h = (h ^ *p) * 0x100000001b3u;
+    return h;
+}
+
 void *moe_try_malloc(size_t bytes, const char *what, int rank, moe_status *st)
 {
     void *p = malloc(bytes ? bytes : 1);
