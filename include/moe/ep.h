@@ -28,7 +28,7 @@
  * them (no allocation and no page faults once they are sized), and refits
  * them when the configuration changes. */
 enum { MOE_WAVE_SEND_ROWS, MOE_WAVE_SEND_META, MOE_WAVE_RECV_ROWS, MOE_WAVE_RECV_META,
-       MOE_WAVE_EXPERT_OUT, MOE_WAVE_BACK, MOE_WAVE_BUFFERS };
+       MOE_WAVE_EXPERT_OUT, MOE_WAVE_BACK, MOE_WAVE_ROW_AT, MOE_WAVE_BUFFERS };
 typedef struct {
     int waves;              /* wave slots held */
     moe_buffer *wave;       /* (waves, MOE_WAVE_BUFFERS) */
@@ -67,19 +67,20 @@ const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *s
 moe_expert_weights moe_ep_expert(const moe_ep *ep, int local);
 moe_expert_weights moe_ep_shared_expert(const moe_ep *ep, int shared);
 
-/* Local expert l on the rows recv assigns it: gather them from recv_rows
- * (rows, d), run the FFN (with the gate weight from recv_meta (rows, 2k)
- * applied before L2 when cfg->weight_at says so), scatter the outputs into
- * expert_out (pairs, d). work holds (n, 2d + 1) floats, scratch (n, 3f). */
-void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l, const float *recv_rows,
-                       const int32_t *recv_meta, float *work, float *scratch, float *expert_out,
-                       const moe_ffn_hooks *hooks);
+/* Local expert l on the rows recv assigns it: gather them from where row_at
+ * (received rows) says each received row is, run the FFN (with the gate
+ * weight from recv_meta (rows, 2k + 1) applied before L2 when
+ * cfg->weight_at says so), scatter the outputs into expert_out (pairs, d).
+ * work holds (n, d + 1) floats, scratch (n, 2f). */
+void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
+                       const float *const *row_at, const int32_t *recv_meta, float *work,
+                       float *scratch, float *expert_out, const moe_ffn_hooks *hooks);
 
-/* Bytes of one expert-input work buffer row (see moe_ep_run_expert). */
-#define MOE_EXPERT_WORK_FLOATS(d) (2 * (d) + 1)
+/* Floats of one expert-input work buffer row (see moe_ep_run_expert). */
+#define MOE_EXPERT_WORK_FLOATS(d) ((d) + 1)
 
 /* y (T, d) += the shared experts of x (T, d), in blocks of
- * MOE_SHARED_ROW_BLOCK tokens; scratch (64, 3f), out (64, d). */
+ * MOE_SHARED_ROW_BLOCK tokens; scratch (64, 2f), out (64, d). */
 void moe_ep_shared_forward(const moe_ep *ep, const float *x, float *y, float *scratch, float *out);
 
 /* Generate this rank's weights. Collective (allocation is agreed on): returns

@@ -39,7 +39,9 @@ typedef struct {
     moe_index chunk_rows; /* exact only: rows per chunk between calls; 0 = all */
 } moe_ffn_hooks;
 
-/* y (rows, d) = FFN(x (rows, d)); scratch (rows, 3f) floats. act_scale
+/* y (rows, d) = FFN(x (rows, d)); scratch (rows, 2f) floats. y may be x
+ * (each row chunk's output replaces its input after the input is used, and
+ * no GEMM call reads and writes the same memory). act_scale
  * (rows), when not NULL, multiplies each row of the activation before L2 (the
  * gate weight applied inside the expert, as fused GPU kernels do). With blas
  * the batch is two whole sgemm calls, whatever the hooks (so the same rows

@@ -135,6 +135,16 @@ void moe_recv_plan_free(moe_recv_plan *plan);
 /* out (rows, width) = src (, width) rows at index[0 .. rows-1]. */
 void moe_gather_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
                      float *out);
+/* out (rows, width) = the rows row_at[index[0 .. rows-1]] points to. */
+void moe_gather_row_ptrs(const float *const *row_at, moe_index width, const moe_index *index,
+                         moe_index rows, float *out);
+/* row_at (sum of count) = the addresses of count[r] consecutive rows of
+ * width floats from from[r], for r = 0 .. n-1 in order: a table of rows
+ * that lie in several buffers (a rank's own rows never leave its send
+ * buffer). */
+void moe_row_table(const moe_index *count, const float *const *from, int n, moe_index width,
+                   const float **row_at);
+
 /* dst (, width) rows at index[0 .. rows-1] = src (rows, width). */
 void moe_scatter_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
                       float *dst);
@@ -150,8 +160,10 @@ void moe_nodes_per_token(const moe_placement *p, const int32_t *ids, moe_index t
                          int ranks_per_node, double *hist);
 
 /* slot_rows (T, k): for every (token, slot) of `plan`, the address of its
- * expert output row in back (pairs, d), the combine receive buffer. */
-void moe_combine_locate(const moe_send_plan *plan, const float *back, moe_index hidden,
+ * expert output row: from[r] is where the pairs coming back from rank r
+ * start (the combine receive buffer, or for this rank's own pairs the
+ * combine send buffer, which they never leave). */
+void moe_combine_locate(const moe_send_plan *plan, const float *const *from, moe_index hidden,
                         const float **slot_rows);
 
 /* y (T, d) = sum over slots s = 0 .. k-1, in that order, of

@@ -59,6 +59,7 @@ typedef struct {
     moe_index pairs_back_remote; /* combine rows received from other ranks */
     double expert_flops;         /* sgemm FLOPs of the routed experts */
     double expert_start, expert_end; /* MPI_Wtime at the experts stage's ends */
+    double done;                 /* MPI_Wtime when y was complete (before any measuring pass) */
     double bytes_dispatched;     /* payload + ids sent, self included */
     double bytes_combined;       /* expert outputs sent back, self included */
     /* The wave pipeline only: */

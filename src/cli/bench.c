@@ -113,14 +113,18 @@ static double peak_bytes(void)
 }
 
 /* The least a rank must hold for a forward: its weights, the tokens and the
- * output, and the rows it sends and receives (the pairs coming back too). */
+ * output, and each row once where it must be: the rows it sends, the rows it
+ * receives from other ranks, the expert outputs it computes and those that
+ * come back from other ranks. */
 static double minimum_bytes(const moe_ep *ep, const moe_forward_stats *f)
 {
     const moe_config *cfg = ep->cfg;
     const double d = (double)cfg->hidden, f3 = 3.0 * (double)cfg->ffn * d;
     const double weights = (ep->local_experts + cfg->shared_experts) * f3 + cfg->experts * d;
-    const double rows = 2.0 * (double)cfg->tokens + (double)f->rows_sent + (double)f->rows_received +
-                        2.0 * (double)f->pairs_received;
+    const double own = (double)(f->rows_sent - f->rows_sent_remote); /* rows for its own experts */
+    const double rows = 2.0 * (double)cfg->tokens + (double)f->rows_sent +
+                        ((double)f->rows_received - own) + (double)f->pairs_received +
+                        (double)f->pairs_back_remote;
     return 4.0 * (weights + rows * d);
 }
 
@@ -258,6 +262,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         for (int r = 0; r < c->ranks; r++)
             combine_rows[r] = (double)plan.pair_count[r];
         moe_send_plan_free(&plan);
+        dispatch_rows[c->rank] = combine_rows[c->rank] = 0.0; /* as the forward: own rows stay */
         a2a_anchor a = {moe_comm_alltoallv_prepare(c, dispatch_rows, d),
                         moe_comm_alltoallv_prepare(c, combine_rows, d)};
         const double a2a_anchor_seconds = timed(c, run_alltoallv, &a);

@@ -416,7 +416,9 @@ int moe_run_timed_forwards(const moe_comm *c, const moe_ep *ep, run_buffers *b,
         moe_ep_route(ep, b->x, b->logits, b->scores, b->ids, b->weights);
         const double route = moe_comm_time() - origin;
         rc = forward(ep, b->x, b->ids, b->weights, b->y, &f, &b->trace, origin, st);
-        const double layer = moe_comm_time() - origin;
+        /* to y complete: the wave path's pass that times its all-to-alls
+         * alone comes after, and is not the layer's */
+        const double layer = f.done - origin;
         f.seconds[MOE_STAGE_ROUTE] = route;
         double *row = b->per_iter + (size_t)it * COLS;
         iteration_row(&f, layer, row);

@@ -168,8 +168,8 @@ moe_expert_weights moe_ep_shared_expert(const moe_ep *ep, int shared)
     return weights_at(ep, ep->shared_w1, ep->shared_w2, shared);
 }
 
-void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l, const float *recv_rows,
-                       const int32_t *recv_meta, float *work, float *scratch, float *expert_out,
+void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
+                       const float *const *row_at, const int32_t *recv_meta, float *work, float *scratch, float *expert_out,
                        const moe_ffn_hooks *hooks)
 {
     const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
@@ -178,14 +178,14 @@ void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l, const
     if (n == 0)
         return;
     const moe_expert_weights w = moe_ep_expert(ep, l);
-    float *in = work, *out = work + n * d, *scale = NULL; /* (n, d), (n, d), (n) */
+    float *in = work, *out = work, *scale = NULL; /* (n, d): the rows, then their outputs; (n) */
     if (ep->cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION) {
-        scale = work + 2 * n * d;
+        scale = work + n * d;
         for (moe_index m = 0; m < n; m++)
             scale[m] = moe_meta_weight(recv_meta + recv->expert_row[first + m] * MOE_META_WORDS(k),
                                        k, recv->expert_slot[first + m]);
     }
-    moe_gather_rows(recv_rows, d, recv->expert_row + first, n, in);
+    moe_gather_row_ptrs(row_at, d, recv->expert_row + first, n, in);
     moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);
     moe_precision_combine(ep->cfg->combine_dtype, out, n * d);
     moe_scatter_rows(out, d, recv->expert_pair + first, n, expert_out);
@@ -273,6 +273,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     float *send_rows = moe_try_malloc(sizeof(float) * (size_t)(rows_out * d), "the dispatch send buffer", c->rank, &local);
     int32_t *send_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(rows_out * MOE_META_WORDS(k)), "the dispatch ids", c->rank, &local);
     float *recv_rows = moe_try_malloc(sizeof(float) * (size_t)(rows_in * d), "the dispatch receive buffer", c->rank, &local);
+    const float *recv_rows_const = recv_rows;
     int32_t *recv_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(rows_in * MOE_META_WORDS(k)), "the received ids", c->rank, &local);
     float *back = moe_try_malloc(sizeof(float) * (size_t)(send.pair_offset[G] * d), "the combine receive buffer", c->rank, &local);
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
@@ -313,7 +314,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
                 most = recv.expert_offset[l + 1] - recv.expert_offset[l];
         expert_out = moe_try_malloc(sizeof(float) * (size_t)(recv.pairs * d), "the combine send buffer", c->rank, &local);
         expert_in = moe_try_malloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
-        scratch = moe_try_malloc(sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
+        scratch = moe_try_malloc(sizeof(float) * (size_t)(most * 2 * f), "expert activations", c->rank, &local);
         moe_fault_here(c, "dispatch", &local);
     }
 
@@ -321,9 +322,12 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         /* Experts: one FFN call per local expert, rows in global token order. */
         t = MPI_Wtime();
         moe_gemm_reset_flops();
+        const float **row_at = moe_xmalloc(sizeof(float *) * (size_t)rows_in + 1);
+        moe_row_table(&rows_in, &recv_rows_const, 1, d, row_at);
         for (int l = 0; l < EL; l++)
-            moe_ep_run_expert(ep, &recv, l, recv_rows, recv_meta, expert_in, scratch, expert_out,
+            moe_ep_run_expert(ep, &recv, l, row_at, recv_meta, expert_in, scratch, expert_out,
                               NULL);
+        free(row_at);
         stats->expert_flops = moe_gemm_sflops();
         stats->pairs_received = recv.pairs;
         if (capture)
@@ -351,7 +355,11 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     if (moe_comm_agree(c, &local) == MOE_EXIT_OK) {
         t = MPI_Wtime();
         const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * k)); /* (T, k) */
-        moe_combine_locate(&send, back, d, slot_rows);
+        const float **from = moe_xmalloc(sizeof(float *) * (size_t)G);
+        for (int r = 0; r < G; r++)
+            from[r] = back + send.pair_offset[r] * d;
+        moe_combine_locate(&send, from, d, slot_rows);
+        free(from);
         moe_combine_reduce(slot_rows, cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? weights : NULL, T,
                            k, d, y);
         free(slot_rows);
@@ -359,7 +367,8 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
 
         t = MPI_Wtime();
         moe_ep_shared_forward(ep, x, y, scratch, expert_in);
-        stats->seconds[MOE_STAGE_SHARED] = MPI_Wtime() - t;
+        stats->done = MPI_Wtime();
+        stats->seconds[MOE_STAGE_SHARED] = stats->done - t;
     }
 
     free(scratch);

@@ -29,14 +29,27 @@ typedef struct {
     moe_recv_plan recv;
     moe_index rows_out, rows_in, pairs_in;
     moe_index *rows_from;                        /* (G) */
-    int *counts;                                 /* (8, G): see the enum below */
-    float *send_rows, *recv_rows, *expert_out, *back; /* in ep->work */
-    int32_t *send_meta, *recv_meta; /* (rows, 2k + 1), in ep->work */
+    int *counts;                                 /* (N_COUNTS, G): see the enum below */
+    /* In ep->work. A rank's rows for its own experts, and their outputs,
+     * never go through MPI: the experts read them from send_rows, the reduce
+     * from expert_out, and recv_rows and back hold only other ranks' rows. */
+    float *send_rows, *recv_rows, *expert_out, *back;
+    int32_t *send_meta, *recv_meta;  /* (rows, 2k + 1), all rows */
+    const float **row_at;            /* (rows_in) where each received row is */
+    const float **from;              /* (G) where each rank's rows or pairs start */
     double dispatch_bytes[2][MOE_TIERS]; /* over the links: [in, out][tier] */
     double combine_bytes[2][MOE_TIERS];
 } wave_state;
 
-enum { D_SEND, D_SEND_AT, D_RECV, D_RECV_AT, C_SEND, C_SEND_AT, C_RECV, C_RECV_AT, N_COUNTS };
+/* MPI counts and displacements, in rows: dispatch meta (every row), dispatch
+ * rows and combine rows (other ranks' only: the count to self is 0, and the
+ * receive buffers leave no room for self). */
+enum {
+    D_SEND, D_SEND_AT, D_RECV, D_RECV_AT,         /* meta */
+    R_SEND, R_RECV, R_RECV_AT,                    /* rows; sent from D_SEND_AT */
+    C_SEND, C_SEND_AT, C_RECV, C_RECV_AT,         /* expert outputs */
+    N_COUNTS
+};
 #define COUNTS(ws, which, G) ((ws)->counts + (size_t)(which) * (size_t)(G))
 
 typedef struct {
@@ -97,8 +110,8 @@ static void post_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Da
 {
     moe_comm_op *o = &p->ops[op];
     moe_progress_lock(p);
-    MPI_Ialltoallv(ws->send_rows, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), row_type,
-                   ws->recv_rows, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), row_type, comm,
+    MPI_Ialltoallv(ws->send_rows, COUNTS(ws, R_SEND, G), COUNTS(ws, D_SEND_AT, G), row_type,
+                   ws->recv_rows, COUNTS(ws, R_RECV, G), COUNTS(ws, R_RECV_AT, G), row_type, comm,
                    &o->requests[0]);
     MPI_Ialltoallv(ws->send_meta, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), meta_type,
                    ws->recv_meta, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), meta_type, comm,
@@ -145,7 +158,7 @@ static void wave_experts(const moe_ep *ep, wave_state *ws, float *expert_in, flo
                                  ep->gemm == MOE_GEMM_EXACT ? POLL_CHUNK_ROWS : 0};
     for (int l = 0; l < ws->recv.local_experts; l++) {
         clock->rows = ws->recv.expert_offset[l + 1] - ws->recv.expert_offset[l];
-        moe_ep_run_expert(ep, &ws->recv, l, ws->recv_rows, ws->recv_meta, expert_in, scratch,
+        moe_ep_run_expert(ep, &ws->recv, l, ws->row_at, ws->recv_meta, expert_in, scratch,
                           ws->expert_out, &hooks);
     }
     const double now = MPI_Wtime(); /* the last scatter belongs to the last L2 */
@@ -164,6 +177,7 @@ static void free_waves(wave_state *waves, int W)
         moe_recv_plan_free(&ws->recv);
         free(ws->rows_from);
         free(ws->counts);
+        free(ws->from);
     }
     free(waves);
 }
@@ -174,7 +188,8 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
 {
     const moe_config *cfg = ep->cfg;
     const moe_comm *c = &ep->comm;
-    const int G = c->ranks, k = (int)cfg->topk, W = (int)cfg->waves, EL = ep->local_experts;
+    const int G = c->ranks, me = c->rank, k = (int)cfg->topk, W = (int)cfg->waves,
+              EL = ep->local_experts;
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
     memset(stats, 0, sizeof *stats);
     stats->waves = W;
@@ -230,6 +245,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         wave_state *s = &ws[w];
         s->rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G);
         s->counts = moe_xmalloc(sizeof(int) * (size_t)(N_COUNTS * G));
+        s->from = moe_xmalloc(sizeof(float *) * (size_t)G);
         s->rows_in = s->pairs_in = 0;
         for (int r = 0; r < G; r++) {
             const int *in = counts_in + (r * W + w) * stride;
@@ -248,18 +264,27 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         link_bytes(ep, s->rows_from, s->send.row_count, (double)(d * 4 + MOE_META_WORDS(k) * 4), s->dispatch_bytes);
         moe_to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
         moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
+        const moe_index own_rows = s->rows_from[me], own_pairs = s->send.pair_count[me];
+        s->rows_from[me] = 0; /* for a moment: the rows and pairs MPI moves */
+        moe_to_counts(s->rows_from, G, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G));
+        s->rows_from[me] = own_rows;
+        s->send.pair_count[me] = 0;
         moe_to_counts(s->send.pair_count, G, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
+        s->send.pair_count[me] = own_pairs;
+        memcpy(COUNTS(s, R_SEND, G), COUNTS(s, D_SEND, G), sizeof(int) * (size_t)G);
+        COUNTS(s, R_SEND, G)[me] = 0;
         moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
         const size_t row = sizeof(float) * (size_t)d, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
         s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], row * (size_t)s->rows_out, "dispatch rows", c->rank, &local);
         s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", c->rank, &local);
-        s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], row * (size_t)s->rows_in, "received rows", c->rank, &local);
+        s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], row * (size_t)(s->rows_in - own_rows), "received rows", c->rank, &local);
         s->recv_meta = moe_buffer_fit(&b[MOE_WAVE_RECV_META], meta * (size_t)s->rows_in, "received ids", c->rank, &local);
         s->expert_out = moe_buffer_fit(&b[MOE_WAVE_EXPERT_OUT], row * (size_t)s->pairs_in, "expert outputs", c->rank, &local);
-        s->back = moe_buffer_fit(&b[MOE_WAVE_BACK], row * (size_t)s->send.pair_offset[G], "combined rows", c->rank, &local);
+        s->back = moe_buffer_fit(&b[MOE_WAVE_BACK], row * (size_t)(s->send.pair_offset[G] - own_pairs), "combined rows", c->rank, &local);
+        s->row_at = moe_buffer_fit(&b[MOE_WAVE_ROW_AT], sizeof(float *) * (size_t)s->rows_in, "the row table", c->rank, &local);
     }
     float *expert_in = moe_buffer_fit(&work->expert_in, sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
-    float *scratch = moe_buffer_fit(&work->scratch, sizeof(float) * (size_t)(most * 3 * f), "expert activations", c->rank, &local);
+    float *scratch = moe_buffer_fit(&work->scratch, sizeof(float) * (size_t)(most * 2 * f), "expert activations", c->rank, &local);
     const float **slot_rows = moe_buffer_fit(&work->slot_rows, sizeof(float *) * (size_t)(T * k), "the reduce table", c->rank, &local);
     float *x_scratch = cfg->dispatch_dtype == MOE_DTYPE_FP32
                            ? NULL
@@ -304,6 +329,11 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
                             s->rows_from, &waves, w);
         MOE_ASSERT(s->recv.pairs == s->pairs_in);
         moe_to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
+        COUNTS(s, C_SEND, G)[me] = 0;
+        for (int r = 0; r < G; r++)
+            s->from[r] = r == me ? s->send_rows + (moe_index)COUNTS(s, D_SEND_AT, G)[me] * d
+                                 : s->recv_rows + (moe_index)COUNTS(s, R_RECV_AT, G)[r] * d;
+        moe_row_table(s->rows_from, s->from, G, d, s->row_at);
         link_bytes(ep, s->send.pair_count, s->recv.source_pairs, (double)(d * 4), s->combine_bytes);
         wave_experts(ep, s, expert_in, scratch, &clock);
         /* Inside the pipeline the ranks cannot stop together: a failing rank
@@ -347,14 +377,20 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
 
     /* Reduce in slot order, whatever wave each slot came back in. */
     t = MPI_Wtime();
-    for (int w = 0; w < W; w++)
-        moe_combine_locate(&ws[w].send, ws[w].back, d, slot_rows);
+    for (int w = 0; w < W; w++) {
+        wave_state *s = &ws[w];
+        for (int r = 0; r < G; r++)
+            s->from[r] = r == me ? s->expert_out + (moe_index)COUNTS(s, C_SEND_AT, G)[me] * d
+                                 : s->back + (moe_index)COUNTS(s, C_RECV_AT, G)[r] * d;
+        moe_combine_locate(&s->send, s->from, d, slot_rows);
+    }
     moe_combine_reduce(slot_rows, cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? weights : NULL, T, k,
                        d, y);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
     t = MPI_Wtime();
     moe_ep_shared_forward(ep, x, y, scratch, expert_in);
-    stats->seconds[MOE_STAGE_SHARED] = MPI_Wtime() - t;
+    stats->done = MPI_Wtime();
+    stats->seconds[MOE_STAGE_SHARED] = stats->done - t;
 
     /* T_comm: the same all-to-alls alone, all in flight at once (as the
      * pipeline may have them), the OSU way: no compute between post and
@@ -367,8 +403,8 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     t = MPI_Wtime();
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
-        MPI_Ialltoallv(s->send_rows, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G), row_type,
-                       s->recv_rows, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G), row_type,
+        MPI_Ialltoallv(s->send_rows, COUNTS(s, R_SEND, G), COUNTS(s, D_SEND_AT, G), row_type,
+                       s->recv_rows, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G), row_type,
                        c->comm, &requests[3 * w]);
         MPI_Ialltoallv(s->send_meta, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G), meta_type,
                        s->recv_meta, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G), meta_type,

@@ -534,7 +534,7 @@ double moe_config_memory_per_rank(const moe_config *cfg, int ranks)
     bytes += T * E * 4.0 + T * k * 8.0;            /* logits, routing */
     bytes += 2.0 * T * k * (d * 4.0 + k * 4.0);    /* dispatch send and receive */
     bytes += 2.0 * T * k * d * 4.0;                /* combine send and receive */
-    bytes += T * k * (d + 3.0 * f) * 4.0;          /* expert input, hidden, activation */
+    bytes += T * k * (d + 2.0 * f) * 4.0;          /* expert rows, hidden and activation */
     if (cfg->check)                                /* truth: x, y, hidden, out in fp64 */
         bytes += expert_bytes * 3.0 + T * (3.0 * d + 2.0 * f) * 8.0;
     return bytes;

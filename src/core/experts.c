@@ -59,14 +59,16 @@ static inline lanes8 swiglu8(lanes8 gate, lanes8 up)
     return gate / (1.0f + exp8(-gate)) * up;
 }
 
-/* a (rows, f) = silu(gate) * up, times scale[n] per row when scale is set. */
+/* The activation in place: row n of h (rows, 2f) becomes [silu(gate) * up,
+ * up], times scale[n] when scale is set; the activation is the first f
+ * columns (leading dimension 2f). */
 __attribute__((target_clones("avx2", "default")))
-static void swiglu(const float *h, moe_index rows, moe_index ffn, const float *scale, float *a)
+static void swiglu(float *h, moe_index rows, moe_index ffn, const float *scale)
 {
 #pragma omp parallel for schedule(static)
     for (moe_index n = 0; n < rows; n++) {
-        const float *gate = h + n * 2 * ffn, *up = gate + ffn;
-        float *act = a + n * ffn;
+        float *gate = h + n * 2 * ffn, *act = gate;
+        const float *up = gate + ffn;
         moe_index c = 0;
         for (; c + 8 <= ffn; c += 8)
             *(lanes8_unaligned *)(act + c) =
@@ -99,14 +101,13 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
 {
     if (rows == 0)
         return;
-    float *h = scratch;                  /* (rows, 2f) */
-    float *a = scratch + rows * 2 * ffn; /* (rows, f) */
+    float *h = scratch; /* (rows, 2f), then the activation in its first f columns */
     if (gemm == MOE_GEMM_BLAS) {
         moe_sgemm_nt(rows, 2 * ffn, hidden, x, hidden, w->w1, hidden, h, 2 * ffn);
         after(hooks, MOE_FFN_L1);
-        swiglu(h, rows, ffn, act_scale, a);
+        swiglu(h, rows, ffn, act_scale);
         after(hooks, MOE_FFN_ACTIVATION);
-        moe_sgemm_nt(rows, hidden, ffn, a, ffn, w->w2, ffn, y, hidden);
+        moe_sgemm_nt(rows, hidden, ffn, h, 2 * ffn, w->w2, ffn, y, hidden);
         after(hooks, MOE_FFN_L2);
         return;
     }
@@ -116,10 +117,10 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
         moe_sgemm_exact(n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, 2 * ffn,
                         h + first * 2 * ffn, 2 * ffn);
         after(hooks, MOE_FFN_L1);
-        swiglu(h + first * 2 * ffn, n, ffn, act_scale ? act_scale + first : NULL, a + first * ffn);
+        swiglu(h + first * 2 * ffn, n, ffn, act_scale ? act_scale + first : NULL);
         after(hooks, MOE_FFN_ACTIVATION);
-        moe_sgemm_exact(n, hidden, ffn, a + first * ffn, ffn, w->w2t, hidden, y + first * hidden,
-                        hidden);
+        moe_sgemm_exact(n, hidden, ffn, h + first * 2 * ffn, 2 * ffn, w->w2t, hidden,
+                        y + first * hidden, hidden);
         after(hooks, MOE_FFN_L2);
     }
 }

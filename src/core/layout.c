@@ -232,6 +232,23 @@ void moe_gather_rows(const float *src, moe_index width, const moe_index *index, 
         memcpy(out + n * width, src + index[n] * width, sizeof(float) * (size_t)width);
 }
 
+void moe_gather_row_ptrs(const float *const *row_at, moe_index width, const moe_index *index,
+                         moe_index rows, float *out)
+{
+#pragma omp parallel for schedule(static)
+    for (moe_index n = 0; n < rows; n++)
+        memcpy(out + n * width, row_at[index[n]], sizeof(float) * (size_t)width);
+}
+
+void moe_row_table(const moe_index *count, const float *const *from, int n, moe_index width,
+                   const float **row_at)
+{
+    moe_index m = 0;
+    for (int r = 0; r < n; r++)
+        for (moe_index j = 0; j < count[r]; j++)
+            row_at[m++] = from[r] + j * width;
+}
+
 void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe_index *row_token,
                    moe_index rows, moe_index first_token, int32_t *meta)
 {
@@ -286,12 +303,23 @@ void moe_nodes_per_token(const moe_placement *p, const int32_t *ids, moe_index t
     free(last_token);
 }
 
-void moe_combine_locate(const moe_send_plan *plan, const float *back, moe_index hidden,
+void moe_combine_locate(const moe_send_plan *plan, const float *const *from, moe_index hidden,
                         const float **slot_rows)
 {
-    for (moe_index n = 0; n < plan->tokens * plan->topk; n++)
-        if (plan->slot_pair[n] >= 0)
-            slot_rows[n] = back + plan->slot_pair[n] * hidden;
+    for (moe_index n = 0; n < plan->tokens * plan->topk; n++) {
+        const moe_index pair = plan->slot_pair[n];
+        if (pair < 0)
+            continue;
+        int lo = 0, hi = plan->ranks - 1; /* the rank r with pair_offset[r] <= pair < [r+1] */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (plan->pair_offset[mid] <= pair)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        slot_rows[n] = from[lo] + (pair - plan->pair_offset[lo]) * hidden;
+    }
 }
 
 void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe_index tokens,

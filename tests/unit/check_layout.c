@@ -232,12 +232,41 @@ START_TEST(reduce_sums_in_slot_order)
     const float back[4] = {10.0f, 20.0f, 30.0f, 40.0f}; /* (pairs, d=1) */
     float y[2];
     const float *slot_rows[4];
-    moe_combine_locate(&plan, back, 1, slot_rows);
+    const float *from[2] = {back, back + 2};
+    moe_combine_locate(&plan, from, 1, slot_rows);
     moe_combine_reduce(slot_rows, weights, 2, 2, 1, y);
     ck_assert_float_eq(y[0], 0.75f * 30.0f + 0.25f * 10.0f);
     ck_assert_float_eq(y[1], 0.5f * 20.0f + 0.5f * 40.0f);
+    /* rank 0's pairs read from elsewhere (its own send buffer) */
+    const float own[2] = {11.0f, 21.0f};
+    const float *split[2] = {own, back + 2};
+    moe_combine_locate(&plan, split, 1, slot_rows);
+    moe_combine_reduce(slot_rows, weights, 2, 2, 1, y);
+    ck_assert_float_eq(y[0], 0.75f * 30.0f + 0.25f * 11.0f);
+    ck_assert_float_eq(y[1], 0.5f * 21.0f + 0.5f * 40.0f);
     moe_send_plan_free(&plan);
     moe_placement_free(&p);
+}
+END_TEST
+
+START_TEST(row_table_spans_buffers_and_gathers_by_pointer)
+{
+    const float own[2 * 2] = {1, 2, 3, 4}, others[3 * 2] = {5, 6, 7, 8, 9, 10}; /* width 2 */
+    const moe_index count[3] = {1, 2, 2}; /* rank 0: others[0]; rank 1: own; rank 2: others[1..2] */
+    const float *from[3] = {others, own, others + 2};
+    const float *row_at[5];
+    moe_row_table(count, from, 3, 2, row_at);
+    ck_assert_ptr_eq(row_at[0], others);
+    ck_assert_ptr_eq(row_at[1], own);
+    ck_assert_ptr_eq(row_at[2], own + 2);
+    ck_assert_ptr_eq(row_at[3], others + 2);
+    ck_assert_ptr_eq(row_at[4], others + 4);
+    const moe_index index[3] = {4, 1, 0};
+    float out[3 * 2];
+    moe_gather_row_ptrs(row_at, 2, index, 3, out);
+    const float want[3 * 2] = {9, 10, 1, 2, 5, 6};
+    for (int n = 0; n < 6; n++)
+        ck_assert_float_eq(out[n], want[n]);
 }
 END_TEST
 
@@ -250,6 +279,7 @@ Suite *make_layout_suite(void)
     tcase_add_test(tc, waves_partition_the_pairs);
     tcase_add_test(tc, wave_kinds_and_boundaries);
     tcase_add_test(tc, reduce_sums_in_slot_order);
+    tcase_add_test(tc, row_table_spans_buffers_and_gathers_by_pointer);
     suite_add_tcase(s, tc);
     return s;
 }
