@@ -36,8 +36,9 @@ typedef struct {
     double rss_mb, rss_ratio;            /* peak per rank (max), against the minimum */
 } bench_row;
 
-/* The median over 3 runs of fn, max over ranks, after a barrier each. */
-static double timed(const moe_comm *c, void (*fn)(void *), void *arg)
+/* The median over 3 runs of fn, all ranks starting together after a
+ * barrier: of the max over ranks, or (per_rank) of this rank's own times. */
+static double timed(const moe_comm *c, void (*fn)(void *), void *arg, bool per_rank)
 {
     double t[3];
     fn(arg); /* warm-up */
@@ -45,7 +46,8 @@ static double timed(const moe_comm *c, void (*fn)(void *), void *arg)
         moe_comm_barrier(c);
         const double start = moe_comm_time();
         fn(arg);
-        t[n] = moe_comm_max(c, moe_comm_time() - start);
+        const double own = moe_comm_time() - start;
+        t[n] = per_rank ? own : moe_comm_max(c, own);
     }
     return moe_run_median(t, 3);
 }
@@ -213,7 +215,9 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
     bench_row rows[MOE_MAX_WAVE_RUNS + 1];
     memset(rows, 0, sizeof rows);
     const moe_index T = cfg.tokens, d = cfg.hidden, f = cfg.ffn;
-    double gemm_anchor = 0.0;
+    double gemm_anchor = 0.0;        /* the sgemm anchor: all expert FLOPs, max over ranks */
+    double gemm_anchor_routed = 0.0; /* its share of the routed experts, max over ranks */
+    double anchor_flops = 0.0;       /* its FLOPs, all ranks */
     const int iters = (int)cfg.iters;
     for (int n = 0; rc == MOE_EXIT_OK && n < cfg.waves_count; n++) {
         cfg.waves = cfg.waves_list[n];
@@ -239,11 +243,17 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             break;
         const double rss = peak_bytes();
         if (n == 0) {
-            sgemm_anchor g = {probe.pairs_received, 3 * f, d, NULL, NULL, NULL};
+            /* M: the rows this rank's experts take, the routed pairs and
+             * its tokens once per shared expert */
+            const moe_index shared_rows = cfg.shared_experts * T;
+            sgemm_anchor g = {probe.pairs_received + shared_rows, 3 * f, d, NULL, NULL, NULL};
             g.A = filled((size_t)(g.M * g.K) + 1);
             g.B = filled((size_t)(g.N * g.K) + 1);
             g.C = filled((size_t)(g.M * g.N) + 1);
-            gemm_anchor = timed(c, run_sgemm, &g);
+            const double own = timed(c, run_sgemm, &g, true);
+            gemm_anchor = moe_comm_max(c, own);
+            gemm_anchor_routed = moe_comm_max(c, g.M ? own * (double)probe.pairs_received / (double)g.M : 0.0);
+            anchor_flops = moe_comm_sum(c, 2.0 * (double)g.M * (double)g.N * (double)g.K);
             free(g.C);
             free(g.B);
             free(g.A);
@@ -265,7 +275,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         dispatch_rows[c->rank] = combine_rows[c->rank] = 0.0; /* as the forward: own rows stay */
         a2a_anchor a = {moe_comm_alltoallv_prepare(c, dispatch_rows, d),
                         moe_comm_alltoallv_prepare(c, combine_rows, d)};
-        const double a2a_anchor_seconds = timed(c, run_alltoallv, &a);
+        const double a2a_anchor_seconds = timed(c, run_alltoallv, &a, false);
         moe_comm_alltoallv_free(a.combine);
         moe_comm_alltoallv_free(a.dispatch);
         free(combine_rows);
@@ -283,7 +293,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             .tokens_per_second = (double)c->ranks * (double)T / s.layer_seconds,
             .expert_gflops = s.expert_flops * 1e-9 / expert_time,
             .ceiling = gemm_anchor / s.layer_seconds,
-            .gemm_efficiency = gemm_anchor / expert_time,
+            .gemm_efficiency = gemm_anchor_routed / expert_time,
             .a2a_bytes_per_second = bytes / s.comm_seconds,
             .a2a_efficiency = a2a_anchor_seconds / s.comm_seconds,
             .overlap = s.comm_seconds > 0 ? fmax(0.0, fmin(1.0, 1.0 - (s.pipeline_seconds - s.compute_seconds) / s.comm_seconds)) : 0.0,
@@ -298,11 +308,12 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                cfg.preset[0] ? cfg.preset : "(none)", c->ranks, (long long)T, (long long)d,
                (long long)f, (long long)cfg.experts, (long long)cfg.topk, (long long)cfg.iters,
                (long long)cfg.warmup, cfg.gemm ? "exact" : "blas", cfg.progress ? "thread" : "poll");
-        printf("anchors   sgemm of the experts' FLOPs: %.2f ms (%.1f GFLOP/s on %d ranks) · plain "
-               "MPI_Alltoallv of the same counts, per W below\n",
-               1e3 * gemm_anchor, s.expert_flops * 1e-9 / gemm_anchor, c->ranks);
-        printf("          ceiling: the sgemm anchor's time over the layer's, i.e. tokens/s against "
-               "the compute ceiling\n");
+        printf("anchors   sgemm of the experts' FLOPs (routed%s): %.2f ms (%.1f GFLOP/s on %d ranks) "
+               "· plain MPI_Alltoallv of the same counts, per W below\n",
+               cfg.shared_experts ? " and shared" : "", 1e3 * gemm_anchor,
+               anchor_flops * 1e-9 / gemm_anchor, c->ranks);
+        printf("          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
+               "routed experts' compute\n");
         printf("%4s %-12s %22s %10s %8s %9s %7s %9s %7s %8s %14s\n", "W", "waves", "layer ms (med min-max)",
                "tokens/s", "ceiling", "GFLOP/s", "gemm", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
         for (const bench_row *r = rows; r->waves; r++)
