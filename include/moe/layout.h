@@ -135,15 +135,10 @@ void moe_recv_plan_free(moe_recv_plan *plan);
 /* out (rows, width) = src (, width) rows at index[0 .. rows-1]. */
 void moe_gather_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
                      float *out);
-/* out (rows, width) = the rows row_at[index[0 .. rows-1]] points to. */
+/* out (rows, width) = the rows row_at[index[0 .. rows-1]] points to: rows
+ * that may lie in several buffers (a rank's own never leave its tokens). */
 void moe_gather_row_ptrs(const float *const *row_at, moe_index width, const moe_index *index,
                          moe_index rows, float *out);
-/* row_at (sum of count) = the addresses of count[r] consecutive rows of
- * width floats from from[r], for r = 0 .. n-1 in order: a table of rows
- * that lie in several buffers (a rank's own rows never leave its send
- * buffer). */
-void moe_row_table(const moe_index *count, const float *const *from, int n, moe_index width,
-                   const float **row_at);
 
 /* dst (, width) rows at index[0 .. rows-1] = src (rows, width). */
 void moe_scatter_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,

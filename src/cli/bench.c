@@ -115,16 +115,16 @@ static double peak_bytes(void)
 }
 
 /* The least a rank must hold for a forward: its weights, the tokens and the
- * output, and each row once where it must be: the rows it sends, the rows it
- * receives from other ranks, the expert outputs it computes and those that
- * come back from other ranks. */
+ * output, and each row once where it must be: the rows it sends to and
+ * receives from other ranks, the expert outputs it computes, and those that
+ * come back from other ranks (its own rows and outputs need no copy). */
 static double minimum_bytes(const moe_ep *ep, const moe_forward_stats *f)
 {
     const moe_config *cfg = ep->cfg;
     const double d = (double)cfg->hidden, f3 = 3.0 * (double)cfg->ffn * d;
     const double weights = (ep->local_experts + cfg->shared_experts) * f3 + cfg->experts * d;
     const double own = (double)(f->rows_sent - f->rows_sent_remote); /* rows for its own experts */
-    const double rows = 2.0 * (double)cfg->tokens + (double)f->rows_sent +
+    const double rows = 2.0 * (double)cfg->tokens + (double)f->rows_sent_remote +
                         ((double)f->rows_received - own) + (double)f->pairs_received +
                         (double)f->pairs_back_remote;
     return 4.0 * (weights + rows * d);

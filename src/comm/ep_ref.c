@@ -273,7 +273,6 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     float *send_rows = moe_try_malloc(sizeof(float) * (size_t)(rows_out * d), "the dispatch send buffer", c->rank, &local);
     int32_t *send_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(rows_out * MOE_META_WORDS(k)), "the dispatch ids", c->rank, &local);
     float *recv_rows = moe_try_malloc(sizeof(float) * (size_t)(rows_in * d), "the dispatch receive buffer", c->rank, &local);
-    const float *recv_rows_const = recv_rows;
     int32_t *recv_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(rows_in * MOE_META_WORDS(k)), "the received ids", c->rank, &local);
     float *back = moe_try_malloc(sizeof(float) * (size_t)(send.pair_offset[G] * d), "the combine receive buffer", c->rank, &local);
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
@@ -323,7 +322,8 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         t = MPI_Wtime();
         moe_gemm_reset_flops();
         const float **row_at = moe_xmalloc(sizeof(float *) * (size_t)rows_in + 1);
-        moe_row_table(&rows_in, &recv_rows_const, 1, d, row_at);
+        for (moe_index m = 0; m < rows_in; m++)
+            row_at[m] = recv_rows + m * d;
         for (int l = 0; l < EL; l++)
             moe_ep_run_expert(ep, &recv, l, row_at, recv_meta, expert_in, scratch, expert_out,
                               NULL);

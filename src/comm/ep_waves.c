@@ -31,26 +31,38 @@ typedef struct {
     moe_index *rows_from;                        /* (G) */
     int *counts;                                 /* (N_COUNTS, G): see the enum below */
     /* In ep->work. A rank's rows for its own experts, and their outputs,
-     * never go through MPI: the experts read them from send_rows, the reduce
-     * from expert_out, and recv_rows and back hold only other ranks' rows. */
+     * never go through MPI: the experts read them from the tokens, the reduce
+     * from expert_out, and send_rows, recv_rows and back hold only the rows
+     * that travel. */
     float *send_rows, *recv_rows, *expert_out, *back;
     int32_t *send_meta, *recv_meta;  /* (rows, 2k + 1), all rows */
     const float **row_at;            /* (rows_in) where each received row is */
-    const float **from;              /* (G) where each rank's rows or pairs start */
+    const float **from;              /* (G) where the pairs back from each rank start */
     double dispatch_bytes[2][MOE_TIERS]; /* over the links: [in, out][tier] */
     double combine_bytes[2][MOE_TIERS];
 } wave_state;
 
 /* MPI counts and displacements, in rows: dispatch meta (every row), dispatch
- * rows and combine rows (other ranks' only: the count to self is 0, and the
- * receive buffers leave no room for self). */
+ * rows and combine rows (other ranks' only: the count to self is 0, and only
+ * expert_out, which the reduce reads, keeps room for self). */
 enum {
-    D_SEND, D_SEND_AT, D_RECV, D_RECV_AT,         /* meta */
-    R_SEND, R_RECV, R_RECV_AT,                    /* rows; sent from D_SEND_AT */
-    C_SEND, C_SEND_AT, C_RECV, C_RECV_AT,         /* expert outputs */
+    D_SEND, D_SEND_AT, D_RECV, D_RECV_AT, /* meta */
+    R_SEND, R_SEND_AT, R_RECV, R_RECV_AT, /* rows */
+    C_SEND, C_SEND_AT, C_RECV, C_RECV_AT, /* expert outputs */
     N_COUNTS
 };
 #define COUNTS(ws, which, G) ((ws)->counts + (size_t)(which) * (size_t)(G))
+
+/* moe_to_counts without rank me: its count 0, the others packed. */
+static void remote_counts(const moe_index *count, int G, int me, int *counts, int *displs)
+{
+    int at = 0;
+    for (int r = 0; r < G; r++) {
+        counts[r] = r == me ? 0 : (int)count[r];
+        displs[r] = at;
+        at += counts[r];
+    }
+}
 
 typedef struct {
     moe_progress *progress;
@@ -96,6 +108,19 @@ static void link_bytes(const moe_ep *ep, const moe_index *in_rows, const moe_ind
         }
 }
 
+/* Where each received row of a wave is: other ranks' in recv_rows, this
+ * rank's own still in the tokens, in the order it would have sent them. */
+static void row_table(wave_state *s, int G, int me, moe_index d, const float *x_dispatch)
+{
+    moe_index m = 0;
+    for (int r = 0; r < G; r++) {
+        const float *first = s->recv_rows + (moe_index)COUNTS(s, R_RECV_AT, G)[r] * d;
+        const moe_index *own = s->send.row_token + s->send.row_offset[me];
+        for (moe_index j = 0; j < s->rows_from[r]; j++)
+            s->row_at[m++] = r == me ? x_dispatch + own[j] * d : first + j * d;
+    }
+}
+
 /* Post time and modelled arrival of an operation on this rank's links. */
 static void track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
                   double bytes[2][MOE_TIERS])
@@ -110,7 +135,7 @@ static void post_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Da
 {
     moe_comm_op *o = &p->ops[op];
     moe_progress_lock(p);
-    MPI_Ialltoallv(ws->send_rows, COUNTS(ws, R_SEND, G), COUNTS(ws, D_SEND_AT, G), row_type,
+    MPI_Ialltoallv(ws->send_rows, COUNTS(ws, R_SEND, G), COUNTS(ws, R_SEND_AT, G), row_type,
                    ws->recv_rows, COUNTS(ws, R_RECV, G), COUNTS(ws, R_RECV_AT, G), row_type, comm,
                    &o->requests[0]);
     MPI_Ialltoallv(ws->send_meta, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), meta_type,
@@ -264,18 +289,13 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         link_bytes(ep, s->rows_from, s->send.row_count, (double)(d * 4 + MOE_META_WORDS(k) * 4), s->dispatch_bytes);
         moe_to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
         moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
+        remote_counts(s->send.row_count, G, me, COUNTS(s, R_SEND, G), COUNTS(s, R_SEND_AT, G));
+        remote_counts(s->rows_from, G, me, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G));
+        remote_counts(s->send.pair_count, G, me, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
         const moe_index own_rows = s->rows_from[me], own_pairs = s->send.pair_count[me];
-        s->rows_from[me] = 0; /* for a moment: the rows and pairs MPI moves */
-        moe_to_counts(s->rows_from, G, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G));
-        s->rows_from[me] = own_rows;
-        s->send.pair_count[me] = 0;
-        moe_to_counts(s->send.pair_count, G, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
-        s->send.pair_count[me] = own_pairs;
-        memcpy(COUNTS(s, R_SEND, G), COUNTS(s, D_SEND, G), sizeof(int) * (size_t)G);
-        COUNTS(s, R_SEND, G)[me] = 0;
         moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
         const size_t row = sizeof(float) * (size_t)d, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
-        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], row * (size_t)s->rows_out, "dispatch rows", c->rank, &local);
+        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], row * (size_t)(s->rows_out - own_rows), "dispatch rows", c->rank, &local);
         s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", c->rank, &local);
         s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], row * (size_t)(s->rows_in - own_rows), "received rows", c->rank, &local);
         s->recv_meta = moe_buffer_fit(&b[MOE_WAVE_RECV_META], meta * (size_t)s->rows_in, "received ids", c->rank, &local);
@@ -298,7 +318,11 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     }
     const float *x_dispatch = moe_ep_dispatched_tokens(ep, x, x_scratch);
     for (int w = 0; w < W; w++) {
-        moe_gather_rows(x_dispatch, d, ws[w].send.row_token, ws[w].rows_out, ws[w].send_rows);
+        const moe_send_plan *plan = &ws[w].send; /* rows by destination: before me, after me */
+        moe_gather_rows(x_dispatch, d, plan->row_token, plan->row_offset[me], ws[w].send_rows);
+        moe_gather_rows(x_dispatch, d, plan->row_token + plan->row_offset[me + 1],
+                        plan->row_offset[G] - plan->row_offset[me + 1],
+                        ws[w].send_rows + plan->row_offset[me] * d);
         moe_pack_meta(ids, weights, k, ws[w].send.row_token, ws[w].rows_out, (moe_index)c->rank * T,
                       ws[w].send_meta);
     }
@@ -330,10 +354,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         MOE_ASSERT(s->recv.pairs == s->pairs_in);
         moe_to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
         COUNTS(s, C_SEND, G)[me] = 0;
-        for (int r = 0; r < G; r++)
-            s->from[r] = r == me ? s->send_rows + (moe_index)COUNTS(s, D_SEND_AT, G)[me] * d
-                                 : s->recv_rows + (moe_index)COUNTS(s, R_RECV_AT, G)[r] * d;
-        moe_row_table(s->rows_from, s->from, G, d, s->row_at);
+        row_table(s, G, me, d, x_dispatch);
         link_bytes(ep, s->send.pair_count, s->recv.source_pairs, (double)(d * 4), s->combine_bytes);
         wave_experts(ep, s, expert_in, scratch, &clock);
         /* Inside the pipeline the ranks cannot stop together: a failing rank
@@ -403,7 +424,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     t = MPI_Wtime();
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
-        MPI_Ialltoallv(s->send_rows, COUNTS(s, R_SEND, G), COUNTS(s, D_SEND_AT, G), row_type,
+        MPI_Ialltoallv(s->send_rows, COUNTS(s, R_SEND, G), COUNTS(s, R_SEND_AT, G), row_type,
                        s->recv_rows, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G), row_type,
                        c->comm, &requests[3 * w]);
         MPI_Ialltoallv(s->send_meta, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G), meta_type,

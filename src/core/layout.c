@@ -240,15 +240,6 @@ void moe_gather_row_ptrs(const float *const *row_at, moe_index width, const moe_
         memcpy(out + n * width, row_at[index[n]], sizeof(float) * (size_t)width);
 }
 
-void moe_row_table(const moe_index *count, const float *const *from, int n, moe_index width,
-                   const float **row_at)
-{
-    moe_index m = 0;
-    for (int r = 0; r < n; r++)
-        for (moe_index j = 0; j < count[r]; j++)
-            row_at[m++] = from[r] + j * width;
-}
-
 void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe_index *row_token,
                    moe_index rows, moe_index first_token, int32_t *meta)
 {
