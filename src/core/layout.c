@@ -313,22 +313,26 @@ void moe_combine_locate(const moe_send_plan *plan, const float *const *from, moe
     }
 }
 
+__attribute__((target_clones("avx2", "default")))
 void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe_index tokens,
                         int topk, moe_index hidden, float *y)
 {
 #pragma omp parallel for schedule(static)
     for (moe_index i = 0; i < tokens; i++) {
         float *out = y + i * hidden; /* (d) */
+#pragma omp simd
         for (moe_index j = 0; j < hidden; j++)
             out[j] = 0.0f;
         for (int s = 0; s < topk; s++) {
             const float *row = slot_rows[i * topk + s]; /* (d) */
             if (!weights) {
+#pragma omp simd
                 for (moe_index j = 0; j < hidden; j++)
                     out[j] += row[j];
                 continue;
             }
             const float w = weights[i * topk + s];
+#pragma omp simd
             for (moe_index j = 0; j < hidden; j++)
                 out[j] += w * row[j];
         }
