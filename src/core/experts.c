@@ -12,18 +12,20 @@
  * is one IEEE single-precision operation per lane, so the bits do not depend
  * on the machine or the vector width. */
 typedef float lanes8 __attribute__((vector_size(32)));
-/* The helpers below pass 8-lane vectors by value; they are static and
- * inlined, so no call crosses an ABI boundary whatever the target. */
+/* The helpers below pass 8-lane vectors by value. They are always inlined:
+ * a call from the avx2 clone to a helper compiled for the default target
+ * would pass the vectors in a different way than the helper expects. */
 #pragma GCC diagnostic ignored "-Wpsabi"
+#define LANES_INLINE static inline __attribute__((always_inline))
 typedef float lanes8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int32_t ints8 __attribute__((vector_size(32)));
 
-static inline lanes8 select8(ints8 mask, lanes8 yes, lanes8 no)
+LANES_INLINE lanes8 select8(ints8 mask, lanes8 yes, lanes8 no)
 {
     return (lanes8)((mask & (ints8)yes) | (~mask & (ints8)no));
 }
 
-static inline lanes8 exp8(lanes8 x)
+LANES_INLINE lanes8 exp8(lanes8 x)
 {
     const float hi = 88.7228317f, lo = -87.3365402f; /* e^x finite and normal between */
     const float shifter = 12582912.0f;                 /* 1.5 * 2^23 */
@@ -54,7 +56,7 @@ float moe_exp_fp32(float x)
 }
 
 /* act (n) = silu(gate) * up on 8 lanes. */
-static inline lanes8 swiglu8(lanes8 gate, lanes8 up)
+LANES_INLINE lanes8 swiglu8(lanes8 gate, lanes8 up)
 {
     return gate / (1.0f + exp8(-gate)) * up;
 }
