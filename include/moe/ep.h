@@ -46,8 +46,8 @@ typedef struct moe_ep_s {
     enum moe_gemm_kind gemm;
     int local_experts; /* EL */
     int first_expert;  /* global id of local expert 0 */
-    /* Expert weights as the GEMM kind wants them: blas (2f, d) and (d, f);
-     * exact the transposes, (d, 2f) and (f, d). */
+    /* Expert weights transposed, (in, out), as both GEMM kinds take them:
+     * W1^T (d, 2f) and W2^T (f, d). */
     float *w1;         /* (EL, ...) */
     float *w2;         /* (EL, ...) */
     float *shared_w1;  /* (S, ...) */

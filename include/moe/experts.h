@@ -21,11 +21,10 @@ enum moe_gemm_kind {
     MOE_GEMM_EXACT, /* moe_sgemm_exact: bits depend on nothing but the row */
 };
 
+/* An expert's weights as both GEMM kinds take them: transposed, (in, out). */
 typedef struct {
-    const float *w1;  /* (2f, d), for blas */
-    const float *w2;  /* (d, f), for blas */
-    const float *w1t; /* (d, 2f) = w1^T, for exact */
-    const float *w2t; /* (f, d) = w2^T, for exact */
+    const float *w1t; /* (d, 2f) = W1^T: columns [0, f) gate, [f, 2f) up */
+    const float *w2t; /* (f, d) = W2^T */
 } moe_expert_weights;
 
 /* The three compute stages of an expert, in the seed's names. */

@@ -1,9 +1,10 @@
 /* gemm.h — the one wrapper through which every BLAS call goes.
  *
- * All products here are C = A * B^T with row-major A (M, K), B (N, K) and
- * C (M, N): weights are stored (out, in) like nn.Linear, so every layer is
- * this shape. Shapes and leading dimensions are checked here, and the FLOPs
- * are counted (2*M*N*K per call) so that GFLOP/s come for free.
+ * Row-major throughout: C (M, N) from A (M, K) and B, either (N, K) (the
+ * fp64 truth: (out, in) like nn.Linear) or transposed, (K, N) (the experts,
+ * sgemm and the exact kernel). Shapes and leading dimensions are checked
+ * here, and the FLOPs are counted (2*M*N*K per call) so that GFLOP/s come
+ * for free.
  * Not thread-safe: call it from one thread per rank (BLAS threads inside).
  */
 #ifndef MOE_GEMM_H
@@ -11,11 +12,13 @@
 
 #include "moe/dims.h"
 
-/* C (M, N) = A (M, K) * B (N, K)^T, fp32, OpenBLAS sgemm. */
-void moe_sgemm_nt(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
-                  const float *B, moe_index ldb, float *C, moe_index ldc);
+/* C (M, N) = A (M, K) * Bt (K, N), fp32, OpenBLAS sgemm: the experts' layout
+ * (weights stored transposed, (in, out)), which OpenBLAS packs faster than
+ * (out, in) when M is small (a few percent at M = 96, equal at large M). */
+void moe_sgemm_nn(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                  const float *Bt, moe_index ldbt, float *C, moe_index ldc);
 
-/* The same in fp64 (dgemm), for the dense truth. */
+/* C (M, N) = A (M, K) * B (N, K)^T in fp64 (dgemm), for the dense truth. */
 void moe_dgemm_nt(moe_index M, moe_index N, moe_index K, const double *A, moe_index lda,
                   const double *B, moe_index ldb, double *C, moe_index ldc);
 
@@ -29,10 +32,11 @@ void moe_dgemm_nt(moe_index M, moe_index N, moe_index K, const double *A, moe_in
 void moe_sgemm_exact(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
                      const float *Bt, moe_index ldbt, float *C, moe_index ldc);
 
-/* Bt (K, N) = B (N, K)^T, for the exact kernel's weights. */
+/* Bt (K, N) = B (N, K)^T: the experts' weights as generated, transposed. */
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt);
 
-/* FLOPs issued through moe_sgemm_nt since the last reset. */
+/* FLOPs issued through moe_sgemm_nn and moe_sgemm_exact since the last
+ * reset. */
 double moe_gemm_sflops(void);
 void moe_gemm_reset_flops(void);
 

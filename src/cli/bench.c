@@ -70,7 +70,7 @@ static float *filled(size_t n)
 static void run_sgemm(void *arg)
 {
     sgemm_anchor *g = arg;
-    moe_sgemm_nt(g->M, g->N, g->K, g->A, g->K, g->B, g->K, g->C, g->N);
+    moe_sgemm_nn(g->M, g->N, g->K, g->A, g->K, g->B, g->N, g->C, g->N); /* the experts' layout */
 }
 
 typedef struct {

@@ -55,23 +55,19 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
         moe_ep_free(ep);
         return st->code;
     }
-    float *w1 = ep->gemm == MOE_GEMM_EXACT ? moe_xmalloc(sizeof(float) * w1_size) : NULL;
-    float *w2 = ep->gemm == MOE_GEMM_EXACT ? moe_xmalloc(sizeof(float) * w2_size) : NULL;
+    float *w1 = moe_xmalloc(sizeof(float) * w1_size), *w2 = moe_xmalloc(sizeof(float) * w2_size);
     for (int n = 0; n < ep->local_experts + (int)S; n++) {
         const bool shared = n >= ep->local_experts;
         float *dst1 = shared ? ep->shared_w1 + (n - ep->local_experts) * w1_size : ep->w1 + n * w1_size;
         float *dst2 = shared ? ep->shared_w2 + (n - ep->local_experts) * w2_size : ep->w2 + n * w2_size;
-        float *gen1 = w1 ? w1 : dst1, *gen2 = w2 ? w2 : dst2;
         if (shared)
-            moe_shared_expert_generate(cfg->seed, n - ep->local_experts, d, f, gen1, gen2);
+            moe_shared_expert_generate(cfg->seed, n - ep->local_experts, d, f, w1, w2);
         else
-            moe_expert_generate(cfg->seed, ep->first_expert + n, d, f, gen1, gen2);
-        moe_precision_weights(cfg->param_dtype, gen1, (moe_index)w1_size);
-        moe_precision_weights(cfg->param_dtype, gen2, (moe_index)w2_size);
-        if (w1) {
-            moe_transpose(2 * f, d, w1, dst1);
-            moe_transpose(d, f, w2, dst2);
-        }
+            moe_expert_generate(cfg->seed, ep->first_expert + n, d, f, w1, w2);
+        moe_precision_weights(cfg->param_dtype, w1, (moe_index)w1_size);
+        moe_precision_weights(cfg->param_dtype, w2, (moe_index)w2_size);
+        moe_transpose(2 * f, d, w1, dst1);
+        moe_transpose(d, f, w2, dst2);
     }
     free(w2);
     free(w1);
@@ -138,15 +134,7 @@ static moe_expert_weights weights_at(const moe_ep *ep, const float *w1, const fl
 {
     const size_t size1 = (size_t)(2 * ep->cfg->ffn * ep->cfg->hidden);
     const size_t size2 = (size_t)(ep->cfg->hidden * ep->cfg->ffn);
-    moe_expert_weights w = {0};
-    if (ep->gemm == MOE_GEMM_EXACT) {
-        w.w1t = w1 + (size_t)n * size1;
-        w.w2t = w2 + (size_t)n * size2;
-    } else {
-        w.w1 = w1 + (size_t)n * size1;
-        w.w2 = w2 + (size_t)n * size2;
-    }
-    return w;
+    return (moe_expert_weights){w1 + (size_t)n * size1, w2 + (size_t)n * size2};
 }
 
 const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch)

@@ -105,11 +105,11 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
         return;
     float *h = scratch; /* (rows, 2f), then the activation in its first f columns */
     if (gemm == MOE_GEMM_BLAS) {
-        moe_sgemm_nt(rows, 2 * ffn, hidden, x, hidden, w->w1, hidden, h, 2 * ffn);
+        moe_sgemm_nn(rows, 2 * ffn, hidden, x, hidden, w->w1t, 2 * ffn, h, 2 * ffn);
         after(hooks, MOE_FFN_L1);
         swiglu(h, rows, ffn, act_scale);
         after(hooks, MOE_FFN_ACTIVATION);
-        moe_sgemm_nt(rows, hidden, ffn, h, 2 * ffn, w->w2, ffn, y, hidden);
+        moe_sgemm_nn(rows, hidden, ffn, h, 2 * ffn, w->w2t, hidden, y, hidden);
         after(hooks, MOE_FFN_L2);
         return;
     }

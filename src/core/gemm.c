@@ -9,30 +9,31 @@
 
 static double sgemm_flops;
 
+/* ldb_min: K when B is (N, K), N when it is (K, N). */
 static void check_shape(moe_index M, moe_index N, moe_index K, moe_index lda, moe_index ldb,
-                        moe_index ldc)
+                        moe_index ldc, moe_index ldb_min)
 {
     MOE_ASSERT(M >= 0 && N >= 0 && K >= 0);
     MOE_ASSERT(M <= INT_MAX && N <= INT_MAX && K <= INT_MAX);
-    MOE_ASSERT(lda >= K && ldb >= K && ldc >= N);
+    MOE_ASSERT(lda >= K && ldb >= ldb_min && ldc >= N);
     MOE_ASSERT(lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX);
 }
 
-void moe_sgemm_nt(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
-                  const float *B, moe_index ldb, float *C, moe_index ldc)
+void moe_sgemm_nn(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                  const float *Bt, moe_index ldbt, float *C, moe_index ldc)
 {
-    check_shape(M, N, K, lda, ldb, ldc);
+    check_shape(M, N, K, lda, ldbt, ldc, N);
     if (M == 0 || N == 0)
         return;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)K, 1.0f, A,
-                (int)lda, B, (int)ldb, 0.0f, C, (int)ldc);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)N, (int)K, 1.0f, A,
+                (int)lda, Bt, (int)ldbt, 0.0f, C, (int)ldc);
     sgemm_flops += 2.0 * (double)M * (double)N * (double)K;
 }
 
 void moe_dgemm_nt(moe_index M, moe_index N, moe_index K, const double *A, moe_index lda,
                   const double *B, moe_index ldb, double *C, moe_index ldc)
 {
-    check_shape(M, N, K, lda, ldb, ldc);
+    check_shape(M, N, K, lda, ldb, ldc, K);
     if (M == 0 || N == 0)
         return;
     cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)K, 1.0, A,
@@ -92,7 +93,7 @@ static void exact_panel(moe_index m0, moe_index m1, moe_index n0, moe_index K, c
 void moe_sgemm_exact(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
                      const float *Bt, moe_index ldbt, float *C, moe_index ldc)
 {
-    MOE_ASSERT(M >= 0 && N >= 0 && K >= 0 && lda >= K && ldbt >= N && ldc >= N);
+    check_shape(M, N, K, lda, ldbt, ldc, N);
     const moe_index full = N - N % EXACT_COLS;
     /* A block of rows sweeps column panels of Bt (K x 32 floats, L2-sized)
      * and reuses each panel for all its rows. */

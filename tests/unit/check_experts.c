@@ -16,7 +16,10 @@ START_TEST(ffn_matches_the_definition)
     moe_expert_generate(3, 2, D, F, w1, w2);
     for (int n = 0; n < ROWS * D; n++)
         x[n] = (float)((n * 37) % 11 - 5) / 4.0f;
-    const moe_expert_weights w = {.w1 = w1, .w2 = w2};
+    float w1t[2 * F * D], w2t[D * F];
+    moe_transpose(2 * F, D, w1, w1t);
+    moe_transpose(D, F, w2, w2t);
+    const moe_expert_weights w = {.w1t = w1t, .w2t = w2t};
     moe_expert_forward(&w, MOE_GEMM_BLAS, x, ROWS, D, F, scratch, y, NULL, NULL);
     for (int i = 0; i < ROWS; i++) {
         double act[F];
@@ -108,8 +111,7 @@ START_TEST(exact_ffn_is_chunk_independent)
     ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
     /* and it computes the FFN: close to the blas path */
     float y_blas[ROWS * D];
-    const moe_expert_weights wb = {.w1 = w1, .w2 = w2};
-    moe_expert_forward(&wb, MOE_GEMM_BLAS, x, ROWS, D, F, scratch, y_blas, NULL, NULL);
+    moe_expert_forward(&w, MOE_GEMM_BLAS, x, ROWS, D, F, scratch, y_blas, NULL, NULL);
     for (int n = 0; n < ROWS * D; n++)
         ck_assert_float_eq_tol(y[n], y_blas[n], 1e-5f);
 }
