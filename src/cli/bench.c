@@ -276,6 +276,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         a2a_anchor a = {moe_comm_alltoallv_prepare(c, dispatch_rows, d),
                         moe_comm_alltoallv_prepare(c, combine_rows, d)};
         const double a2a_anchor_seconds = timed(c, run_alltoallv, &a, false);
+        /* nothing crosses ranks (one rank): no all-to-all figures */
+        const bool travels = moe_comm_sum(c, (double)(probe.rows_sent_remote + probe.pairs_back_remote)) > 0;
         moe_comm_alltoallv_free(a.combine);
         moe_comm_alltoallv_free(a.dispatch);
         free(combine_rows);
@@ -294,8 +296,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             .expert_gflops = s.expert_flops * 1e-9 / expert_time,
             .ceiling = gemm_anchor / s.layer_seconds,
             .gemm_efficiency = gemm_anchor_routed / expert_time,
-            .a2a_bytes_per_second = bytes / s.comm_seconds,
-            .a2a_efficiency = a2a_anchor_seconds / s.comm_seconds,
+            .a2a_bytes_per_second = travels ? bytes / s.comm_seconds : NAN,
+            .a2a_efficiency = travels ? a2a_anchor_seconds / s.comm_seconds : NAN,
             .overlap = s.comm_seconds > 0 ? fmax(0.0, fmin(1.0, 1.0 - (s.pipeline_seconds - s.compute_seconds) / s.comm_seconds)) : 0.0,
             .rss_mb = moe_comm_max(c, rss) / 1048576.0,
             .rss_ratio = ratio,
@@ -316,13 +318,18 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                "routed experts' compute\n");
         printf("%4s %-12s %22s %10s %8s %9s %7s %9s %7s %8s %14s\n", "W", "waves", "layer ms (med min-max)",
                "tokens/s", "ceiling", "GFLOP/s", "gemm", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
-        for (const bench_row *r = rows; r->waves; r++)
-            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %7.0f%% %9.1f %7.2f %9.2f %7.2f %7.0f%% %8.0f (%.2f)\n",
+        for (const bench_row *r = rows; r->waves; r++) {
+            char rate[16] = "-", efficiency[16] = "-"; /* no all-to-all figures: "-" */
+            if (!isnan(r->a2a_efficiency)) {
+                snprintf(rate, sizeof rate, "%.2f", r->a2a_bytes_per_second * 1e-9);
+                snprintf(efficiency, sizeof efficiency, "%.2f", r->a2a_efficiency);
+            }
+            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %7.0f%% %9.1f %7.2f %9s %7s %7.0f%% %8.0f (%.2f)\n",
                    r->waves, r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
                    1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
-                   100.0 * r->ceiling,
-                   r->expert_gflops, r->gemm_efficiency, r->a2a_bytes_per_second * 1e-9,
-                   r->a2a_efficiency, 100.0 * r->overlap, r->rss_mb, r->rss_ratio);
+                   100.0 * r->ceiling, r->expert_gflops, r->gemm_efficiency, rate, efficiency,
+                   100.0 * r->overlap, r->rss_mb, r->rss_ratio);
+        }
         fflush(stdout);
         if (cfg.csv[0])
             moe_write_file_atomic(cfg.csv, write_csv, rows, &local);
