@@ -30,7 +30,7 @@ typedef struct {
     double ceiling;                      /* the sgemm anchor's time / layer time */
     double expert_gflops;                /* all ranks, over the expert compute time */
     double gemm_efficiency;
-    double a2a_bytes_per_second;         /* dispatch + combine bytes over T_comm */
+    double a2a_bytes_per_second;         /* bytes crossing ranks (all) over T_comm */
     double a2a_efficiency;
     double overlap;
     double rss_mb, rss_ratio;            /* peak per rank (max), against the minimum */
@@ -284,7 +284,9 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         free(dispatch_rows);
 
         const double ratio = moe_comm_max(c, rss / minimum_bytes(&ep, &probe));
-        const double bytes = s.bytes_dispatched + s.bytes_combined;
+        /* the bytes that cross ranks, all ranks: rows with their ids out, outputs back */
+        const double bytes = s.rows_sent_remote * (double)(4 * d + 4 * MOE_META_WORDS(cfg.topk)) +
+                             s.pairs_back_remote * (double)(4 * d);
         const double expert_time = s.compute_seconds;
         rows[n] = (bench_row){
             .waves = (int)cfg.waves,

@@ -295,7 +295,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         const moe_index own_rows = s->rows_from[me], own_pairs = s->send.pair_count[me];
         moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
         const size_t row = sizeof(float) * (size_t)d, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
-        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], row * (size_t)(s->rows_out - own_rows), "dispatch rows", c->rank, &local);
+        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], row * (size_t)(s->rows_out - s->send.row_count[me]), "dispatch rows", c->rank, &local);
         s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", c->rank, &local);
         s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], row * (size_t)(s->rows_in - own_rows), "received rows", c->rank, &local);
         s->recv_meta = moe_buffer_fit(&b[MOE_WAVE_RECV_META], meta * (size_t)s->rows_in, "received ids", c->rank, &local);
