@@ -20,11 +20,13 @@ typedef struct {
     int rank, ranks;   /* r, G */
     int ranks_on_host; /* ranks sharing this machine */
     int cores;         /* online cores of this machine */
+    int bound;         /* cores this rank may run on (its binding), the least over ranks */
     int threads;       /* OpenMP and BLAS threads per rank */
 } moe_comm;
 
-/* MPI_Init, then one thread per core share unless OMP_NUM_THREADS /
- * OPENBLAS_NUM_THREADS say otherwise. */
+/* MPI_Init, then one thread per core share (and no more than the cores a
+ * rank is bound to, so that its threads do not time-slice one core) unless
+ * OMP_NUM_THREADS / OPENBLAS_NUM_THREADS say otherwise. */
 void moe_comm_init(int *argc, char ***argv, moe_comm *c);
 
 /* MPI_Finalize. */

@@ -26,7 +26,7 @@ typedef struct {
 typedef struct {
     const moe_config *cfg;
     const moe_link *link;
-    int ranks, ranks_on_host, cores, threads, blas_threads;
+    int ranks, ranks_on_host, cores, bound, threads, blas_threads;
     int local_experts_min, local_experts_max;
     moe_spread rows_received;     /* dispatch rows per rank */
     moe_spread pairs_received;    /* (row, expert) pairs computed per rank */
@@ -69,6 +69,10 @@ typedef struct {
 } moe_run_summary;
 
 void moe_report_print(FILE *out, const moe_run_summary *s);
+
+/* The report's `machine` line: ranks on this host, cores, threads per rank,
+ * binding, and a note when the binding and the threads do not fit. */
+void moe_report_print_machine(FILE *out, const moe_run_summary *s);
 
 /* The lower bound of a curve point's pipeline time: with the links busy
  * T_comm and the cores T_compute in all, W equal waves take at least

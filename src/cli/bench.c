@@ -24,7 +24,7 @@
 #include "run.h"
 
 typedef struct {
-    int waves, wave_kind;
+    int waves, wave_kind, ranks;
     double layer, layer_min, layer_max;  /* seconds */
     double tokens_per_second;            /* all ranks */
     double ceiling;                      /* the sgemm anchor's time / layer time */
@@ -134,13 +134,15 @@ static void write_csv(FILE *out, const void *arg)
 {
     const bench_row *rows = arg;
     fprintf(out, "waves,kind,layer_ms,layer_min_ms,layer_max_ms,tokens_per_s,expert_gflops,"
-                 "gemm_efficiency,a2a_gb_per_s,a2a_efficiency,overlap,rss_mb,rss_ratio,of_ceiling\n");
+                 "gemm_efficiency,a2a_gb_per_s,a2a_efficiency,overlap,rss_mb,rss_ratio,of_ceiling,"
+                 "tokens_per_s_per_rank\n");
     for (const bench_row *r = rows; r->waves; r++)
-        fprintf(out, "%d,%s,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f\n", r->waves,
+        fprintf(out, "%d,%s,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.1f\n", r->waves,
                 r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert-slots" : "token-chunks",
                 1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
                 r->expert_gflops, r->gemm_efficiency, r->a2a_bytes_per_second * 1e-9,
-                r->a2a_efficiency, r->overlap, r->rss_mb, r->rss_ratio, r->ceiling);
+                r->a2a_efficiency, r->overlap, r->rss_mb, r->rss_ratio, r->ceiling,
+                r->tokens_per_second / r->ranks);
 }
 
 /* Layer time (left axis) and overlap (right axis) against W. */
@@ -290,6 +292,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         const double expert_time = s.compute_seconds;
         rows[n] = (bench_row){
             .waves = (int)cfg.waves,
+            .ranks = c->ranks,
             .wave_kind = s.wave_kind,
             .layer = s.layer_seconds,
             .layer_min = s.layer_min,
@@ -312,24 +315,25 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                cfg.preset[0] ? cfg.preset : "(none)", c->ranks, (long long)T, (long long)d,
                (long long)f, (long long)cfg.experts, (long long)cfg.topk, (long long)cfg.iters,
                (long long)cfg.warmup, cfg.gemm ? "exact" : "blas", cfg.progress ? "thread" : "poll");
+        moe_report_print_machine(stdout, &s);
         printf("anchors   sgemm of the experts' FLOPs (routed%s): %.2f ms (%.1f GFLOP/s on %d ranks) "
                "· plain MPI_Alltoallv of the same counts, per W below\n",
                cfg.shared_experts ? " and shared" : "", 1e3 * gemm_anchor,
                anchor_flops * 1e-9 / gemm_anchor, c->ranks);
         printf("          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
                "routed experts' compute\n");
-        printf("%4s %-12s %22s %10s %8s %9s %7s %9s %7s %8s %14s\n", "W", "waves", "layer ms (med min-max)",
-               "tokens/s", "ceiling", "GFLOP/s", "gemm", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
+        printf("%4s %-12s %22s %10s %9s %8s %9s %7s %9s %7s %8s %14s\n", "W", "waves",
+               "layer ms (med min-max)", "tokens/s", "per rank", "ceiling", "GFLOP/s", "gemm", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
         for (const bench_row *r = rows; r->waves; r++) {
             char rate[16] = "-", efficiency[16] = "-"; /* no all-to-all figures: "-" */
             if (!isnan(r->a2a_efficiency)) {
                 snprintf(rate, sizeof rate, "%.2f", r->a2a_bytes_per_second * 1e-9);
                 snprintf(efficiency, sizeof efficiency, "%.2f", r->a2a_efficiency);
             }
-            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %7.0f%% %9.1f %7.2f %9s %7s %7.0f%% %8.0f (%.2f)\n",
+            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %9.0f %7.0f%% %9.1f %7.2f %9s %7s %7.0f%% %8.0f (%.2f)\n",
                    r->waves, r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
                    1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
-                   100.0 * r->ceiling, r->expert_gflops, r->gemm_efficiency, rate, efficiency,
+                   r->tokens_per_second / r->ranks, 100.0 * r->ceiling, r->expert_gflops, r->gemm_efficiency, rate, efficiency,
                    100.0 * r->overlap, r->rss_mb, r->rss_ratio);
         }
         fflush(stdout);

@@ -475,7 +475,7 @@ int moe_run_prepare(const moe_comm *c, enum moe_command command, int argc, char 
     moe_run_buffers_init(b, cfg);
     moe_ep_generate_tokens(ep, b->x);
     *s = (moe_run_summary){.cfg = cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
-                           .cores = c->cores, .threads = c->threads,
+                           .cores = c->cores, .bound = c->bound, .threads = c->threads,
                            .blas_threads = moe_gemm_threads(), .link = &ep->link};
     int rc = MOE_EXIT_OK;
     if (!cfg->blocking && ep->link.enabled && ep->link.cb_ratio > 0)

@@ -1,9 +1,10 @@
 /* comm.c — MPI start-up, thread settings and collective errors (see comm.h). */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* sched_getaffinity */
 #include "moe/comm.h"
 
 #include <limits.h>
 #include <malloc.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,15 @@ void moe_comm_attach(moe_comm *c, MPI_Comm comm)
     MPI_Comm_free(&host);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     c->cores = cores > 0 ? (int)cores : 1;
+    int bound = c->cores;
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        bound = CPU_COUNT(&set);
+#endif
+    int least;
+    MPI_Allreduce(&bound, &least, 1, MPI_INT, MPI_MIN, comm);
+    c->bound = least;
 }
 
 void moe_comm_init(int *argc, char ***argv, moe_comm *c)
@@ -45,8 +55,11 @@ void moe_comm_init(int *argc, char ***argv, moe_comm *c)
     moe_message_rank = c->rank;
 
     /* Ranks on one machine share its cores: more threads than cores would
-     * make BLAS threads fight (and time-slice) instead of adding speed. */
+     * make BLAS threads fight (and time-slice) instead of adding speed; so
+     * would more threads than the cores a rank is bound to. */
     int threads = c->cores / c->ranks_on_host;
+    if (threads > c->bound)
+        threads = c->bound;
     if (threads < 1)
         threads = 1;
     const char *omp = getenv("OMP_NUM_THREADS");

@@ -150,6 +150,24 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
             moe_format_bytes(2 * direction, b2, sizeof b2), moe_format_bytes(4 * direction, b3, sizeof b3));
 }
 
+void moe_report_print_machine(FILE *out, const moe_run_summary *s)
+{
+    fprintf(out, "machine   %d ranks on this host · %d cores · threads per rank: %d OpenMP, %d BLAS",
+            s->ranks_on_host, s->cores, s->threads, s->blas_threads);
+    if (s->bound < s->cores)
+        fprintf(out, " · each rank bound to %d core%s", s->bound, s->bound == 1 ? "" : "s");
+    fprintf(out, "\n");
+    const int busy = s->threads > s->blas_threads ? s->threads : s->blas_threads;
+    if (busy > s->bound)
+        fprintf(out, "          note: %d threads per rank on %d bound core%s time-slice; unbind the "
+                     "ranks (Open MPI: --bind-to none) or use fewer threads\n",
+                busy, s->bound, s->bound == 1 ? "" : "s");
+    else if (s->bound < s->cores && s->ranks_on_host * s->bound < s->cores)
+        fprintf(out, "          note: the ranks' bindings leave %d of %d cores idle; unbind them "
+                     "(Open MPI: --bind-to none) to use every core\n",
+                s->cores - s->ranks_on_host * s->bound, s->cores);
+}
+
 void moe_report_print(FILE *out, const moe_run_summary *s)
 {
     const moe_config *cfg = s->cfg;
@@ -173,8 +191,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
             (long long)cfg->experts, s->local_experts_min, s->local_experts_max,
             (long long)cfg->topk, (long long)cfg->shared_experts,
             (unsigned long long)cfg->seed, (long long)cfg->iters);
-    fprintf(out, "machine   %d ranks on this host · %d cores · threads per rank: %d OpenMP, %d BLAS\n",
-            s->ranks_on_host, s->cores, s->threads, s->blas_threads);
+    moe_report_print_machine(out, s);
 
     print_routing(out, s);
     print_traffic(out, s);
