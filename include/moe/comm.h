@@ -32,7 +32,8 @@ void moe_comm_init(int *argc, char ***argv, moe_comm *c);
 /* MPI_Finalize. */
 void moe_comm_finalize(void);
 
-/* Describe `comm` (a duplicate is not made; the caller owns it). */
+/* Describe `comm` (a duplicate is not made; the caller owns it).
+ * Collective over comm. */
 void moe_comm_attach(moe_comm *c, MPI_Comm comm);
 
 /* Collective: returns the highest exit code any rank passed in st; if it is

@@ -2,10 +2,10 @@
  *
  *   h = x W1^T            (rows, 2f): columns [0, f) gate, [f, 2f) up
  *   a = silu(gate) * up   (rows, f),  silu(g) = g / (1 + exp(-g))
+ *   y = a W2^T            (rows, d)
  *
  * exp is moe_exp_fp32 (below), specified to the bit, so a port can match the
  * activation exactly rather than inherit its C library's expf.
- *   y = a W2^T            (rows, d)
  *
  * Pure: no MPI. The fp32 version issues exactly two sgemm calls for a batch,
  * whatever its rows are, so a caller that passes the same rows in the same

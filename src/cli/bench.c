@@ -3,13 +3,15 @@
  *
  * Per wave count: warm-up forwards, then timed ones (layer time median, min,
  * max over iterations of the max over ranks). Anchors, on the same cores and
- * ranks: one sgemm of the same FLOPs as a rank's experts (M = its pairs,
- * N = 3f, K = d), and one plain MPI_Alltoallv pair with the same counts as
- * the forward's dispatch and combine. GEMM efficiency = anchor sgemm time /
- * expert compute time; all-to-all efficiency = anchor time / the forward's
- * all-to-alls alone (all in flight, as measured for the overlap). Peak RSS
- * per rank against the least the rank must hold. Rank 0 prints a table, and
- * writes --csv and --plot.
+ * ranks: one sgemm of the same FLOPs as a rank's experts (M = its routed
+ * pairs plus T per shared expert, N = 3f, K = d), and one plain
+ * MPI_Alltoallv pair with the counts the forward's dispatch and combine send
+ * to other ranks. Ceiling = anchor sgemm time / layer time; GEMM efficiency =
+ * the anchor's routed share / the routed experts' compute time; all-to-all
+ * efficiency = anchor time / the forward's all-to-alls alone (all in flight,
+ * as measured for the overlap). Peak RSS per rank during the W's forwards
+ * against the least the rank must hold. Rank 0 prints a table, and writes
+ * --csv and --plot.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -137,7 +139,8 @@ static void write_csv(FILE *out, const void *arg)
                  "gemm_efficiency,a2a_gb_per_s,a2a_efficiency,overlap,rss_mb,rss_ratio,of_ceiling,"
                  "tokens_per_s_per_rank\n");
     for (const bench_row *r = rows; r->waves; r++)
-        fprintf(out, "%d,%s,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.1f\n", r->waves,
+        fprintf(out, "%d,%s,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.1f\n",
+                r->waves,
                 r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert-slots" : "token-chunks",
                 1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
                 r->expert_gflops, r->gemm_efficiency, r->a2a_bytes_per_second * 1e-9,
@@ -254,7 +257,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             g.C = filled((size_t)(g.M * g.N) + 1);
             const double own = timed(c, run_sgemm, &g, true);
             gemm_anchor = moe_comm_max(c, own);
-            gemm_anchor_routed = moe_comm_max(c, g.M ? own * (double)probe.pairs_received / (double)g.M : 0.0);
+            const double routed = g.M ? (double)probe.pairs_received / (double)g.M : 0.0;
+            gemm_anchor_routed = moe_comm_max(c, own * routed);
             anchor_flops = moe_comm_sum(c, 2.0 * (double)g.M * (double)g.N * (double)g.K);
             free(g.C);
             free(g.B);
@@ -279,7 +283,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                         moe_comm_alltoallv_prepare(c, combine_rows, d)};
         const double a2a_anchor_seconds = timed(c, run_alltoallv, &a, false);
         /* nothing crosses ranks (one rank): no all-to-all figures */
-        const bool travels = moe_comm_sum(c, (double)(probe.rows_sent_remote + probe.pairs_back_remote)) > 0;
+        const bool travels =
+            moe_comm_sum(c, (double)(probe.rows_sent_remote + probe.pairs_back_remote)) > 0;
         moe_comm_alltoallv_free(a.combine);
         moe_comm_alltoallv_free(a.dispatch);
         free(combine_rows);
@@ -323,14 +328,16 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         printf("          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
                "routed experts' compute\n");
         printf("%4s %-12s %22s %10s %9s %8s %9s %7s %9s %7s %8s %14s\n", "W", "waves",
-               "layer ms (med min-max)", "tokens/s", "per rank", "ceiling", "GFLOP/s", "gemm", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
+               "layer ms (med min-max)", "tokens/s", "per rank", "ceiling", "GFLOP/s", "gemm",
+               "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
         for (const bench_row *r = rows; r->waves; r++) {
             char rate[16] = "-", efficiency[16] = "-"; /* no all-to-all figures: "-" */
             if (!isnan(r->a2a_efficiency)) {
                 snprintf(rate, sizeof rate, "%.2f", r->a2a_bytes_per_second * 1e-9);
                 snprintf(efficiency, sizeof efficiency, "%.2f", r->a2a_efficiency);
             }
-            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %9.0f %7.0f%% %9.1f %7.2f %9s %7s %7.0f%% %8.0f (%.2f)\n",
+            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %9.0f %7.0f%% %9.1f %7.2f %9s %7s %7.0f%% "
+                   "%8.0f (%.2f)\n",
                    r->waves, r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
                    1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
                    r->tokens_per_second / r->ranks, 100.0 * r->ceiling, r->expert_gflops, r->gemm_efficiency, rate, efficiency,

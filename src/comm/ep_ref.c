@@ -157,8 +157,8 @@ moe_expert_weights moe_ep_shared_expert(const moe_ep *ep, int shared)
 }
 
 void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
-                       const float *const *row_at, const int32_t *recv_meta, float *work, float *scratch, float *expert_out,
-                       const moe_ffn_hooks *hooks)
+                       const float *const *row_at, const int32_t *recv_meta, float *work,
+                       float *scratch, float *expert_out, const moe_ffn_hooks *hooks)
 {
     const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
     const int k = (int)ep->cfg->topk;
