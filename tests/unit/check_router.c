@@ -18,6 +18,41 @@ START_TEST(logits_are_exact_dot_products)
 }
 END_TEST
 
+/* The blocked, vectorised gate against the plain definition, bit for bit,
+ * on a shape with full 4-token x 8-expert blocks and tails of both. Every
+ * third term is +2^40 g and the next -2^40 g, so the running sum loses low
+ * bits in a way that depends on the order of the terms (checked: summing
+ * backwards changes some logits). */
+START_TEST(logits_are_the_j_ordered_sum_whatever_the_blocking)
+{
+    enum { T = 7, E = 13, D = 301 };
+    static float x[T * D], gate[E * D];
+    for (int i = 0; i < T; i++)
+        for (int j = 0; j < D; j++)
+            x[i * D + j] = j % 3 == 1   ? 0x1p40f
+                           : j % 3 == 2 ? -0x1p40f
+                                        : (float)((i * 7919 + j * 104729) % 2003 - 1001) / 1001.0f;
+    for (int e = 0; e < E; e++)
+        for (int j = 0; j < D; j++)
+            gate[e * D + j] = j % 3 == 2 ? gate[e * D + j - 1]
+                                         : (float)((e * 31 + j * 131) % 1999 - 999) / 999.0f;
+    float logits[T * E], want[T * E], backwards[T * E];
+    moe_router_logits(x, gate, T, D, E, logits);
+    for (int i = 0; i < T; i++)
+        for (int e = 0; e < E; e++) {
+            double acc = 0.0, back = 0.0;
+            for (int j = 0; j < D; j++)
+                acc += (double)x[i * D + j] * (double)gate[e * D + j];
+            for (int j = D - 1; j >= 0; j--)
+                back += (double)x[i * D + j] * (double)gate[e * D + j];
+            want[i * E + e] = (float)acc;
+            backwards[i * E + e] = (float)back;
+        }
+    ck_assert_int_ne(memcmp(want, backwards, sizeof want), 0);
+    ck_assert_int_eq(memcmp(logits, want, sizeof want), 0);
+}
+END_TEST
+
 START_TEST(topk_is_descending_and_weights_normalised)
 {
     const moe_router r = {MOE_ROUTER_SOFTMAX, 5, 3, true, 1, 1, 1.0f, NULL, NULL};
@@ -173,6 +208,7 @@ Suite *make_router_suite(void)
     Suite *s = suite_create("router");
     TCase *tc = tcase_create("softmax");
     tcase_add_test(tc, logits_are_exact_dot_products);
+    tcase_add_test(tc, logits_are_the_j_ordered_sum_whatever_the_blocking);
     tcase_add_test(tc, topk_is_descending_and_weights_normalised);
     tcase_add_test(tc, ties_go_to_the_lower_expert);
     tcase_add_test(tc, all_equal_logits_pick_the_first_k);
