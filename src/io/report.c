@@ -158,10 +158,13 @@ void moe_report_print_machine(FILE *out, const moe_run_summary *s)
         fprintf(out, " · each rank bound to %d core%s", s->bound, s->bound == 1 ? "" : "s");
     fprintf(out, "\n");
     const int busy = s->threads > s->blas_threads ? s->threads : s->blas_threads;
-    if (busy > s->bound)
+    if (busy > s->bound && s->bound < s->cores)
         fprintf(out, "          note: %d threads per rank on %d bound core%s time-slice; unbind the "
                      "ranks (Open MPI: --bind-to none) or use fewer threads\n",
                 busy, s->bound, s->bound == 1 ? "" : "s");
+    else if (busy > s->cores)
+        fprintf(out, "          note: %d threads per rank on %d cores time-slice; use fewer "
+                     "threads\n", busy, s->cores);
     else if (s->bound < s->cores && s->ranks_on_host * s->bound < s->cores)
         fprintf(out, "          note: the ranks' bindings leave %d of %d cores idle; unbind them "
                      "(Open MPI: --bind-to none) to use every core\n",
