@@ -129,18 +129,35 @@ static void track(moe_progress *p, int op, const moe_link *link, moe_link_state 
     moe_progress_track(p, op, now, moe_link_schedule(link, links, now, bytes[0], bytes[1]));
 }
 
+/* A wave's dispatch (its travelling rows, then every row's ids: two
+ * requests) and combine (one): the calls the pipeline posts and the pass
+ * that times the all-to-alls alone repeats. */
+static void start_dispatch(wave_state *ws, int G, MPI_Datatype row_type, MPI_Datatype meta_type,
+                           MPI_Comm comm, MPI_Request requests[2])
+{
+    MPI_Ialltoallv(ws->send_rows, COUNTS(ws, R_SEND, G), COUNTS(ws, R_SEND_AT, G), row_type,
+                   ws->recv_rows, COUNTS(ws, R_RECV, G), COUNTS(ws, R_RECV_AT, G), row_type, comm,
+                   &requests[0]);
+    MPI_Ialltoallv(ws->send_meta, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), meta_type,
+                   ws->recv_meta, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), meta_type, comm,
+                   &requests[1]);
+}
+
+static void start_combine(wave_state *ws, int G, MPI_Datatype row_type, MPI_Comm comm,
+                          MPI_Request requests[1])
+{
+    MPI_Ialltoallv(ws->expert_out, COUNTS(ws, C_SEND, G), COUNTS(ws, C_SEND_AT, G), row_type,
+                   ws->back, COUNTS(ws, C_RECV, G), COUNTS(ws, C_RECV_AT, G), row_type, comm,
+                   &requests[0]);
+}
+
 static void post_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Datatype row_type,
                           MPI_Datatype meta_type, MPI_Comm comm, const moe_link *link,
                           moe_link_state *links)
 {
     moe_comm_op *o = &p->ops[op];
     moe_progress_lock(p);
-    MPI_Ialltoallv(ws->send_rows, COUNTS(ws, R_SEND, G), COUNTS(ws, R_SEND_AT, G), row_type,
-                   ws->recv_rows, COUNTS(ws, R_RECV, G), COUNTS(ws, R_RECV_AT, G), row_type, comm,
-                   &o->requests[0]);
-    MPI_Ialltoallv(ws->send_meta, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), meta_type,
-                   ws->recv_meta, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), meta_type, comm,
-                   &o->requests[1]);
+    start_dispatch(ws, G, row_type, meta_type, comm, o->requests);
     o->count = 2;
     track(p, op, link, links, ws->dispatch_bytes);
     moe_progress_unlock(p);
@@ -151,9 +168,7 @@ static void post_combine(wave_state *ws, moe_progress *p, int op, int G, MPI_Dat
 {
     moe_comm_op *o = &p->ops[op];
     moe_progress_lock(p);
-    MPI_Ialltoallv(ws->expert_out, COUNTS(ws, C_SEND, G), COUNTS(ws, C_SEND_AT, G), row_type,
-                   ws->back, COUNTS(ws, C_RECV, G), COUNTS(ws, C_RECV_AT, G), row_type, comm,
-                   &o->requests[0]);
+    start_combine(ws, G, row_type, comm, o->requests);
     o->count = 1;
     track(p, op, link, links, ws->combine_bytes);
     moe_progress_unlock(p);
@@ -424,15 +439,8 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     t = MPI_Wtime();
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
-        MPI_Ialltoallv(s->send_rows, COUNTS(s, R_SEND, G), COUNTS(s, R_SEND_AT, G), row_type,
-                       s->recv_rows, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G), row_type,
-                       c->comm, &requests[3 * w]);
-        MPI_Ialltoallv(s->send_meta, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G), meta_type,
-                       s->recv_meta, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G), meta_type,
-                       c->comm, &requests[3 * w + 1]);
-        MPI_Ialltoallv(s->expert_out, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G), row_type,
-                       s->back, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G), row_type,
-                       c->comm, &requests[3 * w + 2]);
+        start_dispatch(s, G, row_type, meta_type, c->comm, &requests[3 * w]);
+        start_combine(s, G, row_type, c->comm, &requests[3 * w + 2]);
         for (int pass = 0; pass < 2; pass++) {
             double (*bytes)[MOE_TIERS] = pass == 0 ? s->dispatch_bytes : s->combine_bytes;
             const double done = moe_link_schedule(&ep->link, &alone, 0.0, bytes[0], bytes[1]);
