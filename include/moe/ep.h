@@ -46,8 +46,9 @@ typedef struct moe_ep_s {
     enum moe_gemm_kind gemm;
     int local_experts; /* EL */
     int first_expert;  /* global id of local expert 0 */
-    /* Expert weights transposed, (in, out), as both GEMM kinds take them:
-     * W1^T (d, 2f) and W2^T (f, d). */
+    /* Expert weights in the layout of ep->gemm (moe_expert_layout): W1^T
+     * (d, 2f) and W2^T (f, d), transposed, (in, out), and for packed in
+     * moe_sgemm_pack's panels; moe_expert_w1_floats and _w2_floats each. */
     float *w1;         /* (EL, ...) */
     float *w2;         /* (EL, ...) */
     float *shared_w1;  /* (S, ...) */

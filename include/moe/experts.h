@@ -17,15 +17,35 @@
 #include "moe/dims.h"
 
 enum moe_gemm_kind {
-    MOE_GEMM_BLAS,  /* OpenBLAS sgemm: fast; bits depend on M, row position, threads */
-    MOE_GEMM_EXACT, /* moe_sgemm_exact: bits depend on nothing but the row */
+    MOE_GEMM_BLAS,   /* OpenBLAS sgemm; bits depend on M, row position, threads */
+    MOE_GEMM_EXACT,  /* moe_sgemm_exact: no FMA, slow; bits depend on nothing but the row */
+    MOE_GEMM_PACKED, /* moe_sgemm_packed: FMA, fast; bits depend on nothing but the row */
 };
 
-/* An expert's weights as both GEMM kinds take them: transposed, (in, out). */
+/* "blas", "exact", or "packed (ISA)" with the instruction set it runs on. */
+const char *moe_gemm_label(enum moe_gemm_kind gemm);
+
+/* Whether a row's bits are the same whatever batch it is computed in. */
+static inline int moe_gemm_rows_independent(enum moe_gemm_kind gemm)
+{
+    return gemm != MOE_GEMM_BLAS;
+}
+
+/* An expert's weights as its GEMM kind takes them: transposed, (in, out),
+ * and for packed, that transpose in moe_sgemm_pack's panels. */
 typedef struct {
     const float *w1t; /* (d, 2f) = W1^T: columns [0, f) gate, [f, 2f) up */
     const float *w2t; /* (f, d) = W2^T */
 } moe_expert_weights;
+
+/* Floats one expert's W1^T and W2^T take in the layout of `gemm`. */
+moe_index moe_expert_w1_floats(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn);
+moe_index moe_expert_w2_floats(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn);
+
+/* Lay generated weights, w1 (2f, d) and w2 (d, f), out for `gemm` into w1t
+ * and w2t (moe_expert_w1_floats and _w2_floats each). */
+void moe_expert_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn, const float *w1,
+                       const float *w2, float *w1t, float *w2t);
 
 /* The three compute stages of an expert, in the seed's names. */
 enum moe_ffn_stage { MOE_FFN_L1, MOE_FFN_ACTIVATION, MOE_FFN_L2, MOE_FFN_STAGES };
@@ -35,7 +55,7 @@ enum moe_ffn_stage { MOE_FFN_L1, MOE_FFN_ACTIVATION, MOE_FFN_L2, MOE_FFN_STAGES 
 typedef struct {
     void (*after)(void *ctx, enum moe_ffn_stage stage);
     void *ctx;
-    moe_index chunk_rows; /* exact only: rows per chunk between calls; 0 = all */
+    moe_index chunk_rows; /* exact and packed: rows per chunk between calls; 0 = all */
 } moe_ffn_hooks;
 
 /* y (rows, d) = FFN(x (rows, d)); scratch (rows, 2f) floats. y may be x
@@ -44,8 +64,8 @@ typedef struct {
  * (rows), when not NULL, multiplies each row of the activation before L2 (the
  * gate weight applied inside the expert, as fused GPU kernels do). With blas
  * the batch is two whole sgemm calls, whatever the hooks (so the same rows
- * give the same bits); with exact it may run in row chunks (the bits do not
- * change). hooks may be NULL. */
+ * give the same bits); with exact and packed it may run in row chunks (the
+ * bits do not change). hooks may be NULL. */
 void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
                         moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
                         const float *act_scale, const moe_ffn_hooks *hooks);

@@ -1,14 +1,19 @@
-/* gemm.h — the one wrapper through which every BLAS call goes.
+/* gemm.h — the one place every matrix product goes through: the BLAS calls
+ * and the two kernels of our own.
  *
  * Row-major throughout: C (M, N) from A (M, K) and B, either (N, K) (the
- * fp64 truth: (out, in) like nn.Linear) or transposed, (K, N) (the experts,
- * sgemm and the exact kernel). Shapes and leading dimensions are checked
+ * fp64 truth: (out, in) like nn.Linear), transposed, (K, N) (sgemm and the
+ * exact kernel), or that transpose packed into panels (the packed kernel,
+ * which sgemm's speed at small M needs: OpenBLAS repacks its operand on every
+ * call). Shapes and leading dimensions are checked
  * here, and the FLOPs are counted (2*M*N*K per call) so that GFLOP/s come
  * for free.
  * Not thread-safe: call it from one thread per rank (BLAS threads inside).
  */
 #ifndef MOE_GEMM_H
 #define MOE_GEMM_H
+
+#include <stdbool.h>
 
 #include "moe/dims.h"
 
@@ -32,11 +37,35 @@ void moe_dgemm_nt(moe_index M, moe_index N, moe_index K, const double *A, moe_in
 void moe_sgemm_exact(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
                      const float *Bt, moe_index ldbt, float *C, moe_index ldc);
 
+/* C (M, N) = A (M, K) * Bt (K, N), the kernel of --gemm packed, with Bt
+ * packed once by moe_sgemm_pack:
+ *   C[m][n] = fma(A[m][K-1], Bt[K-1][n], ... fma(A[m][1], Bt[1][n],
+ *                 fma(A[m][0], Bt[0][n], 0)) ...)
+ * in fp32, k ascending, each step one fused multiply-add (one rounding).
+ * Like the exact kernel, an element depends on its row of A and column of Bt
+ * only: not on M, N, blocking, threads or the instruction set (AVX2+FMA
+ * where the CPU has it, else the same operations through fmaf). Counted in
+ * moe_gemm_sflops. */
+void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                      const float *Bp, float *C, moe_index ldc);
+
+/* Floats that a packed (K, N) operand takes: N rounded up to 16, times K. */
+moe_index moe_sgemm_packed_floats(moe_index K, moe_index N);
+
+/* Bp = B (N, K) packed for moe_sgemm_packed as the operand Bt = B^T: panels
+ * of 16 columns of Bt, each K rows of 16 floats (zeros past N). */
+void moe_sgemm_pack(moe_index N, moe_index K, const float *B, float *Bp);
+
+/* The instruction set moe_sgemm_packed runs on here ("avx2+fma" or
+ * "portable fmaf"); tests force the portable one to compare the two. */
+const char *moe_sgemm_packed_isa(void);
+void moe_sgemm_packed_force_portable(bool portable);
+
 /* Bt (K, N) = B (N, K)^T: the experts' weights as generated, transposed. */
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt);
 
-/* FLOPs issued through moe_sgemm_nn and moe_sgemm_exact since the last
- * reset. */
+/* FLOPs issued through moe_sgemm_nn, moe_sgemm_exact and moe_sgemm_packed
+ * since the last reset. */
 double moe_gemm_sflops(void);
 void moe_gemm_reset_flops(void);
 

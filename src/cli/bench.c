@@ -319,7 +319,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                "%lld timed forwards per W (after %lld warm-up) · gemm %s · progress %s\n",
                cfg.preset[0] ? cfg.preset : "(none)", c->ranks, (long long)T, (long long)d,
                (long long)f, (long long)cfg.experts, (long long)cfg.topk, (long long)cfg.iters,
-               (long long)cfg.warmup, cfg.gemm ? "exact" : "blas", cfg.progress ? "thread" : "poll");
+               (long long)cfg.warmup, moe_gemm_label((enum moe_gemm_kind)cfg.gemm), cfg.progress ? "thread" : "poll");
         moe_report_print_machine(stdout, &s);
         printf("anchors   sgemm of the experts' FLOPs (routed%s): %.2f ms (%.1f GFLOP/s on %d ranks) "
                "· plain MPI_Alltoallv of the same counts, per W below\n",

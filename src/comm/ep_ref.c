@@ -41,7 +41,8 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     ep->first_expert = ep->placement.first_expert[comm->rank];
 
     const moe_index d = cfg->hidden, f = cfg->ffn, S = cfg->shared_experts;
-    const size_t w1_size = (size_t)(2 * f * d), w2_size = (size_t)(d * f);
+    const size_t w1_size = (size_t)moe_expert_w1_floats(ep->gemm, d, f);
+    const size_t w2_size = (size_t)moe_expert_w2_floats(ep->gemm, d, f);
     moe_status local = {0};
     ep->w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)ep->local_experts, "expert W1", comm->rank, &local);
     ep->w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)ep->local_experts, "expert W2", comm->rank, &local);
@@ -55,7 +56,8 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
         moe_ep_free(ep);
         return st->code;
     }
-    float *w1 = moe_xmalloc(sizeof(float) * w1_size), *w2 = moe_xmalloc(sizeof(float) * w2_size);
+    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));
+    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
     for (int n = 0; n < ep->local_experts + (int)S; n++) {
         const bool shared = n >= ep->local_experts;
         float *dst1 = shared ? ep->shared_w1 + (n - ep->local_experts) * w1_size : ep->w1 + n * w1_size;
@@ -64,10 +66,9 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
             moe_shared_expert_generate(cfg->seed, n - ep->local_experts, d, f, w1, w2);
         else
             moe_expert_generate(cfg->seed, ep->first_expert + n, d, f, w1, w2);
-        moe_precision_weights(cfg->param_dtype, w1, (moe_index)w1_size);
-        moe_precision_weights(cfg->param_dtype, w2, (moe_index)w2_size);
-        moe_transpose(2 * f, d, w1, dst1);
-        moe_transpose(d, f, w2, dst2);
+        moe_precision_weights(cfg->param_dtype, w1, 2 * f * d);
+        moe_precision_weights(cfg->param_dtype, w2, d * f);
+        moe_expert_layout(ep->gemm, d, f, w1, w2, dst1, dst2);
     }
     free(w2);
     free(w1);
@@ -132,8 +133,8 @@ void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores
 
 static moe_expert_weights weights_at(const moe_ep *ep, const float *w1, const float *w2, int n)
 {
-    const size_t size1 = (size_t)(2 * ep->cfg->ffn * ep->cfg->hidden);
-    const size_t size2 = (size_t)(ep->cfg->hidden * ep->cfg->ffn);
+    const size_t size1 = (size_t)moe_expert_w1_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
+    const size_t size2 = (size_t)moe_expert_w2_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
     return (moe_expert_weights){w1 + (size_t)n * size1, w2 + (size_t)n * size2};
 }
 

@@ -2,7 +2,9 @@
 #include "moe/experts.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 
 #include "moe/gemm.h"
@@ -97,32 +99,45 @@ static inline void after(const moe_ffn_hooks *hooks, enum moe_ffn_stage stage)
         hooks->after(hooks->ctx, stage);
 }
 
+const char *moe_gemm_label(enum moe_gemm_kind gemm)
+{
+    static char packed[48];
+    if (gemm == MOE_GEMM_BLAS)
+        return "blas";
+    if (gemm == MOE_GEMM_EXACT)
+        return "exact";
+    snprintf(packed, sizeof packed, "packed (%s)", moe_sgemm_packed_isa());
+    return packed;
+}
+
+/* C (M, N) = A (M, K) * the weight operand Bt, (K, N) in the layout of gemm. */
+static void gemm_rows(enum moe_gemm_kind gemm, moe_index M, moe_index N, moe_index K,
+                      const float *A, moe_index lda, const float *Bt, float *C, moe_index ldc)
+{
+    switch (gemm) {
+    case MOE_GEMM_BLAS: moe_sgemm_nn(M, N, K, A, lda, Bt, N, C, ldc); return;
+    case MOE_GEMM_EXACT: moe_sgemm_exact(M, N, K, A, lda, Bt, N, C, ldc); return;
+    case MOE_GEMM_PACKED: moe_sgemm_packed(M, N, K, A, lda, Bt, C, ldc); return;
+    }
+}
+
 void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
                         moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
                         const float *act_scale, const moe_ffn_hooks *hooks)
 {
     if (rows == 0)
         return;
-    float *h = scratch; /* (rows, 2f), then the activation in its first f columns */
-    if (gemm == MOE_GEMM_BLAS) {
-        moe_sgemm_nn(rows, 2 * ffn, hidden, x, hidden, w->w1t, 2 * ffn, h, 2 * ffn);
-        after(hooks, MOE_FFN_L1);
-        swiglu(h, rows, ffn, act_scale);
-        after(hooks, MOE_FFN_ACTIVATION);
-        moe_sgemm_nn(rows, hidden, ffn, h, 2 * ffn, w->w2t, hidden, y, hidden);
-        after(hooks, MOE_FFN_L2);
-        return;
-    }
-    const moe_index chunk = hooks && hooks->chunk_rows > 0 ? hooks->chunk_rows : rows;
+    /* h (rows, 2f), then the activation in its first f columns */
+    const bool chunked = moe_gemm_rows_independent(gemm) && hooks && hooks->chunk_rows > 0;
+    const moe_index chunk = chunked ? hooks->chunk_rows : rows;
     for (moe_index first = 0; first < rows; first += chunk) {
         const moe_index n = rows - first < chunk ? rows - first : chunk;
-        moe_sgemm_exact(n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, 2 * ffn,
-                        h + first * 2 * ffn, 2 * ffn);
+        float *h = scratch + first * 2 * ffn;
+        gemm_rows(gemm, n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, h, 2 * ffn);
         after(hooks, MOE_FFN_L1);
-        swiglu(h + first * 2 * ffn, n, ffn, act_scale ? act_scale + first : NULL);
+        swiglu(h, n, ffn, act_scale ? act_scale + first : NULL);
         after(hooks, MOE_FFN_ACTIVATION);
-        moe_sgemm_exact(n, hidden, ffn, h + first * 2 * ffn, 2 * ffn, w->w2t, hidden,
-                        y + first * hidden, hidden);
+        gemm_rows(gemm, n, hidden, ffn, h, 2 * ffn, w->w2t, y + first * hidden, hidden);
         after(hooks, MOE_FFN_L2);
     }
 }
@@ -143,6 +158,37 @@ void moe_expert_forward_f64(const double *w1, const double *w2, const double *x,
             act[c] = gate[c] / (1.0 + exp(-gate[c])) * up[c];
     }
     moe_dgemm_nt(rows, hidden, ffn, a, ffn, w2, ffn, y, hidden);
+}
+
+static moe_index layout_floats(enum moe_gemm_kind gemm, moe_index K, moe_index N)
+{
+    return gemm == MOE_GEMM_PACKED ? moe_sgemm_packed_floats(K, N) : K * N;
+}
+
+moe_index moe_expert_w1_floats(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn)
+{
+    return layout_floats(gemm, hidden, 2 * ffn);
+}
+
+moe_index moe_expert_w2_floats(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn)
+{
+    return layout_floats(gemm, ffn, hidden);
+}
+
+/* B (N, K) as the operand Bt (K, N) of `gemm`. */
+static void layout(enum moe_gemm_kind gemm, moe_index N, moe_index K, const float *B, float *Bt)
+{
+    if (gemm == MOE_GEMM_PACKED)
+        moe_sgemm_pack(N, K, B, Bt);
+    else
+        moe_transpose(N, K, B, Bt);
+}
+
+void moe_expert_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn, const float *w1,
+                       const float *w2, float *w1t, float *w2t)
+{
+    layout(gemm, 2 * ffn, hidden, w1, w1t);
+    layout(gemm, hidden, ffn, w2, w2t);
 }
 
 static void generate(uint64_t seed, enum moe_tensor t1, enum moe_tensor t2, int entity,

@@ -38,7 +38,6 @@ static double overlap_fraction(double layer, double compute, double comm)
     const double overlap = comm > 0 ? 1.0 - (layer - compute) / comm : 0.0;
     return overlap < 0 ? 0 : overlap > 1 ? 1 : overlap;
 }
-static const char *const gemm_names[] = {"blas", "exact"};
 static const char *const dtype_names[] = {"fp32", "bf16", "fp8"};
 
 static void print_router(FILE *out, const moe_config *cfg)
@@ -181,11 +180,11 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                      "progress %s · gemm %s\n",
                 PACKAGE_VERSION, s->waves,
                 s->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
-                progress_names[cfg->progress], gemm_names[cfg->gemm]);
+                progress_names[cfg->progress], moe_gemm_label((enum moe_gemm_kind)cfg->gemm));
     else
         fprintf(out, "moe-ep %s · MoE forward with expert parallelism · blocking reference "
                      "path · gemm %s\n",
-                PACKAGE_VERSION, gemm_names[cfg->gemm]);
+                PACKAGE_VERSION, moe_gemm_label((enum moe_gemm_kind)cfg->gemm));
     fprintf(out, "config    preset %s · G=%d ranks · T=%lld tokens per rank (%.0f in all) · d=%lld · f=%lld\n",
             cfg->preset[0] ? cfg->preset : "(none)", s->ranks, (long long)cfg->tokens, G * (double)cfg->tokens,
             (long long)cfg->hidden, (long long)cfg->ffn);
@@ -244,7 +243,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                 100.0 * fmin(1.0, 2.0 * d / cb), need, need, 100.0 * fmin(1.0, need / cb));
     }
 
-    fprintf(out, "experts   %.2f GFLOP per forward in sgemm · %.1f GFLOP/s aggregate (over the "
+    fprintf(out, "experts   %.2f GFLOP per forward in the expert GEMMs · %.1f GFLOP/s aggregate (over the "
                  "window any rank computed, %.2f ms) · slowest rank %.2f ms\n",
             s->expert_flops * 1e-9,
             s->expert_window > 0 ? s->expert_flops * 1e-9 / s->expert_window : 0.0,

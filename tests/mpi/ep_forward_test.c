@@ -144,7 +144,7 @@ static int sweep_waves(const moe_comm *world, moe_config *cfg, const moe_placeme
             for (moe_index n = 0; n < T * d; n++)
                 differ += memcmp(&y[n], &y_ref[n], sizeof(float)) != 0;
             differ = moe_comm_sum(world, differ);
-            const bool bitwise = ep.gemm == MOE_GEMM_EXACT || stats.wave_kind == MOE_WAVES_EXPERT_SLOTS;
+            const bool bitwise = moe_gemm_rows_independent(ep.gemm) || stats.wave_kind == MOE_WAVES_EXPERT_SLOTS;
             moe_run_summary s = {.cfg = cfg};
             moe_check_collective(world, cfg, y, truth, allow, &s);
             const bool ok = bitwise ? differ == 0.0 : !s.nonfinite && s.cmp.max_used <= 1.0;
@@ -289,9 +289,10 @@ int main(int argc, char **argv)
         int32_t *ids1 = moe_xmalloc(sizeof(int32_t) * (size_t)(G * T * k));
         float *w1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * k));
         moe_forward_stats stats1;
-        /* With --gemm exact the bits must not depend on the thread count:
-         * the one-rank run uses another one. */
-        const int threads = cfg.gemm == MOE_GEMM_EXACT ? world.threads + 1 : world.threads;
+        /* With --gemm exact or packed the bits must not depend on the thread
+         * count: the one-rank run uses another one. */
+        const int threads =
+            moe_gemm_rows_independent(cfg.gemm) ? world.threads + 1 : world.threads;
 #ifdef _OPENMP
         omp_set_num_threads(threads);
 #endif

@@ -2,6 +2,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "moe/experts.h"
 #include "moe/gemm.h"
@@ -12,15 +15,16 @@
 START_TEST(ffn_matches_the_definition)
 {
     enum { ROWS = 5, D = 12, F = 19 }; /* F: two 8-lane blocks and a tail */
+    const enum moe_gemm_kind kind = (enum moe_gemm_kind)_i;
     float w1[2 * F * D], w2[D * F], x[ROWS * D], y[ROWS * D], scratch[ROWS * 3 * F];
     moe_expert_generate(3, 2, D, F, w1, w2);
     for (int n = 0; n < ROWS * D; n++)
         x[n] = (float)((n * 37) % 11 - 5) / 4.0f;
-    float w1t[2 * F * D], w2t[D * F];
-    moe_transpose(2 * F, D, w1, w1t);
-    moe_transpose(D, F, w2, w2t);
+    float *w1t = malloc(sizeof(float) * moe_expert_w1_floats(kind, D, F));
+    float *w2t = malloc(sizeof(float) * moe_expert_w2_floats(kind, D, F));
+    moe_expert_layout(kind, D, F, w1, w2, w1t, w2t);
     const moe_expert_weights w = {.w1t = w1t, .w2t = w2t};
-    moe_expert_forward(&w, MOE_GEMM_BLAS, x, ROWS, D, F, scratch, y, NULL, NULL);
+    moe_expert_forward(&w, kind, x, ROWS, D, F, scratch, y, NULL, NULL);
     for (int i = 0; i < ROWS; i++) {
         double act[F];
         for (int c = 0; c < F; c++) {
@@ -39,6 +43,8 @@ START_TEST(ffn_matches_the_definition)
             ck_assert_double_eq_tol(y[i * D + j], want, 1e-5);
         }
     }
+    free(w2t);
+    free(w1t);
 }
 END_TEST
 
@@ -95,22 +101,113 @@ START_TEST(exact_gemm_is_the_scalar_loop)
 }
 END_TEST
 
-START_TEST(exact_ffn_is_chunk_independent)
+/* C[m][n] as moe_sgemm_packed defines it: one fmaf chain, k ascending. */
+static float fma_chain(const float *A, const float *Bt, int N, int K, int m, int n)
 {
-    enum { ROWS = 45, D = 40, F = 24 };
+    float acc = 0.0f;
+    for (int k = 0; k < K; k++)
+        acc = fmaf(A[m * K + k], Bt[k * N + n], acc);
+    return acc;
+}
+
+/* The packed kernel is its definition bit for bit, on either instruction
+ * set, for any M, N, K (short tiles, column tails, several row blocks) and
+ * any subset of rows; the data is such that a kernel without fused
+ * multiply-adds would differ (checked). */
+START_TEST(packed_gemm_is_the_fma_chain)
+{
+    static const int shapes[][3] = {{1, 1, 1},    {7, 37, 19},  {70, 64, 33}, {5, 95, 128},
+                                    {66, 31, 8},  {13, 16, 1},  {260, 20, 4096}};
+    long fused_shows = 0;
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        const int M = shapes[c][0], N = shapes[c][1], K = shapes[c][2];
+        float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * N * K);
+        float *Bt = malloc(sizeof(float) * K * N);
+        float *Bp = malloc(sizeof(float) * moe_sgemm_packed_floats(K, N));
+        float *C = malloc(sizeof(float) * M * N), *part = malloc(sizeof(float) * M * N);
+        moe_synth_fill(5, MOE_TENSOR_TOKENS, 0, 0, M * K, 1.0f, A);
+        moe_synth_fill(5, MOE_TENSOR_GATE, 0, 0, N * K, 0.3f, B);
+        moe_transpose(N, K, B, Bt);
+        moe_sgemm_pack(N, K, B, Bp);
+        for (int portable = 0; portable < 2; portable++) {
+            moe_sgemm_packed_force_portable(portable);
+            memset(C, 0xff, sizeof(float) * M * N);
+            moe_sgemm_packed(M, N, K, A, K, Bp, C, N);
+            for (int m = 0; m < M; m++)
+                for (int n = 0; n < N; n++) {
+                    const float want = fma_chain(A, Bt, N, K, m, n);
+                    ck_assert_msg(memcmp(&want, &C[m * N + n], sizeof want) == 0,
+                                  "%s, shape %dx%dx%d at (%d, %d): %a vs %a", moe_sgemm_packed_isa(),
+                                  M, N, K, m, n, want, C[m * N + n]);
+                    if (!portable) {
+                        float plain = 0.0f;
+                        for (int k = 0; k < K; k++)
+                            plain += A[m * K + k] * Bt[k * N + n];
+                        fused_shows += memcmp(&plain, &want, sizeof want) != 0;
+                    }
+                }
+            if (M > 3) { /* rows 3.. alone, at another position */
+                moe_sgemm_packed(M - 3, N, K, A + 3 * K, K, Bp, part, N);
+                ck_assert_int_eq(memcmp(part, C + 3 * N, sizeof(float) * (M - 3) * N), 0);
+            }
+        }
+        moe_sgemm_packed_force_portable(false);
+        free(part);
+        free(C);
+        free(Bp);
+        free(Bt);
+        free(B);
+        free(A);
+    }
+    ck_assert_int_gt(fused_shows, 100);
+}
+END_TEST
+
+#ifdef _OPENMP
+/* Threads split the columns; the bits do not change. */
+START_TEST(packed_gemm_is_thread_independent)
+{
+    enum { M = 50, N = 200, K = 70 };
+    float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * N * K);
+    float *Bp = malloc(sizeof(float) * moe_sgemm_packed_floats(K, N));
+    float *C1 = malloc(sizeof(float) * M * N), *C3 = malloc(sizeof(float) * M * N);
+    moe_synth_fill(6, MOE_TENSOR_TOKENS, 0, 0, M * K, 1.0f, A);
+    moe_synth_fill(6, MOE_TENSOR_GATE, 0, 0, N * K, 0.3f, B);
+    moe_sgemm_pack(N, K, B, Bp);
+    omp_set_num_threads(1);
+    moe_sgemm_packed(M, N, K, A, K, Bp, C1, N);
+    omp_set_num_threads(3);
+    moe_sgemm_packed(M, N, K, A, K, Bp, C3, N);
+    omp_set_num_threads(1);
+    ck_assert_int_eq(memcmp(C1, C3, sizeof(float) * M * N), 0);
+    free(C3);
+    free(C1);
+    free(Bp);
+    free(B);
+    free(A);
+}
+END_TEST
+#endif
+
+/* exact and packed: the FFN of a batch is the same in chunks of 7 rows. */
+START_TEST(row_independent_ffn_is_chunk_independent)
+{
+    enum { ROWS = 45, D = 48, F = 24 };
+    const enum moe_gemm_kind kind = _i ? MOE_GEMM_PACKED : MOE_GEMM_EXACT;
     float w1[2 * F * D], w2[D * F], w1t[2 * F * D], w2t[D * F], x[ROWS * D];
     float y[ROWS * D], y_chunked[ROWS * D], scratch[ROWS * 3 * F];
     moe_expert_generate(9, 1, D, F, w1, w2);
-    moe_transpose(2 * F, D, w1, w1t);
-    moe_transpose(D, F, w2, w2t);
+    /* D and 2F are multiples of 16: the packed layout takes no more room */
+    moe_expert_layout(kind, D, F, w1, w2, w1t, w2t);
     moe_synth_fill(9, MOE_TENSOR_TOKENS, 0, 0, ROWS * D, 1.0f, x);
     const moe_expert_weights w = {.w1t = w1t, .w2t = w2t};
-    moe_expert_forward(&w, MOE_GEMM_EXACT, x, ROWS, D, F, scratch, y, NULL, NULL);
+    moe_expert_forward(&w, kind, x, ROWS, D, F, scratch, y, NULL, NULL);
     const moe_ffn_hooks hooks = {NULL, NULL, 7};
-    moe_expert_forward(&w, MOE_GEMM_EXACT, x, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
+    moe_expert_forward(&w, kind, x, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
     ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
     /* and it computes the FFN: close to the blas path */
     float y_blas[ROWS * D];
+    moe_expert_layout(MOE_GEMM_BLAS, D, F, w1, w2, w1t, w2t);
     moe_expert_forward(&w, MOE_GEMM_BLAS, x, ROWS, D, F, scratch, y_blas, NULL, NULL);
     for (int n = 0; n < ROWS * D; n++)
         ck_assert_float_eq_tol(y[n], y_blas[n], 1e-5f);
@@ -162,10 +259,14 @@ Suite *make_experts_suite(void)
 {
     Suite *s = suite_create("experts");
     TCase *tc = tcase_create("ffn");
-    tcase_add_test(tc, ffn_matches_the_definition);
+    tcase_add_loop_test(tc, ffn_matches_the_definition, MOE_GEMM_BLAS, MOE_GEMM_PACKED + 1);
     tcase_add_test(tc, compare_reports_worst_and_nonfinite);
     tcase_add_test(tc, exact_gemm_is_the_scalar_loop);
-    tcase_add_test(tc, exact_ffn_is_chunk_independent);
+    tcase_add_test(tc, packed_gemm_is_the_fma_chain);
+#ifdef _OPENMP
+    tcase_add_test(tc, packed_gemm_is_thread_independent);
+#endif
+    tcase_add_loop_test(tc, row_independent_ffn_is_chunk_independent, 0, 2);
     tcase_add_test(tc, exp_fp32_is_within_2_ulp_and_handles_the_edges);
     suite_add_tcase(s, tc);
     return s;
