@@ -7,9 +7,11 @@
  * exp is moe_exp_fp32 (below), specified to the bit, so a port can match the
  * activation exactly rather than inherit its C library's expf.
  *
- * Pure: no MPI. The fp32 version issues exactly two sgemm calls for a batch,
- * whatever its rows are, so a caller that passes the same rows in the same
- * order gets the same bits.
+ * Pure: no MPI. The fp32 version runs its GEMMs with one of three kinds
+ * (enum moe_gemm_kind). With packed and exact a row's output depends on that
+ * row only; with blas it issues exactly two sgemm calls for a batch, whatever
+ * its rows are, so a caller that passes the same rows in the same order gets
+ * the same bits.
  */
 #ifndef MOE_EXPERTS_H
 #define MOE_EXPERTS_H
