@@ -13,6 +13,7 @@
 
 #include "moe/common.h"
 #include "moe/dims.h"
+#include "moe/experts.h"
 #include "moe/stats.h"
 
 typedef struct {
@@ -28,6 +29,13 @@ typedef struct {
  * rank is bound to, so that its threads do not time-slice one core) unless
  * OMP_NUM_THREADS / OPENBLAS_NUM_THREADS say otherwise. */
 void moe_comm_init(int *argc, char ***argv, moe_comm *c);
+
+/* The OpenMP threads for expert GEMMs of kind `gemm`, set and returned:
+ * c->threads, except with blas, whose GEMMs run on OpenBLAS's own threads;
+ * an OpenMP team on the same cores would spin between its parallel regions
+ * while they work, so the OpenMP regions then run on one thread. An
+ * OMP_NUM_THREADS in the environment wins. */
+int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm);
 
 /* MPI_Finalize. */
 void moe_comm_finalize(void);

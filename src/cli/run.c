@@ -472,10 +472,11 @@ int moe_run_prepare(const moe_comm *c, enum moe_command command, int argc, char 
 {
     if (moe_run_set_up(c, cfg, command, argc, argv, st) || moe_ep_init(ep, cfg, c, st))
         return st->code;
+    const int threads = moe_comm_threads_for(c, ep->gemm);
     moe_run_buffers_init(b, cfg);
     moe_ep_generate_tokens(ep, b->x);
     *s = (moe_run_summary){.cfg = cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
-                           .cores = c->cores, .bound = c->bound, .threads = c->threads,
+                           .cores = c->cores, .bound = c->bound, .threads = threads,
                            .blas_threads = moe_gemm_threads(), .link = &ep->link};
     int rc = MOE_EXIT_OK;
     if (!cfg->blocking && ep->link.enabled && ep->link.cb_ratio > 0)

@@ -76,6 +76,19 @@ void moe_comm_init(int *argc, char ***argv, moe_comm *c)
         moe_gemm_set_threads(c->threads);
 }
 
+int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm)
+{
+#ifdef _OPENMP
+    const char *omp = getenv("OMP_NUM_THREADS");
+    if (!omp || !*omp)
+        omp_set_num_threads(gemm == MOE_GEMM_BLAS && moe_gemm_threads() > 1 ? 1 : c->threads);
+    return omp_get_max_threads();
+#else
+    (void)gemm;
+    return c->threads;
+#endif
+}
+
 int moe_comm_agree(const moe_comm *c, moe_status *st)
 {
     /* MPI_MAXLOC keeps the highest code and, among equal codes, the lowest
