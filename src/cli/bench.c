@@ -3,10 +3,10 @@
  *
  * Per wave count: warm-up forwards, then timed ones (layer time median, min,
  * max over iterations of the max over ranks). Anchors, on the same cores and
- * ranks: one sgemm of the same FLOPs as a rank's experts (M = its routed
- * pairs plus T per shared expert, N = 3f, K = d), and one plain
- * MPI_Alltoallv pair with the counts the forward's dispatch and combine send
- * to other ranks. Ceiling = anchor sgemm time / layer time; GEMM efficiency =
+ * ranks, on cold caches: one sgemm of the same FLOPs as a rank's experts
+ * (M = its routed pairs plus T per shared expert, N = 3f, K = d), and one
+ * plain MPI_Alltoallv pair with the counts the forward's dispatch and
+ * combine send to other ranks. Ceiling = anchor sgemm time / layer time; GEMM efficiency =
  * the anchor's routed share / the routed experts' compute time; all-to-all
  * efficiency = anchor time / the forward's all-to-alls alone (all in flight,
  * as measured for the overlap). Peak RSS per rank during the W's forwards
@@ -38,19 +38,31 @@ typedef struct {
     double rss_mb, rss_ratio;            /* peak per rank (max), against the minimum */
 } bench_row;
 
+/* Bytes written before each anchor run to push its data out of the caches
+ * (twice the 32 MiB last-level cache of the machine the README measures). */
+#define EVICT_BYTES ((size_t)64 << 20)
+
 /* The median over 3 runs of fn, all ranks starting together after a
- * barrier: of the max over ranks, or (per_rank) of this rank's own times. */
+ * barrier: of the max over ranks, or (per_rank) of this rank's own times.
+ * Each run starts on cold caches, as the forward's data does: its rows are
+ * packed, and its expert outputs written, long before they move, with the
+ * expert weights streaming through the caches in between; an anchor run on
+ * hot buffers would be measured against a forward on cold ones. */
 static double timed(const moe_comm *c, void (*fn)(void *), void *arg, bool per_rank)
 {
     double t[3];
+    volatile unsigned char *evict = moe_xmalloc(EVICT_BYTES);
     fn(arg); /* warm-up */
     for (int n = 0; n < 3; n++) {
+        for (size_t i = 0; i < EVICT_BYTES; i += 64)
+            evict[i] = (unsigned char)n;
         moe_comm_barrier(c);
         const double start = moe_comm_time();
         fn(arg);
         const double own = moe_comm_time() - start;
         t[n] = per_rank ? own : moe_comm_max(c, own);
     }
+    free((void *)evict);
     return moe_run_median(t, 3);
 }
 
