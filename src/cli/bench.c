@@ -6,12 +6,12 @@
  * ranks, on cold caches: one sgemm of the same FLOPs as a rank's experts
  * (M = its routed pairs plus T per shared expert, N = 3f, K = d), and one
  * plain MPI_Alltoallv pair with the counts the forward's dispatch and
- * combine send to other ranks. Ceiling = anchor sgemm time / layer time; GEMM efficiency =
- * the anchor's routed share / the routed experts' compute time; all-to-all
- * efficiency = anchor time / the forward's all-to-alls alone (all in flight,
- * as measured for the overlap). Peak RSS per rank during the W's forwards
- * against the least the rank must hold. Rank 0 prints a table, and writes
- * --csv and --plot.
+ * combine send to other ranks. Ceiling = anchor sgemm time / layer time;
+ * GEMM efficiency = the anchor's routed share / the routed experts' compute
+ * time; all-to-all efficiency = anchor time / the forward's all-to-alls alone
+ * (all in flight, as measured for the overlap). Peak RSS per rank during the
+ * W's forwards against the least the rank must hold. Rank 0 prints a table,
+ * and writes --csv and --plot.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>

@@ -74,7 +74,7 @@ static const flag_spec flags[] = {
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute", RUN},
-    {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact|packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
+    {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact|packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once (default packed)", RUN},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
     {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", "write the golden set of this run (docs/golden.md)", RUN},
     {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, "include the weights in --dump (default true)", RUN},
