@@ -3,11 +3,11 @@
  *
  * Row-major throughout: C (M, N) from A (M, K) and B, either (N, K) (the
  * fp64 truth: (out, in) like nn.Linear), transposed, (K, N) (sgemm and the
- * exact kernel), or that transpose packed into panels (the packed kernel,
- * which sgemm's speed at small M needs: OpenBLAS repacks its operand on every
- * call). Shapes and leading dimensions are checked
- * here, and the FLOPs are counted (2*M*N*K per call) so that GFLOP/s come
- * for free.
+ * exact kernel), or that transpose packed into panels once (the packed
+ * kernel: OpenBLAS repacks the weights on every call, which at the experts'
+ * small M costs it a tenth of its speed). Shapes and leading dimensions are
+ * checked here, and the FLOPs are counted (2*M*N*K per call) so that GFLOP/s
+ * come for free.
  * Not thread-safe: call it from one thread per rank (BLAS threads inside).
  */
 #ifndef MOE_GEMM_H
