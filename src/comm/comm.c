@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -265,6 +266,11 @@ void moe_comm_abort(const moe_comm *c, const moe_status *st)
 {
     fprintf(stderr, "moe-ep: error: rank %d: %s\n", c->rank, st->message);
     fflush(stderr);
+    /* The launcher forwards a rank's output through a pipe; MPICH's kills
+     * the job on MPI_Abort without draining it, and the message above was
+     * lost about one run in twenty. A moment lets it reach the terminal. */
+    const struct timespec moment = {0, 200 * 1000 * 1000};
+    nanosleep(&moment, NULL);
     MPI_Abort(c->comm, MOE_EXIT_RUNTIME);
     abort(); /* MPI_Abort does not return */
 }
