@@ -17,14 +17,17 @@
  *                        with thread progress, and compare it with the
  *                        blocking path on the same ranks: bitwise where that
  *                        is the contract (expert-slot waves, or --gemm
- *                        exact), within the truth's tolerance otherwise
+ *                        packed or exact), within the truth's tolerance
+ *                        otherwise
  * Exit 0 when every check holds, 1 otherwise.
  *
  * Why bitwise can hold across G: routing is row-independent (fixed-order
- * gate); each expert's rows reach its single sgemm pair in global token order
- * whatever G is, so the calls are identical; the combine sums in slot order;
- * shared experts run in 64-token blocks, identical when T % 64 == 0. The BLAS
- * thread count is the same for both computations (same process).
+ * gate); the combine sums in slot order; with --gemm packed or exact an
+ * expert's output row depends on nothing but the row. With blas, each
+ * expert's rows reach its single sgemm pair in global token order whatever G
+ * is, so the calls are identical; shared experts run in 64-token blocks,
+ * identical when T % 64 == 0; the BLAS thread count is the same for both
+ * computations (same process).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
