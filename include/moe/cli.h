@@ -19,10 +19,10 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv);
 
 struct moe_ep_s;
 /* run --dump: the golden set of this run into cfg->dump, from this rank's
- * tokens x (T, d), routing ids/weights (T, k), logits/scores (T, E).
- * *bytes receives the set's size on rank 0. Collective. */
-int moe_cli_dump(const moe_comm *c, const struct moe_ep_s *ep, const float *x, const int32_t *ids,
-                 const float *weights, const float *logits, const float *scores, double *bytes,
+ * tokens x (T, d), which it routes again. Everything it dumps is computed
+ * with BLAS forbidden (moe_gemm_forbid_blas), so the set is the same bytes
+ * on every machine. *bytes receives the set's size on rank 0. Collective. */
+int moe_cli_dump(const moe_comm *c, const struct moe_ep_s *ep, const float *x, double *bytes,
                  moe_status *st);
 
 #endif

@@ -72,10 +72,17 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
                         moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
                         const float *act_scale, const moe_ffn_hooks *hooks);
 
-/* The same in fp64, with w1 (2f, d) and w2 (d, f) in fp64;
- * scratch (rows, 3f) doubles. */
-void moe_expert_forward_f64(const double *w1, const double *w2, const double *x, moe_index rows,
-                            moe_index hidden, moe_index ffn, double *scratch, double *y);
+/* The fp64 GEMM of the dense truth. */
+enum moe_truth_gemm {
+    MOE_TRUTH_BLAS,  /* moe_dgemm_nt: fast; the last bits depend on the BLAS kernel (--check) */
+    MOE_TRUTH_EXACT, /* moe_dgemm_nt_exact: the same bits on every machine (--dump) */
+};
+
+/* The same in fp64, with w1 (2f, d) and w2 (d, f) in fp64, GEMMs as `gemm`
+ * says and exp as moe_exp_fp64; scratch (rows, 3f) doubles. */
+void moe_expert_forward_f64(enum moe_truth_gemm gemm, const double *w1, const double *w2,
+                            const double *x, moe_index rows, moe_index hidden, moe_index ffn,
+                            double *scratch, double *y);
 
 /* e^x in fp32, every step one IEEE single operation (round to nearest, no
  * fused multiply-add):

@@ -23,9 +23,26 @@
 void moe_sgemm_nn(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
                   const float *Bt, moe_index ldbt, float *C, moe_index ldc);
 
-/* C (M, N) = A (M, K) * B (N, K)^T in fp64 (dgemm), for the dense truth. */
+/* C (M, N) = A (M, K) * B (N, K)^T in fp64 (dgemm), for the dense truth of
+ * --check: fast, but its last bits depend on the BLAS kernel and threads. */
 void moe_dgemm_nt(moe_index M, moe_index N, moe_index K, const double *A, moe_index lda,
                   const double *B, moe_index ldb, double *C, moe_index ldc);
+
+/* The same product in a fixed order, for the dense truth of a golden set:
+ *   C[m][n] = (...((0 + A[m][0]*B[n][0]) + A[m][1]*B[n][1]) + ...) + A[m][K-1]*B[n][K-1]
+ * in fp64, k ascending, every product rounded and then added (no fused
+ * multiply-add). An element depends on its row of A and row of B only: the
+ * same bits on every CPU, instruction set and thread count. Vectorised
+ * across columns (B is repacked into panels of 8 columns), OpenMP across
+ * blocks. Not counted in moe_gemm_sflops. */
+void moe_dgemm_nt_exact(moe_index M, moe_index N, moe_index K, const double *A, moe_index lda,
+                        const double *B, moe_index ldb, double *C, moe_index ldc);
+
+/* While `why` is set (not NULL), a call of moe_sgemm_nn or moe_dgemm_nt is a
+ * broken invariant: it stops the process naming the rank, the call and why.
+ * The golden dump sets it around its own work, so no BLAS bits can reach a
+ * dumped tensor; NULL allows BLAS again. */
+void moe_gemm_forbid_blas(const char *why);
 
 /* C (M, N) = A (M, K) * Bt (K, N), the fixed-order kernel of --gemm exact:
  *   C[m][n] = (...((A[m][0]*Bt[0][n]) + A[m][1]*Bt[1][n]) + ...) + A[m][K-1]*Bt[K-1][n]

@@ -1,6 +1,6 @@
 /* truth.h — the dense fp64 ground truth and the comparison against it.
  *
- * The truth applies every expert to every token in fp64 (dgemm), multiplies
+ * The truth applies every expert to every token in fp64, multiplies
  * by the token's gate weight for that expert (zero when not selected), sums
  * over experts in ascending id, then adds the shared experts. No placement,
  * no permutation, no all-to-all: it shares only data generation and routing
@@ -14,8 +14,11 @@
 
 #include "moe/config.h"
 #include "moe/dims.h"
+#include "moe/experts.h"
 
-/* y (T, d) = dense MoE output for tokens routed to ids/weights (T, k): the
+/* y (T, d) = dense MoE output for tokens routed to ids/weights (T, k), its
+ * GEMMs as `gemm` says (MOE_TRUTH_EXACT: the same bytes on every machine,
+ * for golden sets; MOE_TRUTH_BLAS: dgemm, for --check): the
  * routed experts see x_dispatched (T, d) (the rows as the ranks receive
  * them, after --dispatch-dtype), the shared experts x (T, d). Weights are
  * rounded to --dtype and expert outputs to --combine-dtype, as on the EP path.
@@ -23,9 +26,9 @@
  * steps the truth cannot replay bit for bit: with --combine-dtype bf16, the
  * EP path rounds an fp32 expert output and the truth an fp64 one, which may
  * land one bf16 step apart; allow is one bf16 step of every rounded term. */
-void moe_truth_forward(const moe_config *cfg, const float *x, const float *x_dispatched,
-                       const int32_t *ids, const float *weights, moe_index tokens, double *y,
-                       double *allow);
+void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                       const float *x_dispatched, const int32_t *ids, const float *weights,
+                       moe_index tokens, double *y, double *allow);
 
 /* Tolerance of the EP output against the truth: |got - ref| <= abs + rel*|ref|. */
 typedef struct {

@@ -1,7 +1,9 @@
 /* dump.c — `moe-ep run --dump DIR`: the golden set of this run.
  *
- * One more forward on the blocking reference path captures what each rank
- * received and sent back; the truth is computed as for --check; rank 0
+ * The tokens are routed again and one more forward on the blocking
+ * reference path captures what each rank received and sent back; the truth
+ * is the fixed-order one (MOE_TRUTH_EXACT). BLAS is forbidden throughout, so
+ * no bit of the set depends on the CPU, the BLAS kernel or the threads. Rank 0
  * gathers the rest and writes the set (src/io/golden.c). Inputs and weights
  * are not gathered: rank 0 regenerates them from the seed (they are a pure
  * function of it, docs/data.md). Collective.
@@ -13,6 +15,7 @@
 
 #include "moe/cli.h"
 #include "moe/ep.h"
+#include "moe/gemm.h"
 #include "moe/golden.h"
 #include "moe/quant.h"
 #include "moe/rng.h"
@@ -100,9 +103,9 @@ static void emit_config(void *ctx, const char *name, const char *value)
     sprintf(*json + len, "%s\"%s\": \"%s\"", len > 1 ? ", " : "", name, value);
 }
 
-int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const int32_t *ids,
-                 const float *weights, const float *logits, const float *scores, double *bytes,
-                 moe_status *st)
+static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const int32_t *ids,
+                    const float *weights, const float *logits, const float *scores, double *bytes,
+                    moe_status *st)
 {
     const moe_config *cfg = ep->cfg;
     const int G = c->ranks, E = (int)cfg->experts, k = (int)cfg->topk, S = (int)cfg->shared_experts;
@@ -122,8 +125,8 @@ int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const int3
         free(y);
         return rc;
     }
-    moe_truth_forward(cfg, x, moe_ep_dispatched_tokens(ep, x, x_scratch), ids, weights, T, truth,
-                      NULL);
+    moe_truth_forward(cfg, MOE_TRUTH_EXACT, x, moe_ep_dispatched_tokens(ep, x, x_scratch), ids,
+                      weights, T, truth, NULL);
 
     /* 2. Gathered on rank 0. */
     const bool root = c->rank == 0;
@@ -282,4 +285,23 @@ int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const int3
     if (moe_comm_agree(c, &local))
         *st = local;
     return local.code;
+}
+
+int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, double *bytes,
+                 moe_status *st)
+{
+    const moe_index T = ep->cfg->tokens, E = ep->cfg->experts, k = ep->cfg->topk;
+    moe_gemm_forbid_blas("the golden dump, whose tensors are the same bytes on every machine");
+    float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));  /* (T, E) */
+    float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));  /* (T, E) */
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)); /* (T, k) */
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k)); /* (T, k) */
+    moe_ep_route(ep, x, logits, scores, ids, weights);
+    const int rc = dump_set(c, ep, x, ids, weights, logits, scores, bytes, st);
+    free(weights);
+    free(ids);
+    free(scores);
+    free(logits);
+    moe_gemm_forbid_blas(NULL);
+    return rc;
 }

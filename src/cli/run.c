@@ -189,8 +189,8 @@ static void check_against_truth(const moe_comm *c, const moe_ep *ep, const float
     double *truth = moe_xmalloc(sizeof(double) * (size_t)n); /* (T, d) */
     double *allow = cfg->combine_dtype == MOE_DTYPE_FP32 ? NULL : moe_xmalloc(sizeof(double) * (size_t)n);
     float *scratch = moe_xmalloc(sizeof(float) * (size_t)n);
-    moe_truth_forward(cfg, x, moe_ep_dispatched_tokens(ep, x, scratch), ids, weights, T, truth,
-                      allow);
+    moe_truth_forward(cfg, MOE_TRUTH_BLAS, x, moe_ep_dispatched_tokens(ep, x, scratch), ids,
+                      weights, T, truth, allow);
     moe_check_collective(c, cfg, y, truth, allow, s);
     s->quantised = cfg->param_dtype != MOE_DTYPE_FP32 || cfg->dispatch_dtype != MOE_DTYPE_FP32 ||
                    cfg->combine_dtype != MOE_DTYPE_FP32;
@@ -198,7 +198,7 @@ static void check_against_truth(const moe_comm *c, const moe_ep *ep, const float
         moe_config full = *cfg;
         full.param_dtype = full.dispatch_dtype = full.combine_dtype = MOE_DTYPE_FP32;
         moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, (float)cfg->init_scale, scratch);
-        moe_truth_forward(&full, scratch, scratch, ids, weights, T, truth, NULL);
+        moe_truth_forward(&full, MOE_TRUTH_BLAS, scratch, scratch, ids, weights, T, truth, NULL);
         double max_abs = 0.0;
         for (moe_index m = 0; m < n; m++)
             max_abs = fmax(max_abs, fabs((double)y[m] - truth[m]));
@@ -520,7 +520,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     }
     if (rc == MOE_EXIT_OK && cfg.dump[0]) {
         const double t = moe_comm_time();
-        rc = moe_cli_dump(c, &ep, b.x, b.ids, b.weights, b.logits, b.scores, &s.dump_bytes, &st);
+        rc = moe_cli_dump(c, &ep, b.x, &s.dump_bytes, &st);
         s.dump_seconds = moe_comm_time() - t;
     }
     /* The curve: every further wave count of --waves W1,W2,... */

@@ -5,6 +5,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/config.h"
+#include "moe/experts.h"
 #include "moe/link.h"
 #include "moe/router.h"
 
@@ -508,6 +509,11 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE, "--dtype must be fp32 or bf16 for moe-ep run, got fp8");
     if (cfg->combine_dtype == MOE_DTYPE_FP8)
         return moe_fail(st, MOE_EXIT_USAGE, "--combine-dtype must be fp32 or bf16 for moe-ep run, got fp8");
+    if (cfg->dump[0] && cfg->gemm == MOE_GEMM_BLAS)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--dump needs --gemm packed or exact (default packed), got blas: OpenBLAS's "
+                        "bits depend on the CPU and the thread count, and a golden set is the same "
+                        "bytes on every machine");
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))
         return st->code;

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdint.h>
 
+#include "moe/exp.h"
 #include "moe/gemm.h"
 #include "moe/rng.h"
 
@@ -142,22 +143,26 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
     }
 }
 
-void moe_expert_forward_f64(const double *w1, const double *w2, const double *x, moe_index rows,
-                            moe_index hidden, moe_index ffn, double *scratch, double *y)
+void moe_expert_forward_f64(enum moe_truth_gemm gemm, const double *w1, const double *w2,
+                            const double *x, moe_index rows, moe_index hidden, moe_index ffn,
+                            double *scratch, double *y)
 {
     if (rows == 0)
         return;
+    void (*product)(moe_index, moe_index, moe_index, const double *, moe_index, const double *,
+                    moe_index, double *, moe_index) =
+        gemm == MOE_TRUTH_EXACT ? moe_dgemm_nt_exact : moe_dgemm_nt;
     double *h = scratch;                 /* (rows, 2f) */
     double *a = scratch + rows * 2 * ffn; /* (rows, f) */
-    moe_dgemm_nt(rows, 2 * ffn, hidden, x, hidden, w1, hidden, h, 2 * ffn);
+    product(rows, 2 * ffn, hidden, x, hidden, w1, hidden, h, 2 * ffn);
 #pragma omp parallel for schedule(static)
     for (moe_index n = 0; n < rows; n++) {
         const double *gate = h + n * 2 * ffn, *up = gate + ffn;
         double *act = a + n * ffn;
         for (moe_index c = 0; c < ffn; c++)
-            act[c] = gate[c] / (1.0 + exp(-gate[c])) * up[c];
+            act[c] = gate[c] / (1.0 + moe_exp_fp64(-gate[c])) * up[c];
     }
-    moe_dgemm_nt(rows, hidden, ffn, a, ffn, w2, ffn, y, hidden);
+    product(rows, hidden, ffn, a, ffn, w2, ffn, y, hidden);
 }
 
 static moe_index layout_floats(enum moe_gemm_kind gemm, moe_index K, moe_index N)

@@ -6,6 +6,8 @@
 #include <limits.h>
 #include <math.h>
 #include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -18,6 +20,20 @@
 #include "moe/common.h"
 
 static double sgemm_flops;
+static const char *blas_forbidden; /* why BLAS may not be called now, or NULL */
+
+void moe_gemm_forbid_blas(const char *why) { blas_forbidden = why; }
+
+/* A BLAS call while moe_gemm_forbid_blas holds is a bug of the caller. */
+static void blas_allowed(const char *call)
+{
+    if (!blas_forbidden)
+        return;
+    fprintf(stderr, "moe-ep: internal error on rank %d: %s called while BLAS is forbidden (%s)\n",
+            moe_message_rank, call, blas_forbidden);
+    fflush(stderr);
+    abort();
+}
 
 /* ldb_min: K when B is (N, K), N when it is (K, N). */
 static void check_shape(moe_index M, moe_index N, moe_index K, moe_index lda, moe_index ldb,
@@ -33,6 +49,7 @@ void moe_sgemm_nn(moe_index M, moe_index N, moe_index K, const float *A, moe_ind
                   const float *Bt, moe_index ldbt, float *C, moe_index ldc)
 {
     check_shape(M, N, K, lda, ldbt, ldc, N);
+    blas_allowed("cblas_sgemm");
     if (M == 0 || N == 0)
         return;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)N, (int)K, 1.0f, A,
@@ -44,10 +61,75 @@ void moe_dgemm_nt(moe_index M, moe_index N, moe_index K, const double *A, moe_in
                   const double *B, moe_index ldb, double *C, moe_index ldc)
 {
     check_shape(M, N, K, lda, ldb, ldc, K);
+    blas_allowed("cblas_dgemm");
     if (M == 0 || N == 0)
         return;
     cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)N, (int)K, 1.0, A,
                 (int)lda, B, (int)ldb, 0.0, C, (int)ldc);
+}
+
+/* Four fp64 lanes (two SSE registers on plain x86-64, one AVX register in
+ * the avx2 clone); lanes never mix, so the width changes no bit. */
+typedef double lanes4 __attribute__((vector_size(32)));
+typedef double lanes4_unaligned __attribute__((vector_size(32), aligned(8), may_alias));
+
+enum { DEXACT_COLS = 8, DEXACT_ROWS = 4, DEXACT_ROW_BLOCK = 64 };
+
+/* Rows [m0, m1) of C, columns [n0, n0 + cols) (cols <= 8), from the packed
+ * panel bp (K, 8): 4 x 8 accumulators, each adding its own terms in k order. */
+__attribute__((target_clones("avx2", "default")))
+static void dexact_panel(moe_index m0, moe_index m1, moe_index n0, moe_index cols, moe_index K,
+                         const double *A, moe_index lda, const double *bp, double *C, moe_index ldc)
+{
+    for (moe_index m = m0; m < m1; m += DEXACT_ROWS) {
+        const int rows = m1 - m < DEXACT_ROWS ? (int)(m1 - m) : DEXACT_ROWS;
+        lanes4 acc[DEXACT_ROWS][2];
+        for (int r = 0; r < DEXACT_ROWS; r++)
+            acc[r][0] = acc[r][1] = (lanes4){0};
+        const double *a[DEXACT_ROWS];
+        for (int r = 0; r < DEXACT_ROWS; r++) /* a short block repeats its last row */
+            a[r] = A + (m + (r < rows ? r : rows - 1)) * lda;
+        for (moe_index k = 0; k < K; k++) {
+            const lanes4 b0 = *(const lanes4_unaligned *)(bp + k * DEXACT_COLS);
+            const lanes4 b1 = *(const lanes4_unaligned *)(bp + k * DEXACT_COLS + 4);
+            for (int r = 0; r < DEXACT_ROWS; r++) {
+                acc[r][0] += a[r][k] * b0;
+                acc[r][1] += a[r][k] * b1;
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (moe_index j = 0; j < cols; j++)
+                C[(m + r) * ldc + n0 + j] = acc[r][j / 4][j % 4];
+    }
+}
+
+void moe_dgemm_nt_exact(moe_index M, moe_index N, moe_index K, const double *A, moe_index lda,
+                        const double *B, moe_index ldb, double *C, moe_index ldc)
+{
+    check_shape(M, N, K, lda, ldb, ldc, K);
+    if (M == 0 || N == 0)
+        return;
+    const moe_index panels = (N + DEXACT_COLS - 1) / DEXACT_COLS;
+    double *bp = moe_xmalloc(sizeof(double) * (size_t)(panels * DEXACT_COLS * K)); /* (panels, K, 8) */
+#pragma omp parallel for schedule(static)
+    for (moe_index p = 0; p < panels; p++)
+        for (moe_index k = 0; k < K; k++)
+            for (int j = 0; j < DEXACT_COLS; j++) {
+                const moe_index n = p * DEXACT_COLS + j;
+                bp[(p * K + k) * DEXACT_COLS + j] = n < N ? B[n * ldb + k] : 0.0;
+            }
+    const moe_index blocks = (M + DEXACT_ROW_BLOCK - 1) / DEXACT_ROW_BLOCK;
+    /* Tiles of 64 rows (cache-sized) by one panel, a block's panels in a
+     * row, split among the threads in contiguous shares. */
+#pragma omp parallel for schedule(static)
+    for (moe_index tile = 0; tile < blocks * panels; tile++) {
+        const moe_index m0 = tile / panels * DEXACT_ROW_BLOCK, p = tile % panels;
+        const moe_index m1 = M - m0 < DEXACT_ROW_BLOCK ? M : m0 + DEXACT_ROW_BLOCK;
+        const moe_index n0 = p * DEXACT_COLS;
+        const moe_index cols = N - n0 < DEXACT_COLS ? N - n0 : DEXACT_COLS;
+        dexact_panel(m0, m1, n0, cols, K, A, lda, bp + p * K * DEXACT_COLS, C, ldc);
+    }
+    free(bp);
 }
 
 /* Eight fp32 lanes; GCC lowers it to two SSE registers on plain x86-64 and to

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/exp.h"
+
 #define MOE_ROUTER_MAX_EXPERTS 4096 /* the --experts bound */
 
 /* The gate's logits. Each logit is one sequential fp64 sum over
@@ -107,15 +109,15 @@ static void softmax_row(const float *logits, int experts, float *scores)
             max = logits[e];
     double sum = 0.0;
     for (int e = 0; e < experts; e++)
-        sum += exp((double)logits[e] - max);
+        sum += moe_exp_fp64((double)logits[e] - max);
     for (int e = 0; e < experts; e++)
-        scores[e] = (float)(exp((double)logits[e] - max) / sum);
+        scores[e] = (float)(moe_exp_fp64((double)logits[e] - max) / sum);
 }
 
 static void sigmoid_row(const float *logits, int experts, float *scores)
 {
     for (int e = 0; e < experts; e++)
-        scores[e] = (float)(1.0 / (1.0 + exp(-(double)logits[e])));
+        scores[e] = (float)(1.0 / (1.0 + moe_exp_fp64(-(double)logits[e])));
 }
 
 /* The k largest of values (n) in descending order into ids; equal values keep

@@ -64,9 +64,9 @@ static void weights_f64(const moe_config *cfg, float *w1, float *w2, moe_index d
     to_f64(w2, d * f, w2_64);
 }
 
-void moe_truth_forward(const moe_config *cfg, const float *x, const float *x_dispatched,
-                       const int32_t *ids, const float *weights, moe_index tokens, double *y,
-                       double *allow)
+void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                       const float *x_dispatched, const int32_t *ids, const float *weights,
+                       moe_index tokens, double *y, double *allow)
 {
     const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
     const int E = (int)cfg->experts, k = (int)cfg->topk;
@@ -92,7 +92,7 @@ void moe_truth_forward(const moe_config *cfg, const float *x, const float *x_dis
         }
         moe_expert_generate(cfg->seed, e, d, f, w1, w2);
         weights_f64(cfg, w1, w2, d, f, w1_64, w2_64);
-        moe_expert_forward_f64(w1_64, w2_64, x64, T, d, f, scratch, out);
+        moe_expert_forward_f64(gemm, w1_64, w2_64, x64, T, d, f, scratch, out);
         accumulate(cfg, y, allow, out, gate, T, d);
     }
     if (x_dispatched != x)
@@ -100,7 +100,7 @@ void moe_truth_forward(const moe_config *cfg, const float *x, const float *x_dis
     for (int s = 0; s < (int)cfg->shared_experts; s++) {
         moe_shared_expert_generate(cfg->seed, s, d, f, w1, w2);
         weights_f64(cfg, w1, w2, d, f, w1_64, w2_64);
-        moe_expert_forward_f64(w1_64, w2_64, x64, T, d, f, scratch, out);
+        moe_expert_forward_f64(gemm, w1_64, w2_64, x64, T, d, f, scratch, out);
         /* shared experts run at home: no combine, no rounding */
         for (moe_index n = 0; n < T * d; n++)
             y[n] += out[n];

@@ -219,8 +219,9 @@ int main(int argc, char **argv)
     {
         moe_ep ep;
         if (moe_ep_init(&ep, &cfg, &world, &st) == MOE_EXIT_OK) {
-            moe_truth_forward(&cfg, x, moe_ep_dispatched_tokens(&ep, x, x_dispatched), ids,
-                              weights, T, truth, allow);
+            moe_truth_forward(&cfg, MOE_TRUTH_EXACT, x,
+                              moe_ep_dispatched_tokens(&ep, x, x_dispatched), ids, weights, T,
+                              truth, allow);
             moe_ep_free(&ep);
         }
     }

@@ -1,11 +1,14 @@
 /* check_experts.c — the SwiGLU FFN against a naive loop, and the comparison. */
+#include <float.h>
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#include "moe/exp.h"
 #include "moe/experts.h"
 #include "moe/gemm.h"
 #include "moe/rng.h"
@@ -255,6 +258,105 @@ START_TEST(exp_fp32_is_within_2_ulp_and_handles_the_edges)
 }
 END_TEST
 
+/* The truth's fixed-order fp64 GEMM is its definition bit for bit, for
+ * short row blocks and column tails, any subset of rows and any thread
+ * count. */
+START_TEST(exact_dgemm_is_the_scalar_loop)
+{
+    static const int shapes[][3] = {{1, 1, 1}, {7, 37, 19}, {70, 64, 33}, {5, 95, 128}, {131, 9, 8}};
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        const int M = shapes[c][0], N = shapes[c][1], K = shapes[c][2];
+        float *a32 = malloc(sizeof(float) * M * K), *b32 = malloc(sizeof(float) * N * K);
+        double *A = malloc(sizeof(double) * M * K), *B = malloc(sizeof(double) * N * K);
+        double *C = malloc(sizeof(double) * M * N), *again = malloc(sizeof(double) * M * N);
+        moe_synth_fill(7, MOE_TENSOR_TOKENS, 0, 0, M * K, 1.0f, a32);
+        moe_synth_fill(7, MOE_TENSOR_GATE, 0, 0, N * K, 0.3f, b32);
+        for (int n = 0; n < M * K; n++)
+            A[n] = a32[n] / 3.0; /* full 53-bit mantissas, so the order shows */
+        for (int n = 0; n < N * K; n++)
+            B[n] = b32[n] / 7.0;
+        moe_dgemm_nt_exact(M, N, K, A, K, B, K, C, N);
+        for (int m = 0; m < M; m++)
+            for (int n = 0; n < N; n++) {
+                double acc = 0.0;
+                for (int k = 0; k < K; k++)
+                    acc += A[m * K + k] * B[n * K + k];
+                ck_assert_msg(memcmp(&acc, &C[m * N + n], sizeof acc) == 0,
+                              "shape %dx%dx%d at (%d, %d): %a vs %a", M, N, K, m, n, acc, C[m * N + n]);
+            }
+        if (M > 3) { /* rows 3.. alone, at another position */
+            moe_dgemm_nt_exact(M - 3, N, K, A + 3 * K, K, B, K, again, N);
+            ck_assert_int_eq(memcmp(again, C + 3 * N, sizeof(double) * (M - 3) * N), 0);
+        }
+#ifdef _OPENMP
+        omp_set_num_threads(3);
+        moe_dgemm_nt_exact(M, N, K, A, K, B, K, again, N);
+        omp_set_num_threads(1);
+        ck_assert_int_eq(memcmp(again, C, sizeof(double) * M * N), 0);
+#endif
+        free(again);
+        free(C);
+        free(B);
+        free(A);
+        free(b32);
+        free(a32);
+    }
+}
+END_TEST
+
+/* Units in the last place of double v's binade. */
+static double ulp_of_double(double v)
+{
+    return nextafter(fabs(v), INFINITY) - fabs(v);
+}
+
+/* The largest error of moe_exp_fp64 in ulps on [from, to] in steps of
+ * step, against expl; *count receives the points tried. */
+static double exp_fp64_worst_ulps(double from, double to, double step, long *count)
+{
+    double worst = 0.0;
+    for (double x = from; x <= to; x += step, ++*count) {
+        const long double exact = expl((long double)x);
+        const double err = (double)fabsl((long double)moe_exp_fp64(x) - exact) / ulp_of_double((double)exact);
+        worst = err > worst ? err : worst;
+    }
+    return worst;
+}
+
+START_TEST(exp_fp64_is_within_2_ulp_and_handles_the_edges)
+{
+    const double lo = -708.3964185322641, hi = 709.782712893384;
+    long n = 0;
+    const double worst = fmax(exp_fp64_worst_ulps(lo, hi, 0.000731, &n),
+                              /* the router's and SwiGLU's range, densely */
+                              exp_fp64_worst_ulps(-2.0, 2.0, 0.0000131, &n));
+    ck_assert_int_gt(n, 2000000);
+    ck_assert_double_le(worst, 2.0);
+    ck_assert_double_eq(moe_exp_fp64(0.0), 1.0);
+    ck_assert_double_eq(moe_exp_fp64(-0.0), 1.0);
+    const double e = 2.718281828459045; /* the double nearest e */
+    ck_assert_double_le(fabs(moe_exp_fp64(1.0) - e), ulp_of_double(e));
+    ck_assert_double_eq(moe_exp_fp64(710.0), INFINITY);
+    ck_assert_double_eq(moe_exp_fp64(INFINITY), INFINITY);
+    ck_assert_double_eq(moe_exp_fp64(-709.0), 0.0);
+    ck_assert_double_eq(moe_exp_fp64(-INFINITY), 0.0);
+    ck_assert(isnan(moe_exp_fp64(NAN)));
+    ck_assert(isfinite(moe_exp_fp64(hi)) && moe_exp_fp64(hi) > 1.79e308);
+    ck_assert(moe_exp_fp64(lo) >= DBL_MIN); /* never subnormal */
+}
+END_TEST
+
+/* The guard the golden dump sets: a BLAS call under it stops the process. */
+START_TEST(forbidden_blas_stops_the_process)
+{
+    double a = 1.0, b = 2.0, c = 0.0;
+    moe_gemm_forbid_blas("a test");
+    moe_dgemm_nt_exact(1, 1, 1, &a, 1, &b, 1, &c, 1); /* ours: allowed */
+    ck_assert_double_eq(c, 2.0);
+    moe_dgemm_nt(1, 1, 1, &a, 1, &b, 1, &c, 1);
+}
+END_TEST
+
 Suite *make_experts_suite(void)
 {
     Suite *s = suite_create("experts");
@@ -268,6 +370,9 @@ Suite *make_experts_suite(void)
 #endif
     tcase_add_loop_test(tc, row_independent_ffn_is_chunk_independent, 0, 2);
     tcase_add_test(tc, exp_fp32_is_within_2_ulp_and_handles_the_edges);
+    tcase_add_test(tc, exact_dgemm_is_the_scalar_loop);
+    tcase_add_test(tc, exp_fp64_is_within_2_ulp_and_handles_the_edges);
+    tcase_add_test_raise_signal(tc, forbidden_blas_stops_the_process, SIGABRT);
     suite_add_tcase(s, tc);
     return s;
 }
