@@ -16,6 +16,17 @@
 #include "moe/experts.h"
 #include "moe/stats.h"
 
+/* Every MPI call of moe-ep goes through MOE_MPI. Communicators return
+ * errors (MPI_ERRORS_RETURN) instead of aborting inside the library, and a
+ * call that fails ends the job by the exit-3 path: one line
+ * "moe-ep: error: rank R: MPI_Name failed at FILE:LINE: the library's
+ * message", then MPI_Abort with exit status 3. A failed MPI call leaves no
+ * state the ranks could agree on, so there is no collective recovery.
+ * MOE_EP_FAULT=RANK:mpi (see moe_fault_here) makes the first all-to-all of
+ * rows on that rank report a failure, as a broken link would. */
+#define MOE_MPI(call) moe_mpi_check((call), #call, __FILE__, __LINE__)
+void moe_mpi_check(int rc, const char *call, const char *file, int line);
+
 typedef struct {
     MPI_Comm comm;
     int rank, ranks;   /* r, G */
@@ -51,7 +62,8 @@ int moe_comm_agree(const moe_comm *c, moe_status *st);
 
 /* Fault injection for the tests: with MOE_EP_FAULT=RANK:STAGE in the
  * environment, rank RANK fails at STAGE (generate, plan, dispatch, experts,
- * combine, dump) as an allocation or I/O failure would. Returns true, with
+ * combine, dump) as an allocation or I/O failure would (and at mpi as
+ * MOE_MPI says). Returns true, with
  * st set to a runtime error, when this rank is to fail here. */
 bool moe_fault_here(const moe_comm *c, const char *stage, moe_status *st);
 

@@ -19,6 +19,8 @@
 enum moe_command { MOE_CMD_RUN, MOE_CMD_PLAN, MOE_CMD_BENCH };
 enum moe_progress_kind { MOE_PROGRESS_POLL, MOE_PROGRESS_THREAD };
 enum moe_dtype { MOE_DTYPE_FP32, MOE_DTYPE_BF16, MOE_DTYPE_FP8 };
+/* FP8 dispatch scales: amax/448 in fp32, or rounded up to a power of two. */
+enum moe_fp8_scale { MOE_FP8_SCALE_FLOAT, MOE_FP8_SCALE_UE8M0 };
 /* Where the gate weight multiplies: the expert output after L2 (DeepSeek-V3's
  * reference code), or the SwiGLU output before L2 (fused GPU kernels). */
 enum moe_weight_at { MOE_WEIGHT_AT_OUTPUT, MOE_WEIGHT_AT_ACTIVATION };
@@ -32,8 +34,7 @@ typedef struct {
     int64_t topk;              /* k */
     int64_t shared_experts;    /* S */
     int64_t iters;             /* timed forward passes */
-    int64_t waves;             /* W of the run under way: waves_list[0] unless sweeping */
-    int64_t waves_list[MOE_MAX_WAVE_RUNS]; /* --waves W or W1,W2,... */
+    int64_t waves_list[MOE_MAX_WAVE_RUNS]; /* --waves W or W1,W2,...: the schedules to run */
     int waves_count;
     bool blocking;             /* the blocking reference path instead of waves */
     int64_t lookahead;         /* waves dispatched ahead of the one computing */
@@ -63,7 +64,7 @@ typedef struct {
     /* moe-ep plan: the whole model and its cluster */
     int64_t layers, moe_layers;
     int param_dtype, dispatch_dtype, combine_dtype; /* enum moe_dtype */
-    int fp8_scale;               /* 0: fp32 scales, 1: powers of two (UE8M0) */
+    int fp8_scale;               /* enum moe_fp8_scale */
     char cluster[MOE_NAME_MAX];  /* cluster preset applied, "" if none */
     int64_t gpus, gpus_per_node, ep;
     double intra_bw, inter_bw;   /* GB/s per GPU */
@@ -71,6 +72,7 @@ typedef struct {
     int64_t ranks_per_node;      /* R, virtual nodes; 0 = all ranks on one node */
 } moe_config;
 
+/* Every flag at the default its table entry names (the one --help prints). */
 void moe_config_defaults(moe_config *cfg);
 
 /* Parse the arguments of `moe-ep run` or `moe-ep plan` (argv[0] is the first

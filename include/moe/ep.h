@@ -1,14 +1,26 @@
 /* ep.h — the expert-parallel MoE layer across the ranks of a communicator.
  *
- * moe_ep_forward_ref is the blocking reference path: count exchange with
- * MPI_Alltoall, dispatch and combine with MPI_Alltoallv, one SwiGLU FFN call
- * per local expert on its rows in global token order. moe_ep_forward_waves
- * is the pipelined path; it must match the reference (bitwise where the
- * contract says so), which is never removed.
+ * A forward is a short sequence of named stages, each with one contract
+ * (src/comm/ep_stages.h):
+ *
+ *   route → plan → pack → dispatch → experts → combine → reduce (+ shared)
+ *
+ * Two paths run them. moe_ep_forward_ref (ep_ref.c) is the blocking
+ * reference: one count exchange, dispatch and combine with MPI_Alltoallv,
+ * one SwiGLU call per local expert on its rows in global token order. It is
+ * never removed. moe_ep_forward_waves (ep_waves.c) runs the same stages in W
+ * pipelined waves under an explicit schedule; it must match the reference,
+ * bitwise where the contract says so.
+ *
+ * What is fixed for the object's life comes from the validated configuration
+ * (held const, never written); what a caller varies from one forward to the
+ * next travels in a moe_schedule. The GEMM kind is fixed too: the weights
+ * are laid out for it once, at init.
  */
 #ifndef MOE_EP_H
 #define MOE_EP_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "moe/comm.h"
@@ -19,27 +31,10 @@
 #include "moe/router.h"
 #include "moe/stats.h"
 
-/* Shared experts are applied in blocks of this many of the home rank's
- * tokens, block b covering local tokens [64b, 64b+64): the same sgemm calls
- * whenever blocks cover the same global tokens (T a multiple of 64). */
-#define MOE_SHARED_ROW_BLOCK 64
-
-/* The wave path's large buffers, kept across forwards: a forward reuses
- * them (no allocation and no page faults once they are sized), and refits
- * them when the configuration changes. */
-enum { MOE_WAVE_SEND_ROWS, MOE_WAVE_SEND_META, MOE_WAVE_RECV_ROWS, MOE_WAVE_RECV_META,
-       MOE_WAVE_EXPERT_OUT, MOE_WAVE_BACK, MOE_WAVE_ROW_AT, MOE_WAVE_BUFFERS };
-typedef struct {
-    int waves;              /* wave slots held */
-    moe_buffer *wave;       /* (waves, MOE_WAVE_BUFFERS) */
-    moe_buffer expert_in;   /* the largest expert batch's rows (moe_ep_run_expert's work) */
-    moe_buffer scratch;     /* and its activations */
-    moe_buffer slot_rows;   /* the reduce table */
-    moe_buffer x_scratch;   /* the quantised tokens (--dispatch-dtype) */
-} moe_ep_workspace;
+struct moe_ep_workspace; /* the paths' buffers, kept across forwards (ep_stages.h) */
 
 typedef struct moe_ep_s {
-    const moe_config *cfg;
+    const moe_config *cfg; /* validated, never written */
     moe_comm comm;
     moe_placement placement;
     moe_router router;
@@ -56,46 +51,44 @@ typedef struct moe_ep_s {
     float *gate;       /* (E, d) */
     float *bias;       /* (E) deepseek-v3 correction bias, NULL without */
     float *skew;       /* (E) --skew logit bias, NULL without */
-    moe_link link;     /* the emulated interconnect (off unless --link) */
-    moe_ep_workspace *work; /* the wave path's buffers (mutable through a const moe_ep) */
+    moe_link link;     /* the emulated interconnect (configured by --link; its
+                          bandwidths calibrated once by cb=RATIO) */
+    struct moe_ep_workspace *work; /* mutable through a const moe_ep */
 } moe_ep;
 
-/* x (T, d) as the ranks receive it: x itself for --dispatch-dtype fp32,
- * else its quantised copy in scratch (T, d). */
-const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch);
+/* How one wave forward runs: everything a caller varies between forwards. */
+typedef struct {
+    int waves;                       /* W >= 1 */
+    int lookahead;                   /* waves dispatched ahead of the one computing, >= 1 */
+    enum moe_progress_kind progress; /* who drives the nonblocking collectives */
+    bool link;                       /* emulate ep->link (when --link configured one) */
+    moe_trace *trace;                /* this rank's events are appended here; NULL: none */
+    double origin;                   /* MPI_Wtime the events count from */
+} moe_schedule;
 
-/* The weights of local expert l, or of shared expert s. */
-moe_expert_weights moe_ep_expert(const moe_ep *ep, int local);
-moe_expert_weights moe_ep_shared_expert(const moe_ep *ep, int shared);
-
-/* Local expert l on the rows recv assigns it: gather them from where row_at
- * (received rows) says each received row is, run the FFN (with the gate
- * weight from recv_meta (rows, 2k + 1) applied before L2 when
- * cfg->weight_at says so), scatter the outputs into expert_out (pairs, d).
- * work holds (n, d + 1) floats, scratch (n, 2f). */
-void moe_ep_run_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
-                       const float *const *row_at, const int32_t *recv_meta, float *work,
-                       float *scratch, float *expert_out, const moe_ffn_hooks *hooks);
-
-/* Floats of one expert-input work buffer row (see moe_ep_run_expert). */
-#define MOE_EXPERT_WORK_FLOATS(d) ((d) + 1)
-
-/* y (T, d) += the shared experts of x (T, d), in blocks of
- * MOE_SHARED_ROW_BLOCK tokens; scratch (64, 2f), out (64, d). */
-void moe_ep_shared_forward(const moe_ep *ep, const float *x, float *y, float *scratch, float *out);
+/* The schedule ep's configuration asks for: the first --waves,
+ * --lookahead, --progress as the MPI library can give it
+ * (moe_progress_granted), the link model on, no trace. */
+moe_schedule moe_schedule_default(const moe_ep *ep);
 
 /* Generate this rank's weights. Collective (allocation is agreed on): returns
- * MOE_EXIT_RUNTIME on every rank if any rank could not allocate. */
+ * MOE_EXIT_RUNTIME on every rank if any rank could not allocate. cfg must
+ * have passed moe_config_validate and outlive ep. */
 int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_status *st);
 void moe_ep_free(moe_ep *ep);
 
 /* x (T, d) = this rank's tokens, global ids rank*T + i. */
 void moe_ep_generate_tokens(const moe_ep *ep, float *x);
 
-/* Route x (T, d): ids (T, k), weights (T, k); logits and scores (T, E) kept
- * for inspection. Pure (no communication). */
+/* Stage route. x (T, d) → ids (T, k), weights (T, k); logits and scores
+ * (T, E) kept for inspection. A token's routing depends on its row only
+ * (fixed-order fp64 gate, specified exp): the same bits at any G. Pure. */
 void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
                   float *weights);
+
+/* x (T, d) as the ranks receive it: x itself for --dispatch-dtype fp32,
+ * else its quantised copy in scratch (T, d). */
+const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch);
 
 /* What the blocking path saw on this rank, for --dump (owned copies). */
 typedef struct {
@@ -109,22 +102,30 @@ typedef struct {
 
 void moe_ep_capture_free(moe_ep_capture *capture);
 
-/* y (T, d) = the MoE layer for x (T, d) routed by ids/weights (T, k).
- * Collective. capture, when not NULL, receives the rows this rank received
- * and the expert outputs it sent back. Returns MOE_EXIT_OK, or
- * MOE_EXIT_RUNTIME on every rank (with st set) if a buffer could not be
- * allocated on any rank. */
+/* y (T, d) = the MoE layer for x (T, d) routed by ids/weights (T, k), on the
+ * blocking reference path. Collective. capture, when not NULL, receives the
+ * rows this rank received and the expert outputs it sent back. Returns
+ * MOE_EXIT_OK, or MOE_EXIT_RUNTIME on every rank (with st set) if a buffer
+ * could not be allocated on any rank. */
 int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
                        const float *weights, float *y, moe_forward_stats *stats,
                        moe_ep_capture *capture, moe_status *st);
 
-/* The same layer in cfg->waves pipelined waves (ep_waves.c), with progress
- * driven as cfg->progress says. Appends this rank's events to trace (may be
- * NULL), timed from origin (an MPI_Wtime taken right after a barrier). Output
- * bitwise identical to moe_ep_forward_ref for expert-slot waves, and for any
- * waves with --gemm exact. Collective. */
-int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
-                         const float *weights, float *y, moe_forward_stats *stats,
-                         moe_trace *trace, double origin, moe_status *st);
+/* The same layer in sched->waves pipelined waves, progress and link model as
+ * sched says. Output bitwise identical to moe_ep_forward_ref for
+ * expert-slot waves, and for any waves with --gemm exact or packed.
+ * stats->comm_seconds is left 0: the all-to-alls alone are timed by
+ * moe_ep_time_alltoalls, outside the forward. Collective. */
+int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const float *x,
+                         const int32_t *ids, const float *weights, float *y,
+                         moe_forward_stats *stats, moe_status *st);
+
+/* T_comm of the overlap, the OSU way: the last moe_ep_forward_waves's
+ * all-to-alls posted again all at once (as the pipeline may have them) with
+ * no compute between post and wait, their receive buffers rewritten with
+ * the same bytes; with sched->link, at least the time the modelled links
+ * need for all of them. Seconds on this rank. Collective; must follow a
+ * successful moe_ep_forward_waves on every rank. */
+double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched);
 
 #endif

@@ -95,6 +95,15 @@ void moe_send_plan_free(moe_send_plan *plan);
  * identifies itself, as DeepEP's tests do). */
 #define MOE_META_WORDS(topk) (2 * (topk) + 1)
 
+/* The bytes a dispatched row puts on the wire (its d fp32 values and its
+ * meta), and an expert output row on its way back: the one definition the
+ * traffic figures, the link model and the benchmarks all use. */
+static inline double moe_dispatch_row_bytes(moe_index hidden, int topk)
+{
+    return 4.0 * (double)hidden + 4.0 * (double)MOE_META_WORDS(topk);
+}
+static inline double moe_combine_row_bytes(moe_index hidden) { return 4.0 * (double)hidden; }
+
 /* meta (rows, 2k + 1) for the tokens row_token[0 .. rows-1] of ids/weights
  * (T, k), whose global ids start at first_token. */
 void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe_index *row_token,

@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 
+#include "moe/comm.h"
 #include "moe/config.h"
 
 typedef struct {
@@ -46,6 +47,11 @@ typedef struct {
 
 /* The thread level the library granted at start-up (MPI_Init_thread). */
 extern int moe_progress_thread_level;
+
+/* The progress kind this MPI library can give for `requested`: thread needs
+ * MPI_THREAD_SERIALIZED, and falls back to poll without it. Rank 0 of c
+ * says so once, as a note on stderr. */
+enum moe_progress_kind moe_progress_granted(const moe_comm *c, enum moe_progress_kind requested);
 
 void moe_progress_init(moe_progress *p, enum moe_progress_kind kind, int n_ops);
 /* Stop the progress thread, if any: its counters and the ops are final. */

@@ -27,6 +27,7 @@ typedef struct {
     const moe_config *cfg;
     const moe_link *link;
     int ranks, ranks_on_host, cores, bound, threads, blas_threads;
+    int progress;                 /* enum moe_progress_kind, as granted */
     int local_experts_min, local_experts_max;
     moe_spread rows_received;     /* dispatch rows per rank */
     moe_spread pairs_received;    /* (row, expert) pairs computed per rank */

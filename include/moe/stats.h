@@ -50,6 +50,15 @@ void moe_trace_add(moe_trace *t, moe_event e);
 void moe_trace_clear(moe_trace *t);
 void moe_trace_free(moe_trace *t);
 
+/* Overlap, the OSU way: 1 - (T_layer - T_compute) / T_comm, clamped to
+ * [0, 1]; 0 when nothing was communicated. The one definition the report,
+ * the benchmark and the docs use. */
+static inline double moe_overlap(double layer, double compute, double comm)
+{
+    const double overlap = comm > 0 ? 1.0 - (layer - compute) / comm : 0.0;
+    return overlap < 0 ? 0 : overlap > 1 ? 1 : overlap;
+}
+
 typedef struct {
     double seconds[MOE_STAGES];
     moe_index rows_sent;         /* dispatch rows, self included */
@@ -67,7 +76,7 @@ typedef struct {
     int wave_kind;               /* enum moe_wave_kind */
     double pipeline_seconds;     /* first dispatch posted .. last combine complete */
     double compute_seconds;      /* expert compute inside the pipeline */
-    double comm_seconds;         /* the same all-to-alls alone (pure-communication pass) */
+    double comm_seconds;         /* not set by the forward: moe_ep_time_alltoalls */
     double test_seconds;         /* inside MPI_Test */
 } moe_forward_stats;
 

@@ -6,7 +6,7 @@
  * ranks, on cold caches: one sgemm of the same FLOPs as a rank's experts
  * (M = its routed pairs plus T per shared expert, N = 3f, K = d), and one
  * plain MPI_Alltoallv pair with the counts the forward's dispatch and
- * combine send to other ranks. Ceiling = anchor sgemm time / layer time;
+ * combine send to other ranks-> Ceiling = anchor sgemm time / layer time;
  * GEMM efficiency = the anchor's routed share / the routed experts' compute
  * time; all-to-all efficiency = anchor time / the forward's all-to-alls alone
  * (all in flight, as measured for the overlap). Peak RSS per rank during the
@@ -23,7 +23,7 @@
 #include "moe/cli.h"
 #include "moe/gemm.h"
 #include "moe/timeline.h"
-#include "run.h"
+#include "moe/context.h"
 
 typedef struct {
     int waves, wave_kind, ranks;
@@ -43,11 +43,11 @@ typedef struct {
 #define EVICT_BYTES ((size_t)64 << 20)
 
 /* The median over 3 runs of fn, all ranks starting together after a
- * barrier: of the max over ranks, or (per_rank) of this rank's own times.
+ * barrier: of the max over ranks, or (per_rank) of this rank's own times->
  * Each run starts on cold caches, as the forward's data does: its rows are
  * packed, and its expert outputs written, long before they move, with the
  * expert weights streaming through the caches in between; an anchor run on
- * hot buffers would be measured against a forward on cold ones. */
+ * hot buffers would be measured against a forward on cold ones-> */
 static double timed(const moe_comm *c, void (*fn)(void *), void *arg, bool per_rank)
 {
     double t[3];
@@ -63,7 +63,7 @@ static double timed(const moe_comm *c, void (*fn)(void *), void *arg, bool per_r
         t[n] = per_rank ? own : moe_comm_max(c, own);
     }
     free((void *)evict);
-    return moe_run_median(t, 3);
+    return moe_median(t, 3);
 }
 
 typedef struct {
@@ -72,7 +72,7 @@ typedef struct {
 } sgemm_anchor;
 
 /* n floats of small values: real pages (untouched ones all map the zero
- * page, which reads faster than data), and no subnormals. */
+ * page, which reads faster than data), and no subnormals-> */
 static float *filled(size_t n)
 {
     float *v = moe_xmalloc(sizeof(float) * n);
@@ -210,7 +210,7 @@ static void print_usage(FILE *out)
             "\n"
             "The wave pipeline at each W (default 1,2,4,8), --warmup untimed then --iters timed\n"
             "forwards, against anchors measured in the same run: one sgemm of the experts' FLOPs\n"
-            "and one plain MPI_Alltoallv of the forward's counts. Takes every flag of run.\n"
+            "and one plain MPI_Alltoallv of the forward's counts-> Takes every flag of run.\n"
             "\n");
     moe_config_print_flags(out, MOE_CMD_BENCH);
 }
@@ -219,57 +219,47 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
         return MOE_EXIT_OK;
-    moe_config cfg;
-    moe_status st = {0};
-    moe_ep ep;
-    run_buffers b;
-    moe_run_summary s;
-    int rc = moe_run_prepare(c, MOE_CMD_BENCH, argc, argv, &cfg, &ep, &b, &s, &st);
-    if (rc) {
-        moe_comm_print_error(c, &st);
+    moe_run_context ctx;
+    int rc = moe_context_open(&ctx, c, MOE_CMD_BENCH, argc, argv);
+    if (rc)
         return rc;
-    }
+    const moe_config *cfg = &ctx.cfg;
+    const moe_run_summary *s = &ctx.summary;
+    const moe_forward_stats *probe = &ctx.last; /* this rank's rows and pairs */
     bench_row rows[MOE_MAX_WAVE_RUNS + 1];
     memset(rows, 0, sizeof rows);
-    const moe_index T = cfg.tokens, d = cfg.hidden, f = cfg.ffn;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
     double gemm_anchor = 0.0;        /* the sgemm anchor: all expert FLOPs, max over ranks */
     double gemm_anchor_routed = 0.0; /* its share of the routed experts, max over ranks */
     double anchor_flops = 0.0;       /* its FLOPs, all ranks */
-    const int iters = (int)cfg.iters;
-    for (int n = 0; rc == MOE_EXIT_OK && n < cfg.waves_count; n++) {
-        cfg.waves = cfg.waves_list[n];
+    const int iters = (int)cfg->iters;
+    for (int n = 0; rc == MOE_EXIT_OK && n < cfg->waves_count; n++) {
+        ctx.schedule.waves = (int)cfg->waves_list[n];
         if (c->rank == 0)
-            fprintf(stderr, "bench: W = %lld: %lld warm-up and %d timed forwards\n",
-                    (long long)cfg.waves, (long long)cfg.warmup, iters);
+            fprintf(stderr, "bench: W = %d: %lld warm-up and %d timed forwards\n",
+                    ctx.schedule.waves, (long long)cfg->warmup, iters);
         peak_reset(); /* this W's forwards only, not the anchors before */
-        cfg.iters = cfg.warmup;
-        if (cfg.warmup > 0)
-            rc = moe_run_timed_forwards(c, &ep, &b, &s, &st);
-        cfg.iters = iters;
+        if (cfg->warmup > 0)
+            rc = moe_context_timed_forwards(&ctx, (int)cfg->warmup);
         if (rc == MOE_EXIT_OK)
-            rc = moe_run_timed_forwards(c, &ep, &b, &s, &st);
+            rc = moe_context_timed_forwards(&ctx, iters);
         if (rc)
             break;
+        moe_context_time_alltoalls(&ctx, iters);
         /* Anchors: the sgemm once (the experts' FLOPs do not depend on W),
-         * the all-to-all per W (per-wave dedup changes the counts); one more
-         * forward gives this rank's rows and pairs. */
-        moe_forward_stats probe;
-        moe_comm_barrier(c);
-        rc = moe_ep_forward_waves(&ep, b.x, b.ids, b.weights, b.y, &probe, NULL, 0.0, &st);
-        if (rc)
-            break;
+         * the all-to-all per W (per-wave dedup changes the counts). */
         const double rss = peak_bytes();
         if (n == 0) {
             /* M: the rows this rank's experts take, the routed pairs and
              * its tokens once per shared expert */
-            const moe_index shared_rows = cfg.shared_experts * T;
-            sgemm_anchor g = {probe.pairs_received + shared_rows, 3 * f, d, NULL, NULL, NULL};
+            const moe_index shared_rows = cfg->shared_experts * T;
+            sgemm_anchor g = {probe->pairs_received + shared_rows, 3 * f, d, NULL, NULL, NULL};
             g.A = filled((size_t)(g.M * g.K) + 1);
             g.B = filled((size_t)(g.N * g.K) + 1);
             g.C = filled((size_t)(g.M * g.N) + 1);
             const double own = timed(c, run_sgemm, &g, true);
             gemm_anchor = moe_comm_max(c, own);
-            const double routed = g.M ? (double)probe.pairs_received / (double)g.M : 0.0;
+            const double routed = g.M ? (double)probe->pairs_received / (double)g.M : 0.0;
             gemm_anchor_routed = moe_comm_max(c, own * routed);
             anchor_flops = moe_comm_sum(c, 2.0 * (double)g.M * (double)g.N * (double)g.K);
             free(g.C);
@@ -282,11 +272,11 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         double *dispatch_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
         double *combine_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
         moe_waves waves;
-        moe_waves_init(&waves, &ep.placement, (int)cfg.waves, T);
-        moe_rows_per_destination(&ep.placement, b.ids, T, (int)cfg.topk, &waves, dispatch_rows);
+        moe_waves_init(&waves, &ctx.ep.placement, ctx.schedule.waves, T);
+        moe_rows_per_destination(&ctx.ep.placement, ctx.ids, T, (int)cfg->topk, &waves, dispatch_rows);
         moe_waves_free(&waves);
         moe_send_plan plan;
-        moe_send_plan_build(&plan, &ep.placement, b.ids, T, (int)cfg.topk, NULL, 0);
+        moe_send_plan_build(&plan, &ctx.ep.placement, ctx.ids, T, (int)cfg->topk, NULL, 0);
         for (int r = 0; r < c->ranks; r++)
             combine_rows[r] = (double)plan.pair_count[r];
         moe_send_plan_free(&plan);
@@ -296,31 +286,31 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         const double a2a_anchor_seconds = timed(c, run_alltoallv, &a, false);
         /* nothing crosses ranks (one rank): no all-to-all figures */
         const bool travels =
-            moe_comm_sum(c, (double)(probe.rows_sent_remote + probe.pairs_back_remote)) > 0;
+            moe_comm_sum(c, (double)(probe->rows_sent_remote + probe->pairs_back_remote)) > 0;
         moe_comm_alltoallv_free(a.combine);
         moe_comm_alltoallv_free(a.dispatch);
         free(combine_rows);
         free(dispatch_rows);
 
-        const double ratio = moe_comm_max(c, rss / minimum_bytes(&ep, &probe));
+        const double ratio = moe_comm_max(c, rss / minimum_bytes(&ctx.ep, probe));
         /* the bytes that cross ranks, all ranks: rows with their ids out, outputs back */
-        const double bytes = s.rows_sent_remote * (double)(4 * d + 4 * MOE_META_WORDS(cfg.topk)) +
-                             s.pairs_back_remote * (double)(4 * d);
-        const double expert_time = s.compute_seconds;
+        const double bytes = s->rows_sent_remote * moe_dispatch_row_bytes(d, (int)cfg->topk) +
+                             s->pairs_back_remote * moe_combine_row_bytes(d);
+        const double expert_time = s->compute_seconds;
         rows[n] = (bench_row){
-            .waves = (int)cfg.waves,
+            .waves = ctx.schedule.waves,
             .ranks = c->ranks,
-            .wave_kind = s.wave_kind,
-            .layer = s.layer_seconds,
-            .layer_min = s.layer_min,
-            .layer_max = s.layer_max,
-            .tokens_per_second = (double)c->ranks * (double)T / s.layer_seconds,
-            .expert_gflops = s.expert_flops * 1e-9 / expert_time,
-            .ceiling = gemm_anchor / s.layer_seconds,
+            .wave_kind = s->wave_kind,
+            .layer = s->layer_seconds,
+            .layer_min = s->layer_min,
+            .layer_max = s->layer_max,
+            .tokens_per_second = (double)c->ranks * (double)T / s->layer_seconds,
+            .expert_gflops = s->expert_flops * 1e-9 / expert_time,
+            .ceiling = gemm_anchor / s->layer_seconds,
             .gemm_efficiency = gemm_anchor_routed / expert_time,
-            .a2a_bytes_per_second = travels ? bytes / s.comm_seconds : NAN,
-            .a2a_efficiency = travels ? a2a_anchor_seconds / s.comm_seconds : NAN,
-            .overlap = s.comm_seconds > 0 ? fmax(0.0, fmin(1.0, 1.0 - (s.pipeline_seconds - s.compute_seconds) / s.comm_seconds)) : 0.0,
+            .a2a_bytes_per_second = travels ? bytes / s->comm_seconds : NAN,
+            .a2a_efficiency = travels ? a2a_anchor_seconds / s->comm_seconds : NAN,
+            .overlap = moe_overlap(s->pipeline_seconds, s->compute_seconds, s->comm_seconds),
             .rss_mb = moe_comm_max(c, rss) / 1048576.0,
             .rss_ratio = ratio,
         };
@@ -329,13 +319,13 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
     if (rc == MOE_EXIT_OK && c->rank == 0) {
         printf("moe-ep bench · preset %s · G=%d ranks · T=%lld d=%lld f=%lld E=%lld k=%lld · "
                "%lld timed forwards per W (after %lld warm-up) · gemm %s · progress %s\n",
-               cfg.preset[0] ? cfg.preset : "(none)", c->ranks, (long long)T, (long long)d,
-               (long long)f, (long long)cfg.experts, (long long)cfg.topk, (long long)cfg.iters,
-               (long long)cfg.warmup, moe_gemm_label((enum moe_gemm_kind)cfg.gemm), cfg.progress ? "thread" : "poll");
-        moe_report_print_machine(stdout, &s);
+               cfg->preset[0] ? cfg->preset : "(none)", c->ranks, (long long)T, (long long)d,
+               (long long)f, (long long)cfg->experts, (long long)cfg->topk, (long long)cfg->iters,
+               (long long)cfg->warmup, moe_gemm_label(ctx.ep.gemm), s->progress ? "thread" : "poll");
+        moe_report_print_machine(stdout, s);
         printf("anchors   sgemm of the experts' FLOPs (routed%s): %.2f ms (%.1f GFLOP/s on %d ranks) "
                "· plain MPI_Alltoallv of the same counts, per W below\n",
-               cfg.shared_experts ? " and shared" : "", 1e3 * gemm_anchor,
+               cfg->shared_experts ? " and shared" : "", 1e3 * gemm_anchor,
                anchor_flops * 1e-9 / gemm_anchor, c->ranks);
         printf("          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
                "routed experts' compute\n");
@@ -356,18 +346,17 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                    100.0 * r->overlap, r->rss_mb, r->rss_ratio);
         }
         fflush(stdout);
-        if (cfg.csv[0])
-            moe_write_file_atomic(cfg.csv, write_csv, rows, &local);
-        if (cfg.plot[0] && local.code == MOE_EXIT_OK)
-            moe_write_file_atomic(cfg.plot, write_plot, rows, &local);
+        if (cfg->csv[0])
+            moe_write_file_atomic(cfg->csv, write_csv, rows, &local);
+        if (cfg->plot[0] && local.code == MOE_EXIT_OK)
+            moe_write_file_atomic(cfg->plot, write_plot, rows, &local);
     }
     if (rc == MOE_EXIT_OK && moe_comm_agree(c, &local)) {
-        st = local;
-        rc = st.code;
+        ctx.status = local;
+        rc = local.code;
     }
     if (rc)
-        moe_comm_print_error(c, &st);
-    moe_run_buffers_free(&b);
-    moe_ep_free(&ep);
+        moe_comm_print_error(c, &ctx.status);
+    moe_context_close(&ctx);
     return rc;
 }

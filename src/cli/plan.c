@@ -2,12 +2,12 @@
  *
  * No communication happens: rank 0 prints (any other rank stays quiet), so
  * `moe-ep plan` runs with or without mpirun. The numbers come from
- * src/core/plan.c; docs/plan.md gives the formulas.
+ * src/core/cluster.c; docs/plan.md gives the formulas.
  */
 #include <string.h>
 
 #include "moe/cli.h"
-#include "moe/plan.h"
+#include "moe/cluster.h"
 
 static void print_usage(FILE *out)
 {
@@ -56,7 +56,7 @@ static char *bytes(double v, char *buf, size_t size)
     return buf;
 }
 
-static void print_plan(const moe_config *cfg, const moe_plan *p)
+static void print_plan(const moe_config *cfg, const moe_cluster *p)
 {
     char a[32], b[32], c[32];
     printf("moe-ep plan · model %s · cluster %s\n", cfg->preset[0] ? cfg->preset : "(flags)",
@@ -110,7 +110,7 @@ static void print_plan(const moe_config *cfg, const moe_plan *p)
            100.0 * p->overlap_layer);
     printf("pipeline  five equal stages T = (compute + comm) / 5 = %.2f ms: naive 5T = %.2f ms; "
            "W = %lld waves T(1 + 4/W) = %.2f ms (%.2fx)\n",
-           1e3 * p->stage_seconds, 1e3 * p->naive_seconds, (long long)cfg->waves,
+           1e3 * p->stage_seconds, 1e3 * p->naive_seconds, (long long)cfg->waves_list[0],
            1e3 * p->wave_seconds, p->wave_seconds > 0 ? p->naive_seconds / p->wave_seconds : 0.0);
 }
 
@@ -135,8 +135,8 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
         moe_comm_print_error(c, &st);
         return st.code;
     }
-    moe_plan plan;
-    moe_plan_compute(&cfg, &plan);
+    moe_cluster plan;
+    moe_cluster_compute(&cfg, &plan);
     if (c->rank == 0)
         print_plan(&cfg, &plan);
     return MOE_EXIT_OK;

@@ -10,19 +10,17 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "moe/check.h"
 #include "moe/cli.h"
+#include "moe/context.h"
 #include "moe/ep.h"
 #include "moe/gemm.h"
-#include "moe/progress.h"
 #include "moe/quant.h"
 #include "moe/report.h"
 #include "moe/rng.h"
 #include "moe/timeline.h"
 #include "moe/truth.h"
-#include "run.h"
 
 static void print_usage(FILE *out)
 {
@@ -42,154 +40,21 @@ static void print_usage(FILE *out)
             moe_config_data_path("presets"));
 }
 
-int moe_run_set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, int argc,
-                   char **argv, moe_status *st)
-{
-    moe_config_defaults(cfg);
-    if (command == MOE_CMD_BENCH) { /* bench sweeps W unless told otherwise */
-        static const int64_t sweep[] = {1, 2, 4, 8};
-        memcpy(cfg->waves_list, sweep, sizeof sweep);
-        cfg->waves_count = 4;
-        cfg->iters = 5;
-    }
-    if (moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
-        moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
-        if (c->rank == 0 && cfg->trace[0])
-            moe_check_output_path("--trace", cfg->trace, st);
-        if (c->rank == 0 && cfg->timeline[0] && st->code == MOE_EXIT_OK)
-            moe_check_output_path("--timeline", cfg->timeline, st);
-        if (c->rank == 0 && cfg->dump[0] && st->code == MOE_EXIT_OK)
-            moe_check_output_dir("--dump", cfg->dump, st);
-        if (c->rank == 0 && cfg->csv[0] && st->code == MOE_EXIT_OK)
-            moe_check_output_path("--csv", cfg->csv, st);
-        if (c->rank == 0 && cfg->plot[0] && st->code == MOE_EXIT_OK)
-            moe_check_output_path("--plot", cfg->plot, st);
-        if (command == MOE_CMD_BENCH && cfg->blocking && st->code == MOE_EXIT_OK)
-            moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
-        if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)
-            moe_fail(st, MOE_EXIT_USAGE, "--compare-serial needs --timeline FILE.svg");
-        if (cfg->blocking && (cfg->trace[0] || cfg->timeline[0]) && st->code == MOE_EXIT_OK)
-            moe_fail(st, MOE_EXIT_USAGE,
-                     "--trace and --timeline show the wave pipeline; drop --blocking");
-    }
-    if (st->code == MOE_EXIT_OK && cfg->progress == MOE_PROGRESS_THREAD &&
-        moe_progress_thread_level < MPI_THREAD_SERIALIZED) {
-        if (c->rank == 0)
-            fprintf(stderr, "moe-ep: note: --progress thread needs MPI_THREAD_SERIALIZED, which this "
-                            "MPI library does not grant; polling instead\n");
-        cfg->progress = MOE_PROGRESS_POLL;
-    }
-    if (st->code == MOE_EXIT_OK) {
-        const double need = moe_config_memory_per_rank(cfg, c->ranks);
-        const double have = moe_memory_available() / c->ranks_on_host;
-        if (need > have) {
-            char b1[32], b2[32];
-            moe_fail(st, MOE_EXIT_USAGE,
-                     "this config needs about %s per rank, but %s is available per rank "
-                     "(%d ranks on this host); lower --tokens, --hidden, --ffn or --experts",
-                     moe_format_bytes(need, b1, sizeof b1), moe_format_bytes(have, b2, sizeof b2),
-                     c->ranks_on_host);
-        }
-    }
-    return moe_comm_agree(c, st);
-}
-
-static int compare_doubles(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-double moe_run_median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, compare_doubles);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* The routing and traffic figures of one forward, reduced over ranks. */
-static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_forward_stats *f,
-                              moe_run_summary *s)
-{
-    const double rows = (double)f->rows_received, pairs = (double)f->pairs_received;
-    s->rows_received = (moe_spread){moe_comm_min(c, rows), moe_comm_sum(c, rows) / c->ranks,
-                                    moe_comm_max(c, rows)};
-    s->pairs_received = (moe_spread){moe_comm_min(c, pairs), moe_comm_sum(c, pairs) / c->ranks,
-                                     moe_comm_max(c, pairs)};
-    s->rows_sent = moe_comm_sum(c, (double)f->rows_sent);
-    s->rows_sent_remote = moe_comm_sum(c, (double)f->rows_sent_remote);
-    s->pairs_back_remote = moe_comm_sum(c, (double)f->pairs_back_remote);
-    s->bytes_dispatched = moe_comm_sum(c, f->bytes_dispatched);
-    s->bytes_combined = moe_comm_sum(c, f->bytes_combined);
-    s->expert_flops = moe_comm_sum(c, f->expert_flops);
-    s->local_experts_min = (int)moe_comm_min(c, ep->local_experts);
-    s->local_experts_max = (int)moe_comm_max(c, ep->local_experts);
-}
-
-/* Per iteration, each rank's figures; reduced with max over ranks. The
- * expert window is max(end) - min(start): -start goes in as COL_WINDOW. */
-enum {
-    COL_LAYER = MOE_STAGES, COL_EXPERTS, COL_WINDOW, COL_PIPELINE, COL_COMPUTE, COL_COMM,
-    COL_TEST, COL_EXPERT_END, COLS
-};
-
-static void iteration_row(const moe_forward_stats *f, double layer, double *row)
-{
-    memcpy(row, f->seconds, sizeof f->seconds);
-    row[COL_LAYER] = layer;
-    row[COL_EXPERTS] = f->seconds[MOE_STAGE_EXPERTS];
-    row[COL_WINDOW] = -f->expert_start;
-    row[COL_PIPELINE] = f->pipeline_seconds;
-    row[COL_COMPUTE] = f->compute_seconds;
-    row[COL_COMM] = f->comm_seconds;
-    row[COL_TEST] = f->test_seconds;
-    row[COL_EXPERT_END] = f->expert_end;
-}
-
-/* Medians over iterations of the per-iteration maxima. */
-static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
-{
-    double column[iters], m[COLS];
-    for (int n = 0; n < COLS; n++) {
-        for (int it = 0; it < iters; it++)
-            column[it] = per_iter[(size_t)it * COLS + n];
-        m[n] = moe_run_median(column, iters);
-    }
-    memcpy(s->stage_seconds, m, sizeof s->stage_seconds);
-    s->layer_seconds = m[COL_LAYER];
-    s->layer_min = s->layer_max = per_iter[COL_LAYER];
-    for (int it = 1; it < iters; it++) {
-        s->layer_min = fmin(s->layer_min, per_iter[(size_t)it * COLS + COL_LAYER]);
-        s->layer_max = fmax(s->layer_max, per_iter[(size_t)it * COLS + COL_LAYER]);
-    }
-    s->expert_seconds = m[COL_EXPERTS];
-    s->expert_window = m[COL_WINDOW];
-    s->pipeline_seconds = m[COL_PIPELINE];
-    s->compute_seconds = m[COL_COMPUTE];
-    s->comm_seconds = m[COL_COMM];
-    s->test_seconds = m[COL_TEST];
-}
-
-static int forward(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
-                   float *y, moe_forward_stats *f, moe_trace *trace, double origin, moe_status *st)
-{
-    if (!ep->cfg->blocking)
-        return moe_ep_forward_waves(ep, x, ids, weights, y, f, trace, origin, st);
-    return moe_ep_forward_ref(ep, x, ids, weights, y, f, NULL, st);
-}
-
 /* The dense truth with the run's rounding, then (when the run emulates a
  * lower precision) the fp32 truth, for what the precision itself costs.
  * Collective. */
-static void check_against_truth(const moe_comm *c, const moe_ep *ep, const float *x,
-                                const int32_t *ids, const float *weights, const float *y,
-                                moe_run_summary *s)
+static void check_against_truth(moe_run_context *ctx)
 {
-    const moe_config *cfg = ep->cfg;
+    const moe_comm *c = ctx->comm;
+    const moe_config *cfg = &ctx->cfg;
+    const float *x = ctx->x, *weights = ctx->weights, *y = ctx->y;
+    const int32_t *ids = ctx->ids;
+    moe_run_summary *s = &ctx->summary;
     const moe_index T = cfg->tokens, d = cfg->hidden, n = T * d;
     double *truth = moe_xmalloc(sizeof(double) * (size_t)n); /* (T, d) */
     double *allow = cfg->combine_dtype == MOE_DTYPE_FP32 ? NULL : moe_xmalloc(sizeof(double) * (size_t)n);
     float *scratch = moe_xmalloc(sizeof(float) * (size_t)n);
-    moe_truth_forward(cfg, MOE_TRUTH_BLAS, x, moe_ep_dispatched_tokens(ep, x, scratch), ids,
+    moe_truth_forward(cfg, MOE_TRUTH_BLAS, x, moe_ep_dispatched_tokens(&ctx->ep, x, scratch), ids,
                       weights, T, truth, allow);
     moe_check_collective(c, cfg, y, truth, allow, s);
     s->quantised = cfg->param_dtype != MOE_DTYPE_FP32 || cfg->dispatch_dtype != MOE_DTYPE_FP32 ||
@@ -214,14 +79,15 @@ static void check_against_truth(const moe_comm *c, const moe_ep *ep, const float
 
 /* The wave pipeline against the blocking reference path on the same ranks:
  * bitwise expected unless blas GEMMs run on token-chunk waves. */
-static int compare_with_reference(const moe_comm *c, const moe_ep *ep, const float *x,
-                                  const int32_t *ids, const float *weights, const float *y,
-                                  moe_run_summary *s, moe_status *st)
+static int compare_with_reference(moe_run_context *ctx)
 {
+    const moe_ep *ep = &ctx->ep;
+    const float *y = ctx->y;
+    moe_run_summary *s = &ctx->summary;
     const moe_index n = ep->cfg->tokens * ep->cfg->hidden;
     float *y_ref = moe_xmalloc(sizeof(float) * (size_t)n); /* (T, d) */
     moe_forward_stats f;
-    int rc = moe_ep_forward_ref(ep, x, ids, weights, y_ref, &f, NULL, st);
+    int rc = moe_ep_forward_ref(ep, ctx->x, ctx->ids, ctx->weights, y_ref, &f, NULL, &ctx->status);
     double differ = 0.0, max_diff = 0.0;
     for (moe_index m = 0; rc == MOE_EXIT_OK && m < n; m++)
         if (memcmp(&y[m], &y_ref[m], sizeof(float)) != 0) {
@@ -230,8 +96,8 @@ static int compare_with_reference(const moe_comm *c, const moe_ep *ep, const flo
             max_diff = diff > max_diff || diff != diff ? diff : max_diff;
         }
     s->ref_compared = rc == MOE_EXIT_OK;
-    s->ref_differ = moe_comm_sum(c, differ);
-    s->ref_max_diff = moe_comm_max(c, max_diff);
+    s->ref_differ = moe_comm_sum(ctx->comm, differ);
+    s->ref_max_diff = moe_comm_max(ctx->comm, max_diff);
     s->ref_bitwise_expected =
         moe_gemm_rows_independent(ep->gemm) || s->wave_kind == MOE_WAVES_EXPERT_SLOTS;
     free(y_ref);
@@ -249,26 +115,27 @@ typedef struct {
     int count;
 } pictures;
 
-static int collect_pictures(const moe_comm *c, const moe_ep *ep, moe_config *cfg, const float *x,
-                            const int32_t *ids, const float *weights, const moe_trace *trace,
-                            pictures *p, moe_status *st)
+static int collect_pictures(moe_run_context *ctx, pictures *p)
 {
     static const char *const progress_names[] = {"poll", "thread"};
-    moe_comm_gather_events(c, trace->events, trace->count, &p->offset[0], &p->events[0]);
-    snprintf(p->titles[0], sizeof p->titles[0], "W = %lld, progress %s, %d ranks",
-             (long long)cfg->waves, progress_names[cfg->progress], c->ranks);
+    const moe_comm *c = ctx->comm;
+    moe_comm_gather_events(c, ctx->trace.events, ctx->trace.count, &p->offset[0], &p->events[0]);
+    snprintf(p->titles[0], sizeof p->titles[0], "W = %d, progress %s, %d ranks",
+             ctx->schedule.waves, progress_names[ctx->schedule.progress], c->ranks);
     p->panels[p->count++] = (moe_timeline_panel){p->titles[0], c->ranks, p->offset[0], p->events[0]};
-    if (!cfg->compare_serial)
+    if (!ctx->cfg.compare_serial)
         return MOE_EXIT_OK;
-    const int64_t waves = cfg->waves;
     moe_trace serial = {0};
+    moe_schedule one_wave = ctx->schedule;
+    one_wave.waves = 1;
+    one_wave.trace = &serial;
     moe_forward_stats f;
-    cfg->waves = 1;
     moe_comm_barrier(c);
-    float *y = moe_xmalloc(sizeof(float) * (size_t)(cfg->tokens * cfg->hidden));
-    int rc = moe_ep_forward_waves(ep, x, ids, weights, y, &f, &serial, moe_comm_time(), st);
+    one_wave.origin = moe_comm_time();
+    float *y = moe_xmalloc(sizeof(float) * (size_t)(ctx->cfg.tokens * ctx->cfg.hidden));
+    int rc = moe_ep_forward_waves(&ctx->ep, &one_wave, ctx->x, ctx->ids, ctx->weights, y, &f,
+                                  &ctx->status);
     free(y);
-    cfg->waves = waves;
     if (rc == MOE_EXIT_OK) {
         moe_comm_gather_events(c, serial.events, serial.count, &p->offset[1], &p->events[1]);
         snprintf(p->titles[1], sizeof p->titles[1], "the same forward at W = 1 (no overlap)");
@@ -327,19 +194,22 @@ typedef struct {
     double *rank_seconds; /* (G) on rank 0 */
 } traffic_detail;
 
-static void routing_detail(const moe_comm *c, const moe_ep *ep, const int32_t *ids,
-                           double expert_seconds, moe_run_summary *s, traffic_detail *out)
+static void routing_detail(moe_run_context *ctx, traffic_detail *out)
 {
-    const moe_config *cfg = ep->cfg;
+    const moe_comm *c = ctx->comm;
+    const moe_ep *ep = &ctx->ep;
+    const moe_config *cfg = &ctx->cfg;
+    const int32_t *ids = ctx->ids;
+    moe_run_summary *s = &ctx->summary;
     const int G = c->ranks, E = (int)cfg->experts, k = (int)cfg->topk;
     const moe_index T = cfg->tokens;
     const int R = ep->link.ranks_per_node, nodes = (G + R - 1) / R;
-    const double row_bytes = (double)(cfg->hidden * 4 + MOE_META_WORDS(k) * 4);
+    const double row_bytes = moe_dispatch_row_bytes(cfg->hidden, k);
 
     double *rows = moe_xmalloc(sizeof(double) * (size_t)G);
     moe_waves waves;
     if (!cfg->blocking)
-        moe_waves_init(&waves, &ep->placement, (int)cfg->waves, T);
+        moe_waves_init(&waves, &ep->placement, ctx->schedule.waves, T);
     moe_rows_per_destination(&ep->placement, ids, T, k, cfg->blocking ? NULL : &waves, rows);
     if (!cfg->blocking)
         moe_waves_free(&waves);
@@ -366,7 +236,7 @@ static void routing_detail(const moe_comm *c, const moe_ep *ep, const int32_t *i
     free(per_expert);
 
     out->rank_seconds = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)G) : NULL;
-    moe_comm_gather_doubles(c, &expert_seconds, 1, out->rank_seconds);
+    moe_comm_gather_doubles(c, &ctx->last_expert_seconds, 1, out->rank_seconds);
     s->ranks_per_node = R;
     s->nodes = nodes;
     s->matrix = out->matrix;
@@ -374,180 +244,72 @@ static void routing_detail(const moe_comm *c, const moe_ep *ep, const int32_t *i
     s->rank_expert_seconds = out->rank_seconds;
 }
 
-void moe_run_buffers_init(run_buffers *b, const moe_config *cfg)
-{
-    const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
-    memset(b, 0, sizeof *b);
-    b->x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
-    b->logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
-    b->scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
-    b->ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
-    b->weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
-    b->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
-    b->per_iter = moe_xmalloc(sizeof(double) * (size_t)(cfg->iters * COLS));
-}
-
-void moe_run_buffers_free(run_buffers *b)
-{
-    moe_trace_free(&b->trace);
-    free(b->per_iter);
-    free(b->y);
-    free(b->weights);
-    free(b->ids);
-    free(b->scores);
-    free(b->logits);
-    free(b->x);
-}
-
-int moe_run_timed_forwards(const moe_comm *c, const moe_ep *ep, run_buffers *b,
-                           moe_run_summary *s, moe_status *st)
-{
-    const moe_config *cfg = ep->cfg;
-    const moe_index n = cfg->tokens * cfg->hidden;
-    const int iters = (int)cfg->iters;
-    const bool progress = c->rank == 0 && iters > 1 && isatty(STDERR_FILENO);
-    moe_forward_stats f;
-    bool identical = true;
-    int rc = MOE_EXIT_OK;
-    for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
-        moe_trace_clear(&b->trace);
-        moe_comm_barrier(c);
-        const double origin = moe_comm_time();
-        moe_ep_route(ep, b->x, b->logits, b->scores, b->ids, b->weights);
-        const double route = moe_comm_time() - origin;
-        rc = forward(ep, b->x, b->ids, b->weights, b->y, &f, &b->trace, origin, st);
-        /* to y complete: the wave path's pass that times its all-to-alls
-         * alone comes after, and is not the layer's */
-        const double layer = f.done - origin;
-        f.seconds[MOE_STAGE_ROUTE] = route;
-        double *row = b->per_iter + (size_t)it * COLS;
-        iteration_row(&f, layer, row);
-        moe_comm_max_array(c, row, COLS);
-        row[COL_WINDOW] += row[COL_EXPERT_END];
-        const uint64_t digest = moe_digest64(b->y, sizeof(float) * (size_t)n);
-        if (it == 0)
-            b->y_digest = digest;
-        else if (digest != b->y_digest)
-            identical = false;
-        if (progress)
-            fprintf(stderr, "\rmoe-ep: W=%lld forward %d/%d", (long long)cfg->waves, it + 1, iters);
-    }
-    if (progress)
-        fprintf(stderr, "\r\033[K");
-    if (rc)
-        return rc;
-    summarize_times(b->per_iter, iters, s);
-    summarize_traffic(c, ep, &f, s);
-    b->last_expert_seconds = f.seconds[MOE_STAGE_EXPERTS];
-    s->waves = f.waves;
-    s->wave_kind = f.wave_kind;
-    s->iterations_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
-    return MOE_EXIT_OK;
-}
-
-/* C is measured by one untimed forward without the link model (summed FLOPs
- * over summed compute seconds of all ranks). Collective. */
-int moe_run_calibrate_link(const moe_comm *c, moe_ep *ep, run_buffers *b, moe_run_summary *s,
-                           moe_status *st)
-{
-    moe_forward_stats f;
-    ep->link.enabled = false;
-    moe_ep_route(ep, b->x, b->logits, b->scores, b->ids, b->weights);
-    int rc = moe_ep_forward_waves(ep, b->x, b->ids, b->weights, b->y, &f, NULL, 0.0, st);
-    ep->link.enabled = true;
-    if (rc)
-        return rc;
-    const double flops = moe_comm_sum(c, f.expert_flops);
-    const double seconds = moe_comm_sum(c, f.compute_seconds);
-    s->rank_flops = seconds > 0 ? flops / seconds : 0.0;
-    const double bandwidth = s->rank_flops / ep->link.cb_ratio;
-    for (int t = 0; t < MOE_TIERS; t++)
-        ep->link.bandwidth[t] = bandwidth > 0 ? bandwidth : INFINITY;
-    return MOE_EXIT_OK;
-}
-
-int moe_run_prepare(const moe_comm *c, enum moe_command command, int argc, char **argv,
-                    moe_config *cfg, moe_ep *ep, run_buffers *b, moe_run_summary *s,
-                    moe_status *st)
-{
-    if (moe_run_set_up(c, cfg, command, argc, argv, st) || moe_ep_init(ep, cfg, c, st))
-        return st->code;
-    const int threads = moe_comm_threads_for(c, ep->gemm);
-    moe_run_buffers_init(b, cfg);
-    moe_ep_generate_tokens(ep, b->x);
-    *s = (moe_run_summary){.cfg = cfg, .ranks = c->ranks, .ranks_on_host = c->ranks_on_host,
-                           .cores = c->cores, .bound = c->bound, .threads = threads,
-                           .blas_threads = moe_gemm_threads(), .link = &ep->link};
-    int rc = MOE_EXIT_OK;
-    if (!cfg->blocking && ep->link.enabled && ep->link.cb_ratio > 0)
-        rc = moe_run_calibrate_link(c, ep, b, s, st);
-    if (rc) {
-        moe_run_buffers_free(b);
-        moe_ep_free(ep);
-    }
-    return rc;
-}
-
 int moe_cli_run(const moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
         return MOE_EXIT_OK;
-    moe_config cfg;
-    moe_status st = {0};
-    moe_ep ep;
-    run_buffers b;
-    moe_run_summary s;
-    int rc = moe_run_prepare(c, MOE_CMD_RUN, argc, argv, &cfg, &ep, &b, &s, &st);
-    if (rc) {
-        moe_comm_print_error(c, &st);
+    moe_run_context ctx;
+    int rc = moe_context_open(&ctx, c, MOE_CMD_RUN, argc, argv);
+    if (rc)
         return rc;
-    }
+    const moe_config *cfg = &ctx.cfg;
+    moe_run_summary *s = &ctx.summary;
 
     /* The first wave count: report, pictures, check. */
+    rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);
     if (rc == MOE_EXIT_OK)
-        rc = moe_run_timed_forwards(c, &ep, &b, &s, &st);
+        moe_context_time_alltoalls(&ctx, (int)cfg->iters);
     traffic_detail detail = {NULL, NULL, NULL};
     if (rc == MOE_EXIT_OK)
-        routing_detail(c, &ep, b.ids, b.last_expert_seconds, &s, &detail);
+        routing_detail(&ctx, &detail);
     pictures pics = {.count = 0};
-    const bool drawing = cfg.trace[0] || cfg.timeline[0];
+    const bool drawing = cfg->trace[0] || cfg->timeline[0];
     if (rc == MOE_EXIT_OK && drawing)
-        rc = collect_pictures(c, &ep, &cfg, b.x, b.ids, b.weights, &b.trace, &pics, &st);
-    if (rc == MOE_EXIT_OK && cfg.check) {
-        check_against_truth(c, &ep, b.x, b.ids, b.weights, b.y, &s);
-        if (!cfg.blocking)
-            rc = compare_with_reference(c, &ep, b.x, b.ids, b.weights, b.y, &s, &st);
+        rc = collect_pictures(&ctx, &pics);
+    if (rc == MOE_EXIT_OK && cfg->check) {
+        check_against_truth(&ctx);
+        if (!cfg->blocking)
+            rc = compare_with_reference(&ctx);
     }
-    if (rc == MOE_EXIT_OK && cfg.dump[0]) {
+    if (rc == MOE_EXIT_OK && cfg->dump[0]) {
         const double t = moe_comm_time();
-        rc = moe_cli_dump(c, &ep, b.x, &s.dump_bytes, &st);
-        s.dump_seconds = moe_comm_time() - t;
+        rc = moe_cli_dump(c, &ctx.ep, ctx.x, &s->dump_bytes, &ctx.status);
+        s->dump_seconds = moe_comm_time() - t;
     }
-    /* The curve: every further wave count of --waves W1,W2,... */
-    s.curve_count = 0;
-    for (int n = 0; rc == MOE_EXIT_OK && !cfg.blocking && n < cfg.waves_count; n++) {
-        moe_run_summary point = s;
+    /* The curve: every further wave count of --waves W1,W2,...; the report
+     * stays that of the first. */
+    const moe_run_summary first_summary = *s;
+    const moe_schedule first_schedule = ctx.schedule;
+    moe_curve_point curve[MOE_MAX_WAVE_RUNS];
+    int points = 0;
+    for (int n = 0; rc == MOE_EXIT_OK && !cfg->blocking && n < cfg->waves_count; n++) {
         if (n > 0) {
-            cfg.waves = cfg.waves_list[n];
-            rc = moe_run_timed_forwards(c, &ep, &b, &point, &st);
+            ctx.schedule.waves = (int)cfg->waves_list[n];
+            rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);
+            if (rc)
+                break;
+            moe_context_time_alltoalls(&ctx, (int)cfg->iters);
         }
-        s.curve[s.curve_count++] = (moe_curve_point){
-            (int)cfg.waves_list[n], point.layer_seconds, point.pipeline_seconds,
-            point.compute_seconds, point.comm_seconds, point.wave_kind};
+        curve[points++] = (moe_curve_point){(int)cfg->waves_list[n], s->layer_seconds,
+                                            s->pipeline_seconds, s->compute_seconds,
+                                            s->comm_seconds, s->wave_kind};
     }
-    cfg.waves = cfg.waves_list[0];
+    *s = first_summary;
+    ctx.schedule = first_schedule;
+    memcpy(s->curve, curve, sizeof(moe_curve_point) * (size_t)points);
+    s->curve_count = points;
     if (rc == MOE_EXIT_OK && drawing)
-        rc = write_pictures(c, &cfg, &pics, &s, &st);
+        rc = write_pictures(c, cfg, &pics, s, &ctx.status);
 
     if (rc == MOE_EXIT_OK) {
         if (c->rank == 0) {
-            moe_report_print(stdout, &s);
+            moe_report_print(stdout, s);
             fflush(stdout);
         }
-        if (cfg.check && !moe_report_check_passed(&s))
+        if (cfg->check && !moe_report_check_passed(s))
             rc = MOE_EXIT_CHECK_FAILED;
     } else {
-        moe_comm_print_error(c, &st);
+        moe_comm_print_error(c, &ctx.status);
     }
 
     for (int p = 0; p < 2; p++) {
@@ -557,7 +319,6 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     free(detail.matrix);
     free(detail.nodes_hist);
     free(detail.rank_seconds);
-    moe_run_buffers_free(&b);
-    moe_ep_free(&ep);
+    moe_context_close(&ctx);
     return rc;
 }

@@ -20,12 +20,13 @@
 void moe_comm_attach(moe_comm *c, MPI_Comm comm)
 {
     c->comm = comm;
-    MPI_Comm_rank(comm, &c->rank);
-    MPI_Comm_size(comm, &c->ranks);
+    MOE_MPI(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+    MOE_MPI(MPI_Comm_rank(comm, &c->rank));
+    MOE_MPI(MPI_Comm_size(comm, &c->ranks));
     MPI_Comm host;
-    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &host);
-    MPI_Comm_size(host, &c->ranks_on_host);
-    MPI_Comm_free(&host);
+    MOE_MPI(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &host));
+    MOE_MPI(MPI_Comm_size(host, &c->ranks_on_host));
+    MOE_MPI(MPI_Comm_free(&host));
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     c->cores = cores > 0 ? (int)cores : 1;
     int bound = c->cores;
@@ -35,8 +36,38 @@ void moe_comm_attach(moe_comm *c, MPI_Comm comm)
         bound = CPU_COUNT(&set);
 #endif
     int least;
-    MPI_Allreduce(&bound, &least, 1, MPI_INT, MPI_MIN, comm);
+    MOE_MPI(MPI_Allreduce(&bound, &least, 1, MPI_INT, MPI_MIN, comm));
     c->bound = least;
+}
+
+/* The name of the MPI function in a call's text: "MPI_Alltoallv(...)". */
+static void call_name(const char *call, char *name, size_t size)
+{
+    const size_t len = strcspn(call, "(");
+    snprintf(name, size, "%.*s", (int)(len < size ? len : size - 1), call);
+}
+
+void moe_mpi_check(int rc, const char *call, const char *file, int line)
+{
+    static bool fault_spent; /* the injected fault fires once */
+    char name[64], text[MPI_MAX_ERROR_STRING + 64];
+    call_name(call, name, sizeof name);
+    moe_status fault = {0};
+    if (rc == MPI_SUCCESS) {
+        const moe_comm me = {.rank = moe_message_rank};
+        if (fault_spent || !strstr(name, "lltoallv") || !moe_fault_here(&me, "mpi", &fault))
+            return;
+        fault_spent = true;
+        snprintf(text, sizeof text, "%.300s", fault.message);
+    } else {
+        int len = 0;
+        if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS)
+            snprintf(text, sizeof text, "error code %d", rc);
+    }
+    moe_status st = {0};
+    moe_fail(&st, MOE_EXIT_RUNTIME, "%s failed at %s:%d: %.300s", name, file, line, text);
+    const moe_comm world = {.comm = MPI_COMM_WORLD, .rank = moe_message_rank};
+    moe_comm_abort(&world, &st);
 }
 
 void moe_comm_init(int *argc, char ***argv, moe_comm *c)
@@ -51,7 +82,7 @@ void moe_comm_init(int *argc, char ***argv, moe_comm *c)
     /* The progress thread (--progress thread) serialises its MPI calls with
      * the compute thread's, so SERIALIZED suffices; ask for MULTIPLE, which
      * libraries that grant it also grant as SERIALIZED. */
-    MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &moe_progress_thread_level);
+    MOE_MPI(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &moe_progress_thread_level));
     moe_comm_attach(c, MPI_COMM_WORLD);
     moe_message_rank = c->rank;
 
@@ -95,14 +126,14 @@ int moe_comm_agree(const moe_comm *c, moe_status *st)
     /* MPI_MAXLOC keeps the highest code and, among equal codes, the lowest
      * rank: that rank's message is the one printed. */
     int mine[2] = {st->code, c->rank}, worst[2];
-    MPI_Allreduce(mine, worst, 1, MPI_2INT, MPI_MAXLOC, c->comm);
+    MOE_MPI(MPI_Allreduce(mine, worst, 1, MPI_2INT, MPI_MAXLOC, c->comm));
     const int code = worst[0], lowest = worst[1];
     if (code == MOE_EXIT_OK)
         return code;
     char message[MOE_MESSAGE_MAX];
     if (c->rank == lowest)
         snprintf(message, sizeof message, "%s", st->message);
-    MPI_Bcast(message, sizeof message, MPI_CHAR, lowest, c->comm);
+    MOE_MPI(MPI_Bcast(message, sizeof message, MPI_CHAR, lowest, c->comm));
     if (lowest != 0)
         snprintf(st->message, sizeof st->message, "rank %d: %.480s", lowest, message);
     else
@@ -122,27 +153,27 @@ void moe_comm_print_error(const moe_comm *c, const moe_status *st)
 double moe_comm_max(const moe_comm *c, double v)
 {
     double out;
-    MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, c->comm);
+    MOE_MPI(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, c->comm));
     return out;
 }
 
 double moe_comm_sum(const moe_comm *c, double v)
 {
     double out;
-    MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_SUM, c->comm);
+    MOE_MPI(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_SUM, c->comm));
     return out;
 }
 
 double moe_comm_min(const moe_comm *c, double v)
 {
     double out;
-    MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MIN, c->comm);
+    MOE_MPI(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MIN, c->comm));
     return out;
 }
 
 void moe_comm_max_array(const moe_comm *c, double *v, int n)
 {
-    MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, c->comm);
+    MOE_MPI(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, c->comm));
 }
 
 double moe_comm_maxloc(const moe_comm *c, double v, int *rank)
@@ -151,21 +182,21 @@ double moe_comm_maxloc(const moe_comm *c, double v, int *rank)
         double value;
         int rank;
     } in = {v, c->rank}, out;
-    MPI_Allreduce(&in, &out, 1, MPI_DOUBLE_INT, MPI_MAXLOC, c->comm);
+    MOE_MPI(MPI_Allreduce(&in, &out, 1, MPI_DOUBLE_INT, MPI_MAXLOC, c->comm));
     *rank = out.rank;
     return out.value;
 }
 
 void moe_comm_bcast(const moe_comm *c, void *buf, int bytes, int root)
 {
-    MPI_Bcast(buf, bytes, MPI_BYTE, root, c->comm);
+    MOE_MPI(MPI_Bcast(buf, bytes, MPI_BYTE, root, c->comm));
 }
 
-void moe_comm_barrier(const moe_comm *c) { MPI_Barrier(c->comm); }
+void moe_comm_barrier(const moe_comm *c) { MOE_MPI(MPI_Barrier(c->comm)); }
 
 double moe_comm_time(void) { return MPI_Wtime(); }
 
-void moe_comm_finalize(void) { MPI_Finalize(); }
+void moe_comm_finalize(void) { MOE_MPI(MPI_Finalize()); }
 
 void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int count, int **offset,
                             moe_event **all)
@@ -174,7 +205,7 @@ void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int coun
     int *counts = c->rank == 0 ? moe_xmalloc(sizeof(int) * (size_t)G) : NULL;
     int *bytes = c->rank == 0 ? moe_xmalloc(sizeof(int) * (size_t)G) : NULL;
     int *displs = c->rank == 0 ? moe_xmalloc(sizeof(int) * (size_t)G) : NULL;
-    MPI_Gather(&count, 1, MPI_INT, counts, 1, MPI_INT, 0, c->comm);
+    MOE_MPI(MPI_Gather(&count, 1, MPI_INT, counts, 1, MPI_INT, 0, c->comm));
     *offset = NULL;
     *all = NULL;
     if (c->rank == 0) {
@@ -187,8 +218,8 @@ void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int coun
         }
         *all = moe_xmalloc(sizeof(moe_event) * (size_t)(*offset)[G]);
     }
-    MPI_Gatherv(events, count * (int)sizeof(moe_event), MPI_BYTE, *all, bytes, displs, MPI_BYTE,
-                0, c->comm);
+    MOE_MPI(MPI_Gatherv(events, count * (int)sizeof(moe_event), MPI_BYTE, *all, bytes, displs, MPI_BYTE,
+                        0, c->comm));
     free(displs);
     free(bytes);
     free(counts);
@@ -196,18 +227,18 @@ void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int coun
 
 void moe_comm_sum_array(const moe_comm *c, double *v, int n)
 {
-    MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, c->comm);
+    MOE_MPI(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, c->comm));
 }
 
 void moe_comm_gather_doubles(const moe_comm *c, const double *v, int n, double *all)
 {
-    MPI_Gather(v, n, MPI_DOUBLE, all, n, MPI_DOUBLE, 0, c->comm);
+    MOE_MPI(MPI_Gather(v, n, MPI_DOUBLE, all, n, MPI_DOUBLE, 0, c->comm));
 }
 
 void moe_comm_gather_bytes(const moe_comm *c, const void *mine, size_t bytes, void *all)
 {
     MOE_ASSERT(bytes <= (size_t)INT_MAX);
-    MPI_Gather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, 0, c->comm);
+    MOE_MPI(MPI_Gather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, 0, c->comm));
 }
 
 int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, void **all,
@@ -218,7 +249,7 @@ int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, vo
     long long mine_count = (long long)bytes, *counts = NULL;
     if (c->rank == 0)
         counts = moe_xmalloc(sizeof(long long) * (size_t)G);
-    MPI_Gather(&mine_count, 1, MPI_LONG_LONG, counts, 1, MPI_LONG_LONG, 0, c->comm);
+    MOE_MPI(MPI_Gather(&mine_count, 1, MPI_LONG_LONG, counts, 1, MPI_LONG_LONG, 0, c->comm));
     moe_status local = {0};
     long long total = 0;
     for (int r = 0; c->rank == 0 && r < G; r++)
@@ -244,7 +275,7 @@ int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, vo
         }
         *all = moe_xmalloc((size_t)total + 1);
     }
-    MPI_Gatherv(mine, (int)bytes, MPI_BYTE, *all, icounts, displs, MPI_BYTE, 0, c->comm);
+    MOE_MPI(MPI_Gatherv(mine, (int)bytes, MPI_BYTE, *all, icounts, displs, MPI_BYTE, 0, c->comm));
     free(displs);
     free(icounts);
     free(counts);
@@ -293,7 +324,7 @@ moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double
     a->recv_at = moe_xmalloc(sizeof(int) * (size_t)G);
     for (int r = 0; r < G; r++)
         a->send[r] = (int)rows[r];
-    MPI_Alltoall(a->send, 1, MPI_INT, a->recv, 1, MPI_INT, c->comm);
+    MOE_MPI(MPI_Alltoall(a->send, 1, MPI_INT, a->recv, 1, MPI_INT, c->comm));
     long long out = 0, in = 0;
     for (int r = 0; r < G; r++) {
         a->send_at[r] = (int)out;
@@ -301,8 +332,8 @@ moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double
         out += a->send[r];
         in += a->recv[r];
     }
-    MPI_Type_contiguous((int)d, MPI_FLOAT, &a->row);
-    MPI_Type_commit(&a->row);
+    MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &a->row));
+    MOE_MPI(MPI_Type_commit(&a->row));
     /* Written, not just allocated: untouched pages all map the one zero page,
      * which a copy reads from cache, faster than any real data. */
     a->send_buf = moe_xmalloc(sizeof(float) * ((size_t)(out * d) + 1));
@@ -315,13 +346,13 @@ moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double
 
 void moe_comm_alltoallv_run(moe_alltoallv_anchor *a)
 {
-    MPI_Alltoallv(a->send_buf, a->send, a->send_at, a->row, a->recv_buf, a->recv, a->recv_at,
-                  a->row, a->comm);
+    MOE_MPI(MPI_Alltoallv(a->send_buf, a->send, a->send_at, a->row, a->recv_buf, a->recv, a->recv_at,
+                          a->row, a->comm));
 }
 
 void moe_comm_alltoallv_free(moe_alltoallv_anchor *a)
 {
-    MPI_Type_free(&a->row);
+    MOE_MPI(MPI_Type_free(&a->row));
     free(a->recv_buf);
     free(a->send_buf);
     free(a->recv_at);

@@ -2,20 +2,32 @@
  *
  * The forward is split into W waves (layout.h: groups of expert slots, or
  * token chunks). Each wave has its own plan, its own MPI_Ialltoallv for
- * dispatch and for combine, and its own expert GEMMs. The schedule keeps the
- * neighbours of the computing wave on the wire (the seed's five stages):
+ * dispatch and for combine, and its own expert GEMMs. The forward reads as
+ * its stages:
  *
- *   post dispatch(0 .. A)                       A = --lookahead (1: the seed's
+ *   waves_plan       every wave's rows; one count exchange; buffers
+ *   waves_pack       every wave's rows and ids into its send buffers
+ *   waves_pipeline   dispatch, experts and combine of the waves, overlapped
+ *   waves_reduce     reduce in slot order, then the shared experts
+ *
+ * The pipeline keeps the neighbours of the computing wave on the wire (the
+ * seed's five stages):
+ *
+ *   wave_dispatch(0 .. A)                       A = lookahead (1: the seed's
  *   for w = 0 .. W-1:                           neighbour-wave schedule)
- *       post dispatch(w+A) once w > 0           later waves' rows in flight
- *       wait dispatch(w)
- *       experts of wave w: L1, activation, L2   combine(w-1), dispatch(w+1)
+ *       wave_dispatch(w+A) once w > 0           later waves' rows in flight
+ *       wait dispatch(w); wave_plan_receive(w)
+ *       wave_experts(w): L1, activation, L2     combine(w-1), dispatch(w+1)
  *                                               progress at every stage end
- *       post combine(w)
- *   wait every combine; reduce in slot order; shared experts
+ *       wave_combine(w)
+ *   wait every combine
  *
  * Every expert's rows arrive in one wave, in global token order, so with
  * expert-slot waves the GEMM calls are the blocking path's, bit for bit.
+ *
+ * The pass that times the all-to-alls alone (T_comm of the overlap) is not
+ * part of the forward: moe_ep_time_alltoalls re-posts the last forward's
+ * all-to-alls when a report or a benchmark asks for it.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -23,8 +35,10 @@
 #include "moe/ep.h"
 #include "moe/gemm.h"
 #include "moe/progress.h"
+#include "ep_stages.h"
 
-typedef struct {
+/* One wave's plan and buffers on this rank. */
+typedef struct moe_wave_state {
     moe_send_plan send;
     moe_recv_plan recv;
     moe_index rows_out, rows_in, pairs_in;
@@ -41,6 +55,18 @@ typedef struct {
     double dispatch_bytes[2][MOE_TIERS]; /* over the links: [in, out][tier] */
     double combine_bytes[2][MOE_TIERS];
 } wave_state;
+
+/* One wave forward on this rank: the waves, their states, the shared
+ * buffers (all in ep->work). */
+typedef struct {
+    MPI_Datatype row_type, meta_type; /* one row (d floats); its meta (2k + 1 words) */
+    moe_waves waves;
+    wave_state *ws;                   /* (W) */
+    float *expert_in, *scratch;       /* the largest expert batch's rows and activations */
+    const float **slot_rows;          /* (T, k) the reduce table */
+    float *x_scratch;                 /* (T, d) the quantised tokens, or NULL */
+    const float *x_dispatch;          /* (T, d) the tokens as dispatched */
+} waves_forward;
 
 /* MPI counts and displacements, in rows: dispatch meta (every row), dispatch
  * rows and combine rows (other ranks' only: the count to self is 0, and only
@@ -135,23 +161,23 @@ static void track(moe_progress *p, int op, const moe_link *link, moe_link_state 
 static void start_dispatch(wave_state *ws, int G, MPI_Datatype row_type, MPI_Datatype meta_type,
                            MPI_Comm comm, MPI_Request requests[2])
 {
-    MPI_Ialltoallv(ws->send_rows, COUNTS(ws, R_SEND, G), COUNTS(ws, R_SEND_AT, G), row_type,
-                   ws->recv_rows, COUNTS(ws, R_RECV, G), COUNTS(ws, R_RECV_AT, G), row_type, comm,
-                   &requests[0]);
-    MPI_Ialltoallv(ws->send_meta, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), meta_type,
-                   ws->recv_meta, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), meta_type, comm,
-                   &requests[1]);
+    MOE_MPI(MPI_Ialltoallv(ws->send_rows, COUNTS(ws, R_SEND, G), COUNTS(ws, R_SEND_AT, G), row_type,
+                           ws->recv_rows, COUNTS(ws, R_RECV, G), COUNTS(ws, R_RECV_AT, G), row_type, comm,
+                           &requests[0]));
+    MOE_MPI(MPI_Ialltoallv(ws->send_meta, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), meta_type,
+                           ws->recv_meta, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), meta_type, comm,
+                           &requests[1]));
 }
 
 static void start_combine(wave_state *ws, int G, MPI_Datatype row_type, MPI_Comm comm,
                           MPI_Request requests[1])
 {
-    MPI_Ialltoallv(ws->expert_out, COUNTS(ws, C_SEND, G), COUNTS(ws, C_SEND_AT, G), row_type,
-                   ws->back, COUNTS(ws, C_RECV, G), COUNTS(ws, C_RECV_AT, G), row_type, comm,
-                   &requests[0]);
+    MOE_MPI(MPI_Ialltoallv(ws->expert_out, COUNTS(ws, C_SEND, G), COUNTS(ws, C_SEND_AT, G), row_type,
+                           ws->back, COUNTS(ws, C_RECV, G), COUNTS(ws, C_RECV_AT, G), row_type, comm,
+                           &requests[0]));
 }
 
-static void post_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Datatype row_type,
+static void wave_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Datatype row_type,
                           MPI_Datatype meta_type, MPI_Comm comm, const moe_link *link,
                           moe_link_state *links)
 {
@@ -163,7 +189,7 @@ static void post_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Da
     moe_progress_unlock(p);
 }
 
-static void post_combine(wave_state *ws, moe_progress *p, int op, int G, MPI_Datatype row_type,
+static void wave_combine(wave_state *ws, moe_progress *p, int op, int G, MPI_Datatype row_type,
                          MPI_Comm comm, const moe_link *link, moe_link_state *links)
 {
     moe_comm_op *o = &p->ops[op];
@@ -198,7 +224,7 @@ static void wave_experts(const moe_ep *ep, wave_state *ws, float *expert_in, flo
                                  ep->gemm == MOE_GEMM_EXACT ? POLL_CHUNK_ROWS : 0};
     for (int l = 0; l < ws->recv.local_experts; l++) {
         clock->rows = ws->recv.expert_offset[l + 1] - ws->recv.expert_offset[l];
-        moe_ep_run_expert(ep, &ws->recv, l, ws->row_at, ws->recv_meta, expert_in, scratch,
+        moe_ep_expert(ep, &ws->recv, l, ws->row_at, ws->recv_meta, expert_in, scratch,
                           ws->expert_out, &hooks);
     }
     const double now = MPI_Wtime(); /* the last scatter belongs to the last L2 */
@@ -222,55 +248,18 @@ static void free_waves(wave_state *waves, int W)
     free(waves);
 }
 
-int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
-                         const float *weights, float *y, moe_forward_stats *stats,
-                         moe_trace *trace, double origin, moe_status *st)
+void moe_ep_forget_waves(struct moe_ep_workspace *work)
 {
-    const moe_config *cfg = ep->cfg;
-    const moe_comm *c = &ep->comm;
-    const int G = c->ranks, me = c->rank, k = (int)cfg->topk, W = (int)cfg->waves,
-              EL = ep->local_experts;
-    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
-    memset(stats, 0, sizeof *stats);
-    stats->waves = W;
+    if (work->last)
+        free_waves(work->last, work->last_waves);
+    work->last = NULL;
+    work->last_waves = 0;
+}
 
-    MPI_Datatype row_type, meta_type; /* one token row (d floats); its meta (2k words) */
-    MPI_Type_contiguous((int)d, MPI_FLOAT, &row_type);
-    MPI_Type_commit(&row_type);
-    MPI_Type_contiguous(MOE_META_WORDS(k), MPI_INT32_T, &meta_type);
-    MPI_Type_commit(&meta_type);
-
-    /* Plan: every wave's rows, and one count exchange for all of them: per
-     * destination and wave, the rows, then the pairs of each of the
-     * destination's experts (EM slots, EM the most experts a rank holds), so
-     * that every buffer is sized exactly before anything moves. */
-    double t = MPI_Wtime();
-    moe_waves waves;
-    moe_waves_init(&waves, &ep->placement, W, T);
-    stats->wave_kind = waves.kind;
-    int EM = 0;
-    for (int r = 0; r < G; r++)
-        if (moe_placement_local_experts(&ep->placement, r) > EM)
-            EM = moe_placement_local_experts(&ep->placement, r);
-    const int stride = 1 + EM; /* counts of one (rank, wave) */
-    wave_state *ws = moe_xcalloc((size_t)W, sizeof *ws);
-    int *counts_out = moe_xcalloc((size_t)(G * W * stride), sizeof(int)); /* (G, W, 1+EM) */
-    int *counts_in = moe_xmalloc(sizeof(int) * (size_t)(G * W * stride));
-    for (int w = 0; w < W; w++) {
-        moe_send_plan_build(&ws[w].send, &ep->placement, ids, T, k, &waves, w);
-        for (int r = 0; r < G; r++)
-            counts_out[(r * W + w) * stride] = (int)ws[w].send.row_count[r];
-    }
-    for (moe_index i = 0; i < T; i++)
-        for (int slot = 0; slot < k; slot++) {
-            const int e = ids[i * k + slot], r = ep->placement.expert_rank[e];
-            const int l = e - ep->placement.first_expert[r];
-            counts_out[(r * W + moe_wave_of(&waves, i, e)) * stride + 1 + l]++;
-        }
-    MPI_Alltoall(counts_out, W * stride, MPI_INT, counts_in, W * stride, MPI_INT, c->comm);
-
-    moe_status local = {0};
-    moe_ep_workspace *work = ep->work;
+/* Wave slots in the workspace for W waves; slots of a larger W before are
+ * handed back. */
+static void fit_wave_slots(struct moe_ep_workspace *work, int W)
+{
     if (work->waves < W) {
         work->wave = realloc(work->wave, sizeof(moe_buffer) * (size_t)(W * MOE_WAVE_BUFFERS));
         MOE_ASSERT(work->wave);
@@ -279,8 +268,49 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         work->waves = W;
     }
     for (int n = W * MOE_WAVE_BUFFERS; n < work->waves * MOE_WAVE_BUFFERS; n++)
-        moe_buffer_free(&work->wave[n]); /* slots of a larger W before */
+        moe_buffer_free(&work->wave[n]);
+}
+
+/* Stage plan, for every wave at once: each wave's rows per destination, one
+ * count exchange for all of them (per destination and wave, the rows, then
+ * the pairs of each of the destination's experts: EM slots, EM the most
+ * experts a rank holds), so that every buffer is sized exactly before
+ * anything moves. Allocation failures are recorded in local. */
+static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_t *ids,
+                       waves_forward *f, moe_forward_stats *stats, moe_status *local)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_comm *c = &ep->comm;
+    const int G = c->ranks, me = c->rank, k = (int)cfg->topk, W = sched->waves,
+              EL = ep->local_experts;
+    const moe_index T = cfg->tokens, d = cfg->hidden, ffn = cfg->ffn;
+    moe_waves_init(&f->waves, &ep->placement, W, T);
+    stats->wave_kind = f->waves.kind;
+    int EM = 0;
+    for (int r = 0; r < G; r++)
+        if (moe_placement_local_experts(&ep->placement, r) > EM)
+            EM = moe_placement_local_experts(&ep->placement, r);
+    const int stride = 1 + EM; /* counts of one (rank, wave) */
+    wave_state *ws = f->ws = moe_xcalloc((size_t)W, sizeof *ws);
+    int *counts_out = moe_xcalloc((size_t)(G * W * stride), sizeof(int)); /* (G, W, 1+EM) */
+    int *counts_in = moe_xmalloc(sizeof(int) * (size_t)(G * W * stride));
+    for (int w = 0; w < W; w++) {
+        moe_send_plan_build(&ws[w].send, &ep->placement, ids, T, k, &f->waves, w);
+        for (int r = 0; r < G; r++)
+            counts_out[(r * W + w) * stride] = (int)ws[w].send.row_count[r];
+    }
+    for (moe_index i = 0; i < T; i++)
+        for (int slot = 0; slot < k; slot++) {
+            const int e = ids[i * k + slot], r = ep->placement.expert_rank[e];
+            const int l = e - ep->placement.first_expert[r];
+            counts_out[(r * W + moe_wave_of(&f->waves, i, e)) * stride + 1 + l]++;
+        }
+    MOE_MPI(MPI_Alltoall(counts_out, W * stride, MPI_INT, counts_in, W * stride, MPI_INT, c->comm));
+
+    struct moe_ep_workspace *work = ep->work;
+    fit_wave_slots(work, W);
     moe_index most = MOE_SHARED_ROW_BLOCK; /* rows of the largest expert batch, for scratch */
+    const double row_bytes = moe_dispatch_row_bytes(d, k);
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
         s->rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G);
@@ -301,7 +331,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
             most = rows > most ? rows : most;
         }
         s->rows_out = s->send.row_offset[G];
-        link_bytes(ep, s->rows_from, s->send.row_count, (double)(d * 4 + MOE_META_WORDS(k) * 4), s->dispatch_bytes);
+        link_bytes(ep, s->rows_from, s->send.row_count, row_bytes, s->dispatch_bytes);
         moe_to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
         moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
         remote_counts(s->send.row_count, G, me, COUNTS(s, R_SEND, G), COUNTS(s, R_SEND_AT, G));
@@ -310,75 +340,93 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         const moe_index own_rows = s->rows_from[me], own_pairs = s->send.pair_count[me];
         moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
         const size_t row = sizeof(float) * (size_t)d, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
-        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], row * (size_t)(s->rows_out - s->send.row_count[me]), "dispatch rows", c->rank, &local);
-        s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", c->rank, &local);
-        s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], row * (size_t)(s->rows_in - own_rows), "received rows", c->rank, &local);
-        s->recv_meta = moe_buffer_fit(&b[MOE_WAVE_RECV_META], meta * (size_t)s->rows_in, "received ids", c->rank, &local);
-        s->expert_out = moe_buffer_fit(&b[MOE_WAVE_EXPERT_OUT], row * (size_t)s->pairs_in, "expert outputs", c->rank, &local);
-        s->back = moe_buffer_fit(&b[MOE_WAVE_BACK], row * (size_t)(s->send.pair_offset[G] - own_pairs), "combined rows", c->rank, &local);
-        s->row_at = moe_buffer_fit(&b[MOE_WAVE_ROW_AT], sizeof(float *) * (size_t)s->rows_in, "the row table", c->rank, &local);
+        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], row * (size_t)(s->rows_out - s->send.row_count[me]), "dispatch rows", me, local);
+        s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", me, local);
+        s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], row * (size_t)(s->rows_in - own_rows), "received rows", me, local);
+        s->recv_meta = moe_buffer_fit(&b[MOE_WAVE_RECV_META], meta * (size_t)s->rows_in, "received ids", me, local);
+        s->expert_out = moe_buffer_fit(&b[MOE_WAVE_EXPERT_OUT], row * (size_t)s->pairs_in, "expert outputs", me, local);
+        s->back = moe_buffer_fit(&b[MOE_WAVE_BACK], row * (size_t)(s->send.pair_offset[G] - own_pairs), "combined rows", me, local);
+        s->row_at = moe_buffer_fit(&b[MOE_WAVE_ROW_AT], sizeof(float *) * (size_t)s->rows_in, "the row table", me, local);
     }
-    float *expert_in = moe_buffer_fit(&work->expert_in, sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", c->rank, &local);
-    float *scratch = moe_buffer_fit(&work->scratch, sizeof(float) * (size_t)(most * 2 * f), "expert activations", c->rank, &local);
-    const float **slot_rows = moe_buffer_fit(&work->slot_rows, sizeof(float *) * (size_t)(T * k), "the reduce table", c->rank, &local);
-    float *x_scratch = cfg->dispatch_dtype == MOE_DTYPE_FP32
-                           ? NULL
-                           : moe_buffer_fit(&work->x_scratch, sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, &local);
+    f->expert_in = moe_buffer_fit(&work->expert_in, sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", me, local);
+    f->scratch = moe_buffer_fit(&work->scratch, sizeof(float) * (size_t)(most * 2 * ffn), "expert activations", me, local);
+    f->slot_rows = moe_buffer_fit(&work->slot_rows, sizeof(float *) * (size_t)(T * k), "the reduce table", me, local);
+    if (cfg->dispatch_dtype != MOE_DTYPE_FP32)
+        f->x_scratch = moe_buffer_fit(&work->x_scratch, sizeof(float) * (size_t)(T * d), "the quantised tokens", me, local);
     free(counts_in);
     free(counts_out);
-    moe_fault_here(c, "plan", &local);
-    if (moe_comm_agree(c, &local)) {
-        *st = local;
-        goto out;
-    }
-    const float *x_dispatch = moe_ep_dispatched_tokens(ep, x, x_scratch);
-    for (int w = 0; w < W; w++) {
-        const moe_send_plan *plan = &ws[w].send; /* rows by destination: before me, after me */
-        moe_gather_rows(x_dispatch, d, plan->row_token, plan->row_offset[me], ws[w].send_rows);
-        moe_gather_rows(x_dispatch, d, plan->row_token + plan->row_offset[me + 1],
-                        plan->row_offset[G] - plan->row_offset[me + 1],
-                        ws[w].send_rows + plan->row_offset[me] * d);
-        moe_pack_meta(ids, weights, k, ws[w].send.row_token, ws[w].rows_out, (moe_index)c->rank * T,
-                      ws[w].send_meta);
-    }
-    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+}
 
-    /* The pipeline. */
+/* Stage pack, every wave: rows for other ranks into the wave's send buffer
+ * (this rank's own stay in the tokens), every row's ids. */
+static void waves_pack(const moe_ep *ep, const moe_schedule *sched, const float *x,
+                       const int32_t *ids, const float *weights, waves_forward *f)
+{
+    f->x_dispatch = moe_ep_dispatched_tokens(ep, x, f->x_scratch);
+    for (int w = 0; w < sched->waves; w++)
+        moe_ep_pack(ep, f->x_dispatch, ids, weights, &f->ws[w].send, ep->comm.rank,
+                    f->ws[w].send_rows, f->ws[w].send_meta);
+}
+
+/* Stage plan, receive side of wave w (once its dispatch has arrived): which
+ * received row visits which local expert, the combine counts, and where
+ * each received row is. */
+static void wave_plan_receive(const moe_ep *ep, const waves_forward *f, int w)
+{
+    const int G = ep->comm.ranks, me = ep->comm.rank;
+    wave_state *s = &f->ws[w];
+    moe_recv_plan_build(&s->recv, &ep->placement, me, s->recv_meta, s->rows_in,
+                        (int)ep->cfg->topk, s->rows_from, &f->waves, w);
+    MOE_ASSERT(s->recv.pairs == s->pairs_in);
+    moe_to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
+    COUNTS(s, C_SEND, G)[me] = 0;
+    row_table(s, G, me, ep->cfg->hidden, f->x_dispatch);
+    link_bytes(ep, s->send.pair_count, s->recv.source_pairs,
+               moe_combine_row_bytes(ep->cfg->hidden), s->combine_bytes);
+}
+
+/* A rank that fails inside the pipeline cannot stop the others together:
+ * it ends the job (an injected fault stands for a failure here). */
+static void fail_inside_pipeline(const moe_comm *c, const char *stage)
+{
+    moe_status fault = {0};
+    if (moe_fault_here(c, stage, &fault))
+        moe_comm_abort(c, &fault);
+}
+
+/* Stages dispatch, experts and combine of every wave, overlapped as the
+ * diagram at the top of this file shows; then the timeline's comm events
+ * and the forward's traffic figures. */
+static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_forward *f,
+                           moe_forward_stats *stats)
+{
+    static const moe_link no_link = {.enabled = false};
+    const moe_comm *c = &ep->comm;
+    const int G = c->ranks, W = sched->waves;
+    const moe_index d = ep->cfg->hidden;
+    const moe_link *link = sched->link ? &ep->link : &no_link;
+    wave_state *ws = f->ws;
     moe_progress progress;
-    moe_progress_init(&progress, (enum moe_progress_kind)cfg->progress, 2 * W);
+    moe_progress_init(&progress, sched->progress, 2 * W);
     moe_gemm_reset_flops();
     const double start = MPI_Wtime();
-    stage_clock clock = {&progress, trace, origin, start, 0.0, 0, 0};
+    stage_clock clock = {&progress, sched->trace, sched->origin, start, 0.0, 0, 0};
     moe_link_state links = {{{0}}};
-    /* Waves whose dispatch is in flight while a wave computes: --lookahead. */
-    const int ahead = (int)cfg->lookahead;
     int posted = 0; /* dispatches posted so far */
     for (int w = 0; w < W; w++) {
-        for (const int want = w + ahead + 1 < W ? w + ahead + 1 : W; posted < want; posted++)
-            post_dispatch(&ws[posted], &progress, posted, G, row_type, meta_type, c->comm,
-                          &ep->link, &links);
+        for (const int want = w + sched->lookahead + 1 < W ? w + sched->lookahead + 1 : W;
+             posted < want; posted++)
+            wave_dispatch(&ws[posted], &progress, posted, G, f->row_type, f->meta_type, c->comm,
+                          link, &links);
         moe_progress_wait(&progress, w);
-        moe_status fault = {0};
-        if (moe_fault_here(c, "dispatch", &fault))
-            moe_comm_abort(c, &fault);
+        fail_inside_pipeline(c, "dispatch");
         clock.wave = w;
         clock.mark = MPI_Wtime();
-        wave_state *s = &ws[w];
-        moe_recv_plan_build(&s->recv, &ep->placement, c->rank, s->recv_meta, s->rows_in, k,
-                            s->rows_from, &waves, w);
-        MOE_ASSERT(s->recv.pairs == s->pairs_in);
-        moe_to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
-        COUNTS(s, C_SEND, G)[me] = 0;
-        row_table(s, G, me, d, x_dispatch);
-        link_bytes(ep, s->send.pair_count, s->recv.source_pairs, (double)(d * 4), s->combine_bytes);
-        wave_experts(ep, s, expert_in, scratch, &clock);
-        /* Inside the pipeline the ranks cannot stop together: a failing rank
-         * ends the job (an injected fault stands for a failure here). */
-        if (moe_fault_here(c, "experts", &fault))
-            moe_comm_abort(c, &fault);
-        post_combine(s, &progress, W + w, G, row_type, c->comm, &ep->link, &links);
-        if (moe_fault_here(c, "combine", &fault))
-            moe_comm_abort(c, &fault);
+        wave_plan_receive(ep, f, w);
+        wave_experts(ep, &ws[w], f->expert_in, f->scratch, &clock);
+        fail_inside_pipeline(c, "experts");
+        wave_combine(&ws[w], &progress, W + w, G, f->row_type, c->comm, link, &links);
+        fail_inside_pipeline(c, "combine");
     }
     for (int w = 0; w < W; w++)
         moe_progress_wait(&progress, W + w);
@@ -387,14 +435,16 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
     stats->compute_seconds = clock.compute;
     moe_progress_stop(&progress);
     stats->test_seconds = progress.test_seconds;
+    const double row_bytes = moe_dispatch_row_bytes(d, (int)ep->cfg->topk);
+    const double out_bytes = moe_combine_row_bytes(d);
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
-        add_comm_event(trace, &progress.ops[w], w ? &progress.ops[w - 1] : NULL, origin, w,
-                       MOE_EVENT_DISPATCH,
-                       (double)s->rows_out * (double)(d * 4 + MOE_META_WORDS(k) * 4), s->rows_out);
-        add_comm_event(trace, &progress.ops[W + w], w ? &progress.ops[W + w - 1] : NULL, origin,
-                       w, MOE_EVENT_COMBINE,
-                       (double)s->recv.pairs * (double)(d * 4), s->recv.pairs);
+        add_comm_event(sched->trace, &progress.ops[w], w ? &progress.ops[w - 1] : NULL,
+                       sched->origin, w, MOE_EVENT_DISPATCH, (double)s->rows_out * row_bytes,
+                       s->rows_out);
+        add_comm_event(sched->trace, &progress.ops[W + w], w ? &progress.ops[W + w - 1] : NULL,
+                       sched->origin, w, MOE_EVENT_COMBINE, (double)s->recv.pairs * out_bytes,
+                       s->recv.pairs);
         stats->seconds[MOE_STAGE_DISPATCH] += progress.ops[w].completed - progress.ops[w].posted;
         stats->seconds[MOE_STAGE_COMBINE] += progress.ops[W + w].completed - progress.ops[W + w].posted;
         stats->rows_sent += s->rows_out;
@@ -402,62 +452,102 @@ int moe_ep_forward_waves(const moe_ep *ep, const float *x, const int32_t *ids,
         stats->rows_received += s->rows_in;
         stats->pairs_received += s->recv.pairs;
         stats->pairs_back_remote += s->send.pair_offset[G] - s->send.pair_count[c->rank];
-        stats->bytes_dispatched += (double)s->rows_out * (double)(d * 4 + MOE_META_WORDS(k) * 4);
-        stats->bytes_combined += (double)s->recv.pairs * (double)(d * 4);
+        stats->bytes_dispatched += (double)s->rows_out * row_bytes;
+        stats->bytes_combined += (double)s->recv.pairs * out_bytes;
     }
     moe_progress_free(&progress);
     stats->seconds[MOE_STAGE_EXPERTS] = clock.compute;
     stats->expert_start = start;
     stats->expert_end = end;
     stats->expert_flops = moe_gemm_sflops();
+}
 
-    /* Reduce in slot order, whatever wave each slot came back in. */
-    t = MPI_Wtime();
-    for (int w = 0; w < W; w++) {
-        wave_state *s = &ws[w];
+/* Stages reduce and shared: y in slot order, whatever wave each slot came
+ * back in, then the shared experts on top. */
+static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forward *f,
+                         const float *x, const float *weights, float *y, moe_forward_stats *stats)
+{
+    const int G = ep->comm.ranks, me = ep->comm.rank;
+    const moe_index d = ep->cfg->hidden;
+    double t = MPI_Wtime();
+    for (int w = 0; w < sched->waves; w++) {
+        wave_state *s = &f->ws[w];
         for (int r = 0; r < G; r++)
             s->from[r] = r == me ? s->expert_out + (moe_index)COUNTS(s, C_SEND_AT, G)[me] * d
                                  : s->back + (moe_index)COUNTS(s, C_RECV_AT, G)[r] * d;
-        moe_combine_locate(&s->send, s->from, d, slot_rows);
+        moe_combine_locate(&s->send, s->from, d, f->slot_rows);
     }
-    moe_combine_reduce(slot_rows, cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? weights : NULL, T, k,
-                       d, y);
+    moe_ep_reduce(ep, f->slot_rows, weights, y);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
     t = MPI_Wtime();
-    moe_ep_shared_forward(ep, x, y, scratch, expert_in);
+    moe_ep_shared(ep, x, y, f->scratch, f->expert_in);
     stats->done = MPI_Wtime();
     stats->seconds[MOE_STAGE_SHARED] = stats->done - t;
+}
 
-    /* T_comm: the same all-to-alls alone, all in flight at once (as the
-     * pipeline may have them), the OSU way: no compute between post and
-     * wait. With a link model, at least the time the links need for all of
-     * them. They rewrite the receive buffers with the same bytes. */
+int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const float *x,
+                         const int32_t *ids, const float *weights, float *y,
+                         moe_forward_stats *stats, moe_status *st)
+{
+    MOE_ASSERT(sched->waves >= 1 && sched->lookahead >= 1);
+    waves_forward f = {0};
+    moe_status local = {0};
+    memset(stats, 0, sizeof *stats);
+    stats->waves = sched->waves;
+    moe_ep_forget_waves(ep->work);
+    moe_ep_row_types(ep, &f.row_type, &f.meta_type);
+
+    const double t = MPI_Wtime();
+    waves_plan(ep, sched, ids, &f, stats, &local);
+    const bool well = moe_ep_agreed(&ep->comm, "plan", &local);
+    if (well) {
+        waves_pack(ep, sched, x, ids, weights, &f);
+        stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+        waves_pipeline(ep, sched, &f, stats);
+        waves_reduce(ep, sched, &f, x, weights, y, stats);
+        ep->work->last = f.ws; /* for moe_ep_time_alltoalls */
+        ep->work->last_waves = sched->waves;
+    } else {
+        free_waves(f.ws, sched->waves);
+        *st = local;
+    }
+    moe_waves_free(&f.waves);
+    MOE_MPI(MPI_Type_free(&f.meta_type));
+    MOE_MPI(MPI_Type_free(&f.row_type));
+    return local.code;
+}
+
+double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
+{
+    static const moe_link no_link = {.enabled = false};
+    const moe_comm *c = &ep->comm;
+    const int G = c->ranks, W = ep->work->last_waves;
+    wave_state *ws = ep->work->last;
+    MOE_ASSERT(ws != NULL);
+    const moe_link *link = sched->link ? &ep->link : &no_link;
+    MPI_Datatype row_type, meta_type;
+    moe_ep_row_types(ep, &row_type, &meta_type);
     MPI_Request *requests = moe_xmalloc(sizeof(MPI_Request) * (size_t)(3 * W));
+    MPI_Status *statuses = moe_xmalloc(sizeof(MPI_Status) * (size_t)(3 * W));
     moe_link_state alone = {{{0}}};
     double modelled = 0.0;
-    MPI_Barrier(c->comm);
-    t = MPI_Wtime();
+    MOE_MPI(MPI_Barrier(c->comm));
+    const double t = MPI_Wtime();
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
         start_dispatch(s, G, row_type, meta_type, c->comm, &requests[3 * w]);
         start_combine(s, G, row_type, c->comm, &requests[3 * w + 2]);
         for (int pass = 0; pass < 2; pass++) {
             double (*bytes)[MOE_TIERS] = pass == 0 ? s->dispatch_bytes : s->combine_bytes;
-            const double done = moe_link_schedule(&ep->link, &alone, 0.0, bytes[0], bytes[1]);
+            const double done = moe_link_schedule(link, &alone, 0.0, bytes[0], bytes[1]);
             modelled = done > modelled ? done : modelled;
         }
     }
-    MPI_Status *statuses = moe_xmalloc(sizeof(MPI_Status) * (size_t)(3 * W));
-    MPI_Waitall(3 * W, requests, statuses);
-    free(statuses);
+    MOE_MPI(MPI_Waitall(3 * W, requests, statuses));
     const double real = MPI_Wtime() - t;
-    stats->comm_seconds = real > modelled ? real : modelled;
+    free(statuses);
     free(requests);
-
-out:
-    free_waves(ws, W);
-    moe_waves_free(&waves);
-    MPI_Type_free(&meta_type);
-    MPI_Type_free(&row_type);
-    return local.code;
+    MOE_MPI(MPI_Type_free(&meta_type));
+    MOE_MPI(MPI_Type_free(&row_type));
+    return real > modelled ? real : modelled;
 }

@@ -3,6 +3,7 @@
 #include "moe/progress.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <sched.h>
 #include <time.h>
 #include <stdlib.h>
@@ -31,7 +32,7 @@ static bool test_round(moe_progress *p, double *next_ready)
             int done = 0;
             MPI_Status statuses[2];
             double t = MPI_Wtime();
-            MPI_Testall(op->count, op->requests, &done, statuses);
+            MOE_MPI(MPI_Testall(op->count, op->requests, &done, statuses));
             double now = MPI_Wtime();
             p->test_seconds += now - t;
             p->tests++;
@@ -90,6 +91,18 @@ static void *progress_thread(void *arg)
     return NULL;
 }
 
+enum moe_progress_kind moe_progress_granted(const moe_comm *c, enum moe_progress_kind requested)
+{
+    static bool noted;
+    if (requested != MOE_PROGRESS_THREAD || moe_progress_thread_level >= MPI_THREAD_SERIALIZED)
+        return requested;
+    if (c->rank == 0 && !noted)
+        fprintf(stderr, "moe-ep: note: --progress thread needs MPI_THREAD_SERIALIZED, which this "
+                        "MPI library does not grant; polling instead\n");
+    noted = true;
+    return MOE_PROGRESS_POLL;
+}
+
 void moe_progress_init(moe_progress *p, enum moe_progress_kind kind, int n_ops)
 {
     memset(p, 0, sizeof *p);
@@ -99,7 +112,7 @@ void moe_progress_init(moe_progress *p, enum moe_progress_kind kind, int n_ops)
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->changed, NULL);
     /* Without MPI_THREAD_SERIALIZED (or a thread) the compute thread polls;
-     * moe-ep run says so once at start-up. */
+     * moe_progress_granted says so. */
     if (kind == MOE_PROGRESS_THREAD && moe_progress_thread_level < MPI_THREAD_SERIALIZED)
         p->kind = MOE_PROGRESS_POLL;
     if (p->kind == MOE_PROGRESS_THREAD) {

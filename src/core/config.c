@@ -40,12 +40,34 @@ enum {
     BOTH = RUN | PLAN
 };
 
+/* A FLAG_CHOICE's names and the enum values they stand for; a NULL name ends the list. */
+typedef struct {
+    const char *name;
+    int value;
+} flag_choice;
+
+static const flag_choice router_choices[] = {
+    {"softmax", MOE_ROUTER_SOFTMAX}, {"deepseek-v3", MOE_ROUTER_DEEPSEEK_V3}, {NULL, 0}};
+static const flag_choice weight_at_choices[] = {
+    {"output", MOE_WEIGHT_AT_OUTPUT}, {"activation", MOE_WEIGHT_AT_ACTIVATION}, {NULL, 0}};
+static const flag_choice progress_choices[] = {
+    {"poll", MOE_PROGRESS_POLL}, {"thread", MOE_PROGRESS_THREAD}, {NULL, 0}};
+static const flag_choice gemm_choices[] = {
+    {"blas", MOE_GEMM_BLAS}, {"exact", MOE_GEMM_EXACT}, {"packed", MOE_GEMM_PACKED}, {NULL, 0}};
+static const flag_choice dtype_choices[] = {
+    {"fp32", MOE_DTYPE_FP32}, {"bf16", MOE_DTYPE_BF16}, {"fp8", MOE_DTYPE_FP8}, {NULL, 0}};
+static const flag_choice fp8_scale_choices[] = {
+    {"float", MOE_FP8_SCALE_FLOAT}, {"ue8m0", MOE_FP8_SCALE_UE8M0}, {NULL, 0}};
+
 typedef struct {
     const char *name; /* flag without "--", and preset key */
     enum flag_kind kind;
     size_t offset;
     int64_t min, max; /* FLAG_INT and FLAG_WAVES; FLAG_REAL: [min, max] too */
-    const char *value_name; /* FLAG_CHOICE: the choices, "a|b", stored as an index */
+    const char *value_name; /* what --help shows after the flag; NULL for choices and bools */
+    const flag_choice *choices; /* FLAG_CHOICE: the names and the values stored */
+    const char *default_value;  /* what moe_config_defaults sets, as on the command line;
+                                   NULL: none (preset, cluster) */
     const char *help;
     unsigned commands; /* RUN, PLAN or BOTH */
 } flag_spec;
@@ -53,86 +75,86 @@ typedef struct {
 #define FIELD(f) offsetof(moe_config, f)
 
 static const flag_spec flags[] = {
-    {"preset", FLAG_PRESET, FIELD(preset), 0, 0, "NAME", "data/presets/NAME.conf, or a path to a .conf file", BOTH},
-    {"tokens", FLAG_INT, FIELD(tokens), 1, 1 << 24, "T", "tokens per rank", BOTH},
-    {"hidden", FLAG_INT, FIELD(hidden), 1, 65536, "d", "hidden size", BOTH},
-    {"ffn", FLAG_INT, FIELD(ffn), 1, 65536, "f", "FFN size of one expert", BOTH},
-    {"experts", FLAG_INT, FIELD(experts), 1, 4096, "E", "routed experts", BOTH},
-    {"topk", FLAG_INT, FIELD(topk), 1, 4096, "k", "experts per token, 1 <= k <= E", BOTH},
-    {"router", FLAG_CHOICE, FIELD(router), 0, 0, "softmax|deepseek-v3", "the gate (router.h)", BOTH},
-    {"groups", FLAG_INT, FIELD(groups), 1, 4096, "N", "deepseek-v3 expert groups (= nodes: node-limited routing)", BOTH},
-    {"topk-groups", FLAG_INT, FIELD(topk_groups), 1, 4096, "M", "deepseek-v3 groups kept per token", BOTH},
-    {"route-scale", FLAG_REAL, FIELD(route_scale), 0, 1000, "S", "deepseek-v3 weight scale", RUN},
-    {"bias-scale", FLAG_REAL, FIELD(bias_scale), 0, 100, "B", "deepseek-v3 correction bias, uniform in [-B, B); 0 = none (V2 style)", RUN},
-    {"norm-topk", FLAG_BOOL, FIELD(norm_topk), 0, 0, NULL, "renormalise the k weights (softmax, and deepseek-v3 without bias)", RUN},
-    {"weight-at", FLAG_CHOICE, FIELD(weight_at), 0, 0, "output|activation", "gate weight on the expert output (V3 reference) or before L2 (fused kernels)", RUN},
-    {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", "logit bias: hot:EXPERT=+B[,...] or zipf:S", RUN},
-    {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", "shared experts, applied to every token on its home rank", BOTH},
-    {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", "data seed, 0 .. 2^64-1", RUN},
-    {"init-scale", FLAG_REAL, FIELD(init_scale), 0, 1000000000000000000LL, "S", "input tokens uniform in [-S, S)", RUN},
-    {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", "timed forward passes", RUN},
-    {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
-    {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
-    {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
-    {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, "poll|thread", "who drives MPI progress while experts compute", RUN},
-    {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, "blas|exact|packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once (default packed)", RUN},
-    {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
-    {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", "write the golden set of this run (docs/golden.md)", RUN},
-    {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, "include the weights in --dump (default true)", RUN},
-    {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", "Chrome trace of the last forward (Perfetto)", RUN},
-    {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", "SVG Gantt chart of the last forward", RUN},
-    {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", "emulated links: cb=RATIO | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
-    {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R", "ranks per virtual node; 0 = one node", RUN},
-    {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, "add the same forward at W = 1 to the timeline", RUN},
-    {"warmup", FLAG_INT, FIELD(warmup), 0, 1000, "N", "untimed forwards before each wave count", BENCH},
-    {"csv", FLAG_TEXT, FIELD(csv), 0, 0, "FILE", "write the table as CSV", BENCH},
-    {"plot", FLAG_TEXT, FIELD(plot), 0, 0, "FILE.svg", "plot layer time and overlap against W", BENCH},
-    {"layers", FLAG_INT, FIELD(layers), 1, 1000, "L", "transformer layers", PLAN},
-    {"moe-layers", FLAG_INT, FIELD(moe_layers), 0, 1000, "L", "of which MoE layers", PLAN},
-    {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, "fp32|bf16|fp8", "weights and input tokens (run: fp32 or bf16)", BOTH},
-    {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, "fp32|bf16|fp8", "dispatched rows (fp8: E4M3, one scale per 128 values)", BOTH},
-    {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, "fp32|bf16|fp8", "expert outputs sent back (run: fp32 or bf16)", BOTH},
-    {"fp8-scale", FLAG_CHOICE, FIELD(fp8_scale), 0, 0, "float|ue8m0", "fp8 dispatch scales: amax/448, or a power of two", RUN},
-    {"cluster", FLAG_CLUSTER, FIELD(cluster), 0, 0, "NAME", "data/clusters/NAME.conf, or a path", PLAN},
-    {"gpus", FLAG_INT, FIELD(gpus), 1, 1 << 20, "N", "GPUs in the cluster", PLAN},
-    {"gpus-per-node", FLAG_INT, FIELD(gpus_per_node), 1, 1024, "N", "GPUs per node (one NVLink domain)", PLAN},
-    {"ep", FLAG_INT, FIELD(ep), 1, 1 << 20, "N", "expert-parallel group size", PLAN},
-    {"intra-bw", FLAG_REAL, FIELD(intra_bw), 0, 100000, "GB/s", "per-GPU bandwidth inside a node", PLAN},
-    {"inter-bw", FLAG_REAL, FIELD(inter_bw), 0, 100000, "GB/s", "per-GPU bandwidth between nodes", PLAN},
-    {"tflops", FLAG_REAL, FIELD(tflops), 0, 1000000, "TFLOP/s", "per-GPU dense FLOP/s of the expert GEMMs", PLAN},
+    {"preset", FLAG_PRESET, FIELD(preset), 0, 0, "NAME", NULL, NULL, "data/presets/NAME.conf, or a path to a .conf file", BOTH},
+    {"tokens", FLAG_INT, FIELD(tokens), 1, 1 << 24, "T", NULL, "256", "tokens per rank", BOTH},
+    {"hidden", FLAG_INT, FIELD(hidden), 1, 65536, "d", NULL, "256", "hidden size", BOTH},
+    {"ffn", FLAG_INT, FIELD(ffn), 1, 65536, "f", NULL, "128", "FFN size of one expert", BOTH},
+    {"experts", FLAG_INT, FIELD(experts), 1, 4096, "E", NULL, "8", "routed experts", BOTH},
+    {"topk", FLAG_INT, FIELD(topk), 1, 4096, "k", NULL, "2", "experts per token, 1 <= k <= E", BOTH},
+    {"router", FLAG_CHOICE, FIELD(router), 0, 0, NULL, router_choices, "softmax", "the gate (router.h)", BOTH},
+    {"groups", FLAG_INT, FIELD(groups), 1, 4096, "N", NULL, "1", "deepseek-v3 expert groups (= nodes: node-limited routing)", BOTH},
+    {"topk-groups", FLAG_INT, FIELD(topk_groups), 1, 4096, "M", NULL, "1", "deepseek-v3 groups kept per token", BOTH},
+    {"route-scale", FLAG_REAL, FIELD(route_scale), 0, 1000, "S", NULL, "1", "deepseek-v3 weight scale", RUN},
+    {"bias-scale", FLAG_REAL, FIELD(bias_scale), 0, 100, "B", NULL, "0.01", "deepseek-v3 correction bias, uniform in [-B, B); 0 = none (V2 style)", RUN},
+    {"norm-topk", FLAG_BOOL, FIELD(norm_topk), 0, 0, NULL, NULL, "true", "renormalise the k weights (softmax, and deepseek-v3 without bias)", RUN},
+    {"weight-at", FLAG_CHOICE, FIELD(weight_at), 0, 0, NULL, weight_at_choices, "output", "gate weight on the expert output (V3 reference) or before L2 (fused kernels)", RUN},
+    {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", NULL, "", "logit bias: hot:EXPERT=+B[,...] or zipf:S", RUN},
+    {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", NULL, "0", "shared experts, applied to every token on its home rank", BOTH},
+    {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", NULL, "1", "data seed, 0 .. 2^64-1", RUN},
+    {"init-scale", FLAG_REAL, FIELD(init_scale), 0, 1000000000000000000LL, "S", NULL, "1", "input tokens uniform in [-S, S)", RUN},
+    {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", NULL, "1", "timed forward passes", RUN},
+    {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", NULL, "4", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
+    {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
+    {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
+    {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
+    {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
+    {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, NULL, "false", "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
+    {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", NULL, "", "write the golden set of this run (docs/golden.md)", RUN},
+    {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, NULL, "true", "include the weights in --dump", RUN},
+    {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", NULL, "", "Chrome trace of the last forward (Perfetto)", RUN},
+    {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", NULL, "", "SVG Gantt chart of the last forward", RUN},
+    {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", NULL, "", "emulated links: cb=RATIO | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
+    {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R", NULL, "0", "ranks per virtual node; 0 = one node", RUN},
+    {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, NULL, "false", "add the same forward at W = 1 to the timeline", RUN},
+    {"warmup", FLAG_INT, FIELD(warmup), 0, 1000, "N", NULL, "2", "untimed forwards before each wave count", BENCH},
+    {"csv", FLAG_TEXT, FIELD(csv), 0, 0, "FILE", NULL, "", "write the table as CSV", BENCH},
+    {"plot", FLAG_TEXT, FIELD(plot), 0, 0, "FILE.svg", NULL, "", "plot layer time and overlap against W", BENCH},
+    {"layers", FLAG_INT, FIELD(layers), 1, 1000, "L", NULL, "1", "transformer layers", PLAN},
+    {"moe-layers", FLAG_INT, FIELD(moe_layers), 0, 1000, "L", NULL, "1", "of which MoE layers", PLAN},
+    {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, NULL, dtype_choices, "fp32", "weights and input tokens (run: fp32 or bf16)", BOTH},
+    {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, NULL, dtype_choices, "fp32", "dispatched rows (fp8: E4M3, one scale per 128 values)", BOTH},
+    {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, NULL, dtype_choices, "fp32", "expert outputs sent back (run: fp32 or bf16)", BOTH},
+    {"fp8-scale", FLAG_CHOICE, FIELD(fp8_scale), 0, 0, NULL, fp8_scale_choices, "float", "fp8 dispatch scales: amax/448, or a power of two", RUN},
+    {"cluster", FLAG_CLUSTER, FIELD(cluster), 0, 0, "NAME", NULL, NULL, "data/clusters/NAME.conf, or a path", PLAN},
+    {"gpus", FLAG_INT, FIELD(gpus), 1, 1 << 20, "N", NULL, "1", "GPUs in the cluster", PLAN},
+    {"gpus-per-node", FLAG_INT, FIELD(gpus_per_node), 1, 1024, "N", NULL, "1", "GPUs per node (one NVLink domain)", PLAN},
+    {"ep", FLAG_INT, FIELD(ep), 1, 1 << 20, "N", NULL, "1", "expert-parallel group size", PLAN},
+    {"intra-bw", FLAG_REAL, FIELD(intra_bw), 0, 100000, "GB/s", NULL, "0", "per-GPU bandwidth inside a node", PLAN},
+    {"inter-bw", FLAG_REAL, FIELD(inter_bw), 0, 100000, "GB/s", NULL, "0", "per-GPU bandwidth between nodes", PLAN},
+    {"tflops", FLAG_REAL, FIELD(tflops), 0, 1000000, "TFLOP/s", NULL, "0", "per-GPU dense FLOP/s of the expert GEMMs", PLAN},
 };
 #define N_FLAGS (sizeof flags / sizeof flags[0])
+
+static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, const char *where,
+                     moe_status *st);
 
 void moe_config_defaults(moe_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
-    cfg->tokens = 256;
-    cfg->hidden = 256;
-    cfg->ffn = 128;
-    cfg->experts = 8;
-    cfg->topk = 2;
-    cfg->shared_experts = 0;
-    cfg->iters = 1;
-    cfg->waves = cfg->waves_list[0] = 4;
-    cfg->waves_count = 1;
-    cfg->lookahead = 2;
-    cfg->router = 0; /* MOE_ROUTER_SOFTMAX */
-    cfg->groups = 1;
-    cfg->topk_groups = 1;
-    cfg->route_scale = 1.0;
-    cfg->bias_scale = 0.01;
-    cfg->norm_topk = true;
-    cfg->dump_weights = true;
-    cfg->warmup = 2;
-    cfg->layers = 1;
-    cfg->moe_layers = 1;
-    cfg->param_dtype = cfg->dispatch_dtype = cfg->combine_dtype = 0; /* fp32 */
-    cfg->gpus = cfg->gpus_per_node = cfg->ep = 1;
-    cfg->progress = MOE_PROGRESS_POLL;
-    cfg->gemm = 2; /* MOE_GEMM_PACKED */
-    cfg->seed = 1;
-    cfg->init_scale = 1.0;
-    cfg->check = false;
+    for (size_t n = 0; n < N_FLAGS; n++)
+        if (flags[n].default_value) {
+            moe_status st = {0};
+            set_value(cfg, &flags[n], flags[n].default_value, "default", &st);
+            MOE_ASSERT(st.code == MOE_EXIT_OK);
+        }
+}
+
+/* "a|b|c": the names of a FLAG_CHOICE, for help and errors. */
+static const char *choice_names(const flag_spec *flag, char *buf, size_t size)
+{
+    size_t used = 0;
+    buf[0] = '\0';
+    for (const flag_choice *c = flag->choices; c->name && used < size; c++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%s", used ? "|" : "", c->name);
+    return buf;
+}
+
+/* What --help shows after the flag: its value's name, or its choices. */
+static const char *value_text(const flag_spec *flag, char *buf, size_t size)
+{
+    if (flag->kind == FLAG_CHOICE)
+        return choice_names(flag, buf, size);
+    return flag->value_name ? flag->value_name : "";
 }
 
 static const flag_spec *find_flag(const char *name, size_t len)
@@ -204,7 +226,6 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
                             "%s must be an integer in [%lld, %lld] or a list of them, got '%s'",
                             where, (long long)flag->min, (long long)flag->max, value);
         cfg->waves_count = count;
-        cfg->waves = cfg->waves_list[0];
         return MOE_EXIT_OK;
     }
     case FLAG_REAL: {
@@ -224,18 +245,14 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
         snprintf(base, MOE_NAME_MAX, "%s", value);
         return MOE_EXIT_OK;
     case FLAG_CHOICE: {
-        const char *choice = flag->value_name;
-        for (int index = 0; choice; index++) {
-            const char *bar = strchr(choice, '|');
-            size_t len = bar ? (size_t)(bar - choice) : strlen(choice);
-            if (strlen(value) == len && strncmp(value, choice, len) == 0) {
-                *(int *)base = index;
+        for (const flag_choice *c = flag->choices; c->name; c++)
+            if (!strcmp(value, c->name)) {
+                *(int *)base = c->value;
                 return MOE_EXIT_OK;
             }
-            choice = bar ? bar + 1 : NULL;
-        }
+        char names[128];
         return moe_fail(st, MOE_EXIT_USAGE, "%s must be one of %s, got '%s'", where,
-                        flag->value_name, value);
+                        choice_names(flag, names, sizeof names), value);
     }
     }
     return MOE_EXIT_OK;
@@ -409,7 +426,9 @@ static const flag_spec *parse_flag(enum moe_command command, int argc, char **ar
     else if (*at + 1 < argc)
         *value = argv[++*at];
     else {
-        moe_fail(st, MOE_EXIT_USAGE, "--%s needs a value (%s)", flag->name, flag->value_name);
+        char names[128];
+        moe_fail(st, MOE_EXIT_USAGE, "--%s needs a value (%s)", flag->name,
+                 value_text(flag, names, sizeof names));
         return NULL;
     }
     return flag;
@@ -549,16 +568,17 @@ double moe_config_memory_per_rank(const moe_config *cfg, int ranks)
 void moe_config_print_flags(FILE *out, enum moe_command command)
 {
     for (size_t n = 0; n < N_FLAGS; n++) {
-        if (!(flags[n].commands & (1u << command)))
+        const flag_spec *flag = &flags[n];
+        if (!(flag->commands & (1u << command)))
             continue;
-        char left[64];
-        snprintf(left, sizeof left, "--%s%s%s", flags[n].name, flags[n].value_name ? " " : "",
-                 flags[n].value_name ? flags[n].value_name : "");
-        if (flags[n].kind == FLAG_INT || flags[n].kind == FLAG_REAL)
-            fprintf(out, "  %-22s %s [%lld..%lld]\n", left, flags[n].help,
-                    (long long)flags[n].min, (long long)flags[n].max);
-        else
-            fprintf(out, "  %-22s %s\n", left, flags[n].help);
+        char left[64], names[128], range[64] = "", fallback[MOE_NAME_MAX + 16] = "";
+        const char *value = value_text(flag, names, sizeof names);
+        snprintf(left, sizeof left, "--%s%s%s", flag->name, *value ? " " : "", value);
+        if (flag->kind == FLAG_INT || flag->kind == FLAG_REAL)
+            snprintf(range, sizeof range, " [%lld..%lld]", (long long)flag->min, (long long)flag->max);
+        if (flag->default_value && *flag->default_value)
+            snprintf(fallback, sizeof fallback, " (default %s)", flag->default_value);
+        fprintf(out, "  %-31s %s%s%s\n", left, flag->help, range, fallback);
     }
 }
 
@@ -584,15 +604,12 @@ void moe_config_describe(const moe_config *cfg, enum moe_command command,
         case FLAG_REAL:
             snprintf(value, sizeof value, "%.17g", *(const double *)base);
             break;
-        case FLAG_CHOICE: {
-            const char *choice = flag->value_name;
-            for (int index = *(const int *)base; index > 0 && choice; index--)
-                choice = strchr(choice, '|') ? strchr(choice, '|') + 1 : NULL;
-            size_t len = choice && strchr(choice, '|') ? (size_t)(strchr(choice, '|') - choice)
-                                                       : (choice ? strlen(choice) : 0);
-            snprintf(value, sizeof value, "%.*s", (int)len, choice ? choice : "");
+        case FLAG_CHOICE:
+            snprintf(value, sizeof value, "%s", "");
+            for (const flag_choice *c = flag->choices; c->name; c++)
+                if (c->value == *(const int *)base)
+                    snprintf(value, sizeof value, "%s", c->name);
             break;
-        }
         case FLAG_WAVES: {
             size_t used = 0;
             value[0] = '\0';

@@ -32,12 +32,6 @@ bool moe_report_check_passed(const moe_run_summary *s)
 
 static const char *const progress_names[] = {"poll", "thread"};
 
-/* OSU: overlap = 1 - (T_layer - T_compute) / T_comm, clamped to [0, 1]. */
-static double overlap_fraction(double layer, double compute, double comm)
-{
-    const double overlap = comm > 0 ? 1.0 - (layer - compute) / comm : 0.0;
-    return overlap < 0 ? 0 : overlap > 1 ? 1 : overlap;
-}
 static const char *const dtype_names[] = {"fp32", "bf16", "fp8"};
 
 static void print_router(FILE *out, const moe_config *cfg)
@@ -180,7 +174,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                      "progress %s · gemm %s\n",
                 PACKAGE_VERSION, s->waves,
                 s->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
-                progress_names[cfg->progress], moe_gemm_label((enum moe_gemm_kind)cfg->gemm));
+                progress_names[s->progress], moe_gemm_label((enum moe_gemm_kind)cfg->gemm));
     else
         fprintf(out, "moe-ep %s · MoE forward with expert parallelism · blocking reference "
                      "path · gemm %s\n",
@@ -211,7 +205,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     if (s->waves > 0) {
         const double exposed = s->pipeline_seconds - s->compute_seconds;
         const double overlap =
-            overlap_fraction(s->pipeline_seconds, s->compute_seconds, s->comm_seconds);
+            moe_overlap(s->pipeline_seconds, s->compute_seconds, s->comm_seconds);
         fprintf(out, "pipeline  %.2f ms from first dispatch to last combine · compute %.2f ms · "
                      "all-to-alls alone %.2f ms · exposed %.2f ms · overlap %.0f%% · in MPI_Test %.2f ms\n",
                 1e3 * s->pipeline_seconds, 1e3 * s->compute_seconds, 1e3 * s->comm_seconds,
@@ -268,7 +262,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                     1e3 * p->layer_seconds, first->layer_seconds / p->layer_seconds,
                     1e3 * p->pipeline_seconds, 1e3 * Tc, 1e3 * Tm, 1e3 * bound,
                     p->pipeline_seconds / bound,
-                    100.0 * overlap_fraction(p->pipeline_seconds, Tc, Tm),
+                    100.0 * moe_overlap(p->pipeline_seconds, Tc, Tm),
                     1e3 * stage * (1.0 + 4.0 / W));
         }
     }

@@ -40,6 +40,7 @@
 
 #include "moe/check.h"
 #include "moe/ep.h"
+#include "moe/progress.h"
 #include "moe/truth.h"
 
 typedef struct {
@@ -105,7 +106,8 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
     moe_ep_generate_tokens(&ep, x);
     route(&ep, home_placement, tokens_per_rank, (moe_index)c->rank * cfg->tokens, x, opt, ids,
           weights);
-    int rc = !cfg->blocking ? moe_ep_forward_waves(&ep, x, ids, weights, y, stats, NULL, 0.0, &st)
+    const moe_schedule sched = moe_schedule_default(&ep);
+    int rc = !cfg->blocking ? moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, stats, &st)
                             : moe_ep_forward_ref(&ep, x, ids, weights, y, stats, NULL, &st);
     if (rc)
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
@@ -115,7 +117,7 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
 
 /* The wave pipeline at every W of opt->sweep and both progress modes against
  * the blocking path, on the ranks of `world`. Returns the failures. */
-static int sweep_waves(const moe_comm *world, moe_config *cfg, const moe_placement *home,
+static int sweep_waves(const moe_comm *world, const moe_config *cfg, const moe_placement *home,
                        const test_options *opt, const double *truth, const double *allow)
 {
     const moe_index T = cfg->tokens, d = cfg->hidden, k = cfg->topk;
@@ -127,7 +129,6 @@ static int sweep_waves(const moe_comm *world, moe_config *cfg, const moe_placeme
     moe_status st = {0};
     moe_ep ep;
     int failures = 0;
-    const int64_t configured = cfg->waves;
     if (moe_ep_init(&ep, cfg, world, &st)) {
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
         return 1;
@@ -140,9 +141,10 @@ static int sweep_waves(const moe_comm *world, moe_config *cfg, const moe_placeme
     snprintf(list, sizeof list, "%s", opt->sweep);
     for (char *save = NULL, *item = strtok_r(list, ",", &save); item; item = strtok_r(NULL, ",", &save))
         for (int progress = MOE_PROGRESS_POLL; progress <= MOE_PROGRESS_THREAD; progress++) {
-            cfg->waves = atoi(item);
-            cfg->progress = progress;
-            failures += moe_ep_forward_waves(&ep, x, ids, weights, y, &stats, NULL, 0.0, &st) != 0;
+            moe_schedule sched = moe_schedule_default(&ep);
+            sched.waves = atoi(item);
+            sched.progress = moe_progress_granted(world, (enum moe_progress_kind)progress);
+            failures += moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, &stats, &st) != 0;
             double differ = 0.0;
             for (moe_index n = 0; n < T * d; n++)
                 differ += memcmp(&y[n], &y_ref[n], sizeof(float)) != 0;
@@ -154,14 +156,12 @@ static int sweep_waves(const moe_comm *world, moe_config *cfg, const moe_placeme
             if (world->rank == 0)
                 printf("W=%-2d %-6s %-12s vs blocking path: %s, %.0f values differ "
                        "(%s expected; truth used %.1f%% of tolerance)\n",
-                       (int)cfg->waves, progress == MOE_PROGRESS_POLL ? "poll" : "thread",
+                       sched.waves, progress == MOE_PROGRESS_POLL ? "poll" : "thread",
                        stats.wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert-slots" : "token-chunks",
                        ok ? "ok" : "FAIL", differ, bitwise ? "bitwise" : "tolerance",
                        100 * s.cmp.max_used);
             failures += !ok;
         }
-    cfg->waves = configured;
-    cfg->progress = MOE_PROGRESS_POLL;
     moe_ep_free(&ep);
     free(weights);
     free(ids);

@@ -11,7 +11,7 @@ int main(void)
     srunner_add_suite(runner, make_layout_suite());
     srunner_add_suite(runner, make_experts_suite());
     srunner_add_suite(runner, make_link_suite());
-    srunner_add_suite(runner, make_plan_suite());
+    srunner_add_suite(runner, make_cluster_suite());
     srunner_add_suite(runner, make_quant_suite());
     srunner_add_suite(runner, make_golden_suite());
     srunner_run_all(runner, CK_NORMAL);

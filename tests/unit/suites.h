@@ -10,7 +10,7 @@ Suite *make_router_suite(void);
 Suite *make_layout_suite(void);
 Suite *make_experts_suite(void);
 Suite *make_link_suite(void);
-Suite *make_plan_suite(void);
+Suite *make_cluster_suite(void);
 Suite *make_quant_suite(void);
 Suite *make_golden_suite(void);
 

@@ -1,7 +1,7 @@
-/* check_plan.c — `moe-ep plan` reproduces the seeds' figures for DeepSeek-V3. */
+/* check_cluster.c — `moe-ep plan` reproduces the seeds' figures for DeepSeek-V3. */
 #include <math.h>
 
-#include "moe/plan.h"
+#include "moe/cluster.h"
 #include "suites.h"
 
 /* The deepseek-v3 preset and the H800 cluster, set by hand. */
@@ -34,8 +34,8 @@ static moe_config deepseek_v3(void)
 START_TEST(parameters_match_the_seed)
 {
     moe_config cfg = deepseek_v3();
-    moe_plan p;
-    moe_plan_compute(&cfg, &p);
+    moe_cluster p;
+    moe_cluster_compute(&cfg, &p);
     ck_assert_double_eq(p.params_per_expert, 44040192.0);            /* 3 x 7168 x 2048 */
     ck_assert_double_eq_tol(p.routed_per_layer / 1e9, 11.27, 0.005); /* 11.27B */
     ck_assert_double_eq_tol(p.routed_total / 1e9, 653.9, 0.05);      /* 653.9B */
@@ -48,12 +48,12 @@ END_TEST
 START_TEST(cb_ratios_match_the_seed)
 {
     moe_config cfg = deepseek_v3();
-    moe_plan p;
-    moe_plan_compute(&cfg, &p);
+    moe_cluster p;
+    moe_cluster_compute(&cfg, &p);
     ck_assert_double_eq_tol(p.cb_intra, 1099.0, 0.5);  /* H100 + NVLink */
     ck_assert_double_eq_tol(p.cb_inter, 19780.0, 0.5); /* H100 + IB 400G */
     cfg.hidden = 3072;                                 /* V4's d */
-    moe_plan_compute(&cfg, &p);
+    moe_cluster_compute(&cfg, &p);
     ck_assert_double_eq(p.seed_need, 6144.0);
     ck_assert_double_eq_tol(p.overlap_seed, 0.31, 0.005); /* 6144 / 19780 */
 }
@@ -62,9 +62,9 @@ END_TEST
 START_TEST(traffic_and_pipeline)
 {
     moe_config cfg = deepseek_v3();
-    cfg.waves = 4;
-    moe_plan p;
-    moe_plan_compute(&cfg, &p);
+    cfg.waves_list[0] = 4;
+    moe_cluster p;
+    moe_cluster_compute(&cfg, &p);
     /* tokens x top-k x d x bytes per value */
     ck_assert_double_eq(p.dispatch_bytes, 4096.0 * 8 * 7168 * 1);
     ck_assert_double_eq(p.combine_bytes, 4096.0 * 8 * 7168 * 2);
@@ -77,9 +77,9 @@ START_TEST(traffic_and_pipeline)
 }
 END_TEST
 
-Suite *make_plan_suite(void)
+Suite *make_cluster_suite(void)
 {
-    Suite *s = suite_create("plan");
+    Suite *s = suite_create("cluster");
     TCase *tc = tcase_create("seed");
     tcase_add_test(tc, parameters_match_the_seed);
     tcase_add_test(tc, cb_ratios_match_the_seed);

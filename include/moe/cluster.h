@@ -1,4 +1,7 @@
-/* plan.h — the seeds' arithmetic for a model on a cluster (`moe-ep plan`).
+/* cluster.h — the seeds' arithmetic for a model on a cluster (`moe-ep plan`).
+ *
+ * Not the dispatch plan (layout.h): "plan" in the code means which rows go
+ * where; this module is what a whole cluster would send and compute.
  *
  * Pure: no MPI, no I/O. Parameters, experts per GPU, all-to-all bytes per GPU
  * per layer and per step, compute and communication time per layer, the
@@ -6,8 +9,8 @@
  * overlap bound and the wave pipeline time. docs/plan.md gives every formula
  * and where the seeds' own figures disagree with each other.
  */
-#ifndef MOE_PLAN_H
-#define MOE_PLAN_H
+#ifndef MOE_CLUSTER_H
+#define MOE_CLUSTER_H
 
 #include "moe/config.h"
 
@@ -42,12 +45,12 @@ typedef struct {
     double stage_seconds;
     double naive_seconds;       /* 5 T */
     double wave_seconds;        /* T (1 + 4 / W) */
-} moe_plan;
+} moe_cluster;
 
 /* Bytes per value of a dtype. */
 double moe_dtype_bytes(int dtype);
 
 /* Everything above from cfg (model, cluster, tokens per GPU, waves). */
-void moe_plan_compute(const moe_config *cfg, moe_plan *plan);
+void moe_cluster_compute(const moe_config *cfg, moe_cluster *p);
 
 #endif

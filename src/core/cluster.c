@@ -1,5 +1,5 @@
-/* plan.c — the seeds' arithmetic (see plan.h, docs/plan.md). */
-#include "moe/plan.h"
+/* cluster.c — the seeds' arithmetic for `moe-ep plan` (see cluster.h, docs/plan.md). */
+#include "moe/cluster.h"
 
 #include <math.h>
 
@@ -8,7 +8,7 @@ double moe_dtype_bytes(int dtype)
     return dtype == MOE_DTYPE_FP8 ? 1.0 : dtype == MOE_DTYPE_BF16 ? 2.0 : 4.0;
 }
 
-void moe_plan_compute(const moe_config *cfg, moe_plan *p)
+void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
 {
     const double d = (double)cfg->hidden, f = (double)cfg->ffn, E = (double)cfg->experts;
     const double k = (double)cfg->topk, T = (double)cfg->tokens, S = (double)cfg->shared_experts;
@@ -66,5 +66,5 @@ void moe_plan_compute(const moe_config *cfg, moe_plan *p)
 
     p->stage_seconds = (p->compute_seconds + p->comm_seconds) / 5.0;
     p->naive_seconds = 5.0 * p->stage_seconds;
-    p->wave_seconds = p->stage_seconds * (1.0 + 4.0 / (double)cfg->waves);
+    p->wave_seconds = p->stage_seconds * (1.0 + 4.0 / (double)cfg->waves_list[0]);
 }

@@ -1,0 +1,62 @@
+/* context.h — what `moe-ep run` and `moe-ep bench` both set up, in one
+ * value: the validated configuration, the EP object, the schedule of the
+ * forwards under way, this rank's buffers, the summary the report prints,
+ * and the status of the last failure.
+ *
+ * Opening a context is every phase before the first timed forward, as HPCG
+ * runs them: parse and validate the flags on every rank (one collective
+ * verdict), check the output paths and the memory estimate, generate the
+ * weights and tokens, and calibrate the link model. The configuration is
+ * frozen from then on; what varies between forwards (W, the link model,
+ * a trace) is set in ctx->schedule.
+ */
+#ifndef MOE_CONTEXT_H
+#define MOE_CONTEXT_H
+
+#include "moe/ep.h"
+#include "moe/report.h"
+
+typedef struct {
+    const moe_comm *comm;
+    moe_config cfg;          /* validated by moe_context_open; never written after */
+    moe_ep ep;               /* holds &cfg: a context is not moved once open */
+    moe_schedule schedule;   /* the forwards under way (moe_schedule_default at open) */
+    /* this rank's buffers */
+    float *x;                /* (T, d) */
+    float *logits;           /* (T, E) */
+    float *scores;           /* (T, E) */
+    int32_t *ids;            /* (T, k) */
+    float *weights;          /* (T, k) */
+    float *y;                /* (T, d) */
+    uint64_t y_digest;       /* of the first timed forward's output */
+    double *per_iter;        /* (iters, columns) per-forward maxima over ranks */
+    moe_trace trace;         /* the last forward's events (schedule.trace points here) */
+    double last_expert_seconds; /* this rank's, in the last forward */
+    moe_forward_stats last;  /* this rank's figures of the last forward */
+    moe_run_summary summary; /* what the report prints */
+    moe_status status;       /* the last failure, the same on every rank */
+} moe_run_context;
+
+/* Open a context for `command` (run or bench) from its arguments. On failure
+ * rank 0 prints the one error line, nothing stays allocated, and the exit
+ * code (the same on every rank) is returned. Collective. */
+int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command command,
+                     int argc, char **argv);
+void moe_context_close(moe_run_context *ctx);
+
+/* iters forwards on the path the configuration asks for (the wave pipeline
+ * under ctx->schedule, or the blocking reference path with --blocking),
+ * each from an aligned start (barrier): route, then the layer. Fills the
+ * summary's times (median over the forwards of the max over ranks), traffic
+ * and run-to-run identity. Collective. */
+int moe_context_timed_forwards(moe_run_context *ctx, int iters);
+
+/* T_comm of the overlap, outside the timed forwards (OSU): the last wave
+ * forward's all-to-alls alone, iters times; the median of the max over
+ * ranks into summary.comm_seconds. Nothing on the blocking path. Collective. */
+void moe_context_time_alltoalls(moe_run_context *ctx, int iters);
+
+/* The median of v (n); sorts v. */
+double moe_median(double *v, int n);
+
+#endif

@@ -1,0 +1,277 @@
+/* context.c — the set-up and the timed forwards that run and bench share
+ * (see context.h). */
+#define _POSIX_C_SOURCE 200809L
+#include "moe/context.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "moe/files.h"
+#include "moe/gemm.h"
+
+/* Parse and validate `command`'s arguments on every rank, check the output
+ * paths, estimate memory; agree. */
+static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, int argc,
+                  char **argv, moe_status *st)
+{
+    moe_config_defaults(cfg);
+    if (command == MOE_CMD_BENCH) { /* bench sweeps W unless told otherwise */
+        static const int64_t sweep[] = {1, 2, 4, 8};
+        memcpy(cfg->waves_list, sweep, sizeof sweep);
+        cfg->waves_count = 4;
+        cfg->iters = 5;
+    }
+    if (moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
+        moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
+        if (c->rank == 0 && cfg->trace[0])
+            moe_check_output_path("--trace", cfg->trace, st);
+        if (c->rank == 0 && cfg->timeline[0] && st->code == MOE_EXIT_OK)
+            moe_check_output_path("--timeline", cfg->timeline, st);
+        if (c->rank == 0 && cfg->dump[0] && st->code == MOE_EXIT_OK)
+            moe_check_output_dir("--dump", cfg->dump, st);
+        if (c->rank == 0 && cfg->csv[0] && st->code == MOE_EXIT_OK)
+            moe_check_output_path("--csv", cfg->csv, st);
+        if (c->rank == 0 && cfg->plot[0] && st->code == MOE_EXIT_OK)
+            moe_check_output_path("--plot", cfg->plot, st);
+        if (command == MOE_CMD_BENCH && cfg->blocking && st->code == MOE_EXIT_OK)
+            moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
+        if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)
+            moe_fail(st, MOE_EXIT_USAGE, "--compare-serial needs --timeline FILE.svg");
+        if (cfg->blocking && (cfg->trace[0] || cfg->timeline[0]) && st->code == MOE_EXIT_OK)
+            moe_fail(st, MOE_EXIT_USAGE,
+                     "--trace and --timeline show the wave pipeline; drop --blocking");
+    }
+    if (st->code == MOE_EXIT_OK) {
+        const double need = moe_config_memory_per_rank(cfg, c->ranks);
+        const double have = moe_memory_available() / c->ranks_on_host;
+        if (need > have) {
+            char b1[32], b2[32];
+            moe_fail(st, MOE_EXIT_USAGE,
+                     "this config needs about %s per rank, but %s is available per rank "
+                     "(%d ranks on this host); lower --tokens, --hidden, --ffn or --experts",
+                     moe_format_bytes(need, b1, sizeof b1), moe_format_bytes(have, b2, sizeof b2),
+                     c->ranks_on_host);
+        }
+    }
+    return moe_comm_agree(c, st);
+}
+
+static int compare_doubles(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double moe_median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, compare_doubles);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* The routing and traffic figures of one forward, reduced over ranks. */
+static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_forward_stats *f,
+                              moe_run_summary *s)
+{
+    const double rows = (double)f->rows_received, pairs = (double)f->pairs_received;
+    s->rows_received = (moe_spread){moe_comm_min(c, rows), moe_comm_sum(c, rows) / c->ranks,
+                                    moe_comm_max(c, rows)};
+    s->pairs_received = (moe_spread){moe_comm_min(c, pairs), moe_comm_sum(c, pairs) / c->ranks,
+                                     moe_comm_max(c, pairs)};
+    s->rows_sent = moe_comm_sum(c, (double)f->rows_sent);
+    s->rows_sent_remote = moe_comm_sum(c, (double)f->rows_sent_remote);
+    s->pairs_back_remote = moe_comm_sum(c, (double)f->pairs_back_remote);
+    s->bytes_dispatched = moe_comm_sum(c, f->bytes_dispatched);
+    s->bytes_combined = moe_comm_sum(c, f->bytes_combined);
+    s->expert_flops = moe_comm_sum(c, f->expert_flops);
+    s->local_experts_min = (int)moe_comm_min(c, ep->local_experts);
+    s->local_experts_max = (int)moe_comm_max(c, ep->local_experts);
+}
+
+/* Per forward, each rank's figures; reduced with max over ranks. The expert
+ * window is max(end) - min(start): -start goes in as COL_WINDOW. */
+enum {
+    COL_LAYER = MOE_STAGES, COL_EXPERTS, COL_WINDOW, COL_PIPELINE, COL_COMPUTE, COL_TEST,
+    COL_EXPERT_END, COLS
+};
+
+static void iteration_row(const moe_forward_stats *f, double layer, double *row)
+{
+    memcpy(row, f->seconds, sizeof f->seconds);
+    row[COL_LAYER] = layer;
+    row[COL_EXPERTS] = f->seconds[MOE_STAGE_EXPERTS];
+    row[COL_WINDOW] = -f->expert_start;
+    row[COL_PIPELINE] = f->pipeline_seconds;
+    row[COL_COMPUTE] = f->compute_seconds;
+    row[COL_TEST] = f->test_seconds;
+    row[COL_EXPERT_END] = f->expert_end;
+}
+
+/* Medians over forwards of the per-forward maxima. */
+static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
+{
+    double column[iters], m[COLS];
+    for (int n = 0; n < COLS; n++) {
+        for (int it = 0; it < iters; it++)
+            column[it] = per_iter[(size_t)it * COLS + n];
+        m[n] = moe_median(column, iters);
+    }
+    memcpy(s->stage_seconds, m, sizeof s->stage_seconds);
+    s->layer_seconds = m[COL_LAYER];
+    s->layer_min = s->layer_max = per_iter[COL_LAYER];
+    for (int it = 1; it < iters; it++) {
+        s->layer_min = fmin(s->layer_min, per_iter[(size_t)it * COLS + COL_LAYER]);
+        s->layer_max = fmax(s->layer_max, per_iter[(size_t)it * COLS + COL_LAYER]);
+    }
+    s->expert_seconds = m[COL_EXPERTS];
+    s->expert_window = m[COL_WINDOW];
+    s->pipeline_seconds = m[COL_PIPELINE];
+    s->compute_seconds = m[COL_COMPUTE];
+    s->test_seconds = m[COL_TEST];
+}
+
+static int forward(moe_run_context *ctx, double origin)
+{
+    if (ctx->cfg.blocking)
+        return moe_ep_forward_ref(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
+                                  NULL, &ctx->status);
+    ctx->schedule.trace = &ctx->trace;
+    ctx->schedule.origin = origin;
+    return moe_ep_forward_waves(&ctx->ep, &ctx->schedule, ctx->x, ctx->ids, ctx->weights, ctx->y,
+                                &ctx->last, &ctx->status);
+}
+
+int moe_context_timed_forwards(moe_run_context *ctx, int iters)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_index n = ctx->cfg.tokens * ctx->cfg.hidden;
+    const bool progress = c->rank == 0 && iters > 1 && isatty(STDERR_FILENO);
+    moe_run_summary *s = &ctx->summary;
+    bool identical = true;
+    int rc = MOE_EXIT_OK;
+    free(ctx->per_iter);
+    ctx->per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * COLS));
+    for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
+        moe_trace_clear(&ctx->trace);
+        moe_comm_barrier(c);
+        const double origin = moe_comm_time();
+        moe_ep_route(&ctx->ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
+        const double route = moe_comm_time() - origin;
+        rc = forward(ctx, origin);
+        const double layer = ctx->last.done - origin; /* to y complete */
+        ctx->last.seconds[MOE_STAGE_ROUTE] = route;
+        double *row = ctx->per_iter + (size_t)it * COLS;
+        iteration_row(&ctx->last, layer, row);
+        moe_comm_max_array(c, row, COLS);
+        row[COL_WINDOW] += row[COL_EXPERT_END];
+        const uint64_t digest = moe_digest64(ctx->y, sizeof(float) * (size_t)n);
+        if (it == 0)
+            ctx->y_digest = digest;
+        else if (digest != ctx->y_digest)
+            identical = false;
+        if (progress)
+            fprintf(stderr, "\rmoe-ep: W=%d forward %d/%d", ctx->schedule.waves, it + 1, iters);
+    }
+    if (progress)
+        fprintf(stderr, "\r\033[K");
+    if (rc)
+        return rc;
+    summarize_times(ctx->per_iter, iters, s);
+    summarize_traffic(c, &ctx->ep, &ctx->last, s);
+    ctx->last_expert_seconds = ctx->last.seconds[MOE_STAGE_EXPERTS];
+    s->waves = ctx->last.waves;
+    s->wave_kind = ctx->last.wave_kind;
+    s->progress = ctx->schedule.progress;
+    s->iterations_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
+    return MOE_EXIT_OK;
+}
+
+void moe_context_time_alltoalls(moe_run_context *ctx, int iters)
+{
+    if (ctx->cfg.blocking)
+        return;
+    double seconds[iters];
+    for (int it = 0; it < iters; it++)
+        seconds[it] = moe_comm_max(ctx->comm, moe_ep_time_alltoalls(&ctx->ep, &ctx->schedule));
+    ctx->summary.comm_seconds = moe_median(seconds, iters);
+}
+
+/* --link cb=RATIO: B = C / RATIO with C a rank's expert FLOP/s, measured by
+ * one untimed forward without the link model (summed FLOPs over summed
+ * compute seconds of all ranks). Collective. */
+static int calibrate_link(moe_run_context *ctx)
+{
+    moe_ep *ep = &ctx->ep;
+    moe_schedule unlinked = ctx->schedule;
+    unlinked.link = false;
+    moe_ep_route(ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
+    moe_forward_stats f;
+    const int rc = moe_ep_forward_waves(ep, &unlinked, ctx->x, ctx->ids, ctx->weights, ctx->y,
+                                        &f, &ctx->status);
+    if (rc)
+        return rc;
+    const double flops = moe_comm_sum(ctx->comm, f.expert_flops);
+    const double seconds = moe_comm_sum(ctx->comm, f.compute_seconds);
+    ctx->summary.rank_flops = seconds > 0 ? flops / seconds : 0.0;
+    const double bandwidth = ctx->summary.rank_flops / ep->link.cb_ratio;
+    for (int t = 0; t < MOE_TIERS; t++)
+        ep->link.bandwidth[t] = bandwidth > 0 ? bandwidth : INFINITY;
+    return MOE_EXIT_OK;
+}
+
+static void buffers_init(moe_run_context *ctx)
+{
+    const moe_config *cfg = &ctx->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
+    ctx->x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    ctx->logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    ctx->scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    ctx->ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    ctx->weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    ctx->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+}
+
+void moe_context_close(moe_run_context *ctx)
+{
+    moe_trace_free(&ctx->trace);
+    free(ctx->per_iter);
+    free(ctx->y);
+    free(ctx->weights);
+    free(ctx->ids);
+    free(ctx->scores);
+    free(ctx->logits);
+    free(ctx->x);
+    moe_ep_free(&ctx->ep);
+    memset(ctx, 0, sizeof *ctx);
+}
+
+int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command command,
+                     int argc, char **argv)
+{
+    memset(ctx, 0, sizeof *ctx);
+    ctx->comm = c;
+    int rc = set_up(c, &ctx->cfg, command, argc, argv, &ctx->status);
+    if (rc == MOE_EXIT_OK)
+        rc = moe_ep_init(&ctx->ep, &ctx->cfg, c, &ctx->status);
+    if (rc) {
+        moe_comm_print_error(c, &ctx->status);
+        return rc;
+    }
+    const int threads = moe_comm_threads_for(c, ctx->ep.gemm);
+    buffers_init(ctx);
+    moe_ep_generate_tokens(&ctx->ep, ctx->x);
+    ctx->schedule = moe_schedule_default(&ctx->ep);
+    ctx->summary = (moe_run_summary){.cfg = &ctx->cfg, .ranks = c->ranks,
+                                     .ranks_on_host = c->ranks_on_host, .cores = c->cores,
+                                     .bound = c->bound, .threads = threads,
+                                     .blas_threads = moe_gemm_threads(), .link = &ctx->ep.link,
+                                     .progress = ctx->schedule.progress};
+    if (!ctx->cfg.blocking && ctx->ep.link.enabled && ctx->ep.link.cb_ratio > 0)
+        rc = calibrate_link(ctx);
+    if (rc) {
+        moe_comm_print_error(c, &ctx->status);
+        moe_context_close(ctx);
+    }
+    return rc;
+}

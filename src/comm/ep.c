@@ -1,0 +1,237 @@
+/* ep.c — the EP object (weights, placement, router, link model) and the
+ * stages both forwards share: route, pack, experts, reduce, shared (see
+ * ep.h and ep_stages.h). The forwards themselves are ep_ref.c and
+ * ep_waves.c.
+ */
+#include "moe/ep.h"
+
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/experts.h"
+#include "moe/progress.h"
+#include "moe/quant.h"
+#include "moe/rng.h"
+#include "ep_stages.h"
+
+const char *const moe_stage_names[MOE_STAGES] = {
+    "route", "plan", "dispatch", "experts", "combine", "reduce", "shared",
+};
+
+moe_schedule moe_schedule_default(const moe_ep *ep)
+{
+    const moe_config *cfg = ep->cfg;
+    return (moe_schedule){
+        .waves = (int)cfg->waves_list[0],
+        .lookahead = (int)cfg->lookahead,
+        .progress = moe_progress_granted(&ep->comm, (enum moe_progress_kind)cfg->progress),
+        .link = true,
+        .trace = NULL,
+        .origin = 0.0};
+}
+
+void moe_ep_row_types(const moe_ep *ep, MPI_Datatype *row_type, MPI_Datatype *meta_type)
+{
+    MOE_MPI(MPI_Type_contiguous((int)ep->cfg->hidden, MPI_FLOAT, row_type));
+    MOE_MPI(MPI_Type_commit(row_type));
+    MOE_MPI(MPI_Type_contiguous(MOE_META_WORDS((int)ep->cfg->topk), MPI_INT32_T, meta_type));
+    MOE_MPI(MPI_Type_commit(meta_type));
+}
+
+bool moe_ep_agreed(const moe_comm *c, const char *stage, moe_status *local)
+{
+    if (local->code == MOE_EXIT_OK)
+        moe_fault_here(c, stage, local);
+    return moe_comm_agree(c, local) == MOE_EXIT_OK;
+}
+
+int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_status *st)
+{
+    memset(ep, 0, sizeof *ep);
+    ep->cfg = cfg;
+    ep->comm = *comm;
+    moe_placement_init(&ep->placement, (int)cfg->experts, comm->ranks);
+    ep->router = (moe_router){.kind = (enum moe_router_kind)cfg->router,
+                              .experts = (int)cfg->experts,
+                              .topk = (int)cfg->topk,
+                              .normalize = cfg->norm_topk,
+                              .groups = (int)cfg->groups,
+                              .topk_groups = (int)cfg->topk_groups,
+                              .route_scale = (float)cfg->route_scale};
+    ep->gemm = (enum moe_gemm_kind)cfg->gemm;
+    ep->link.ranks_per_node = cfg->ranks_per_node > 0 ? (int)cfg->ranks_per_node : comm->ranks;
+    moe_status ignored; /* validated by moe_config_validate */
+    moe_link_parse(&ep->link, cfg->link, &ignored);
+    ep->local_experts = moe_placement_local_experts(&ep->placement, comm->rank);
+    ep->first_expert = ep->placement.first_expert[comm->rank];
+
+    const moe_index d = cfg->hidden, f = cfg->ffn, S = cfg->shared_experts;
+    const size_t w1_size = (size_t)moe_expert_w1_floats(ep->gemm, d, f);
+    const size_t w2_size = (size_t)moe_expert_w2_floats(ep->gemm, d, f);
+    moe_status local = {0};
+    ep->w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)ep->local_experts, "expert W1", comm->rank, &local);
+    ep->w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)ep->local_experts, "expert W2", comm->rank, &local);
+    ep->shared_w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
+    ep->shared_w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
+    ep->gate = moe_try_malloc(sizeof(float) * (size_t)(cfg->experts * d), "the gate", comm->rank, &local);
+    ep->work = moe_xcalloc(1, sizeof *ep->work);
+    moe_fault_here(comm, "generate", &local);
+    if (moe_comm_agree(comm, &local)) {
+        *st = local;
+        moe_ep_free(ep);
+        return st->code;
+    }
+    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));
+    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
+    for (int n = 0; n < ep->local_experts + (int)S; n++) {
+        const bool shared = n >= ep->local_experts;
+        float *dst1 = shared ? ep->shared_w1 + (n - ep->local_experts) * w1_size : ep->w1 + n * w1_size;
+        float *dst2 = shared ? ep->shared_w2 + (n - ep->local_experts) * w2_size : ep->w2 + n * w2_size;
+        if (shared)
+            moe_shared_expert_generate(cfg->seed, n - ep->local_experts, d, f, w1, w2);
+        else
+            moe_expert_generate(cfg->seed, ep->first_expert + n, d, f, w1, w2);
+        moe_precision_weights(cfg->param_dtype, w1, 2 * f * d);
+        moe_precision_weights(cfg->param_dtype, w2, d * f);
+        moe_expert_layout(ep->gemm, d, f, w1, w2, dst1, dst2);
+    }
+    free(w2);
+    free(w1);
+    moe_synth_fill(cfg->seed, MOE_TENSOR_GATE, 0, 0, cfg->experts * d,
+                   moe_synth_weight_scale(d), ep->gate);
+    moe_precision_weights(cfg->param_dtype, ep->gate, cfg->experts * d);
+    if (cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0) {
+        ep->bias = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
+        moe_synth_fill(cfg->seed, MOE_TENSOR_BIAS, 0, 0, cfg->experts, (float)cfg->bias_scale,
+                       ep->bias);
+        ep->router.bias = ep->bias;
+    }
+    if (cfg->skew[0]) {
+        ep->skew = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
+        moe_skew_parse(cfg->skew, (int)cfg->experts, ep->skew, &ignored);
+        ep->router.skew = ep->skew;
+    }
+    return MOE_EXIT_OK;
+}
+
+void moe_ep_free(moe_ep *ep)
+{
+    free(ep->w1);
+    free(ep->w2);
+    free(ep->shared_w1);
+    free(ep->shared_w2);
+    free(ep->gate);
+    free(ep->bias);
+    free(ep->skew);
+    moe_placement_free(&ep->placement);
+    if (ep->work) {
+        struct moe_ep_workspace *work = ep->work;
+        moe_ep_forget_waves(work);
+        for (int n = 0; n < work->waves * MOE_WAVE_BUFFERS; n++)
+            moe_buffer_free(&work->wave[n]);
+        free(work->wave);
+        moe_buffer_free(&work->expert_in);
+        moe_buffer_free(&work->scratch);
+        moe_buffer_free(&work->slot_rows);
+        moe_buffer_free(&work->x_scratch);
+        free(work);
+        ep->work = NULL;
+    }
+    ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = ep->bias = ep->skew = NULL;
+}
+
+void moe_ep_generate_tokens(const moe_ep *ep, float *x)
+{
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
+    const uint64_t first_token = (uint64_t)ep->comm.rank * (uint64_t)T;
+    moe_synth_tokens(ep->cfg->seed, first_token, T, d, (float)ep->cfg->init_scale, x);
+    moe_precision_weights(ep->cfg->param_dtype, x, T * d);
+}
+
+void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
+                  float *weights)
+{
+    const moe_index T = ep->cfg->tokens;
+    moe_router_logits(x, ep->gate, T, ep->cfg->hidden, (int)ep->cfg->experts, logits);
+    moe_router_select(&ep->router, logits, T, scores, ids, weights);
+}
+
+
+static moe_expert_weights weights_at(const moe_ep *ep, const float *w1, const float *w2, int n)
+{
+    const size_t size1 = (size_t)moe_expert_w1_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
+    const size_t size2 = (size_t)moe_expert_w2_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
+    return (moe_expert_weights){w1 + (size_t)n * size1, w2 + (size_t)n * size2};
+}
+
+const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch)
+{
+    if (ep->cfg->dispatch_dtype == MOE_DTYPE_FP32)
+        return x;
+    moe_precision_dispatch(ep->cfg->dispatch_dtype, ep->cfg->fp8_scale == MOE_FP8_SCALE_UE8M0, x, ep->cfg->tokens,
+                           ep->cfg->hidden, scratch);
+    return scratch;
+}
+
+void moe_ep_pack(const moe_ep *ep, const float *x_dispatch, const int32_t *ids,
+                 const float *weights, const moe_send_plan *plan, int stay, float *send_rows,
+                 int32_t *send_meta)
+{
+    const moe_index d = ep->cfg->hidden, rows = plan->row_offset[plan->ranks];
+    if (stay < 0) {
+        moe_gather_rows(x_dispatch, d, plan->row_token, rows, send_rows);
+    } else { /* rows by destination: before `stay`, after it */
+        moe_gather_rows(x_dispatch, d, plan->row_token, plan->row_offset[stay], send_rows);
+        moe_gather_rows(x_dispatch, d, plan->row_token + plan->row_offset[stay + 1],
+                        rows - plan->row_offset[stay + 1], send_rows + plan->row_offset[stay] * d);
+    }
+    moe_pack_meta(ids, weights, (int)ep->cfg->topk, plan->row_token, rows,
+                  (moe_index)ep->comm.rank * ep->cfg->tokens, send_meta);
+}
+
+void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
+                   const float *const *row_at, const int32_t *recv_meta, float *work,
+                   float *scratch, float *expert_out, const moe_ffn_hooks *hooks)
+{
+    const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
+    const int k = (int)ep->cfg->topk;
+    const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
+    if (n == 0)
+        return;
+    const moe_expert_weights w = weights_at(ep, ep->w1, ep->w2, l);
+    float *in = work, *out = work, *scale = NULL; /* (n, d): the rows, then their outputs; (n) */
+    if (ep->cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION) {
+        scale = work + n * d;
+        for (moe_index m = 0; m < n; m++)
+            scale[m] = moe_meta_weight(recv_meta + recv->expert_row[first + m] * MOE_META_WORDS(k),
+                                       k, recv->expert_slot[first + m]);
+    }
+    moe_gather_row_ptrs(row_at, d, recv->expert_row + first, n, in);
+    moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);
+    moe_precision_combine(ep->cfg->combine_dtype, out, n * d);
+    moe_scatter_rows(out, d, recv->expert_pair + first, n, expert_out);
+}
+
+void moe_ep_reduce(const moe_ep *ep, const float *const *slot_rows, const float *weights,
+                   float *y)
+{
+    const moe_config *cfg = ep->cfg;
+    moe_combine_reduce(slot_rows, cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? weights : NULL,
+                       cfg->tokens, (int)cfg->topk, cfg->hidden, y);
+}
+
+void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out)
+{
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
+    for (int s = 0; s < (int)ep->cfg->shared_experts; s++) {
+        const moe_expert_weights w = weights_at(ep, ep->shared_w1, ep->shared_w2, s);
+        for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
+            moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
+            moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch, out, NULL, NULL);
+            for (moe_index n = 0; n < rows * d; n++)
+                y[first * d + n] += out[n];
+        }
+    }
+}
+
