@@ -387,6 +387,8 @@ static int load_conf(moe_config *cfg, enum moe_command command, const char *flag
         else if (spec->commands & (1u << command))
             rc = set_value(cfg, spec, value, where, st);
     }
+    if (rc == MOE_EXIT_OK && ferror(fp)) /* a directory opens, then fails to read */
+        rc = moe_fail(st, MOE_EXIT_USAGE, "--%s: cannot read '%s': %s", flag, file, strerror(errno));
     fclose(fp);
     return rc;
 }

@@ -89,7 +89,8 @@ static const struct {
     {"--nope 1", "unknown flag '--nope'"},
     {"stray", "unexpected argument 'stray'"},
     {"--seed -3", "--seed must be an integer"},
-    {"--preset ../x", "cannot read"},
+    {"--preset ../nonexistent-preset", "cannot read"},
+    {"--preset /", "cannot read '/'"},
     {"--preset bad!name", "--preset must be a name"},
 };
 
