@@ -42,10 +42,14 @@ typedef struct {
 int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
                      const char *config_json, double *bytes, moe_status *st);
 
-/* Compare the tensors of candidate with the set in dir, print the table to
- * out. Returns MOE_EXIT_OK (all within contract), MOE_EXIT_CHECK_FAILED
- * (some not; the first failing stage is named), or MOE_EXIT_USAGE for a
- * missing, corrupt or mismatched golden set or candidate (st says what). */
+/* Compare the tensors of candidate with the set in dir, in pipeline order,
+ * and print the table to out. Candidate ids of any integer dtype and values
+ * of any real dtype are compared as the golden ones; a shape or kind that
+ * differs fails the tensor's stage, or, after a stage that failed already,
+ * is shown as following from it. Returns MOE_EXIT_OK (all within contract),
+ * MOE_EXIT_CHECK_FAILED (some not; the first failing stage is named), or
+ * MOE_EXIT_USAGE for a golden set or candidate that cannot be read (st says
+ * what). */
 int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_status *st);
 
 #endif

@@ -18,7 +18,23 @@
 
 #include "moe/common.h"
 
-enum moe_st_dtype { MOE_ST_F32, MOE_ST_F64, MOE_ST_I32, MOE_ST_BOOL, MOE_ST_U8, MOE_ST_DTYPES };
+/* The dtypes moe-ep writes (F32, F64, I32, BOOL) and those a port's
+ * candidate may also hold (what torch and numpy write): verify converts. */
+enum moe_st_dtype {
+    MOE_ST_F32, MOE_ST_F64, MOE_ST_I32, MOE_ST_BOOL, MOE_ST_U8,
+    MOE_ST_I64, MOE_ST_I16, MOE_ST_BF16, MOE_ST_F16, MOE_ST_DTYPES
+};
+
+/* Whether a dtype holds integers (ids, counts, flags) rather than reals. */
+static inline int moe_st_dtype_is_integer(enum moe_st_dtype dtype)
+{
+    return dtype == MOE_ST_I32 || dtype == MOE_ST_BOOL || dtype == MOE_ST_U8 ||
+           dtype == MOE_ST_I64 || dtype == MOE_ST_I16;
+}
+
+/* Element i of data (dtype) as a double: exact for every dtype here but
+ * I64 beyond 2^53. */
+double moe_st_element(const void *data, enum moe_st_dtype dtype, int64_t i);
 
 #define MOE_ST_MAX_DIMS 4
 #define MOE_ST_NAME_MAX 96

@@ -14,7 +14,11 @@ static void print_usage(FILE *out)
             "Compares every tensor of CANDIDATE whose name is in GOLDEN_DIR/manifest.json\n"
             "with the golden one under its contract (exact, abs + rel*|ref|, or top-k ids\n"
             "with near-ties), prints a table in pipeline order and names the first stage\n"
-            "that fails. Exit status: 0 all within contract, 1 some not, 2 bad files.\n");
+            "that fails, with the first differing element (a token's top-k, an expert\n"
+            "output's token and expert). Ids may be I64, I32, I16, U8 or BOOL, values F64,\n"
+            "F32, BF16 or F16. A tensor whose shape follows from routing that already\n"
+            "differs is shown as not compared.\n"
+            "Exit status: 0 all within contract, 1 some not, 2 files that cannot be read.\n");
 }
 
 int moe_cli_verify(const moe_comm *c, int argc, char **argv)

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -137,16 +138,6 @@ static bool file_sha256(const char *path, char hex[65])
     return true;
 }
 
-static double element(const void *data, enum moe_st_dtype dtype, int64_t i)
-{
-    switch (dtype) {
-    case MOE_ST_F32: return ((const float *)data)[i];
-    case MOE_ST_F64: return ((const double *)data)[i];
-    case MOE_ST_I32: return ((const int32_t *)data)[i];
-    default: return ((const uint8_t *)data)[i];
-    }
-}
-
 typedef struct {
     double max_abs, max_rel, max_used;
     int64_t first_bad, bad, near_ties;
@@ -178,11 +169,12 @@ static void compare_topk(const int32_t *ref, const int32_t *got, int64_t n, int 
     }
 }
 
-static void compare_values(const void *ref, const void *got, enum moe_st_dtype dtype, int64_t n,
-                           enum moe_golden_rule rule, double tol_abs, double tol_rel, verdict *v)
+static void compare_values(const void *ref, enum moe_st_dtype ref_dtype, const void *got,
+                           enum moe_st_dtype got_dtype, int64_t n, enum moe_golden_rule rule,
+                           double tol_abs, double tol_rel, verdict *v)
 {
     for (int64_t i = 0; i < n; i++) {
-        const double r = element(ref, dtype, i), g = element(got, dtype, i);
+        const double r = moe_st_element(ref, ref_dtype, i), g = moe_st_element(got, got_dtype, i);
         double err = fabs(g - r);
         if (!isfinite(g) && !(isnan(g) && isnan(r)))
             err = INFINITY;
@@ -197,6 +189,16 @@ static void compare_values(const void *ref, const void *got, enum moe_st_dtype d
         if (err > bound && v->bad++ == 0)
             v->first_bad = i;
     }
+}
+
+/* "(2, 3)" */
+static void shape_text(int ndim, const int64_t *shape, char *buf, size_t size)
+{
+    size_t used = (size_t)snprintf(buf, size, "(");
+    for (int dim = 0; dim < ndim && used < size; dim++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", dim ? ", " : "", (long long)shape[dim]);
+    if (used < size)
+        snprintf(buf + used, size - used, ")");
 }
 
 static void index_text(int64_t flat, int ndim, const int64_t *shape, char *buf, size_t size)
@@ -243,6 +245,51 @@ static void *load_golden(const char *dir, const char *file, const char *name, js
     }
     moe_st_close(&f);
     return data;
+}
+
+/* The evidence under a failing tensor's row: the first bad element's
+ * values, and what it stands for where the set says (a token's top-k, an
+ * expert output's (token, expert) pair). */
+static void explain_mismatch(FILE *out, const char *dir, json_t *files, const char *name,
+                             const moe_st_entry *golden, const void *ref, const moe_st_entry *cand,
+                             const void *got, int64_t first)
+{
+    moe_status ignored = {0};
+    const int64_t width = golden->ndim > 1 ? golden->shape[golden->ndim - 1] : 1;
+    const int64_t row = first / width;
+    if (!strcmp(name, "router.topk_ids")) {
+        moe_st_entry w_entry;
+        float *w = load_golden(dir, "router.safetensors", "router.topk_weights", files, &w_entry, &ignored);
+        fprintf(out, "%-28s token %lld: golden ids", "", (long long)row);
+        for (int64_t s = 0; s < width; s++)
+            fprintf(out, " %d", ((const int32_t *)ref)[row * width + s]);
+        if (w) {
+            fprintf(out, " (weights");
+            for (int64_t s = 0; s < width; s++)
+                fprintf(out, " %.6g", w[row * width + s]);
+            fprintf(out, ")");
+        }
+        fprintf(out, ", candidate ids");
+        for (int64_t s = 0; s < width; s++)
+            fprintf(out, " %.0f", moe_st_element(got, cand->dtype, row * width + s));
+        fprintf(out, "\n");
+        free(w);
+        return;
+    }
+    fprintf(out, "%-28s golden %.9g, candidate %.9g", "", moe_st_element(ref, golden->dtype, first),
+            moe_st_element(got, cand->dtype, first));
+    int rank;
+    if (sscanf(name, "experts.rank%d.out", &rank) == 1) {
+        char pair_name[MOE_ST_NAME_MAX];
+        snprintf(pair_name, sizeof pair_name, "experts.rank%d.pair", rank);
+        moe_st_entry p_entry;
+        int32_t *pair = load_golden(dir, "experts.safetensors", pair_name, files, &p_entry, &ignored);
+        if (pair && row < p_entry.shape[0])
+            fprintf(out, " at (token %d, expert %d), column %lld", pair[2 * row], pair[2 * row + 1],
+                    (long long)(first % width));
+        free(pair);
+    }
+    fprintf(out, "\n");
 }
 
 int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_status *st)
@@ -292,17 +339,32 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
                 rc = st->code;
                 break;
             }
-            bool same_shape = golden_entry.ndim == e->ndim && golden_entry.dtype == e->dtype;
+            compared++;
+            /* A tensor that cannot be compared is a failure of its stage, or
+             * the consequence of an earlier stage's. */
+            char cshape[96], gshape[96];
+            shape_text(e->ndim, e->shape, cshape, sizeof cshape);
+            shape_text(golden_entry.ndim, golden_entry.shape, gshape, sizeof gshape);
+            bool same_shape = golden_entry.ndim == e->ndim;
             for (int dim = 0; same_shape && dim < e->ndim; dim++)
                 same_shape = golden_entry.shape[dim] == e->shape[dim];
-            if (!same_shape) {
+            const bool same_kind =
+                moe_st_dtype_is_integer(golden_entry.dtype) == moe_st_dtype_is_integer(e->dtype);
+            if (!same_shape || !same_kind) {
+                if (first_failing_stage < stage)
+                    fprintf(out, "%-28s %-9s not compared: %s differs upstream (candidate %s %s, "
+                                 "golden %s %s)\n",
+                            e->name, stage_name, moe_golden_stage_names[first_failing_stage],
+                            moe_st_dtype_name(e->dtype), cshape,
+                            moe_st_dtype_name(golden_entry.dtype), gshape);
+                else {
+                    fprintf(out, "%-28s %-9s FAIL: candidate %s %s, golden %s %s\n", e->name,
+                            stage_name, moe_st_dtype_name(e->dtype), cshape,
+                            moe_st_dtype_name(golden_entry.dtype), gshape);
+                    first_failing_stage = stage;
+                }
                 free(ref);
-                rc = moe_fail(st, MOE_EXIT_USAGE,
-                              "candidate tensor '%s' is %s with %d dims, golden is %s with %d dims "
-                              "(or the sizes differ): not comparable",
-                              e->name, moe_st_dtype_name(e->dtype), e->ndim,
-                              moe_st_dtype_name(golden_entry.dtype), golden_entry.ndim);
-                break;
+                continue;
             }
             void *got = moe_xmalloc((size_t)(e->end - e->begin) + 1);
             if (moe_st_read(&cand, e, got, st)) {
@@ -319,11 +381,19 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
             const double tol_rel = json_real_value(json_object_get(info, "rel"));
             const int64_t count = moe_st_elements(e->ndim, e->shape);
             verdict v = {0, 0, 0, -1, 0, 0};
-            if (rule == MOE_RULE_TOPK)
-                compare_topk(ref, got, count, (int)e->shape[e->ndim - 1], selection, experts,
+            if (rule == MOE_RULE_TOPK) {
+                int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1); /* as the golden's I32 */
+                for (int64_t i = 0; i < count; i++) {
+                    const double id = moe_st_element(got, e->dtype, i);
+                    ids[i] = id >= INT32_MIN && id <= INT32_MAX ? (int32_t)id : -1;
+                }
+                compare_topk(ref, ids, count, (int)e->shape[e->ndim - 1], selection, experts,
                              sel_abs, sel_rel, &v);
-            else
-                compare_values(ref, got, e->dtype, count, rule, tol_abs, tol_rel, &v);
+                free(ids);
+            } else {
+                compare_values(ref, golden_entry.dtype, got, e->dtype, count, rule, tol_abs,
+                               tol_rel, &v);
+            }
             char where[64] = "";
             if (v.bad)
                 index_text(v.first_bad, e->ndim, e->shape, where, sizeof where);
@@ -335,9 +405,10 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
             if (v.near_ties)
                 fprintf(out, "%-28s %lld top-k ids differ only by near-ties\n", "",
                         (long long)v.near_ties);
+            if (v.bad)
+                explain_mismatch(out, dir, files, e->name, &golden_entry, ref, e, got, v.first_bad);
             if (v.bad && stage < first_failing_stage)
                 first_failing_stage = stage;
-            compared++;
             free(got);
             free(ref);
         }

@@ -96,7 +96,7 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
             s->rows_sent, pairs, pairs > 0 ? 100.0 * saved / pairs : 0.0);
     fprintf(out, "          combine  %s (%s from other ranks)\n",
             moe_format_bytes(s->bytes_combined, b1, sizeof b1),
-            moe_format_bytes(s->pairs_back_remote * d * 4.0, b2, sizeof b2));
+            moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg->hidden), b2, sizeof b2));
     if (s->matrix && G <= 16) {
         fprintf(out, "          dispatch KiB, from rank (row) to rank (column):\n          %6s", "");
         for (int q = 0; q < G; q++)
@@ -136,7 +136,7 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
                 moe_format_bytes(intra, b1, sizeof b1), moe_format_bytes(inter, b2, sizeof b2),
                 intra + inter > 0 ? 100.0 * inter / (intra + inter) : 0.0);
     }
-    const double direction = G * T * k * d * 4.0;
+    const double direction = G * T * k * moe_combine_row_bytes(cfg->hidden); /* d fp32 values per copy */
     fprintf(out, "          tokens x k x d x 4 B = %.0f x %.0f x %.0f x 4 = %s per all-to-all without dedup; "
                  "per layer (dispatch + combine) %s, per training step (forward + backward) %s\n",
             G * T, k, d, moe_format_bytes(direction, b1, sizeof b1),
@@ -228,7 +228,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         /* FLOPs this layer does per byte it moves between ranks (dispatch +
          * combine; messages to self cross no link). */
         const double remote = s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0) +
-                              s->pairs_back_remote * d * 4.0;
+                              s->pairs_back_remote * moe_combine_row_bytes(cfg->hidden);
         const double need = remote > 0 ? s->expert_flops / remote : INFINITY;
         fprintf(out, "          C/B = %.0f FLOP/byte (C = %.1f GFLOP/s per rank%s, B = %.3g GB/s) · "
                      "overlap bound min(1, 2d/(C/B)) = %.0f%% (seed) · this layer does %.0f FLOP per "

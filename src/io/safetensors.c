@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -15,10 +16,42 @@
 static const struct {
     const char *name;
     size_t size;
-} dtypes[MOE_ST_DTYPES] = {{"F32", 4}, {"F64", 8}, {"I32", 4}, {"BOOL", 1}, {"U8", 1}};
+} dtypes[MOE_ST_DTYPES] = {{"F32", 4}, {"F64", 8}, {"I32", 4}, {"BOOL", 1}, {"U8", 1},
+                           {"I64", 8}, {"I16", 2}, {"BF16", 2}, {"F16", 2}};
 
 size_t moe_st_dtype_size(enum moe_st_dtype dtype) { return dtypes[dtype].size; }
 const char *moe_st_dtype_name(enum moe_st_dtype dtype) { return dtypes[dtype].name; }
+
+/* An IEEE half (1 sign, 5 exponent, 10 fraction bits) as a double. */
+static double half_value(uint16_t h)
+{
+    const int exponent = (h >> 10) & 0x1f, fraction = h & 0x3ff;
+    const double sign = h & 0x8000 ? -1.0 : 1.0;
+    if (exponent == 0x1f)
+        return fraction ? NAN : sign * INFINITY;
+    if (exponent == 0)
+        return sign * ldexp(fraction, -24); /* subnormal: fraction * 2^-10 * 2^-14 */
+    return sign * ldexp(1024 + fraction, exponent - 25);
+}
+
+double moe_st_element(const void *data, enum moe_st_dtype dtype, int64_t i)
+{
+    switch (dtype) {
+    case MOE_ST_F32: return ((const float *)data)[i];
+    case MOE_ST_F64: return ((const double *)data)[i];
+    case MOE_ST_I32: return ((const int32_t *)data)[i];
+    case MOE_ST_I64: return (double)((const int64_t *)data)[i];
+    case MOE_ST_I16: return ((const int16_t *)data)[i];
+    case MOE_ST_BF16: {
+        const uint32_t bits = (uint32_t)((const uint16_t *)data)[i] << 16;
+        float v;
+        memcpy(&v, &bits, sizeof v);
+        return v;
+    }
+    case MOE_ST_F16: return half_value(((const uint16_t *)data)[i]);
+    default: return ((const uint8_t *)data)[i];
+    }
+}
 
 int64_t moe_st_elements(int ndim, const int64_t *shape)
 {

@@ -8,7 +8,10 @@ import struct
 
 import numpy as np
 
-DTYPES = {"F32": np.float32, "F64": np.float64, "I32": np.int32, "BOOL": np.bool_, "U8": np.uint8}
+# BF16 travels as its raw 16-bit patterns (numpy has no bfloat16): an array
+# of uint16 is written as BF16, and BF16 is read back as uint16.
+DTYPES = {"F32": np.float32, "F64": np.float64, "I32": np.int32, "BOOL": np.bool_, "U8": np.uint8,
+          "I64": np.int64, "I16": np.int16, "F16": np.float16, "BF16": np.uint16}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 

@@ -1,6 +1,8 @@
 /* check_golden.c — SHA-256 against FIPS 180-4's examples, and safetensors
  * round trips and corrupt files. */
 #define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,12 +94,37 @@ static const struct {
     {"\xff\x00\x00\x00\x00\x00\x00\x00{}", 10, NULL, 0, "runs past the end"},
     {NULL, 0, "[1]", 0, "not a JSON object"},
     {NULL, 0, "{\"a\":1}", 0, "lacks dtype"},
-    {NULL, 0, "{\"a\":{\"dtype\":\"F16\",\"shape\":[1],\"data_offsets\":[0,2]}}", 2, "does not know"},
+    {NULL, 0, "{\"a\":{\"dtype\":\"F8_E5M2\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1, "does not know"},
     {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 4, "truncated"},
     {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8, "do not match"},
     {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,8]}}", 8, "list of sizes"},
     {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8, "bad data_offsets"},
 };
+
+/* The candidate dtypes verify converts: every element as its value. */
+START_TEST(candidate_dtypes_read_as_their_values)
+{
+    const uint16_t bf16[] = {0x3f80, 0xc0a0, 0x0001, 0x7f80, 0x7fc1}; /* 1, -5, tiny, inf, nan */
+    const uint16_t f16[] = {0x3c00, 0xc500, 0x0001, 0x7c00, 0x7e00};  /* 1, -5, 2^-24, inf, nan */
+    const int64_t i64[] = {-3, 1LL << 40};
+    const int16_t i16[] = {-7, 300};
+    ck_assert_double_eq(moe_st_element(bf16, MOE_ST_BF16, 0), 1.0);
+    ck_assert_double_eq(moe_st_element(bf16, MOE_ST_BF16, 1), -5.0);
+    ck_assert_double_eq(moe_st_element(bf16, MOE_ST_BF16, 2), ldexp(1.0, -133));
+    ck_assert(isinf(moe_st_element(bf16, MOE_ST_BF16, 3)));
+    ck_assert(isnan(moe_st_element(bf16, MOE_ST_BF16, 4)));
+    ck_assert_double_eq(moe_st_element(f16, MOE_ST_F16, 0), 1.0);
+    ck_assert_double_eq(moe_st_element(f16, MOE_ST_F16, 1), -5.0);
+    ck_assert_double_eq(moe_st_element(f16, MOE_ST_F16, 2), ldexp(1.0, -24));
+    ck_assert(isinf(moe_st_element(f16, MOE_ST_F16, 3)));
+    ck_assert(isnan(moe_st_element(f16, MOE_ST_F16, 4)));
+    ck_assert_double_eq(moe_st_element(i64, MOE_ST_I64, 0), -3.0);
+    ck_assert_double_eq(moe_st_element(i64, MOE_ST_I64, 1), ldexp(1.0, 40));
+    ck_assert_double_eq(moe_st_element(i16, MOE_ST_I16, 0), -7.0);
+    ck_assert_double_eq(moe_st_element(i16, MOE_ST_I16, 1), 300.0);
+    ck_assert(moe_st_dtype_is_integer(MOE_ST_I64) && !moe_st_dtype_is_integer(MOE_ST_BF16));
+}
+END_TEST
 
 START_TEST(corrupt_files_are_errors)
 {
@@ -130,6 +157,7 @@ Suite *make_golden_suite(void)
     tcase_add_test(tc, sha256_known_answers);
     tcase_add_test(tc, round_trip);
     tcase_add_loop_test(tc, corrupt_files_are_errors, 0, sizeof corrupt / sizeof corrupt[0]);
+    tcase_add_test(tc, candidate_dtypes_read_as_their_values);
     suite_add_tcase(s, tc);
     return s;
 }
