@@ -9,6 +9,7 @@
 #ifndef MOE_GOLDEN_H
 #define MOE_GOLDEN_H
 
+#include <stdbool.h>
 #include <stdio.h>
 
 #include "moe/common.h"
@@ -28,11 +29,17 @@ enum moe_golden_rule {
     MOE_RULE_TOPK,      /* ids exact, or a near-tie (see docs/golden.md) */
 };
 
+/* A tolerance tensor's element passes when
+ *   |got - ref| <= abs + rel*|ref| + allow[i] + (bf16_step ? moe_bf16_step(ref) : 0)
+ * the contract --check applies to the layer's output (truth.h). */
 typedef struct {
     moe_st_tensor tensor;
     enum moe_stage_file stage;
     enum moe_golden_rule rule;
     double abs, rel;
+    const char *allow; /* an F64 tensor of the set, same shape, of per-element
+                          allowances (one bf16 step per rounded term), or NULL */
+    bool bf16_step;    /* the value was rounded to bf16 once: allow one step */
 } moe_golden_tensor;
 
 /* Write the set into dir (created if missing; if dir does not exist the set

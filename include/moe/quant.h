@@ -32,6 +32,11 @@ float moe_e4m3_to_f32(uint8_t q);
 /* v (n) = the nearest bf16 values, in place. */
 void moe_round_bf16_array(float *v, moe_index n);
 
+/* One bf16 step at v: the distance from |v| to the next bf16 value away from
+ * zero, 2^(e-7) for |v| in [2^e, 2^(e+1)) (8 significant bits); 0 at 0.
+ * The allowance of one bf16 rounding (truth.h, golden.h). */
+double moe_bf16_step(double v);
+
 /* One row of `width` values quantised to E4M3 in blocks of 128: per block,
  * scale = amax / 448 (an exact power of two at least that large when
  * pow2_scales: the UE8M0 scales of DeepSeek-V3's FP8 recipe; 1 when the block

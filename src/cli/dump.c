@@ -116,17 +116,20 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     float *x_scratch = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    const bool bf16_combine = cfg->combine_dtype == MOE_DTYPE_BF16;
+    double *allow = bf16_combine ? moe_xmalloc(sizeof(double) * (size_t)(T * d)) : NULL; /* (T, d) */
     moe_ep_capture cap = {0};
     moe_forward_stats stats;
     int rc = moe_ep_forward_ref(ep, x, ids, weights, y, &stats, &cap, st);
     if (rc) {
+        free(allow);
         free(truth);
         free(x_scratch);
         free(y);
         return rc;
     }
     moe_truth_forward(cfg, MOE_TRUTH_EXACT, x, moe_ep_dispatched_tokens(ep, x, x_scratch), ids,
-                      weights, T, truth, NULL);
+                      weights, T, truth, allow);
 
     /* 2. Gathered on rank 0. */
     const bool root = c->rank == 0;
@@ -136,12 +139,15 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     float *all_weights = root ? moe_xmalloc(sizeof(float) * (size_t)(N * k)) : NULL;
     float *all_y = root ? moe_xmalloc(sizeof(float) * (size_t)(N * d)) : NULL;
     double *all_truth = root ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
+    double *all_allow = root && allow ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
     moe_comm_gather_bytes(c, logits, sizeof(float) * (size_t)(T * E), all_logits);
     moe_comm_gather_bytes(c, scores, sizeof(float) * (size_t)(T * E), all_scores);
     moe_comm_gather_bytes(c, ids, sizeof(int32_t) * (size_t)(T * k), all_ids);
     moe_comm_gather_bytes(c, weights, sizeof(float) * (size_t)(T * k), all_weights);
     moe_comm_gather_bytes(c, y, sizeof(float) * (size_t)(T * d), all_y);
     moe_comm_gather_bytes(c, truth, sizeof(double) * (size_t)(T * d), all_truth);
+    if (allow)
+        moe_comm_gather_bytes(c, allow, sizeof(double) * (size_t)(T * d), all_allow);
     void *recv_x = NULL, *recv_token = NULL, *out = NULL, *pair = NULL;
     size_t *sizes[4];
     for (int n = 0; n < 4; n++)
@@ -166,7 +172,6 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     if (root && rc == MOE_EXIT_OK) {
         tensor_list l = {0};
         const double u = UNIT_ROUNDOFF;
-        const double combine = cfg->combine_dtype == MOE_DTYPE_BF16 ? 0x1p-8 : 0.0;
         float *tokens = moe_xmalloc(sizeof(float) * (size_t)(N * d));
         moe_synth_tokens(cfg->seed, 0, N, d, (float)cfg->init_scale, tokens);
         moe_precision_weights(cfg->param_dtype, tokens, N * d);
@@ -234,19 +239,25 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
             snprintf(name, sizeof name, "dispatch.rank%d.token", r);
             add(&l, name, MOE_ST_I32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, (char *)recv_token + at[1], 1, rows, 0, 0);
             snprintf(name, sizeof name, "experts.rank%d.out", r);
-            tolerate(add(&l, name, MOE_ST_F32, MOE_GOLDEN_EXPERTS, MOE_RULE_TOLERANCE, (char *)out + at[2], 2, pairs, d, 0),
-                     u * (d + f) + combine);
+            moe_golden_tensor *g = add(&l, name, MOE_ST_F32, MOE_GOLDEN_EXPERTS, MOE_RULE_TOLERANCE, (char *)out + at[2], 2, pairs, d, 0);
+            tolerate(g, u * (d + f));
+            g->bf16_step = bf16_combine; /* each value was rounded to bf16 once */
             snprintf(name, sizeof name, "experts.rank%d.pair", r);
             add(&l, name, MOE_ST_I32, MOE_GOLDEN_EXPERTS, MOE_RULE_EXACT, (char *)pair + at[3], 2, pairs, 2, 0);
             for (int n = 0; n < 4; n++)
                 at[n] += sizes[n][r];
         }
-        /* output */
-        const double rel_y = moe_tolerance_for(cfg, 0.0).rel + combine; /* --check's, and bf16's step */
-        tolerate(add(&l, "output.y", MOE_ST_F32, MOE_GOLDEN_OUTPUT, MOE_RULE_TOLERANCE, all_y, 2, N, d, 0), rel_y);
-        moe_golden_tensor *gt = add(&l, "output.truth", MOE_ST_F64, MOE_GOLDEN_OUTPUT, MOE_RULE_TOLERANCE, all_truth, 2, N, d, 0);
-        gt->rel = rel_y;
-        gt->abs = rel_y * rms_f32(all_y, N * d);
+        /* output: --check's contract, per element (truth.h) */
+        const double rel_y = moe_tolerance_for(cfg, 0.0).rel;
+        const int iy = l.count, it = l.count + 1; /* add() may move the list: indices, not pointers */
+        add(&l, "output.y", MOE_ST_F32, MOE_GOLDEN_OUTPUT, MOE_RULE_TOLERANCE, all_y, 2, N, d, 0);
+        add(&l, "output.truth", MOE_ST_F64, MOE_GOLDEN_OUTPUT, MOE_RULE_TOLERANCE, all_truth, 2, N, d, 0);
+        if (all_allow)
+            add(&l, "output.allow", MOE_ST_F64, MOE_GOLDEN_OUTPUT, MOE_RULE_EXACT, all_allow, 2, N, d, 0);
+        tolerate(&l.items[iy], rel_y);
+        l.items[it].rel = rel_y;
+        l.items[it].abs = l.items[iy].abs;
+        l.items[iy].allow = l.items[it].allow = all_allow ? "output.allow" : NULL;
 
         char *config = moe_xmalloc(2);
         strcpy(config, "{");
@@ -270,6 +281,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     free(out);
     free(recv_token);
     free(recv_x);
+    free(all_allow);
     free(all_truth);
     free(all_y);
     free(all_weights);
@@ -277,6 +289,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     free(all_scores);
     free(all_logits);
     moe_ep_capture_free(&cap);
+    free(allow);
     free(truth);
     free(x_scratch);
     free(y);

@@ -35,6 +35,15 @@ uint16_t moe_f32_to_bf16(float x)
 
 float moe_bf16_to_f32(uint16_t h) { return float_of((uint32_t)h << 16); }
 
+double moe_bf16_step(double v)
+{
+    if (v == 0.0 || !isfinite(v))
+        return 0.0;
+    int e;
+    frexp(v, &e);
+    return ldexp(1.0, e - 8); /* v in [2^(e-1), 2^e) */
+}
+
 void moe_round_bf16_array(float *v, moe_index n)
 {
     for (moe_index m = 0; m < n; m++)

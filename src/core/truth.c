@@ -16,13 +16,6 @@ static void to_f64(const float *src, moe_index n, double *dst)
         dst[m] = src[m];
 }
 
-/* The distance from v to the next bf16 value away from zero: one step. */
-static double bf16_step(double v)
-{
-    int e;
-    frexp(v, &e);
-    return ldexp(1.0, e - 8); /* 8 significant bits: v in [2^(e-1), 2^e) */
-}
 
 /* y (T, d) += scale (T) * out (T, d), with a NULL scale meaning 1 for every
  * token; rows with a zero scale are skipped (unselected experts add exactly
@@ -49,7 +42,7 @@ static void accumulate(const moe_config *cfg, double *y, double *allow, const do
                 term = g * (double)moe_round_bf16((float)v);
             y[i * hidden + j] += term;
             if (bf16 && allow)
-                allow[i * hidden + j] += fabs(before_l2 ? 1.0 : g) * bf16_step(before_l2 ? g * v : v);
+                allow[i * hidden + j] += fabs(before_l2 ? 1.0 : g) * moe_bf16_step(before_l2 ? g * v : v);
         }
     }
 }

@@ -13,6 +13,7 @@
 
 #include "config.h"
 #include "moe/files.h"
+#include "moe/quant.h"
 #include "moe/sha256.h"
 
 const char *const moe_golden_stage_names[MOE_GOLDEN_STAGES] = {
@@ -34,6 +35,10 @@ static json_t *tensor_json(const moe_golden_tensor *g)
     json_object_set_new(t, "compare", json_string(rule_names[g->rule]));
     json_object_set_new(t, "abs", json_real(g->abs));
     json_object_set_new(t, "rel", json_real(g->rel));
+    if (g->allow)
+        json_object_set_new(t, "allow", json_string(g->allow));
+    if (g->bf16_step)
+        json_object_set_new(t, "bf16_step", json_true());
     return t;
 }
 
@@ -169,9 +174,16 @@ static void compare_topk(const int32_t *ref, const int32_t *got, int64_t n, int 
     }
 }
 
+/* A tolerance tensor's contract as the manifest gives it (golden.h). */
+typedef struct {
+    double abs, rel;
+    const double *allow; /* per element, or NULL */
+    bool bf16_step;
+} contract;
+
 static void compare_values(const void *ref, enum moe_st_dtype ref_dtype, const void *got,
                            enum moe_st_dtype got_dtype, int64_t n, enum moe_golden_rule rule,
-                           double tol_abs, double tol_rel, verdict *v)
+                           const contract *tol, verdict *v)
 {
     for (int64_t i = 0; i < n; i++) {
         const double r = moe_st_element(ref, ref_dtype, i), g = moe_st_element(got, got_dtype, i);
@@ -180,7 +192,10 @@ static void compare_values(const void *ref, enum moe_st_dtype ref_dtype, const v
             err = INFINITY;
         if (isnan(g) && isnan(r))
             err = 0.0;
-        const double bound = rule == MOE_RULE_EXACT ? 0.0 : tol_abs + tol_rel * fabs(r);
+        const double bound = rule == MOE_RULE_EXACT
+                                 ? 0.0
+                                 : tol->abs + tol->rel * fabs(r) + (tol->allow ? tol->allow[i] : 0.0) +
+                                       (tol->bf16_step ? moe_bf16_step(r) : 0.0);
         const double used = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0.0);
         v->max_abs = fmax(v->max_abs, err);
         if (fabs(r) > 0)
@@ -377,9 +392,32 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
             const enum moe_golden_rule rule = !strcmp(rule_text, "topk") ? MOE_RULE_TOPK
                                               : !strcmp(rule_text, "tolerance") ? MOE_RULE_TOLERANCE
                                                                                 : MOE_RULE_EXACT;
-            const double tol_abs = json_real_value(json_object_get(info, "abs"));
-            const double tol_rel = json_real_value(json_object_get(info, "rel"));
             const int64_t count = moe_st_elements(e->ndim, e->shape);
+            contract tol = {json_real_value(json_object_get(info, "abs")),
+                            json_real_value(json_object_get(info, "rel")), NULL,
+                            json_is_true(json_object_get(info, "bf16_step"))};
+            const char *allow_name = json_string_value(json_object_get(info, "allow"));
+            double *allow = NULL;
+            if (allow_name) {
+                json_t *allow_info = json_object_get(tensors, allow_name);
+                moe_st_entry allow_entry;
+                allow = load_golden(dir, json_string_value(json_object_get(allow_info, "file")),
+                                    allow_name, files, &allow_entry, st);
+                if (allow && (allow_entry.dtype != MOE_ST_F64 ||
+                              moe_st_elements(allow_entry.ndim, allow_entry.shape) != count)) {
+                    free(allow);
+                    allow = NULL;
+                    moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' is not an F64 allowance of "
+                             "%lld elements for '%s'", allow_name, (long long)count, e->name);
+                }
+                if (!allow) {
+                    free(got);
+                    free(ref);
+                    rc = st->code;
+                    break;
+                }
+                tol.allow = allow;
+            }
             verdict v = {0, 0, 0, -1, 0, 0};
             if (rule == MOE_RULE_TOPK) {
                 int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1); /* as the golden's I32 */
@@ -391,8 +429,7 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
                              sel_abs, sel_rel, &v);
                 free(ids);
             } else {
-                compare_values(ref, golden_entry.dtype, got, e->dtype, count, rule, tol_abs,
-                               tol_rel, &v);
+                compare_values(ref, golden_entry.dtype, got, e->dtype, count, rule, &tol, &v);
             }
             char where[64] = "";
             if (v.bad)
@@ -409,6 +446,7 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
                 explain_mismatch(out, dir, files, e->name, &golden_entry, ref, e, got, v.first_bad);
             if (v.bad && stage < first_failing_stage)
                 first_failing_stage = stage;
+            free(allow);
             free(got);
             free(ref);
         }

@@ -1,0 +1,170 @@
+"""Ports of the expert layer that a GPU engineer could legitimately write,
+each checked with `moe-ep verify` against golden sets: every one must pass,
+and the worst share of the tolerance each uses is printed.
+
+    /usr/bin/python3 tests/golden/ports.py MOE_EP GOLDEN_DIR [GOLDEN_DIR ...]
+
+Each port recomputes every experts.rank{r}.out from the set's dispatched
+rows, weights and routing, and output.y from its own expert outputs and the
+shared experts, as docs/golden.md describes the layer. The ports differ only
+in how a GEMM sums (the contract must not depend on it) and use numpy's exp:
+    fma       one fused multiply-add per k, k ascending (product and sum
+              rounded once: the exact product in fp64, then one rounding)
+    blocked   fp32 partial GEMMs over blocks of 64 of K, added in fp32
+    pairwise  fp32 products summed pairwise over K (numpy's reduction)
+    blas      numpy's fp32 matmul (OpenBLAS's order)
+    fp64      fp64 GEMMs, rounded to fp32 once
+Exit 0 when every port passes every set.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import st  # noqa: E402
+from recompute import bf16  # noqa: E402
+
+F = np.float32
+
+
+def gemm_fma(a, bt):
+    acc = np.zeros((a.shape[0], bt.shape[1]), dtype=np.float64)
+    for k in range(a.shape[1]):
+        acc = (a[:, k : k + 1].astype(np.float64) * bt[k].astype(np.float64) + acc).astype(F).astype(np.float64)
+    return acc.astype(F)
+
+
+def gemm_blocked(a, bt, block=64):
+    acc = np.zeros((a.shape[0], bt.shape[1]), dtype=F)
+    for k0 in range(0, a.shape[1], block):
+        acc = acc + (a[:, k0 : k0 + block] @ bt[k0 : k0 + block]).astype(F)
+    return acc
+
+
+def gemm_pairwise(a, bt, rows=16):
+    b = np.ascontiguousarray(bt.T)  # (n, K)
+    out = np.empty((a.shape[0], bt.shape[1]), dtype=F)
+    for m0 in range(0, a.shape[0], rows):
+        out[m0 : m0 + rows] = (a[m0 : m0 + rows, None, :] * b[None, :, :]).sum(axis=-1, dtype=F)
+    return out
+
+
+# Real port bugs, each of which verify must fail (with the blas port): the
+# shared expert dropped, the gate weight applied on the other side of L2.
+BUGS = {"no-shared": "output", "weight-elsewhere": "experts"}
+
+PORTS = {
+    "fma": gemm_fma,
+    "blocked": gemm_blocked,
+    "pairwise": gemm_pairwise,
+    "blas": lambda a, bt: (a @ bt).astype(F),
+    "fp64": lambda a, bt: (a.astype(np.float64) @ bt.astype(np.float64)).astype(F),
+}
+
+
+def ffn(gemm, x, w1, w2, scale=None):
+    """SwiGLU of x (rows, d) with w1 (2f, d), w2 (d, f), in fp32."""
+    h = gemm(x, np.ascontiguousarray(w1.T))
+    f = w1.shape[0] // 2
+    gate, up = h[:, :f], h[:, f:]
+    with np.errstate(over="ignore"):
+        act = (gate / (F(1) + np.exp(-gate)) * up).astype(F)
+    if scale is not None:
+        act = (act * scale[:, None]).astype(F)
+    return gemm(act, np.ascontiguousarray(w2.T))
+
+
+def port(files, config, gemm, bug=None):
+    """The candidate tensors of one port (with one of BUGS when bug is set)."""
+    ids, weights = files["router.topk_ids"], files["router.topk_weights"]
+    before_l2 = (config["weight-at"] == "activation") != (bug == "weight-elsewhere")
+    combine_bf16 = config["combine-dtype"] == "bf16"
+    out, rows_of = {}, {}
+    for r in range(int(config["ranks"])):
+        rows = dict(zip(files["dispatch.rank%d.token" % r].tolist(), files["dispatch.rank%d.x" % r]))
+        pairs = files["experts.rank%d.pair" % r]
+        result = np.zeros((pairs.shape[0], files["tokens.x"].shape[1]), dtype=F)
+        for e in np.unique(pairs[:, 1]):
+            at = np.nonzero(pairs[:, 1] == e)[0]
+            tokens = pairs[at, 0]
+            x = np.stack([rows[t] for t in tokens.tolist()]).astype(F)
+            slot = np.argmax(ids[tokens] == e, axis=1)
+            y = ffn(gemm, x, files["experts.w1"][e], files["experts.w2"][e],
+                    weights[tokens, slot] if before_l2 else None)
+            result[at] = bf16(y) if combine_bf16 else y
+        out["experts.rank%d.out" % r] = result
+        for row, (t, e) in enumerate(pairs.tolist()):
+            rows_of[(t, e)] = result[row]
+    n, k = ids.shape
+    y = np.zeros(files["tokens.x"].shape, dtype=F)
+    for i in range(n):
+        for s in range(k):  # slot order
+            v = rows_of[(i, int(ids[i, s]))]
+            y[i] = y[i] + (v if before_l2 else (weights[i, s] * v).astype(F))
+    shared = 0 if bug == "no-shared" else files["shared.w1"].shape[0] if "shared.w1" in files else 0
+    for s in range(shared):
+        y = y + ffn(gemm, files["tokens.x"], files["shared.w1"][s], files["shared.w2"][s])
+    out["output.y"] = y
+    return out
+
+
+def verify(moe_ep, golden, candidate):
+    """verify's exit status and each tensor's % of tolerance."""
+    run = subprocess.run([moe_ep, "verify", golden, candidate], capture_output=True, text=True)
+    used = {}
+    for line in run.stdout.splitlines():
+        m = re.match(r"(\S+)\s+\S+\s+tolerance\s+\S+\s+\S+\s+(\S+)", line)
+        if m:
+            used[m.group(1)] = float(m.group(2))
+    return run.returncode, used, run.stdout
+
+
+def main(moe_ep, sets):
+    failed = 0
+    work = tempfile.mkdtemp()
+    print("%-10s %-14s %12s %12s  %s" % ("port", "set", "experts %", "output.y %", "verify"))
+    worst = {}
+    for golden in sets:
+        manifest = json.load(open(os.path.join(golden, "manifest.json")))
+        files = {}
+        for stage in manifest["stages"]:
+            path = os.path.join(golden, stage + ".safetensors")
+            if os.path.exists(path):
+                files.update(st.load(path)[0])
+        name = os.path.basename(os.path.normpath(golden))
+        for label, gemm in PORTS.items():
+            candidate = os.path.join(work, "%s-%s.safetensors" % (name, label))
+            st.save(candidate, port(files, manifest["config"], gemm))
+            rc, used, text = verify(moe_ep, golden, candidate)
+            experts = max(v for t, v in used.items() if t.startswith("experts."))
+            output = used.get("output.y", float("nan"))
+            print("%-10s %-14s %12.1f %12.1f  %s" % (label, name, experts, output,
+                                                     "PASS" if rc == 0 else "FAIL (exit %d)" % rc))
+            if rc != 0:
+                print(text)
+                failed += 1
+            worst[label] = max(worst.get(label, 0.0), experts, output)
+        for bug, stage in BUGS.items():
+            if bug == "no-shared" and "shared.w1" not in files:
+                continue
+            candidate = os.path.join(work, "%s-%s.safetensors" % (name, bug))
+            st.save(candidate, port(files, manifest["config"], PORTS["blas"], bug))
+            rc, used, text = verify(moe_ep, golden, candidate)
+            caught = rc == 1 and ("first failing stage: %s" % stage) in text
+            print("%-16s %-14s %s" % (bug, name, "caught at %s" % stage if caught else "MISSED"))
+            if not caught:
+                print(text)
+                failed += 1
+    for label, used in worst.items():
+        print("worst %-9s %.1f %% of tolerance" % (label, used))
+    print("ports: %s, %d failed" % ("every port passed and every bug was caught" if not failed else "not all", failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
