@@ -19,6 +19,9 @@
 enum moe_command { MOE_CMD_RUN, MOE_CMD_PLAN, MOE_CMD_BENCH };
 enum moe_progress_kind { MOE_PROGRESS_POLL, MOE_PROGRESS_THREAD };
 enum moe_dtype { MOE_DTYPE_FP32, MOE_DTYPE_BF16, MOE_DTYPE_FP8 };
+/* Whether the k gate weights are divided by their sum: auto follows the
+ * reference code of each gate (moe_config_norm_topk). */
+enum moe_norm_topk { MOE_NORM_TOPK_AUTO, MOE_NORM_TOPK_ON, MOE_NORM_TOPK_OFF };
 /* FP8 dispatch scales: amax/448 in fp32, or rounded up to a power of two. */
 enum moe_fp8_scale { MOE_FP8_SCALE_FLOAT, MOE_FP8_SCALE_UE8M0 };
 /* Where the gate weight multiplies: the expert output after L2 (DeepSeek-V3's
@@ -52,7 +55,7 @@ typedef struct {
     int64_t topk_groups;         /* deepseek-v3 groups kept per token */
     double route_scale;          /* deepseek-v3 weight scale */
     double bias_scale;           /* deepseek-v3 correction bias in [-B, B); 0 = none */
-    bool norm_topk;              /* renormalise the k weights (softmax; V2 style) */
+    int norm_topk;               /* enum moe_norm_topk */
     char skew[MOE_NAME_MAX];     /* --skew spec, "" for none */
     int weight_at;               /* enum moe_weight_at */
     /* moe-ep bench */
@@ -86,6 +89,13 @@ int moe_config_parse(moe_config *cfg, enum moe_command command, int argc, char *
  * keys that only the other command takes are skipped. */
 int moe_config_load_preset(moe_config *cfg, enum moe_command command, const char *name,
                            moe_status *st);
+
+/* Whether the k weights are renormalised: as --norm-topk says, or with
+ * auto as the reference code of the gate does it: softmax yes (Mixtral,
+ * GShard), deepseek-v3 with a bias yes (V3 always divides the sigmoid
+ * scores by their sum), without one no (DeepSeek-V2's norm_topk_prob is
+ * false). */
+bool moe_config_norm_topk(const moe_config *cfg);
 
 /* Check the combination for G ranks (k <= E, sizes that fit the index
  * types). Ranks without an expert (E < G) are allowed. */

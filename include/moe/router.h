@@ -7,7 +7,7 @@
  *
  * Two routers:
  *   softmax      GShard/Mixtral: softmax over all logits, top-k, optionally
- *                renormalised over the k.
+ *                renormalised over the k, times route_scale.
  *   deepseek-v3  DeepSeek-V3's gate. With a correction bias: scores =
  *                sigmoid(logits); the bias is added for selection only; the
  *                experts split into `groups` groups whose score is the sum of

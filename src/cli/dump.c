@@ -179,6 +179,8 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         add(&l, "gate.weight", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->gate, 2, E, d, 0);
         if (ep->bias)
             add(&l, "gate.bias", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->bias, 1, E, 0, 0);
+        if (ep->skew)
+            add(&l, "router.skew", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->skew, 1, E, 0, 0);
         weight_source sources[4] = {
             {cfg->seed, d, f, cfg->param_dtype, false, false}, {cfg->seed, d, f, cfg->param_dtype, false, true},
             {cfg->seed, d, f, cfg->param_dtype, true, false},  {cfg->seed, d, f, cfg->param_dtype, true, true}};

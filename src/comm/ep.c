@@ -55,7 +55,7 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     ep->router = (moe_router){.kind = (enum moe_router_kind)cfg->router,
                               .experts = (int)cfg->experts,
                               .topk = (int)cfg->topk,
-                              .normalize = cfg->norm_topk,
+                              .normalize = moe_config_norm_topk(cfg),
                               .groups = (int)cfg->groups,
                               .topk_groups = (int)cfg->topk_groups,
                               .route_scale = (float)cfg->route_scale};

@@ -56,6 +56,8 @@ static const flag_choice gemm_choices[] = {
     {"blas", MOE_GEMM_BLAS}, {"exact", MOE_GEMM_EXACT}, {"packed", MOE_GEMM_PACKED}, {NULL, 0}};
 static const flag_choice dtype_choices[] = {
     {"fp32", MOE_DTYPE_FP32}, {"bf16", MOE_DTYPE_BF16}, {"fp8", MOE_DTYPE_FP8}, {NULL, 0}};
+static const flag_choice norm_topk_choices[] = {
+    {"auto", MOE_NORM_TOPK_AUTO}, {"true", MOE_NORM_TOPK_ON}, {"false", MOE_NORM_TOPK_OFF}, {NULL, 0}};
 static const flag_choice fp8_scale_choices[] = {
     {"float", MOE_FP8_SCALE_FLOAT}, {"ue8m0", MOE_FP8_SCALE_UE8M0}, {NULL, 0}};
 
@@ -84,9 +86,9 @@ static const flag_spec flags[] = {
     {"router", FLAG_CHOICE, FIELD(router), 0, 0, NULL, router_choices, "softmax", "the gate (router.h)", BOTH},
     {"groups", FLAG_INT, FIELD(groups), 1, 4096, "N", NULL, "1", "deepseek-v3 expert groups (= nodes: node-limited routing)", BOTH},
     {"topk-groups", FLAG_INT, FIELD(topk_groups), 1, 4096, "M", NULL, "1", "deepseek-v3 groups kept per token", BOTH},
-    {"route-scale", FLAG_REAL, FIELD(route_scale), 0, 1000, "S", NULL, "1", "deepseek-v3 weight scale", RUN},
+    {"route-scale", FLAG_REAL, FIELD(route_scale), 0, 1000, "S", NULL, "1", "scale of the k weights (every router, as V2 and V3 apply it)", RUN},
     {"bias-scale", FLAG_REAL, FIELD(bias_scale), 0, 100, "B", NULL, "0.01", "deepseek-v3 correction bias, uniform in [-B, B); 0 = none (V2 style)", RUN},
-    {"norm-topk", FLAG_BOOL, FIELD(norm_topk), 0, 0, NULL, NULL, "true", "renormalise the k weights (softmax, and deepseek-v3 without bias)", RUN},
+    {"norm-topk", FLAG_CHOICE, FIELD(norm_topk), 0, 0, NULL, norm_topk_choices, "auto", "divide the k weights by their sum; auto: as the gate's reference code (softmax and V3 yes, V2 no); alone: true", RUN},
     {"weight-at", FLAG_CHOICE, FIELD(weight_at), 0, 0, NULL, weight_at_choices, "output", "gate weight on the expert output (V3 reference) or before L2 (fused kernels)", RUN},
     {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", NULL, "", "logit bias: hot:EXPERT=+B[,...] or zipf:S", RUN},
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", NULL, "0", "shared experts, applied to every token on its home rank", BOTH},
@@ -137,6 +139,22 @@ void moe_config_defaults(moe_config *cfg)
             set_value(cfg, &flags[n], flags[n].default_value, "default", &st);
             MOE_ASSERT(st.code == MOE_EXIT_OK);
         }
+}
+
+/* The value a FLAG_CHOICE stores for name, or -1 when it has no such choice. */
+static int choice_value(const flag_spec *flag, const char *name)
+{
+    for (const flag_choice *c = flag->choices; c->name; c++)
+        if (!strcmp(name, c->name))
+            return c->value;
+    return -1;
+}
+
+bool moe_config_norm_topk(const moe_config *cfg)
+{
+    if (cfg->norm_topk != MOE_NORM_TOPK_AUTO)
+        return cfg->norm_topk == MOE_NORM_TOPK_ON;
+    return cfg->router == MOE_ROUTER_SOFTMAX || cfg->bias_scale > 0;
 }
 
 /* "a|b|c": the names of a FLAG_CHOICE, for help and errors. */
@@ -245,11 +263,11 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
         snprintf(base, MOE_NAME_MAX, "%s", value);
         return MOE_EXIT_OK;
     case FLAG_CHOICE: {
-        for (const flag_choice *c = flag->choices; c->name; c++)
-            if (!strcmp(value, c->name)) {
-                *(int *)base = c->value;
-                return MOE_EXIT_OK;
-            }
+        const int chosen = choice_value(flag, value);
+        if (chosen >= 0) {
+            *(int *)base = chosen;
+            return MOE_EXIT_OK;
+        }
         char names[128];
         return moe_fail(st, MOE_EXIT_USAGE, "%s must be one of %s, got '%s'", where,
                         choice_names(flag, names, sizeof names), value);
@@ -423,8 +441,8 @@ static const flag_spec *parse_flag(enum moe_command command, int argc, char **ar
     }
     if (equals)
         *value = equals + 1;
-    else if (flag->kind == FLAG_BOOL)
-        *value = "true";
+    else if (flag->kind == FLAG_BOOL || (flag->kind == FLAG_CHOICE && choice_value(flag, "true") >= 0))
+        *value = "true"; /* a switch, or a choice that has true, may stand alone */
     else if (*at + 1 < argc)
         *value = argv[++*at];
     else {

@@ -201,7 +201,7 @@ void moe_router_select(const moe_router *r, const float *logits, moe_index token
             sum += score[id[s]];
         for (int s = 0; s < k; s++) {
             float w = normalize ? (float)(score[id[s]] / sum) : score[id[s]];
-            weight[s] = r->kind == MOE_ROUTER_DEEPSEEK_V3 ? w * r->route_scale : w;
+            weight[s] = w * r->route_scale; /* every router, as V2 and V3 apply it */
         }
     }
 }

@@ -40,9 +40,9 @@ static void print_router(FILE *out, const moe_config *cfg)
         fprintf(out, "deepseek-v3 (sigmoid, correction bias in ±%g for selection, ", cfg->bias_scale);
     else if (cfg->router == MOE_ROUTER_DEEPSEEK_V3)
         fprintf(out, "deepseek-v3 without bias (V2 style: softmax, group max%s, ",
-                cfg->norm_topk ? ", renormalised" : "");
+                moe_config_norm_topk(cfg) ? ", renormalised" : "");
     else
-        fprintf(out, "softmax top-%lld%s", (long long)cfg->topk, cfg->norm_topk ? " (renormalised)" : "");
+        fprintf(out, "softmax top-%lld%s", (long long)cfg->topk, moe_config_norm_topk(cfg) ? " (renormalised)" : "");
     if (cfg->router == MOE_ROUTER_DEEPSEEK_V3)
         fprintf(out, "top-%lld, %lld groups keep %lld, route scale %g)", (long long)cfg->topk,
                 (long long)cfg->groups, (long long)cfg->topk_groups, cfg->route_scale);

@@ -103,6 +103,24 @@ START_TEST(bad_flags_are_usage_errors)
 }
 END_TEST
 
+/* --norm-topk auto follows each gate's reference code; true and false win. */
+START_TEST(norm_topk_auto_follows_the_gate)
+{
+    moe_config cfg;
+    moe_status st;
+    ck_assert_int_eq(parse(&cfg, &st, "--router softmax"), MOE_EXIT_OK);
+    ck_assert(moe_config_norm_topk(&cfg)); /* Mixtral, GShard */
+    ck_assert_int_eq(parse(&cfg, &st, "--router deepseek-v3 --bias-scale 0"), MOE_EXIT_OK);
+    ck_assert(!moe_config_norm_topk(&cfg)); /* V2: norm_topk_prob = False */
+    ck_assert_int_eq(parse(&cfg, &st, "--router deepseek-v3"), MOE_EXIT_OK);
+    ck_assert(moe_config_norm_topk(&cfg)); /* V3 */
+    ck_assert_int_eq(parse(&cfg, &st, "--router deepseek-v3 --bias-scale 0 --norm-topk"), MOE_EXIT_OK);
+    ck_assert(moe_config_norm_topk(&cfg)); /* alone: true */
+    ck_assert_int_eq(parse(&cfg, &st, "--norm-topk=false"), MOE_EXIT_OK);
+    ck_assert(!moe_config_norm_topk(&cfg));
+}
+END_TEST
+
 START_TEST(validation_checks_combinations)
 {
     moe_config cfg;
@@ -130,6 +148,7 @@ Suite *make_config_suite(void)
     tcase_add_test(tc, flags_override_preset_in_any_order);
     tcase_add_test(tc, preset_syntax_error_names_file_and_line);
     tcase_add_loop_test(tc, bad_flags_are_usage_errors, 0, sizeof bad / sizeof bad[0]);
+    tcase_add_test(tc, norm_topk_auto_follows_the_gate);
     tcase_add_test(tc, validation_checks_combinations);
     suite_add_tcase(s, tc);
     return s;

@@ -72,6 +72,24 @@ START_TEST(topk_is_descending_and_weights_normalised)
 }
 END_TEST
 
+/* --route-scale applies in the softmax router too, as V2 and V3 apply it:
+ * every weight exactly the scale times the unscaled one. */
+START_TEST(route_scale_applies_in_every_router)
+{
+    const float logits[5] = {0.0f, 2.0f, -1.0f, 1.0f, 3.0f};
+    float scores[5], plain[3], scaled[3];
+    int32_t ids[3];
+    for (int normalize = 0; normalize < 2; normalize++) {
+        moe_router r = {MOE_ROUTER_SOFTMAX, 5, 3, normalize, 1, 1, 1.0f, NULL, NULL};
+        moe_router_select(&r, logits, 1, scores, ids, plain);
+        r.route_scale = 2.5f;
+        moe_router_select(&r, logits, 1, scores, ids, scaled);
+        for (int s = 0; s < 3; s++)
+            ck_assert_float_eq(scaled[s], plain[s] * 2.5f);
+    }
+}
+END_TEST
+
 START_TEST(ties_go_to_the_lower_expert)
 {
     const moe_router r = {MOE_ROUTER_SOFTMAX, 6, 3, true, 1, 1, 1.0f, NULL, NULL};
@@ -210,6 +228,7 @@ Suite *make_router_suite(void)
     tcase_add_test(tc, logits_are_exact_dot_products);
     tcase_add_test(tc, logits_are_the_j_ordered_sum_whatever_the_blocking);
     tcase_add_test(tc, topk_is_descending_and_weights_normalised);
+    tcase_add_test(tc, route_scale_applies_in_every_router);
     tcase_add_test(tc, ties_go_to_the_lower_expert);
     tcase_add_test(tc, all_equal_logits_pick_the_first_k);
     tcase_add_test(tc, v3_bias_selects_but_does_not_weigh);
