@@ -63,6 +63,7 @@ typedef struct {
     char csv[MOE_NAME_MAX];      /* table as CSV, "" for none */
     char plot[MOE_NAME_MAX];     /* SVG plot of layer time and overlap against W */
     char dump[MOE_NAME_MAX];     /* golden set directory, "" for none */
+    char routing[MOE_NAME_MAX];  /* routing replay file (routing.h), "" for the router */
     bool dump_weights;           /* include the weights in the golden set */
     /* moe-ep plan: the whole model and its cluster */
     int64_t layers, moe_layers;

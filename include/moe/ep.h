@@ -51,6 +51,8 @@ typedef struct moe_ep_s {
     float *gate;       /* (E, d) */
     float *bias;       /* (E) deepseek-v3 correction bias, NULL without */
     float *skew;       /* (E) --skew logit bias, NULL without */
+    int32_t *replay_ids;   /* (T, k) --routing: this rank's ids, replacing the router's; NULL: none */
+    float *replay_weights; /* (T, k) and weights (owned; moe_ep_free frees them) */
     moe_link link;     /* the emulated interconnect (configured by --link; its
                           bandwidths calibrated once by cb=RATIO) */
     struct moe_ep_workspace *work; /* mutable through a const moe_ep */
@@ -82,7 +84,8 @@ void moe_ep_generate_tokens(const moe_ep *ep, float *x);
 
 /* Stage route. x (T, d) → ids (T, k), weights (T, k); logits and scores
  * (T, E) kept for inspection. A token's routing depends on its row only
- * (fixed-order fp64 gate, specified exp): the same bits at any G. Pure. */
+ * (fixed-order fp64 gate, specified exp): the same bits at any G. With
+ * replay_ids set (--routing), ids and weights are the replayed ones. Pure. */
 void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
                   float *weights);
 

@@ -10,6 +10,7 @@
 
 #include "moe/files.h"
 #include "moe/gemm.h"
+#include "moe/routing.h"
 
 /* Parse and validate `command`'s arguments on every rank, check the output
  * paths, estimate memory; agree. */
@@ -257,6 +258,19 @@ int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command c
     if (rc) {
         moe_comm_print_error(c, &ctx->status);
         return rc;
+    }
+    if (ctx->cfg.routing[0]) { /* every rank reads and checks the whole file: one verdict */
+        const moe_index T = ctx->cfg.tokens, k = ctx->cfg.topk;
+        ctx->ep.replay_ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+        ctx->ep.replay_weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+        moe_routing_load(ctx->cfg.routing, (moe_index)c->ranks * T, (int)k, (int)ctx->cfg.experts,
+                         (moe_index)c->rank * T, T, ctx->ep.replay_ids, ctx->ep.replay_weights,
+                         &ctx->status);
+        if (moe_comm_agree(c, &ctx->status)) {
+            moe_comm_print_error(c, &ctx->status);
+            moe_ep_free(&ctx->ep);
+            return ctx->status.code;
+        }
     }
     const int threads = moe_comm_threads_for(c, ctx->ep.gemm);
     buffers_init(ctx);

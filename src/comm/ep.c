@@ -124,6 +124,8 @@ void moe_ep_free(moe_ep *ep)
     free(ep->gate);
     free(ep->bias);
     free(ep->skew);
+    free(ep->replay_ids);
+    free(ep->replay_weights);
     moe_placement_free(&ep->placement);
     if (ep->work) {
         struct moe_ep_workspace *work = ep->work;
@@ -139,6 +141,8 @@ void moe_ep_free(moe_ep *ep)
         ep->work = NULL;
     }
     ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = ep->bias = ep->skew = NULL;
+    ep->replay_ids = NULL;
+    ep->replay_weights = NULL;
 }
 
 void moe_ep_generate_tokens(const moe_ep *ep, float *x)
@@ -155,6 +159,11 @@ void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores
     const moe_index T = ep->cfg->tokens;
     moe_router_logits(x, ep->gate, T, ep->cfg->hidden, (int)ep->cfg->experts, logits);
     moe_router_select(&ep->router, logits, T, scores, ids, weights);
+    if (ep->replay_ids) {
+        const size_t pairs = (size_t)(T * ep->cfg->topk);
+        memcpy(ids, ep->replay_ids, sizeof(int32_t) * pairs);
+        memcpy(weights, ep->replay_weights, sizeof(float) * pairs);
+    }
 }
 
 

@@ -36,6 +36,12 @@ static const char *const dtype_names[] = {"fp32", "bf16", "fp8"};
 
 static void print_router(FILE *out, const moe_config *cfg)
 {
+    if (cfg->routing[0]) {
+        fprintf(out, "top-%lld ids and weights replayed from %s (--routing) · weight on the %s",
+                (long long)cfg->topk, cfg->routing,
+                cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? "expert output" : "activation (before L2)");
+        return;
+    }
     if (cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0)
         fprintf(out, "deepseek-v3 (sigmoid, correction bias in ±%g for selection, ", cfg->bias_scale);
     else if (cfg->router == MOE_ROUTER_DEEPSEEK_V3)

@@ -1,0 +1,25 @@
+/* routing.h — routing replay: top-k ids and weights read from a file
+ * (`moe-ep run --routing FILE.safetensors`) instead of the synthetic router.
+ *
+ * The file holds router.topk_ids (N, k), any integer dtype, and
+ * router.topk_weights (N, k), any real dtype, for all N = G·T tokens in
+ * global token order: the router.safetensors of a golden set is one, and so
+ * is what a port records from a real model. Pure I/O: no MPI.
+ */
+#ifndef MOE_ROUTING_H
+#define MOE_ROUTING_H
+
+#include <stdint.h>
+
+#include "moe/common.h"
+#include "moe/dims.h"
+
+/* Validate the whole file against tokens (N), topk (k) and experts (E) —
+ * shapes, ids in [0, E) and distinct within a row, finite weights — then
+ * read rows [first, first + count) into ids (count, k) and weights
+ * (count, k). Returns MOE_EXIT_OK, or MOE_EXIT_USAGE with a message naming
+ * --routing, the tensor and the first bad row. */
+int moe_routing_load(const char *path, moe_index tokens, int topk, int experts, moe_index first,
+                     moe_index count, int32_t *ids, float *weights, moe_status *st);
+
+#endif

@@ -1,0 +1,72 @@
+/* routing.c — reading and validating a routing file (see routing.h). */
+#include "moe/routing.h"
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "moe/safetensors.h"
+
+/* Tensor name of file f, (tokens, topk), of integer or real dtype; read
+ * whole into *data (caller frees). */
+static int read_tensor(const char *path, const moe_st_file *f, const char *name, bool integer,
+                       moe_index tokens, int topk, void **data, moe_st_entry *entry,
+                       moe_status *st)
+{
+    const moe_st_entry *e = moe_st_find(f, name);
+    if (!e)
+        return moe_fail(st, MOE_EXIT_USAGE, "--routing: '%s' has no tensor %s", path, name);
+    if (e->ndim != 2 || e->shape[0] != tokens || e->shape[1] != topk)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--routing: %s in '%s' must be (%lld, %d): all ranks' tokens by --topk",
+                        name, path, (long long)tokens, topk);
+    if (moe_st_dtype_is_integer(e->dtype) != integer)
+        return moe_fail(st, MOE_EXIT_USAGE, "--routing: %s in '%s' must hold %s, not %s", name,
+                        path, integer ? "integers" : "reals", moe_st_dtype_name(e->dtype));
+    *data = moe_xmalloc((size_t)(e->end - e->begin) + 1);
+    *entry = *e;
+    return moe_st_read(f, e, *data, st);
+}
+
+int moe_routing_load(const char *path, moe_index tokens, int topk, int experts, moe_index first,
+                     moe_index count, int32_t *ids, float *weights, moe_status *st)
+{
+    moe_st_file f;
+    if (moe_st_open(path, &f, st)) {
+        char why[MOE_MESSAGE_MAX];
+        snprintf(why, sizeof why, "%s", st->message);
+        return moe_fail(st, MOE_EXIT_USAGE, "--routing: %.480s", why);
+    }
+    void *id_data = NULL, *weight_data = NULL;
+    moe_st_entry id_entry, weight_entry;
+    int rc = read_tensor(path, &f, "router.topk_ids", true, tokens, topk, &id_data, &id_entry, st);
+    if (rc == MOE_EXIT_OK)
+        rc = read_tensor(path, &f, "router.topk_weights", false, tokens, topk, &weight_data,
+                         &weight_entry, st);
+    for (moe_index i = 0; rc == MOE_EXIT_OK && i < tokens; i++)
+        for (int s = 0; rc == MOE_EXIT_OK && s < topk; s++) {
+            const double id = moe_st_element(id_data, id_entry.dtype, i * topk + s);
+            const double w = moe_st_element(weight_data, weight_entry.dtype, i * topk + s);
+            if (!(id >= 0 && id < experts))
+                rc = moe_fail(st, MOE_EXIT_USAGE,
+                              "--routing: token %lld slot %d has expert id %.0f, outside [0, %d)",
+                              (long long)i, s, id, experts);
+            else if (!isfinite(w))
+                rc = moe_fail(st, MOE_EXIT_USAGE, "--routing: token %lld slot %d has weight %g",
+                              (long long)i, s, w);
+            for (int before = 0; rc == MOE_EXIT_OK && before < s; before++)
+                if (moe_st_element(id_data, id_entry.dtype, i * topk + before) == id)
+                    rc = moe_fail(st, MOE_EXIT_USAGE,
+                                  "--routing: token %lld picks expert %.0f twice (slots %d and %d)",
+                                  (long long)i, id, before, s);
+            if (rc == MOE_EXIT_OK && i >= first && i < first + count) {
+                ids[(i - first) * topk + s] = (int32_t)id;
+                weights[(i - first) * topk + s] = (float)w;
+            }
+        }
+    free(weight_data);
+    free(id_data);
+    moe_st_close(&f);
+    return rc;
+}
