@@ -24,6 +24,8 @@ enum moe_dtype { MOE_DTYPE_FP32, MOE_DTYPE_BF16, MOE_DTYPE_FP8 };
 enum moe_norm_topk { MOE_NORM_TOPK_AUTO, MOE_NORM_TOPK_ON, MOE_NORM_TOPK_OFF };
 /* FP8 dispatch scales: amax/448 in fp32, or rounded up to a power of two. */
 enum moe_fp8_scale { MOE_FP8_SCALE_FLOAT, MOE_FP8_SCALE_UE8M0 };
+/* Whose FP8 quantiser the dispatch emulates, to the bit (quant.h). */
+enum moe_fp8_recipe { MOE_FP8_RECIPE_MOE, MOE_FP8_RECIPE_DEEPEP, MOE_FP8_RECIPE_DEEPGEMM, MOE_FP8_RECIPE_V3 };
 /* Where the gate weight multiplies: the expert output after L2 (DeepSeek-V3's
  * reference code), or the SwiGLU output before L2 (fused GPU kernels). */
 enum moe_weight_at { MOE_WEIGHT_AT_OUTPUT, MOE_WEIGHT_AT_ACTIVATION };
@@ -69,6 +71,7 @@ typedef struct {
     int64_t layers, moe_layers;
     int param_dtype, dispatch_dtype, combine_dtype; /* enum moe_dtype */
     int fp8_scale;               /* enum moe_fp8_scale */
+    int fp8_recipe;              /* enum moe_fp8_recipe */
     char cluster[MOE_NAME_MAX];  /* cluster preset applied, "" if none */
     int64_t gpus, gpus_per_node, ep;
     double intra_bw, inter_bw;   /* GB/s per GPU */
@@ -110,6 +113,10 @@ double moe_config_memory_per_rank(const moe_config *cfg, int ranks);
  * manifest: calls emit(ctx, name, value) for each. */
 void moe_config_describe(const moe_config *cfg, enum moe_command command,
                          void (*emit)(void *ctx, const char *name, const char *value), void *ctx);
+
+/* The name a choice flag (e.g. "fp8-recipe") gives value, from the flag
+ * table; "?" for none. */
+const char *moe_config_choice_name(const char *flag, int value);
 
 /* Flag help lines of a command for --help: "  --tokens T   ...\n" ... */
 void moe_config_print_flags(FILE *out, enum moe_command command);

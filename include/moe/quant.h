@@ -17,6 +17,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "moe/config.h"
 #include "moe/dims.h"
 
 #define MOE_FP8_BLOCK 128 /* values per FP8 scale, along a row */
@@ -37,12 +38,29 @@ void moe_round_bf16_array(float *v, moe_index n);
  * The allowance of one bf16 rounding (truth.h, golden.h). */
 double moe_bf16_step(double v);
 
-/* One row of `width` values quantised to E4M3 in blocks of 128: per block,
- * scale = amax / 448 (an exact power of two at least that large when
- * pow2_scales: the UE8M0 scales of DeepSeek-V3's FP8 recipe; 1 when the block
- * is all zero), q = e4m3(x / scale). q (width) and scales (ceil(width/128))
- * receive the result; dequantised (width), when not NULL, q * scale. */
-void moe_quantize_e4m3_row(const float *x, moe_index width, bool pow2_scales, uint8_t *q,
+/* How a block of 128 values becomes E4M3 values q and a dequantisation
+ * scale s (value = e4m3(q) * s), each recipe as its code does it, in fp32,
+ * amax = max |x| over the block, fl() one fp32 rounding:
+ *   moe       s = amax / 448 (1 when amax is 0);       q = e4m3(x / s)
+ *   deepep    a = max(amax, 1e-4):  s = a * fl(1/448); q = e4m3(x * fl(448 / a))
+ *             (DeepEP's calculate_fp8_scales, the scale its kernels send)
+ *   deepgemm  a = max(amax, 1e-4):  s = a / 448;       q = e4m3(x * fl(1 / s))
+ *             (DeepGEMM's per_token_cast_to_fp8)
+ *   v3        a = max(amax, 1e-4):  s = a / 448;       q = e4m3(x / s)
+ *             (DeepSeek-V3's act_quant)
+ * With pow2 (UE8M0 scales) s becomes the smallest power of two >= the s
+ * above and x is multiplied by 1/s (deepep, deepgemm) or divided by s (moe,
+ * v3) — exact either way. e4m3() rounds to nearest even and saturates at
+ * ±448 (NaN stays NaN). */
+typedef struct {
+    enum moe_fp8_recipe recipe;
+    bool pow2;
+} moe_fp8_format;
+
+/* One row of `width` values quantised to E4M3 in blocks of 128 as fmt says:
+ * q (width) and scales (ceil(width/128)) receive the result; dequantised
+ * (width), when not NULL, e4m3(q) * s. */
+void moe_quantize_e4m3_row(const float *x, moe_index width, moe_fp8_format fmt, uint8_t *q,
                            float *scales, float *dequantised);
 
 /* The number of scales of a row of width values. */
@@ -60,8 +78,8 @@ void moe_precision_weights(int dtype, float *w, moe_index n);
 /* out (T, d) = the rows of x (T, d) as a rank receives them after
  * --dispatch-dtype quantisation (fp8: E4M3 with one scale per 128 values of
  * a row, dequantised; bf16: rounded). */
-void moe_precision_dispatch(int dispatch_dtype, bool pow2_scales, const float *x, moe_index tokens,
-                            moe_index hidden, float *out);
+void moe_precision_dispatch(int dispatch_dtype, moe_fp8_format fp8, const float *x,
+                            moe_index tokens, moe_index hidden, float *out);
 
 /* rows (n) rounded to --combine-dtype before they travel back. */
 void moe_precision_combine(int combine_dtype, float *rows, moe_index n);

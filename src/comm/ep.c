@@ -178,7 +178,9 @@ const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *s
 {
     if (ep->cfg->dispatch_dtype == MOE_DTYPE_FP32)
         return x;
-    moe_precision_dispatch(ep->cfg->dispatch_dtype, ep->cfg->fp8_scale == MOE_FP8_SCALE_UE8M0, x, ep->cfg->tokens,
+    const moe_fp8_format fp8 = {(enum moe_fp8_recipe)ep->cfg->fp8_recipe,
+                                ep->cfg->fp8_scale == MOE_FP8_SCALE_UE8M0};
+    moe_precision_dispatch(ep->cfg->dispatch_dtype, fp8, x, ep->cfg->tokens,
                            ep->cfg->hidden, scratch);
     return scratch;
 }

@@ -58,6 +58,9 @@ static const flag_choice dtype_choices[] = {
     {"fp32", MOE_DTYPE_FP32}, {"bf16", MOE_DTYPE_BF16}, {"fp8", MOE_DTYPE_FP8}, {NULL, 0}};
 static const flag_choice norm_topk_choices[] = {
     {"auto", MOE_NORM_TOPK_AUTO}, {"true", MOE_NORM_TOPK_ON}, {"false", MOE_NORM_TOPK_OFF}, {NULL, 0}};
+static const flag_choice fp8_recipe_choices[] = {
+    {"moe", MOE_FP8_RECIPE_MOE}, {"deepep", MOE_FP8_RECIPE_DEEPEP},
+    {"deepgemm", MOE_FP8_RECIPE_DEEPGEMM}, {"v3", MOE_FP8_RECIPE_V3}, {NULL, 0}};
 static const flag_choice fp8_scale_choices[] = {
     {"float", MOE_FP8_SCALE_FLOAT}, {"ue8m0", MOE_FP8_SCALE_UE8M0}, {NULL, 0}};
 
@@ -118,6 +121,7 @@ static const flag_spec flags[] = {
     {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, NULL, dtype_choices, "fp32", "dispatched rows (fp8: E4M3, one scale per 128 values)", BOTH},
     {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, NULL, dtype_choices, "fp32", "expert outputs sent back (run: fp32 or bf16)", BOTH},
     {"fp8-scale", FLAG_CHOICE, FIELD(fp8_scale), 0, 0, NULL, fp8_scale_choices, "float", "fp8 dispatch scales: amax/448, or a power of two", RUN},
+    {"fp8-recipe", FLAG_CHOICE, FIELD(fp8_recipe), 0, 0, NULL, fp8_recipe_choices, "moe", "whose fp8 quantiser, to the bit: moe-ep's, DeepEP's kernels, DeepGEMM's or V3's act_quant (docs/golden.md)", RUN},
     {"cluster", FLAG_CLUSTER, FIELD(cluster), 0, 0, "NAME", NULL, NULL, "data/clusters/NAME.conf, or a path", PLAN},
     {"gpus", FLAG_INT, FIELD(gpus), 1, 1 << 20, "N", NULL, "1", "GPUs in the cluster", PLAN},
     {"gpus-per-node", FLAG_INT, FIELD(gpus_per_node), 1, 1024, "N", NULL, "1", "GPUs per node (one NVLink domain)", PLAN},
@@ -130,6 +134,7 @@ static const flag_spec flags[] = {
 
 static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, const char *where,
                      moe_status *st);
+static const flag_spec *find_flag(const char *name, size_t len);
 
 void moe_config_defaults(moe_config *cfg)
 {
@@ -149,6 +154,15 @@ static int choice_value(const flag_spec *flag, const char *name)
         if (!strcmp(name, c->name))
             return c->value;
     return -1;
+}
+
+const char *moe_config_choice_name(const char *flag, int value)
+{
+    const flag_spec *spec = find_flag(flag, strlen(flag));
+    for (const flag_choice *c = spec && spec->choices ? spec->choices : NULL; c && c->name; c++)
+        if (c->value == value)
+            return c->name;
+    return "?";
 }
 
 bool moe_config_norm_topk(const moe_config *cfg)

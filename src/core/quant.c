@@ -97,24 +97,48 @@ uint8_t moe_f32_to_e4m3(float x)
     return sign | (uint8_t)(exponent << 3) | (uint8_t)mantissa;
 }
 
-void moe_quantize_e4m3_row(const float *x, moe_index width, bool pow2_scales, uint8_t *q,
+/* The smallest power of two >= s (s > 0, normal). */
+static float pow2_at_least(float s)
+{
+    int e;
+    const float f = frexpf(s, &e); /* s = f 2^e, f in [0.5, 1) */
+    return ldexpf(1.0f, f == 0.5f ? e - 1 : e);
+}
+
+void moe_quantize_e4m3_row(const float *x, moe_index width, moe_fp8_format fmt, uint8_t *q,
                            float *scales, float *dequantised)
 {
+    const float max = MOE_E4M3_MAX, margin = 1e-4f;
     for (moe_index b = 0; b * MOE_FP8_BLOCK < width; b++) {
         const moe_index first = b * MOE_FP8_BLOCK;
         const moe_index end = first + MOE_FP8_BLOCK < width ? first + MOE_FP8_BLOCK : width;
         float amax = 0.0f;
         for (moe_index j = first; j < end; j++)
             amax = fmaxf(amax, fabsf(x[j]));
-        float scale = amax > 0.0f && isfinite(amax) ? amax / MOE_E4M3_MAX : 1.0f;
-        if (pow2_scales && amax > 0.0f && isfinite(amax)) {
-            int e;
-            const float f = frexpf(scale, &e); /* scale = f 2^e, f in [0.5, 1) */
-            scale = ldexpf(1.0f, f == 0.5f ? e - 1 : e);
+        const bool finite = isfinite(amax);
+        float scale, multiplier = 0.0f; /* multiplier 0: divide by scale */
+        if (fmt.recipe == MOE_FP8_RECIPE_MOE) {
+            scale = amax > 0.0f && finite ? amax / max : 1.0f;
+            if (fmt.pow2 && amax > 0.0f && finite)
+                scale = pow2_at_least(scale);
+        } else {
+            const float a = fmaxf(amax, margin);
+            if (fmt.recipe == MOE_FP8_RECIPE_DEEPEP) {
+                scale = a * (1.0f / max);
+                multiplier = max / a;
+            } else {
+                scale = a / max;
+                if (fmt.recipe == MOE_FP8_RECIPE_DEEPGEMM)
+                    multiplier = 1.0f / scale;
+            }
+            if (fmt.pow2 && finite) {
+                scale = pow2_at_least(scale);
+                multiplier = fmt.recipe == MOE_FP8_RECIPE_V3 ? 0.0f : 1.0f / scale; /* exact */
+            }
         }
         scales[b] = scale;
         for (moe_index j = first; j < end; j++) {
-            q[j] = moe_f32_to_e4m3(x[j] / scale);
+            q[j] = moe_f32_to_e4m3(multiplier != 0.0f ? x[j] * multiplier : x[j] / scale);
             if (dequantised)
                 dequantised[j] = moe_e4m3_to_f32(q[j]) * scale;
         }
@@ -127,8 +151,8 @@ void moe_precision_weights(int dtype, float *w, moe_index n)
         moe_round_bf16_array(w, n);
 }
 
-void moe_precision_dispatch(int dispatch_dtype, bool pow2_scales, const float *x, moe_index tokens,
-                            moe_index hidden, float *out)
+void moe_precision_dispatch(int dispatch_dtype, moe_fp8_format fp8, const float *x,
+                            moe_index tokens, moe_index hidden, float *out)
 {
     if (dispatch_dtype == MOE_DTYPE_FP8) {
 #pragma omp parallel
@@ -137,8 +161,7 @@ void moe_precision_dispatch(int dispatch_dtype, bool pow2_scales, const float *x
             float *scales = moe_xmalloc(sizeof(float) * (size_t)moe_fp8_blocks(hidden));
 #pragma omp for schedule(static)
             for (moe_index i = 0; i < tokens; i++)
-                moe_quantize_e4m3_row(x + i * hidden, hidden, pow2_scales, q, scales,
-                                      out + i * hidden);
+                moe_quantize_e4m3_row(x + i * hidden, hidden, fp8, q, scales, out + i * hidden);
             free(scales);
             free(q);
         }

@@ -291,10 +291,13 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         fprintf(out, "          non-finite output at token %lld (rank %d) column %lld\n",
                 s->worst_token, s->worst_rank, s->worst_column);
     if (s->quantised)
-        fprintf(out, "precision weights and tokens %s, dispatch %s%s, combine %s: against the fp32 "
+        fprintf(out, "precision weights and tokens %s, dispatch %s%s%s%s%s, combine %s: against the fp32 "
                      "truth max |diff| %.3e = %.2e x rms (the cost of the precision, not checked)\n",
                 dtype_names[cfg->param_dtype], dtype_names[cfg->dispatch_dtype],
-                cfg->dispatch_dtype == MOE_DTYPE_FP8 ? (cfg->fp8_scale ? " (E4M3, UE8M0 scales per 128)" : " (E4M3, fp32 scales per 128)") : "",
+                cfg->dispatch_dtype == MOE_DTYPE_FP8 ? (cfg->fp8_scale ? " (E4M3, UE8M0 scales per 128" : " (E4M3, fp32 scales per 128") : "",
+                cfg->dispatch_dtype == MOE_DTYPE_FP8 ? ", recipe " : "",
+                cfg->dispatch_dtype == MOE_DTYPE_FP8 ? moe_config_choice_name("fp8-recipe", cfg->fp8_recipe) : "",
+                cfg->dispatch_dtype == MOE_DTYPE_FP8 ? ")" : "",
                 dtype_names[cfg->combine_dtype], s->quant_max_abs, s->quant_max_rel_rms);
     if (s->ref_compared)
         fprintf(out, "          vs the blocking reference path: %s (%.0f values differ, max |diff| "

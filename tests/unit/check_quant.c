@@ -90,7 +90,7 @@ START_TEST(block_quantiser)
     for (int j = 0; j < 200; j++)
         x[j] = (float)(j - 100) / 7.0f;
     x[5] = 0.0f;
-    moe_quantize_e4m3_row(x, 200, false, q, scales, back);
+    moe_quantize_e4m3_row(x, 200, (moe_fp8_format){MOE_FP8_RECIPE_MOE, false}, q, scales, back);
     ck_assert_float_eq(scales[0], fabsf(x[0]) / 448.0f); /* amax of block 0 is |x[0]| */
     ck_assert_float_eq(scales[1], fabsf(x[199]) / 448.0f);
     ck_assert_int_eq(q[0], 0xfe);                       /* the amax lands on -448 */
@@ -98,7 +98,7 @@ START_TEST(block_quantiser)
     for (int j = 0; j < 200; j++) /* 3 mantissa bits: within 1/16 of the value (or a subnormal step) */
         ck_assert_msg(fabsf(back[j] - x[j]) <= fabsf(x[j]) / 16.0f + scales[j / 128] * 0x1p-9f,
                       "%d: %g vs %g", j, back[j], x[j]);
-    moe_quantize_e4m3_row(x, 200, true, q, scales, back); /* UE8M0: powers of two >= amax/448 */
+    moe_quantize_e4m3_row(x, 200, (moe_fp8_format){MOE_FP8_RECIPE_MOE, true}, q, scales, back); /* UE8M0: powers of two >= amax/448 */
     for (int b = 0; b < 2; b++) {
         int e;
         ck_assert_float_eq(frexpf(scales[b], &e), 0.5f);
@@ -106,7 +106,7 @@ START_TEST(block_quantiser)
         ck_assert(scales[b] / 2 < fabsf(b ? x[199] : x[0]) / 448.0f);
     }
     float zeros[3] = {0, 0, 0}, s1;
-    moe_quantize_e4m3_row(zeros, 3, false, q, &s1, back);
+    moe_quantize_e4m3_row(zeros, 3, (moe_fp8_format){MOE_FP8_RECIPE_MOE, false}, q, &s1, back);
     ck_assert_float_eq(s1, 1.0f);
 }
 END_TEST
