@@ -24,6 +24,8 @@ enum moe_dtype { MOE_DTYPE_FP32, MOE_DTYPE_BF16, MOE_DTYPE_FP8 };
 enum moe_norm_topk { MOE_NORM_TOPK_AUTO, MOE_NORM_TOPK_ON, MOE_NORM_TOPK_OFF };
 /* FP8 dispatch scales: amax/448 in fp32, or rounded up to a power of two. */
 enum moe_fp8_scale { MOE_FP8_SCALE_FLOAT, MOE_FP8_SCALE_UE8M0 };
+/* The input tokens' distribution (rng.h, docs/data.md). */
+enum moe_input_dist { MOE_INPUT_UNIFORM, MOE_INPUT_ACTIVATIONS };
 /* Whose FP8 quantiser the dispatch emulates, to the bit (quant.h). */
 enum moe_fp8_recipe { MOE_FP8_RECIPE_MOE, MOE_FP8_RECIPE_DEEPEP, MOE_FP8_RECIPE_DEEPGEMM, MOE_FP8_RECIPE_V3 };
 /* Where the gate weight multiplies: the expert output after L2 (DeepSeek-V3's
@@ -47,6 +49,7 @@ typedef struct {
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;
     double init_scale;           /* tokens uniform in [-init_scale, init_scale) */
+    int input_dist;              /* enum moe_input_dist */
     bool check; /* compare with the dense fp64 truth */
     char trace[MOE_NAME_MAX];    /* Chrome trace JSON path, "" for none */
     char timeline[MOE_NAME_MAX]; /* SVG timeline path, "" for none */

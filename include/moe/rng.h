@@ -26,6 +26,8 @@ enum moe_tensor {
     MOE_TENSOR_SHARED_W1 = 5, /* W1  (2f, d) of shared expert `entity` */
     MOE_TENSOR_SHARED_W2 = 6, /* W2  (d, f) of shared expert `entity` */
     MOE_TENSOR_BIAS = 7,      /* deepseek-v3 correction bias (E), entity 0 */
+    MOE_TENSOR_TOKEN_SCALE = 8, /* --input-dist activations: a token's binade, index = global id */
+    MOE_TENSOR_CHANNEL = 9,   /* --input-dist activations: outlier channels, index = j */
 };
 
 /* The fp32 value of element `index` of (tensor, entity): uniform in
@@ -38,10 +40,17 @@ float moe_synth_value(uint64_t seed, enum moe_tensor tensor, uint32_t entity, ui
 void moe_synth_fill(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t first,
                     moe_index count, float scale, float *out);
 
+/* The raw Philox word of element `index` of (tensor, entity). */
+uint32_t moe_synth_word(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t index);
+
 /* x (T, d) = the input tokens with global ids first_token .. first_token+T-1,
- * uniform in [-scale, scale) (--init-scale). */
+ * uniform in [-scale, scale) (--init-scale), and with dist
+ * MOE_INPUT_ACTIVATIONS shaped like a layer's activations (docs/data.md):
+ * token g times 2^k, k = (word(8, 0, g) >> 30) - 2, a binade in [-2, 1];
+ * channel j times 16 when word(9, 0, j) >> 27 is 0 (1 channel in 32, the
+ * outliers). Both factors are powers of two: the products are exact. */
 void moe_synth_tokens(uint64_t seed, uint64_t first_token, moe_index tokens, moe_index hidden,
-                      float scale, float *x);
+                      float scale, int dist, float *x);
 
 /* The scale of a weight whose dot products run over fan_in inputs:
  * (float)(1 / sqrt(fan_in)), computed in double then rounded once. */

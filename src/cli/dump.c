@@ -173,7 +173,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         tensor_list l = {0};
         const double u = UNIT_ROUNDOFF;
         float *tokens = moe_xmalloc(sizeof(float) * (size_t)(N * d));
-        moe_synth_tokens(cfg->seed, 0, N, d, (float)cfg->init_scale, tokens);
+        moe_synth_tokens(cfg->seed, 0, N, d, (float)cfg->init_scale, cfg->input_dist, tokens);
         moe_precision_weights(cfg->param_dtype, tokens, N * d);
         add(&l, "tokens.x", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, tokens, 2, N, d, 0);
         add(&l, "gate.weight", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->gate, 2, E, d, 0);

@@ -62,7 +62,8 @@ static void check_against_truth(moe_run_context *ctx)
     if (s->quantised) {
         moe_config full = *cfg;
         full.param_dtype = full.dispatch_dtype = full.combine_dtype = MOE_DTYPE_FP32;
-        moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, (float)cfg->init_scale, scratch);
+        moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, (float)cfg->init_scale,
+                         cfg->input_dist, scratch);
         moe_truth_forward(&full, MOE_TRUTH_BLAS, scratch, scratch, ids, weights, T, truth, NULL);
         double max_abs = 0.0;
         for (moe_index m = 0; m < n; m++)

@@ -149,7 +149,8 @@ void moe_ep_generate_tokens(const moe_ep *ep, float *x)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     const uint64_t first_token = (uint64_t)ep->comm.rank * (uint64_t)T;
-    moe_synth_tokens(ep->cfg->seed, first_token, T, d, (float)ep->cfg->init_scale, x);
+    moe_synth_tokens(ep->cfg->seed, first_token, T, d, (float)ep->cfg->init_scale,
+                     ep->cfg->input_dist, x);
     moe_precision_weights(ep->cfg->param_dtype, x, T * d);
 }
 

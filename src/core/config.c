@@ -58,6 +58,8 @@ static const flag_choice dtype_choices[] = {
     {"fp32", MOE_DTYPE_FP32}, {"bf16", MOE_DTYPE_BF16}, {"fp8", MOE_DTYPE_FP8}, {NULL, 0}};
 static const flag_choice norm_topk_choices[] = {
     {"auto", MOE_NORM_TOPK_AUTO}, {"true", MOE_NORM_TOPK_ON}, {"false", MOE_NORM_TOPK_OFF}, {NULL, 0}};
+static const flag_choice input_dist_choices[] = {
+    {"uniform", MOE_INPUT_UNIFORM}, {"activations", MOE_INPUT_ACTIVATIONS}, {NULL, 0}};
 static const flag_choice fp8_recipe_choices[] = {
     {"moe", MOE_FP8_RECIPE_MOE}, {"deepep", MOE_FP8_RECIPE_DEEPEP},
     {"deepgemm", MOE_FP8_RECIPE_DEEPGEMM}, {"v3", MOE_FP8_RECIPE_V3}, {NULL, 0}};
@@ -97,6 +99,7 @@ static const flag_spec flags[] = {
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", NULL, "0", "shared experts, applied to every token on its home rank", BOTH},
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", NULL, "1", "data seed, 0 .. 2^64-1", RUN},
     {"init-scale", FLAG_REAL, FIELD(init_scale), 0, 1000000000000000000LL, "S", NULL, "1", "input tokens uniform in [-S, S)", RUN},
+    {"input-dist", FLAG_CHOICE, FIELD(input_dist), 0, 0, NULL, input_dist_choices, "uniform", "input tokens: uniform, or activations (per-token binades, 1 channel in 32 an outlier x16; docs/data.md)", RUN},
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", NULL, "1", "timed forward passes", RUN},
     {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", NULL, "4", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
@@ -551,14 +554,18 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     /* The largest value the layer can make: |h| <= S sqrt(d) (a row of W1
      * has norm <= 1 at scale 1/sqrt(d)), the activation <= |h|^2, an output
      * <= sqrt(f) times that. Past FLT_MAX (bf16's range too) fp32 turns
-     * into Inf and NaN; say so before running. */
-    const double reach = cfg->init_scale * cfg->init_scale * (double)cfg->hidden * sqrt((double)cfg->ffn);
+     * into Inf and NaN; say so before running. --input-dist activations
+     * scales a token by up to 2 and an outlier channel by 16 (rng.h). */
+    const double peak = cfg->input_dist == MOE_INPUT_ACTIVATIONS ? 32.0 : 1.0;
+    const double reach = peak * peak * cfg->init_scale * cfg->init_scale * (double)cfg->hidden *
+                         sqrt((double)cfg->ffn);
     if (reach > FLT_MAX / 16)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--init-scale %g could overflow fp32%s: activations may reach %.1e, past "
                         "FLT_MAX/16 = %.1e (room for the sums); use at most %.3g",
                         cfg->init_scale, cfg->param_dtype == MOE_DTYPE_BF16 ? " and bf16" : "", reach,
-                        (double)FLT_MAX / 16, sqrt(FLT_MAX / 16 / ((double)cfg->hidden * sqrt((double)cfg->ffn))));
+                        (double)FLT_MAX / 16,
+                        sqrt(FLT_MAX / 16 / ((double)cfg->hidden * sqrt((double)cfg->ffn))) / peak);
     if (cfg->param_dtype == MOE_DTYPE_FP8)
         return moe_fail(st, MOE_EXIT_USAGE, "--dtype must be fp32 or bf16 for moe-ep run, got fp8");
     if (cfg->combine_dtype == MOE_DTYPE_FP8)

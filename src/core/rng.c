@@ -1,7 +1,11 @@
 /* rng.c — Philox4x32-10 and the synthetic-data mapping (see rng.h, docs/data.md). */
 #include "moe/rng.h"
 
+#include "moe/common.h"
+#include "moe/config.h"
+
 #include <math.h>
+#include <stdlib.h>
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
@@ -86,9 +90,29 @@ float moe_synth_weight_scale(moe_index fan_in)
     return (float)(1.0 / sqrt((double)fan_in));
 }
 
+uint32_t moe_synth_word(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t index)
+{
+    uint32_t words[4];
+    synth_block(seed, (uint32_t)tensor, entity, index >> 2, words);
+    return words[index & 3];
+}
+
 void moe_synth_tokens(uint64_t seed, uint64_t first_token, moe_index tokens, moe_index hidden,
-                      float scale, float *x)
+                      float scale, int dist, float *x)
 {
     moe_synth_fill(seed, MOE_TENSOR_TOKENS, 0, first_token * (uint64_t)hidden, tokens * hidden, scale,
                    x);
+    if (dist != MOE_INPUT_ACTIVATIONS)
+        return;
+    float *channel = moe_xmalloc(sizeof(float) * (size_t)hidden); /* (d) */
+    for (moe_index j = 0; j < hidden; j++)
+        channel[j] = moe_synth_word(seed, MOE_TENSOR_CHANNEL, 0, (uint64_t)j) >> 27 ? 1.0f : 16.0f;
+#pragma omp parallel for schedule(static)
+    for (moe_index i = 0; i < tokens; i++) {
+        const uint32_t word = moe_synth_word(seed, MOE_TENSOR_TOKEN_SCALE, 0, first_token + (uint64_t)i);
+        const float binade = ldexpf(1.0f, (int)(word >> 30) - 2);
+        for (moe_index j = 0; j < hidden; j++)
+            x[i * hidden + j] = x[i * hidden + j] * binade * channel[j];
+    }
+    free(channel);
 }

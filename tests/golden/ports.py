@@ -4,9 +4,10 @@ and the worst share of the tolerance each uses is printed.
 
     /usr/bin/python3 tests/golden/ports.py MOE_EP GOLDEN_DIR [GOLDEN_DIR ...]
 
-Each port recomputes every experts.rank{r}.out from the set's dispatched
-rows, weights and routing, and output.y from its own expert outputs and the
-shared experts, as docs/golden.md describes the layer. The ports differ only
+Each port recomputes the dispatched rows of an FP8 set with the set's
+recipe (tests/golden/fp8_recipes.py), every experts.rank{r}.out from them,
+the weights and the routing, and output.y from its own expert outputs and
+the shared experts, as docs/golden.md describes the layer. The ports differ only
 in how a GEMM sums (the contract must not depend on it) and use numpy's exp:
     fma       one fused multiply-add per k, k ascending (product and sum
               rounded once: the exact product in fp64, then one rounding)
@@ -27,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
+from fp8_recipes import recipe as fp8_block  # noqa: E402
 from recompute import bf16  # noqa: E402
 
 F = np.float32
@@ -55,8 +57,10 @@ def gemm_pairwise(a, bt, rows=16):
 
 
 # Real port bugs, each of which verify must fail (with the blas port): the
-# shared expert dropped, the gate weight applied on the other side of L2.
-BUGS = {"no-shared": "output", "weight-elsewhere": "experts"}
+# shared expert dropped, the gate weight applied on the other side of L2,
+# FP8 scales per row or per tensor instead of per block of 128.
+BUGS = {"no-shared": "output", "weight-elsewhere": "experts", "fp8-per-row": "dispatch",
+        "fp8-per-tensor": "dispatch"}
 
 PORTS = {
     "fma": gemm_fma,
@@ -79,6 +83,41 @@ def ffn(gemm, x, w1, w2, scale=None):
     return gemm(act, np.ascontiguousarray(w2.T))
 
 
+def e4m3_value(q):
+    """The value of E4M3 bytes q."""
+    q = q.astype(np.int64)
+    sign = np.where(q & 0x80, -1.0, 1.0)
+    exponent, mantissa = (q >> 3) & 0xF, q & 7
+    v = np.where(exponent == 0, mantissa * 2.0 ** -9, (8 + mantissa) * np.ldexp(1.0, exponent - 10))
+    return (sign * v).astype(F)
+
+
+def dispatch_fp8(x, config, bug=None):
+    """Rows x (n, d) as --dispatch-dtype fp8 sends them, dequantised: the
+    set's recipe per block of 128, or one scale per row or per tensor (bugs)."""
+    name, ue8m0 = config.get("fp8-recipe", "moe"), config["fp8-scale"] == "ue8m0"
+    out = np.empty_like(x)
+    if bug == "fp8-per-tensor":  # one scale for all rows: every block quantised with the global amax
+        amax_row = np.zeros(128, dtype=F)
+        amax_row[0] = np.max(np.abs(x))
+    for i, row in enumerate(x):
+        for b0 in range(0, row.size, 128):
+            block = row[b0 : b0 + 128]
+            if bug == "fp8-per-row":
+                ref = np.abs(row).max()
+            elif bug == "fp8-per-tensor":
+                ref = amax_row[0]
+            else:
+                ref = None
+            if ref is None:
+                q, s = fp8_block(name, ue8m0, block)
+            else:  # the block's scale from another amax: append it, take the block's values
+                q, s = fp8_block(name, ue8m0, np.append(block, F(ref)))
+                q = q[: block.size]
+            out[i, b0 : b0 + block.size] = e4m3_value(q) * s
+    return out
+
+
 def port(files, config, gemm, bug=None):
     """The candidate tensors of one port (with one of BUGS when bug is set)."""
     ids, weights = files["router.topk_ids"], files["router.topk_weights"]
@@ -86,7 +125,10 @@ def port(files, config, gemm, bug=None):
     combine_bf16 = config["combine-dtype"] == "bf16"
     out, rows_of = {}, {}
     for r in range(int(config["ranks"])):
-        rows = dict(zip(files["dispatch.rank%d.token" % r].tolist(), files["dispatch.rank%d.x" % r]))
+        tokens_r = files["dispatch.rank%d.token" % r]
+        if config["dispatch-dtype"] == "fp8":  # the port's own quantiser
+            out["dispatch.rank%d.x" % r] = dispatch_fp8(files["tokens.x"][tokens_r], config, bug)
+        rows = dict(zip(tokens_r.tolist(), out.get("dispatch.rank%d.x" % r, files["dispatch.rank%d.x" % r])))
         pairs = files["experts.rank%d.pair" % r]
         result = np.zeros((pairs.shape[0], files["tokens.x"].shape[1]), dtype=F)
         for e in np.unique(pairs[:, 1]):
@@ -151,6 +193,8 @@ def main(moe_ep, sets):
             worst[label] = max(worst.get(label, 0.0), experts, output)
         for bug, stage in BUGS.items():
             if bug == "no-shared" and "shared.w1" not in files:
+                continue
+            if bug.startswith("fp8") and manifest["config"]["dispatch-dtype"] != "fp8":
                 continue
             candidate = os.path.join(work, "%s-%s.safetensors" % (name, bug))
             st.save(candidate, port(files, manifest["config"], PORTS["blas"], bug))

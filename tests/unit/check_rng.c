@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "moe/config.h"
 #include "moe/rng.h"
 #include "suites.h"
 
@@ -84,6 +85,31 @@ START_TEST(synth_tensors_and_entities_differ)
 }
 END_TEST
 
+/* --input-dist activations, spelled out from docs/data.md: the uniform
+ * value, times 2^((word(8, 0, g) >> 30) - 2), times 16 on the channels with
+ * word(9, 0, j) >> 27 == 0; and some channels are outliers, some not. */
+START_TEST(activation_tokens_follow_the_documented_mapping)
+{
+    enum { T = 5, D = 300, FIRST = 40 };
+    static float x[T * D];
+    moe_synth_tokens(3, FIRST, T, D, 1.0f, MOE_INPUT_ACTIVATIONS, x);
+    int outliers = 0;
+    for (int j = 0; j < D; j++)
+        outliers += moe_synth_word(3, MOE_TENSOR_CHANNEL, 0, (uint64_t)j) >> 27 == 0;
+    ck_assert_int_gt(outliers, 0);
+    ck_assert_int_lt(outliers, D / 8);
+    for (int i = 0; i < T; i++)
+        for (int j = 0; j < D; j++) {
+            const uint64_t g = FIRST + (uint64_t)i;
+            const uint32_t word = moe_synth_word(3, MOE_TENSOR_TOKEN_SCALE, 0, g);
+            const float factor = ldexpf(1.0f, (int)(word >> 30) - 2) *
+                                 (moe_synth_word(3, MOE_TENSOR_CHANNEL, 0, (uint64_t)j) >> 27 ? 1.0f : 16.0f);
+            const float want = moe_synth_value(3, MOE_TENSOR_TOKENS, 0, g * D + (uint64_t)j, 1.0f) * factor;
+            ck_assert_float_eq(x[i * D + j], want);
+        }
+}
+END_TEST
+
 Suite *make_rng_suite(void)
 {
     Suite *s = suite_create("rng");
@@ -93,6 +119,7 @@ Suite *make_rng_suite(void)
     tcase_add_test(tc, synth_fill_is_independent_of_the_slice);
     tcase_add_test(tc, synth_values_are_in_range_and_spread);
     tcase_add_test(tc, synth_tensors_and_entities_differ);
+    tcase_add_test(tc, activation_tokens_follow_the_documented_mapping);
     suite_add_tcase(s, tc);
     return s;
 }
