@@ -56,11 +56,27 @@ def gemm_pairwise(a, bt, rows=16):
     return out
 
 
-# Real port bugs, each of which verify must fail (with the blas port): the
-# shared expert dropped, the gate weight applied on the other side of L2,
-# FP8 scales per row or per tensor instead of per block of 128.
+# Real port bugs, each of which verify must fail at its stage (with the blas
+# port) on at least one set: the shared expert dropped, the gate weight
+# applied on the other side of L2, FP8 scales per row or per tensor instead
+# of per block of 128, softmax for V3's sigmoid, masked groups filled with 0
+# instead of -inf, the route scale left out, no renormalisation, the bias in
+# the weights.
 BUGS = {"no-shared": "output", "weight-elsewhere": "experts", "fp8-per-row": "dispatch",
-        "fp8-per-tensor": "dispatch"}
+        "fp8-per-tensor": "dispatch", "softmax-for-sigmoid": "router", "mask-zero": "router",
+        "no-route-scale": "router", "no-renorm": "router", "bias-in-weights": "router"}
+
+
+def bug_applies(bug, files, config):
+    """Whether a set can show the bug at all: each needs what it breaks."""
+    v3_bias = config["router"] == "deepseek-v3" and "gate.bias" in files
+    return {"no-shared": "shared.w1" in files,
+            "fp8-per-row": config["dispatch-dtype"] == "fp8",
+            "fp8-per-tensor": config["dispatch-dtype"] == "fp8",
+            "softmax-for-sigmoid": v3_bias, "bias-in-weights": v3_bias,
+            "no-renorm": v3_bias,
+            "mask-zero": v3_bias and int(config["groups"]) > 1,
+            "no-route-scale": float(config["route-scale"]) != 1.0}.get(bug, True)
 
 PORTS = {
     "fma": gemm_fma,
@@ -118,6 +134,48 @@ def dispatch_fp8(x, config, bug=None):
     return out
 
 
+def top_k(values, k):
+    """The k largest in descending order, ties to the lower index."""
+    return np.argsort(-values, kind="stable")[:k]
+
+
+def route(files, config, bug=None):
+    """router.* of the set's gate, as DeepSeek-V3's and Mixtral's code route:
+    fp64 logits, numpy's exp, the group limit with -inf, top-k, weights."""
+    x, gate = files["tokens.x"].astype(np.float64), files["gate.weight"].astype(np.float64)
+    logits = (x @ gate.T).astype(F)
+    skewed = logits + files["router.skew"] if "router.skew" in files else logits
+    v3, bias = config["router"] == "deepseek-v3", files.get("gate.bias")
+    sigmoid = v3 and bias is not None and bug != "softmax-for-sigmoid"
+    z = skewed.astype(np.float64)
+    if sigmoid:
+        scores = (1.0 / (1.0 + np.exp(-z))).astype(F)
+    else:
+        e = np.exp(z - z.max(axis=1, keepdims=True))
+        scores = (e / e.sum(axis=1, keepdims=True)).astype(F)
+    biased = scores + bias if bias is not None else scores.copy()
+    k, experts = int(config["topk"]), scores.shape[1]
+    groups, keep = int(config["groups"]), int(config["topk-groups"])
+    norm = config["norm-topk"] == "true" or (config["norm-topk"] == "auto" and
+                                             (not v3 or bias is not None)) or sigmoid
+    ids = np.zeros((scores.shape[0], k), dtype=np.int64)
+    weights = np.zeros((scores.shape[0], k), dtype=F)
+    for i in range(scores.shape[0]):
+        b = biased[i].copy()
+        if v3 and groups > 1:
+            member = b.reshape(groups, -1)
+            score = np.sort(member, axis=1)[:, -2:].sum(axis=1) if bias is not None else member.max(axis=1)
+            masked = np.setdiff1d(np.arange(groups), top_k(score.astype(F), keep))
+            for g in masked:
+                member[g] = 0.0 if bug == "mask-zero" else -np.inf
+        ids[i] = top_k(b, k)
+        w = (biased if bug == "bias-in-weights" else scores)[i, ids[i]].astype(np.float64)
+        w = (w / w.sum() if norm and bug != "no-renorm" else w).astype(F)
+        weights[i] = w if bug == "no-route-scale" else w * F(config["route-scale"])
+    return {"router.logits": logits, "router.scores": scores, "router.topk_ids": ids,
+            "router.topk_weights": weights}
+
+
 def port(files, config, gemm, bug=None):
     """The candidate tensors of one port (with one of BUGS when bug is set)."""
     ids, weights = files["router.topk_ids"], files["router.topk_weights"]
@@ -152,6 +210,7 @@ def port(files, config, gemm, bug=None):
     for s in range(shared):
         y = y + ffn(gemm, files["tokens.x"], files["shared.w1"][s], files["shared.w2"][s])
     out["output.y"] = y
+    out.update(route(files, config, bug))
     return out
 
 
@@ -170,7 +229,7 @@ def main(moe_ep, sets):
     failed = 0
     work = tempfile.mkdtemp()
     print("%-10s %-14s %12s %12s  %s" % ("port", "set", "experts %", "output.y %", "verify"))
-    worst = {}
+    worst, caught_somewhere = {}, {}
     for golden in sets:
         manifest = json.load(open(os.path.join(golden, "manifest.json")))
         files = {}
@@ -192,18 +251,18 @@ def main(moe_ep, sets):
                 failed += 1
             worst[label] = max(worst.get(label, 0.0), experts, output)
         for bug, stage in BUGS.items():
-            if bug == "no-shared" and "shared.w1" not in files:
-                continue
-            if bug.startswith("fp8") and manifest["config"]["dispatch-dtype"] != "fp8":
+            if not bug_applies(bug, files, manifest["config"]):
                 continue
             candidate = os.path.join(work, "%s-%s.safetensors" % (name, bug))
             st.save(candidate, port(files, manifest["config"], PORTS["blas"], bug))
             rc, used, text = verify(moe_ep, golden, candidate)
             caught = rc == 1 and ("first failing stage: %s" % stage) in text
-            print("%-16s %-14s %s" % (bug, name, "caught at %s" % stage if caught else "MISSED"))
-            if not caught:
-                print(text)
-                failed += 1
+            print("%-19s %-14s %s" % (bug, name, "caught at %s" % stage if caught else "missed"))
+            caught_somewhere[bug] = caught_somewhere.get(bug, False) or caught
+    for bug, caught in caught_somewhere.items():
+        if not caught:
+            print("FAIL: bug %s was caught at %s on no set" % (bug, BUGS[bug]))
+            failed += 1
     for label, used in worst.items():
         print("worst %-9s %.1f %% of tolerance" % (label, used))
     print("ports: %s, %d failed" % ("every port passed and every bug was caught" if not failed else "not all", failed))
