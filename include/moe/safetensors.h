@@ -22,7 +22,7 @@
  * candidate may also hold (what torch and numpy write): verify converts. */
 enum moe_st_dtype {
     MOE_ST_F32, MOE_ST_F64, MOE_ST_I32, MOE_ST_BOOL, MOE_ST_U8,
-    MOE_ST_I64, MOE_ST_I16, MOE_ST_BF16, MOE_ST_F16, MOE_ST_DTYPES
+    MOE_ST_I64, MOE_ST_I16, MOE_ST_BF16, MOE_ST_F16, MOE_ST_F8_E4M3, MOE_ST_DTYPES
 };
 
 /* Whether a dtype holds integers (ids, counts, flags) rather than reals. */
@@ -33,7 +33,7 @@ static inline int moe_st_dtype_is_integer(enum moe_st_dtype dtype)
 }
 
 /* Element i of data (dtype) as a double: exact for every dtype here but
- * I64 beyond 2^53. */
+ * I64 beyond 2^53 (F8_E4M3: the value of the byte, before any scale). */
 double moe_st_element(const void *data, enum moe_st_dtype dtype, int64_t i);
 
 #define MOE_ST_MAX_DIMS 4

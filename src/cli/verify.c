@@ -16,8 +16,9 @@ static void print_usage(FILE *out)
             "with near-ties), prints a table in pipeline order and names the first stage\n"
             "that fails, with the first differing element (a token's top-k, an expert\n"
             "output's token and expert). Ids may be I64, I32, I16, U8 or BOOL, values F64,\n"
-            "F32, BF16 or F16. A tensor whose shape follows from routing that already\n"
-            "differs is shown as not compared.\n"
+            "F32, BF16 or F16, and FP8 rows F8_E4M3 with their scales in NAME.scale. A\n"
+            "tensor whose shape follows from routing that already differs is shown as not\n"
+            "compared.\n"
             "Exit status: 0 all within contract, 1 some not, 2 files that cannot be read.\n");
 }
 

@@ -262,6 +262,40 @@ static void *load_golden(const char *dir, const char *file, const char *name, js
     return data;
 }
 
+/* An F8_E4M3 candidate tensor name (rows, d) as F32 values: each byte's
+ * value times its block's scale from the candidate's "name.scale" (rows,
+ * ceil(d/128)), F32, as DeepEP and DeepGEMM ship them. NULL (st set) when
+ * the scales are missing or of another shape. */
+static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, const void *bytes,
+                              moe_status *st)
+{
+    char name[MOE_ST_NAME_MAX + 8];
+    snprintf(name, sizeof name, "%s.scale", e->name);
+    const moe_st_entry *s = moe_st_find(cand, name);
+    const int64_t rows = e->ndim == 2 ? e->shape[0] : 0, width = e->ndim == 2 ? e->shape[1] : 0;
+    const int64_t blocks = (width + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+    if (!s || e->ndim != 2 || s->dtype != MOE_ST_F32 || s->ndim != 2 || s->shape[0] != rows ||
+        s->shape[1] != blocks) {
+        moe_fail(st, MOE_EXIT_USAGE,
+                 "candidate tensor '%s' is F8_E4M3 (%lld, %lld): it needs its scales as '%s', F32 "
+                 "(%lld, %lld), one per block of 128",
+                 e->name, (long long)rows, (long long)width, name, (long long)rows, (long long)blocks);
+        return NULL;
+    }
+    float *scales = moe_xmalloc((size_t)(s->end - s->begin) + 1);
+    if (moe_st_read(cand, s, scales, st)) {
+        free(scales);
+        return NULL;
+    }
+    float *values = moe_xmalloc(sizeof(float) * (size_t)(rows * width) + 1);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < width; j++)
+            values[i * width + j] = (float)moe_st_element(bytes, MOE_ST_F8_E4M3, i * width + j) *
+                                    scales[i * blocks + j / MOE_FP8_BLOCK];
+    free(scales);
+    return values;
+}
+
 /* The evidence under a failing tensor's row: the first bad element's
  * values, and what it stands for where the set says (a token's top-k, an
  * expert output's (token, expert) pair). */
@@ -388,6 +422,19 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
                 rc = st->code;
                 break;
             }
+            moe_st_entry cand_entry = *e; /* as compared: F8_E4M3 becomes F32 with its scales */
+            if (e->dtype == MOE_ST_F8_E4M3) {
+                float *values = fp8_with_scales(&cand, e, got, st);
+                free(got);
+                if (!values) {
+                    free(ref);
+                    rc = st->code;
+                    break;
+                }
+                got = values;
+                cand_entry.dtype = MOE_ST_F32;
+            }
+            e = &cand_entry;
             const char *rule_text = json_string_value(json_object_get(info, "compare"));
             const enum moe_golden_rule rule = !strcmp(rule_text, "topk") ? MOE_RULE_TOPK
                                               : !strcmp(rule_text, "tolerance") ? MOE_RULE_TOLERANCE
@@ -450,9 +497,14 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
             free(got);
             free(ref);
         }
-    for (int n = 0; n < cand.count && rc == MOE_EXIT_OK; n++)
-        if (!json_object_get(tensors, cand.entries[n].name))
-            fprintf(out, "%-28s (not in the golden set: ignored)\n", cand.entries[n].name);
+    for (int n = 0; n < cand.count && rc == MOE_EXIT_OK; n++) {
+        const char *name = cand.entries[n].name;
+        const size_t len = strlen(name);
+        if (len > 6 && !strcmp(name + len - 6, ".scale")) /* an F8_E4M3 tensor's scales */
+            continue;
+        if (!json_object_get(tensors, name))
+            fprintf(out, "%-28s (not in the golden set: ignored)\n", name);
+    }
     free(selection);
     moe_st_close(&cand);
     json_decref(manifest);

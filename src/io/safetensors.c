@@ -11,13 +11,14 @@
 #include <unistd.h>
 
 #include "moe/files.h"
+#include "moe/quant.h"
 #include "moe/sha256.h"
 
 static const struct {
     const char *name;
     size_t size;
 } dtypes[MOE_ST_DTYPES] = {{"F32", 4}, {"F64", 8}, {"I32", 4}, {"BOOL", 1}, {"U8", 1},
-                           {"I64", 8}, {"I16", 2}, {"BF16", 2}, {"F16", 2}};
+                           {"I64", 8}, {"I16", 2}, {"BF16", 2}, {"F16", 2}, {"F8_E4M3", 1}};
 
 size_t moe_st_dtype_size(enum moe_st_dtype dtype) { return dtypes[dtype].size; }
 const char *moe_st_dtype_name(enum moe_st_dtype dtype) { return dtypes[dtype].name; }
@@ -49,6 +50,7 @@ double moe_st_element(const void *data, enum moe_st_dtype dtype, int64_t i)
         return v;
     }
     case MOE_ST_F16: return half_value(((const uint16_t *)data)[i]);
+    case MOE_ST_F8_E4M3: return moe_e4m3_to_f32(((const uint8_t *)data)[i]);
     default: return ((const uint8_t *)data)[i];
     }
 }

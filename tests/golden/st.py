@@ -32,12 +32,14 @@ def load(path):
 
 
 def save(path, tensors):
-    """Write a dict of numpy arrays (in insertion order)."""
+    """Write a dict of numpy arrays (in insertion order); a value may also be
+    (DTYPE, array) to name the dtype of raw bytes, e.g. ("F8_E4M3", uint8s)."""
     header, offset, chunks = {}, 0, []
     for name, array in tensors.items():
+        dtype, array = array if isinstance(array, tuple) else (NAMES[np.dtype(array.dtype)], array)
         raw = np.ascontiguousarray(array).tobytes()
         header[name] = {
-            "dtype": NAMES[np.dtype(array.dtype)],
+            "dtype": dtype,
             "shape": list(array.shape),
             "data_offsets": [offset, offset + len(raw)],
         }
