@@ -209,6 +209,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         const int R = ep->link.ranks_per_node, nodes = (G + R - 1) / R;
         uint8_t *in_rank = moe_xcalloc((size_t)(N * G), 1);
         int32_t *per_rank = moe_xcalloc((size_t)G, sizeof(int32_t));
+        int32_t *send_counts = moe_xcalloc((size_t)(G * G), sizeof(int32_t)); /* (G, G) source, destination */
         int32_t *per_expert = moe_xcalloc((size_t)E, sizeof(int32_t));
         int32_t *per_node = moe_xcalloc((size_t)nodes, sizeof(int32_t));
         uint8_t *node_seen = moe_xmalloc((size_t)nodes);
@@ -220,8 +221,10 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
                 in_rank[i * G + r] = 1;
                 node_seen[r / R] = 1;
             }
-            for (int r = 0; r < G; r++)
+            for (int r = 0; r < G; r++) {
                 per_rank[r] += in_rank[i * G + r];
+                send_counts[i / T * G + r] += in_rank[i * G + r];
+            }
             for (int n = 0; n < nodes; n++)
                 per_node[n] += node_seen[n];
         }
@@ -230,6 +233,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         add(&l, "layout.tokens_per_expert", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, per_expert, 1, E, 0, 0);
         add(&l, "layout.tokens_per_node", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, per_node, 1, nodes, 0, 0);
         add(&l, "layout.is_token_in_rank", MOE_ST_BOOL, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, in_rank, 2, N, G, 0);
+        add(&l, "layout.send_counts", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, send_counts, 2, G, G, 0);
         /* per rank: received rows, expert outputs */
         char name[MOE_ST_NAME_MAX];
         size_t at[4] = {0, 0, 0, 0};
@@ -271,6 +275,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         free(config);
         free(per_node);
         free(per_expert);
+        free(send_counts);
         free(per_rank);
         free(in_rank);
         free(selection);

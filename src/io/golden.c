@@ -296,6 +296,105 @@ static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, co
     return values;
 }
 
+/* The golden values of a candidate tensor that the manifest does not list
+ * under its name but DeepEP's conventions use (per source rank r):
+ *   layout.rank{r}.tokens_per_rank   (G)     row r of layout.send_counts
+ *   layout.rank{r}.is_token_in_rank  (T, G)  rows r*T .. of layout.is_token_in_rank
+ *   layout.rank{r}.tokens_per_expert (E)     rank r's tokens' (token, expert) pairs
+ * NULL when the name is none of these. */
+static void *convention_golden(const char *dir, json_t *manifest, const char *name,
+                               moe_st_entry *entry)
+{
+    int r;
+    char what[64];
+    if (sscanf(name, "layout.rank%d.%63s", &r, what) != 2)
+        return NULL;
+    json_t *files = json_object_get(manifest, "files");
+    const char *ranks = json_string_value(json_object_get(json_object_get(manifest, "config"), "ranks"));
+    const int G = ranks ? atoi(ranks) : 0;
+    moe_status ignored = {0};
+    moe_st_entry src;
+    void *out = NULL;
+    memset(entry, 0, sizeof *entry);
+    snprintf(entry->name, sizeof entry->name, "%s", name);
+    if (G <= 0 || r < 0 || r >= G)
+        return NULL;
+    if (!strcmp(what, "tokens_per_rank")) {
+        int32_t *counts = load_golden(dir, "layout.safetensors", "layout.send_counts", files, &src, &ignored);
+        if (counts && src.ndim == 2 && src.shape[0] == G && src.shape[1] == G) {
+            out = moe_xmalloc(sizeof(int32_t) * (size_t)G);
+            memcpy(out, counts + (size_t)r * (size_t)G, sizeof(int32_t) * (size_t)G);
+            *entry = (moe_st_entry){.dtype = MOE_ST_I32, .ndim = 1, .shape = {G}};
+        }
+        free(counts);
+    } else if (!strcmp(what, "is_token_in_rank")) {
+        uint8_t *in = load_golden(dir, "layout.safetensors", "layout.is_token_in_rank", files, &src, &ignored);
+        if (in && src.ndim == 2 && src.shape[1] == G && src.shape[0] % G == 0) {
+            const int64_t T = src.shape[0] / G;
+            out = moe_xmalloc((size_t)(T * G) + 1);
+            memcpy(out, in + (size_t)(r * T * G), (size_t)(T * G));
+            *entry = (moe_st_entry){.dtype = MOE_ST_BOOL, .ndim = 2, .shape = {T, G}};
+        }
+        free(in);
+    } else if (!strcmp(what, "tokens_per_expert")) {
+        int32_t *ids = load_golden(dir, "router.safetensors", "router.topk_ids", files, &src, &ignored);
+        moe_st_entry experts;
+        int32_t *all = load_golden(dir, "layout.safetensors", "layout.tokens_per_expert", files, &experts, &ignored);
+        if (ids && all && src.ndim == 2 && src.shape[0] % G == 0) {
+            const int64_t T = src.shape[0] / G, k = src.shape[1], E = experts.shape[0];
+            int32_t *count = moe_xcalloc((size_t)E, sizeof(int32_t));
+            for (int64_t n = r * T * k; n < (r + 1) * T * k; n++)
+                if (ids[n] >= 0 && ids[n] < E)
+                    count[ids[n]]++;
+            out = count;
+            *entry = (moe_st_entry){.dtype = MOE_ST_I32, .ndim = 1, .shape = {E}};
+        }
+        free(all);
+        free(ids);
+    }
+    snprintf(entry->name, sizeof entry->name, "%s", name);
+    return out;
+}
+
+/* experts.rank{r}.out in another row order (expert-major, as grouped GEMMs
+ * lay it out) with experts.rank{r}.row (rows) beside it, any integer dtype:
+ * candidate row i is golden row row[i]. Returns the rows in golden order (a
+ * new buffer of F32), or NULL with why set when row is not a permutation. */
+static float *golden_order(const moe_st_file *cand, const moe_st_entry *e, const void *got,
+                           const moe_st_entry *perm_entry, char *why, size_t size)
+{
+    const int64_t rows = e->shape[0], width = e->ndim == 2 ? e->shape[1] : 1;
+    if (perm_entry->ndim != 1 || perm_entry->shape[0] != rows || !moe_st_dtype_is_integer(perm_entry->dtype)) {
+        snprintf(why, size, "%s must be (%lld) integers, one golden row per candidate row",
+                 perm_entry->name, (long long)rows);
+        return NULL;
+    }
+    moe_status st = {0};
+    void *perm = moe_xmalloc((size_t)(perm_entry->end - perm_entry->begin) + 1);
+    float *out = moe_xmalloc(sizeof(float) * (size_t)(rows * width) + 1);
+    uint8_t *seen = moe_xcalloc((size_t)rows + 1, 1);
+    bool ok = moe_st_read(cand, perm_entry, perm, &st) == MOE_EXIT_OK;
+    for (int64_t i = 0; ok && i < rows; i++) {
+        const double to = moe_st_element(perm, perm_entry->dtype, i);
+        ok = to >= 0 && to < (double)rows && !seen[(int64_t)to];
+        if (!ok) {
+            snprintf(why, size, "%s is not a permutation of the %lld golden rows (row %lld: %.0f)",
+                     perm_entry->name, (long long)rows, (long long)i, to);
+            break;
+        }
+        seen[(int64_t)to] = 1;
+        for (int64_t j = 0; j < width; j++)
+            out[(int64_t)to * width + j] = (float)moe_st_element(got, e->dtype, i * width + j);
+    }
+    free(seen);
+    free(perm);
+    if (!ok) {
+        free(out);
+        return NULL;
+    }
+    return out;
+}
+
 /* The evidence under a failing tensor's row: the first bad element's
  * values, and what it stands for where the set says (a token's top-k, an
  * expert output's (token, expert) pair). */
@@ -360,6 +459,9 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
         json_decref(manifest);
         return st->code;
     }
+    /* what convention_golden's tensors are compared under */
+    json_t *convention = json_pack("{s:s, s:s, s:s}", "stage", "layout", "compare", "exact", "file",
+                                   "layout.safetensors");
     /* The selection scores, for the top-k near-tie rule. */
     moe_st_entry sel_entry;
     moe_status ignored = {0};
@@ -378,12 +480,18 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
         for (int n = 0; n < cand.count && rc == MOE_EXIT_OK; n++) {
             const moe_st_entry *e = &cand.entries[n];
             json_t *info = json_object_get(tensors, e->name);
-            const char *stage_name = json_string_value(json_object_get(info, "stage"));
-            if (!info || !stage_name || strcmp(stage_name, moe_golden_stage_names[stage]))
-                continue;
             moe_st_entry golden_entry;
-            void *ref = load_golden(dir, json_string_value(json_object_get(info, "file")), e->name,
-                                    files, &golden_entry, st);
+            void *ref = NULL;
+            if (!info && stage == MOE_GOLDEN_LAYOUT && (ref = convention_golden(dir, manifest, e->name, &golden_entry)))
+                info = convention;
+            const char *stage_name = json_string_value(json_object_get(info, "stage"));
+            if (!info || !stage_name || strcmp(stage_name, moe_golden_stage_names[stage])) {
+                free(ref);
+                continue;
+            }
+            if (!ref)
+                ref = load_golden(dir, json_string_value(json_object_get(info, "file")), e->name,
+                                  files, &golden_entry, st);
             if (!ref) {
                 rc = st->code;
                 break;
@@ -433,6 +541,26 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
                 }
                 got = values;
                 cand_entry.dtype = MOE_ST_F32;
+            }
+            int r;
+            char perm_name[MOE_ST_NAME_MAX + 8];
+            const moe_st_entry *perm = NULL;
+            if (sscanf(e->name, "experts.rank%d.out", &r) == 1) {
+                snprintf(perm_name, sizeof perm_name, "experts.rank%d.row", r);
+                perm = moe_st_find(&cand, perm_name);
+            }
+            if (perm) {
+                char why[256];
+                float *ordered = golden_order(&cand, &cand_entry, got, perm, why, sizeof why);
+                free(got);
+                got = ordered;
+                cand_entry.dtype = MOE_ST_F32;
+                if (!ordered) {
+                    fprintf(out, "%-28s %-9s FAIL: %s\n", e->name, stage_name, why);
+                    first_failing_stage = stage < first_failing_stage ? stage : first_failing_stage;
+                    free(ref);
+                    continue;
+                }
             }
             e = &cand_entry;
             const char *rule_text = json_string_value(json_object_get(info, "compare"));
@@ -500,12 +628,17 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
     for (int n = 0; n < cand.count && rc == MOE_EXIT_OK; n++) {
         const char *name = cand.entries[n].name;
         const size_t len = strlen(name);
-        if (len > 6 && !strcmp(name + len - 6, ".scale")) /* an F8_E4M3 tensor's scales */
+        const bool companion = (len > 6 && !strcmp(name + len - 6, ".scale")) || /* F8 scales */
+                               (len > 4 && !strcmp(name + len - 4, ".row") &&     /* row order */
+                                !strncmp(name, "experts.rank", 12)) ||
+                               !strncmp(name, "layout.rank", 11); /* DeepEP's per-rank layout */
+        if (companion)
             continue;
         if (!json_object_get(tensors, name))
             fprintf(out, "%-28s (not in the golden set: ignored)\n", name);
     }
     free(selection);
+    json_decref(convention);
     moe_st_close(&cand);
     json_decref(manifest);
     if (rc != MOE_EXIT_OK)
