@@ -61,10 +61,12 @@ def gemm_pairwise(a, bt, rows=16):
 # applied on the other side of L2, FP8 scales per row or per tensor instead
 # of per block of 128, softmax for V3's sigmoid, masked groups filled with 0
 # instead of -inf, the route scale left out, no renormalisation, the bias in
-# the weights.
+# the weights, a token's neighbour dispatched in its place, a slot's weight
+# taken from the next slot in the combine.
 BUGS = {"no-shared": "output", "weight-elsewhere": "experts", "fp8-per-row": "dispatch",
         "fp8-per-tensor": "dispatch", "softmax-for-sigmoid": "router", "mask-zero": "router",
-        "no-route-scale": "router", "no-renorm": "router", "bias-in-weights": "router"}
+        "no-route-scale": "router", "no-renorm": "router", "bias-in-weights": "router",
+        "dispatch-off-by-one": "dispatch", "combine-off-by-one": "output"}
 
 
 def bug_applies(bug, files, config):
@@ -76,7 +78,8 @@ def bug_applies(bug, files, config):
             "softmax-for-sigmoid": v3_bias, "bias-in-weights": v3_bias,
             "no-renorm": v3_bias,
             "mask-zero": v3_bias and int(config["groups"]) > 1,
-            "no-route-scale": float(config["route-scale"]) != 1.0}.get(bug, True)
+            "no-route-scale": float(config["route-scale"]) != 1.0,
+            "combine-off-by-one": config["weight-at"] == "output" and int(config["topk"]) > 1}.get(bug, True)
 
 PORTS = {
     "fma": gemm_fma,
@@ -184,8 +187,11 @@ def port(files, config, gemm, bug=None):
     out, rows_of = {}, {}
     for r in range(int(config["ranks"])):
         tokens_r = files["dispatch.rank%d.token" % r]
+        sent = files["tokens.x"][(tokens_r + 1) % files["tokens.x"].shape[0] if bug == "dispatch-off-by-one" else tokens_r]
         if config["dispatch-dtype"] == "fp8":  # the port's own quantiser
-            out["dispatch.rank%d.x" % r] = dispatch_fp8(files["tokens.x"][tokens_r], config, bug)
+            out["dispatch.rank%d.x" % r] = dispatch_fp8(sent, config, bug)
+        else:
+            out["dispatch.rank%d.x" % r] = bf16(sent) if config["dispatch-dtype"] == "bf16" else sent
         rows = dict(zip(tokens_r.tolist(), out.get("dispatch.rank%d.x" % r, files["dispatch.rank%d.x" % r])))
         pairs = files["experts.rank%d.pair" % r]
         result = np.zeros((pairs.shape[0], files["tokens.x"].shape[1]), dtype=F)
@@ -205,7 +211,8 @@ def port(files, config, gemm, bug=None):
     for i in range(n):
         for s in range(k):  # slot order
             v = rows_of[(i, int(ids[i, s]))]
-            y[i] = y[i] + (v if before_l2 else (weights[i, s] * v).astype(F))
+            w = weights[i, (s + 1) % k if bug == "combine-off-by-one" else s]
+            y[i] = y[i] + (v if before_l2 else (w * v).astype(F))
     shared = 0 if bug == "no-shared" else files["shared.w1"].shape[0] if "shared.w1" in files else 0
     for s in range(shared):
         y = y + ffn(gemm, files["tokens.x"], files["shared.w1"][s], files["shared.w2"][s])
