@@ -440,217 +440,246 @@ static void explain_mismatch(FILE *out, const char *dir, json_t *files, const ch
     fprintf(out, "\n");
 }
 
+/* One verify: the golden set, the candidate, and the verdict so far. */
+typedef struct {
+    const char *dir;
+    json_t *manifest, *tensors, *files;
+    json_t *convention;     /* the contract of convention_golden's tensors */
+    moe_st_file cand;
+    float *selection;       /* (N, E) router.selection, for the near-tie rule; NULL without */
+    int experts;
+    double sel_abs, sel_rel;
+    FILE *out;
+    int first_failing;      /* stage, MOE_GOLDEN_STAGES while none failed */
+    int compared;
+} verify_run;
+
+static void fail_stage(verify_run *v, int stage)
+{
+    if (stage < v->first_failing)
+        v->first_failing = stage;
+}
+
+/* Companions of a candidate tensor, read with it rather than on their own:
+ * F8 scales, a row order, DeepEP's per-rank layout (compared in the layout
+ * stage under derived golden values). */
+static bool companion_name(const char *name)
+{
+    const size_t len = strlen(name);
+    return (len > 6 && !strcmp(name + len - 6, ".scale")) ||
+           (len > 4 && !strcmp(name + len - 4, ".row") && !strncmp(name, "experts.rank", 12)) ||
+           !strncmp(name, "layout.rank", 11);
+}
+
+/* The candidate's values of e as compared: read, F8_E4M3 with its scales
+ * made F32, rows put in golden order when a row order comes with them.
+ * *as describes them. Returns MOE_EXIT_OK, MOE_EXIT_CHECK_FAILED (the
+ * tensor's stage failed; printed) or another code with st set. */
+static int candidate_values(verify_run *v, const moe_st_entry *e, const char *stage_name, int stage,
+                            void **got, moe_st_entry *as, moe_status *st)
+{
+    *as = *e;
+    *got = moe_xmalloc((size_t)(e->end - e->begin) + 1);
+    if (moe_st_read(&v->cand, e, *got, st))
+        return st->code;
+    if (e->dtype == MOE_ST_F8_E4M3) {
+        float *values = fp8_with_scales(&v->cand, e, *got, st);
+        free(*got);
+        *got = values;
+        if (!values)
+            return st->code;
+        as->dtype = MOE_ST_F32;
+    }
+    int r;
+    char perm_name[MOE_ST_NAME_MAX + 8];
+    const moe_st_entry *perm = NULL;
+    if (sscanf(e->name, "experts.rank%d.out", &r) == 1) {
+        snprintf(perm_name, sizeof perm_name, "experts.rank%d.row", r);
+        perm = moe_st_find(&v->cand, perm_name);
+    }
+    if (!perm)
+        return MOE_EXIT_OK;
+    char why[256];
+    float *ordered = golden_order(&v->cand, as, *got, perm, why, sizeof why);
+    free(*got);
+    *got = ordered;
+    as->dtype = MOE_ST_F32;
+    if (ordered)
+        return MOE_EXIT_OK;
+    fprintf(v->out, "%-28s %-9s FAIL: %s\n", e->name, stage_name, why);
+    fail_stage(v, stage);
+    return MOE_EXIT_CHECK_FAILED;
+}
+
+/* The per-element allowance a tolerance tensor's manifest entry names, or
+ * NULL (*failed false) without one. */
+static double *load_allowance(verify_run *v, json_t *info, const char *name, int64_t count,
+                              bool *failed, moe_status *st)
+{
+    const char *allow_name = json_string_value(json_object_get(info, "allow"));
+    *failed = false;
+    if (!allow_name)
+        return NULL;
+    json_t *allow_info = json_object_get(v->tensors, allow_name);
+    moe_st_entry entry;
+    double *allow = load_golden(v->dir, json_string_value(json_object_get(allow_info, "file")),
+                                allow_name, v->files, &entry, st);
+    if (allow && (entry.dtype != MOE_ST_F64 || moe_st_elements(entry.ndim, entry.shape) != count)) {
+        free(allow);
+        allow = NULL;
+        moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' is not an F64 allowance of %lld elements for '%s'",
+                 allow_name, (long long)count, name);
+    }
+    *failed = allow == NULL;
+    return allow;
+}
+
+/* Candidate tensor e against its golden tensor, if it belongs to `stage`:
+ * one line of the table (and the evidence under a failure). Returns
+ * MOE_EXIT_OK, or the code of a file that could not be read (st set). */
+static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_status *st)
+{
+    json_t *info = json_object_get(v->tensors, e->name);
+    moe_st_entry golden;
+    void *ref = NULL;
+    if (!info && stage == MOE_GOLDEN_LAYOUT &&
+        (ref = convention_golden(v->dir, v->manifest, e->name, &golden)))
+        info = v->convention;
+    const char *stage_name = json_string_value(json_object_get(info, "stage"));
+    if (!info || !stage_name || strcmp(stage_name, moe_golden_stage_names[stage])) {
+        free(ref);
+        return MOE_EXIT_OK;
+    }
+    if (!ref)
+        ref = load_golden(v->dir, json_string_value(json_object_get(info, "file")), e->name,
+                          v->files, &golden, st);
+    if (!ref)
+        return st->code;
+    v->compared++;
+    /* A tensor that cannot be compared is a failure of its stage, or the
+     * consequence of an earlier stage's. */
+    bool same_shape = golden.ndim == e->ndim;
+    for (int dim = 0; same_shape && dim < e->ndim; dim++)
+        same_shape = golden.shape[dim] == e->shape[dim];
+    if (!same_shape || moe_st_dtype_is_integer(golden.dtype) != moe_st_dtype_is_integer(e->dtype)) {
+        char cshape[96], gshape[96];
+        shape_text(e->ndim, e->shape, cshape, sizeof cshape);
+        shape_text(golden.ndim, golden.shape, gshape, sizeof gshape);
+        if (v->first_failing < stage)
+            fprintf(v->out, "%-28s %-9s not compared: %s differs upstream (candidate %s %s, golden %s %s)\n",
+                    e->name, stage_name, moe_golden_stage_names[v->first_failing],
+                    moe_st_dtype_name(e->dtype), cshape, moe_st_dtype_name(golden.dtype), gshape);
+        else
+            fprintf(v->out, "%-28s %-9s FAIL: candidate %s %s, golden %s %s\n", e->name, stage_name,
+                    moe_st_dtype_name(e->dtype), cshape, moe_st_dtype_name(golden.dtype), gshape);
+        fail_stage(v, stage);
+        free(ref);
+        return MOE_EXIT_OK;
+    }
+    void *got = NULL;
+    moe_st_entry as;
+    int rc = candidate_values(v, e, stage_name, stage, &got, &as, st);
+    const char *rule_text = json_string_value(json_object_get(info, "compare"));
+    const enum moe_golden_rule rule = !strcmp(rule_text, "topk")        ? MOE_RULE_TOPK
+                                      : !strcmp(rule_text, "tolerance") ? MOE_RULE_TOLERANCE
+                                                                        : MOE_RULE_EXACT;
+    const int64_t count = moe_st_elements(e->ndim, e->shape);
+    bool failed = false;
+    double *allow = rc == MOE_EXIT_OK ? load_allowance(v, info, e->name, count, &failed, st) : NULL;
+    if (rc != MOE_EXIT_OK || failed) {
+        free(got);
+        free(ref);
+        return rc == MOE_EXIT_CHECK_FAILED ? MOE_EXIT_OK : st->code;
+    }
+    const contract tol = {json_real_value(json_object_get(info, "abs")),
+                          json_real_value(json_object_get(info, "rel")), allow,
+                          json_is_true(json_object_get(info, "bf16_step"))};
+    verdict result = {0, 0, 0, -1, 0, 0};
+    if (rule == MOE_RULE_TOPK) {
+        int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1); /* as the golden's I32 */
+        for (int64_t i = 0; i < count; i++) {
+            const double id = moe_st_element(got, as.dtype, i);
+            ids[i] = id >= INT32_MIN && id <= INT32_MAX ? (int32_t)id : -1;
+        }
+        compare_topk(ref, ids, count, (int)e->shape[e->ndim - 1], v->selection, v->experts,
+                     v->sel_abs, v->sel_rel, &result);
+        free(ids);
+    } else {
+        compare_values(ref, golden.dtype, got, as.dtype, count, rule, &tol, &result);
+    }
+    char where[64] = "", used[16];
+    if (result.bad)
+        index_text(result.first_bad, e->ndim, e->shape, where, sizeof where);
+    snprintf(used, sizeof used, rule == MOE_RULE_TOLERANCE ? "%.1f" : "-", 100.0 * result.max_used);
+    fprintf(v->out, "%-28s %-9s %-10s %11.3e %11.3e %8s %10lld  %s%s\n", e->name, stage_name,
+            rule_text, result.max_abs, result.max_rel, used, (long long)result.bad,
+            result.bad ? where : "-", result.near_ties ? " (near-ties accepted)" : "");
+    if (result.near_ties)
+        fprintf(v->out, "%-28s %lld top-k ids differ only by near-ties\n", "", (long long)result.near_ties);
+    if (result.bad) {
+        explain_mismatch(v->out, v->dir, v->files, e->name, &golden, ref, &as, got, result.first_bad);
+        fail_stage(v, stage);
+    }
+    free(allow);
+    free(got);
+    free(ref);
+    return MOE_EXIT_OK;
+}
+
 int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_status *st)
 {
     char path[700];
     snprintf(path, sizeof path, "%s/manifest.json", dir);
     json_error_t error;
-    json_t *manifest = json_load_file(path, 0, &error);
-    if (!manifest)
+    verify_run v = {.dir = dir, .out = out, .first_failing = MOE_GOLDEN_STAGES};
+    v.manifest = json_load_file(path, 0, &error);
+    if (!v.manifest)
         return moe_fail(st, MOE_EXIT_USAGE, "cannot read golden manifest '%s': %s (line %d)", path,
                         error.text, error.line);
-    json_t *tensors = json_object_get(manifest, "tensors"), *files = json_object_get(manifest, "files");
-    if (!json_is_object(tensors) || !json_is_object(files)) {
-        json_decref(manifest);
+    v.tensors = json_object_get(v.manifest, "tensors");
+    v.files = json_object_get(v.manifest, "files");
+    if (!json_is_object(v.tensors) || !json_is_object(v.files)) {
+        json_decref(v.manifest);
         return moe_fail(st, MOE_EXIT_USAGE, "'%s' is not a moe-ep golden manifest", path);
     }
-    moe_st_file cand;
-    if (moe_st_open(candidate, &cand, st)) {
-        json_decref(manifest);
+    if (moe_st_open(candidate, &v.cand, st)) {
+        json_decref(v.manifest);
         return st->code;
     }
-    /* what convention_golden's tensors are compared under */
-    json_t *convention = json_pack("{s:s, s:s, s:s}", "stage", "layout", "compare", "exact", "file",
-                                   "layout.safetensors");
-    /* The selection scores, for the top-k near-tie rule. */
+    v.convention = json_pack("{s:s, s:s, s:s}", "stage", "layout", "compare", "exact", "file",
+                             "layout.safetensors");
     moe_st_entry sel_entry;
     moe_status ignored = {0};
-    float *selection = json_object_get(tensors, "router.selection")
-                           ? load_golden(dir, "router.safetensors", "router.selection", files, &sel_entry, &ignored)
-                           : NULL;
-    const int experts = selection ? (int)sel_entry.shape[1] : 0;
-    json_t *scores_info = json_object_get(tensors, "router.selection");
-    const double sel_abs = json_real_value(json_object_get(scores_info, "abs"));
-    const double sel_rel = json_real_value(json_object_get(scores_info, "rel"));
+    json_t *sel_info = json_object_get(v.tensors, "router.selection");
+    if (sel_info)
+        v.selection = load_golden(dir, "router.safetensors", "router.selection", v.files, &sel_entry, &ignored);
+    v.experts = v.selection ? (int)sel_entry.shape[1] : 0;
+    v.sel_abs = json_real_value(json_object_get(sel_info, "abs"));
+    v.sel_rel = json_real_value(json_object_get(sel_info, "rel"));
 
     fprintf(out, "%-28s %-9s %-10s %11s %11s %8s %10s  %s\n", "tensor", "stage", "rule", "max abs",
             "max rel", "% of tol", "mismatch", "first mismatch");
-    int first_failing_stage = MOE_GOLDEN_STAGES, compared = 0, rc = MOE_EXIT_OK;
+    int rc = MOE_EXIT_OK;
     for (int stage = 0; stage < MOE_GOLDEN_STAGES && rc == MOE_EXIT_OK; stage++)
-        for (int n = 0; n < cand.count && rc == MOE_EXIT_OK; n++) {
-            const moe_st_entry *e = &cand.entries[n];
-            json_t *info = json_object_get(tensors, e->name);
-            moe_st_entry golden_entry;
-            void *ref = NULL;
-            if (!info && stage == MOE_GOLDEN_LAYOUT && (ref = convention_golden(dir, manifest, e->name, &golden_entry)))
-                info = convention;
-            const char *stage_name = json_string_value(json_object_get(info, "stage"));
-            if (!info || !stage_name || strcmp(stage_name, moe_golden_stage_names[stage])) {
-                free(ref);
-                continue;
-            }
-            if (!ref)
-                ref = load_golden(dir, json_string_value(json_object_get(info, "file")), e->name,
-                                  files, &golden_entry, st);
-            if (!ref) {
-                rc = st->code;
-                break;
-            }
-            compared++;
-            /* A tensor that cannot be compared is a failure of its stage, or
-             * the consequence of an earlier stage's. */
-            char cshape[96], gshape[96];
-            shape_text(e->ndim, e->shape, cshape, sizeof cshape);
-            shape_text(golden_entry.ndim, golden_entry.shape, gshape, sizeof gshape);
-            bool same_shape = golden_entry.ndim == e->ndim;
-            for (int dim = 0; same_shape && dim < e->ndim; dim++)
-                same_shape = golden_entry.shape[dim] == e->shape[dim];
-            const bool same_kind =
-                moe_st_dtype_is_integer(golden_entry.dtype) == moe_st_dtype_is_integer(e->dtype);
-            if (!same_shape || !same_kind) {
-                if (first_failing_stage < stage)
-                    fprintf(out, "%-28s %-9s not compared: %s differs upstream (candidate %s %s, "
-                                 "golden %s %s)\n",
-                            e->name, stage_name, moe_golden_stage_names[first_failing_stage],
-                            moe_st_dtype_name(e->dtype), cshape,
-                            moe_st_dtype_name(golden_entry.dtype), gshape);
-                else {
-                    fprintf(out, "%-28s %-9s FAIL: candidate %s %s, golden %s %s\n", e->name,
-                            stage_name, moe_st_dtype_name(e->dtype), cshape,
-                            moe_st_dtype_name(golden_entry.dtype), gshape);
-                    first_failing_stage = stage;
-                }
-                free(ref);
-                continue;
-            }
-            void *got = moe_xmalloc((size_t)(e->end - e->begin) + 1);
-            if (moe_st_read(&cand, e, got, st)) {
-                free(got);
-                free(ref);
-                rc = st->code;
-                break;
-            }
-            moe_st_entry cand_entry = *e; /* as compared: F8_E4M3 becomes F32 with its scales */
-            if (e->dtype == MOE_ST_F8_E4M3) {
-                float *values = fp8_with_scales(&cand, e, got, st);
-                free(got);
-                if (!values) {
-                    free(ref);
-                    rc = st->code;
-                    break;
-                }
-                got = values;
-                cand_entry.dtype = MOE_ST_F32;
-            }
-            int r;
-            char perm_name[MOE_ST_NAME_MAX + 8];
-            const moe_st_entry *perm = NULL;
-            if (sscanf(e->name, "experts.rank%d.out", &r) == 1) {
-                snprintf(perm_name, sizeof perm_name, "experts.rank%d.row", r);
-                perm = moe_st_find(&cand, perm_name);
-            }
-            if (perm) {
-                char why[256];
-                float *ordered = golden_order(&cand, &cand_entry, got, perm, why, sizeof why);
-                free(got);
-                got = ordered;
-                cand_entry.dtype = MOE_ST_F32;
-                if (!ordered) {
-                    fprintf(out, "%-28s %-9s FAIL: %s\n", e->name, stage_name, why);
-                    first_failing_stage = stage < first_failing_stage ? stage : first_failing_stage;
-                    free(ref);
-                    continue;
-                }
-            }
-            e = &cand_entry;
-            const char *rule_text = json_string_value(json_object_get(info, "compare"));
-            const enum moe_golden_rule rule = !strcmp(rule_text, "topk") ? MOE_RULE_TOPK
-                                              : !strcmp(rule_text, "tolerance") ? MOE_RULE_TOLERANCE
-                                                                                : MOE_RULE_EXACT;
-            const int64_t count = moe_st_elements(e->ndim, e->shape);
-            contract tol = {json_real_value(json_object_get(info, "abs")),
-                            json_real_value(json_object_get(info, "rel")), NULL,
-                            json_is_true(json_object_get(info, "bf16_step"))};
-            const char *allow_name = json_string_value(json_object_get(info, "allow"));
-            double *allow = NULL;
-            if (allow_name) {
-                json_t *allow_info = json_object_get(tensors, allow_name);
-                moe_st_entry allow_entry;
-                allow = load_golden(dir, json_string_value(json_object_get(allow_info, "file")),
-                                    allow_name, files, &allow_entry, st);
-                if (allow && (allow_entry.dtype != MOE_ST_F64 ||
-                              moe_st_elements(allow_entry.ndim, allow_entry.shape) != count)) {
-                    free(allow);
-                    allow = NULL;
-                    moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' is not an F64 allowance of "
-                             "%lld elements for '%s'", allow_name, (long long)count, e->name);
-                }
-                if (!allow) {
-                    free(got);
-                    free(ref);
-                    rc = st->code;
-                    break;
-                }
-                tol.allow = allow;
-            }
-            verdict v = {0, 0, 0, -1, 0, 0};
-            if (rule == MOE_RULE_TOPK) {
-                int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1); /* as the golden's I32 */
-                for (int64_t i = 0; i < count; i++) {
-                    const double id = moe_st_element(got, e->dtype, i);
-                    ids[i] = id >= INT32_MIN && id <= INT32_MAX ? (int32_t)id : -1;
-                }
-                compare_topk(ref, ids, count, (int)e->shape[e->ndim - 1], selection, experts,
-                             sel_abs, sel_rel, &v);
-                free(ids);
-            } else {
-                compare_values(ref, golden_entry.dtype, got, e->dtype, count, rule, &tol, &v);
-            }
-            char where[64] = "";
-            if (v.bad)
-                index_text(v.first_bad, e->ndim, e->shape, where, sizeof where);
-            char used[16];
-            snprintf(used, sizeof used, rule == MOE_RULE_TOLERANCE ? "%.1f" : "-", 100.0 * v.max_used);
-            fprintf(out, "%-28s %-9s %-10s %11.3e %11.3e %8s %10lld  %s%s\n", e->name, stage_name,
-                    rule_text, v.max_abs, v.max_rel, used, (long long)v.bad, v.bad ? where : "-",
-                    v.near_ties ? " (near-ties accepted)" : "");
-            if (v.near_ties)
-                fprintf(out, "%-28s %lld top-k ids differ only by near-ties\n", "",
-                        (long long)v.near_ties);
-            if (v.bad)
-                explain_mismatch(out, dir, files, e->name, &golden_entry, ref, e, got, v.first_bad);
-            if (v.bad && stage < first_failing_stage)
-                first_failing_stage = stage;
-            free(allow);
-            free(got);
-            free(ref);
-        }
-    for (int n = 0; n < cand.count && rc == MOE_EXIT_OK; n++) {
-        const char *name = cand.entries[n].name;
-        const size_t len = strlen(name);
-        const bool companion = (len > 6 && !strcmp(name + len - 6, ".scale")) || /* F8 scales */
-                               (len > 4 && !strcmp(name + len - 4, ".row") &&     /* row order */
-                                !strncmp(name, "experts.rank", 12)) ||
-                               !strncmp(name, "layout.rank", 11); /* DeepEP's per-rank layout */
-        if (companion)
-            continue;
-        if (!json_object_get(tensors, name))
-            fprintf(out, "%-28s (not in the golden set: ignored)\n", name);
-    }
-    free(selection);
-    json_decref(convention);
-    moe_st_close(&cand);
-    json_decref(manifest);
+        for (int n = 0; n < v.cand.count && rc == MOE_EXIT_OK; n++)
+            rc = verify_tensor(&v, &v.cand.entries[n], stage, st);
+    for (int n = 0; n < v.cand.count && rc == MOE_EXIT_OK; n++)
+        if (!companion_name(v.cand.entries[n].name) && !json_object_get(v.tensors, v.cand.entries[n].name))
+            fprintf(out, "%-28s (not in the golden set: ignored)\n", v.cand.entries[n].name);
+    free(v.selection);
+    json_decref(v.convention);
+    moe_st_close(&v.cand);
+    json_decref(v.manifest);
     if (rc != MOE_EXIT_OK)
         return rc;
-    if (compared == 0)
+    if (v.compared == 0)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "'%s' holds no tensor of the golden set (names as in %s/manifest.json)",
                         candidate, dir);
-    if (first_failing_stage < MOE_GOLDEN_STAGES) {
-        fprintf(out, "verify: FAIL, first failing stage: %s\n", moe_golden_stage_names[first_failing_stage]);
+    if (v.first_failing < MOE_GOLDEN_STAGES) {
+        fprintf(out, "verify: FAIL, first failing stage: %s\n", moe_golden_stage_names[v.first_failing]);
         return MOE_EXIT_CHECK_FAILED;
     }
-    fprintf(out, "verify: PASS, %d tensors within contract\n", compared);
+    fprintf(out, "verify: PASS, %d tensors within contract\n", v.compared);
     return MOE_EXIT_OK;
 }
