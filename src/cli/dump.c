@@ -103,6 +103,55 @@ static void emit_config(void *ctx, const char *name, const char *value)
     sprintf(*json + len, "%s\"%s\": \"%s\"", len > 1 ? ", " : "", name, value);
 }
 
+/* The layout tensors of a set, from all ranks' ids (N, k) and the placement. */
+typedef struct {
+    int nodes;
+    uint8_t *in_rank;     /* (N, G) does token i go to rank r */
+    int32_t *per_rank;    /* (G) tokens each rank receives */
+    int32_t *send_counts; /* (G, G) tokens source rank r sends to rank q */
+    int32_t *per_expert;  /* (E) (token, expert) pairs per expert */
+    int32_t *per_node;    /* (nodes) tokens reaching each virtual node */
+} layout_counts;
+
+static void count_layout(const moe_ep *ep, const int32_t *ids, int64_t N, moe_index T,
+                         layout_counts *lc)
+{
+    const int G = ep->comm.ranks, E = (int)ep->cfg->experts, k = (int)ep->cfg->topk;
+    const int R = ep->link.ranks_per_node;
+    lc->nodes = (G + R - 1) / R;
+    lc->in_rank = moe_xcalloc((size_t)(N * G), 1);
+    lc->per_rank = moe_xcalloc((size_t)G, sizeof(int32_t));
+    lc->send_counts = moe_xcalloc((size_t)(G * G), sizeof(int32_t));
+    lc->per_expert = moe_xcalloc((size_t)E, sizeof(int32_t));
+    lc->per_node = moe_xcalloc((size_t)lc->nodes, sizeof(int32_t));
+    uint8_t *node_seen = moe_xmalloc((size_t)lc->nodes);
+    for (int64_t i = 0; i < N; i++) {
+        memset(node_seen, 0, (size_t)lc->nodes);
+        for (int s = 0; s < k; s++) {
+            const int e = ids[i * k + s], r = ep->placement.expert_rank[e];
+            lc->per_expert[e]++;
+            lc->in_rank[i * G + r] = 1;
+            node_seen[r / R] = 1;
+        }
+        for (int r = 0; r < G; r++) {
+            lc->per_rank[r] += lc->in_rank[i * G + r];
+            lc->send_counts[i / T * G + r] += lc->in_rank[i * G + r];
+        }
+        for (int n = 0; n < lc->nodes; n++)
+            lc->per_node[n] += node_seen[n];
+    }
+    free(node_seen);
+}
+
+static void layout_counts_free(layout_counts *lc)
+{
+    free(lc->per_node);
+    free(lc->per_expert);
+    free(lc->send_counts);
+    free(lc->per_rank);
+    free(lc->in_rank);
+}
+
 static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const int32_t *ids,
                     const float *weights, const float *logits, const float *scores, double *bytes,
                     moe_status *st)
@@ -206,34 +255,13 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         add(&l, "router.topk_ids", MOE_ST_I32, MOE_GOLDEN_ROUTER, MOE_RULE_TOPK, all_ids, 2, N, k, 0);
         tolerate(add(&l, "router.topk_weights", MOE_ST_F32, MOE_GOLDEN_ROUTER, MOE_RULE_TOLERANCE, all_weights, 2, N, k, 0), u * (d + E + k));
         /* layout, from the ids and the placement */
-        const int R = ep->link.ranks_per_node, nodes = (G + R - 1) / R;
-        uint8_t *in_rank = moe_xcalloc((size_t)(N * G), 1);
-        int32_t *per_rank = moe_xcalloc((size_t)G, sizeof(int32_t));
-        int32_t *send_counts = moe_xcalloc((size_t)(G * G), sizeof(int32_t)); /* (G, G) source, destination */
-        int32_t *per_expert = moe_xcalloc((size_t)E, sizeof(int32_t));
-        int32_t *per_node = moe_xcalloc((size_t)nodes, sizeof(int32_t));
-        uint8_t *node_seen = moe_xmalloc((size_t)nodes);
-        for (int64_t i = 0; i < N; i++) {
-            memset(node_seen, 0, (size_t)nodes);
-            for (int s = 0; s < k; s++) {
-                const int e = all_ids[i * k + s], r = ep->placement.expert_rank[e];
-                per_expert[e]++;
-                in_rank[i * G + r] = 1;
-                node_seen[r / R] = 1;
-            }
-            for (int r = 0; r < G; r++) {
-                per_rank[r] += in_rank[i * G + r];
-                send_counts[i / T * G + r] += in_rank[i * G + r];
-            }
-            for (int n = 0; n < nodes; n++)
-                per_node[n] += node_seen[n];
-        }
-        free(node_seen);
-        add(&l, "layout.tokens_per_rank", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, per_rank, 1, G, 0, 0);
-        add(&l, "layout.tokens_per_expert", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, per_expert, 1, E, 0, 0);
-        add(&l, "layout.tokens_per_node", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, per_node, 1, nodes, 0, 0);
-        add(&l, "layout.is_token_in_rank", MOE_ST_BOOL, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, in_rank, 2, N, G, 0);
-        add(&l, "layout.send_counts", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, send_counts, 2, G, G, 0);
+        layout_counts lc;
+        count_layout(ep, all_ids, N, T, &lc);
+        add(&l, "layout.tokens_per_rank", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.per_rank, 1, G, 0, 0);
+        add(&l, "layout.tokens_per_expert", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.per_expert, 1, E, 0, 0);
+        add(&l, "layout.tokens_per_node", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.per_node, 1, lc.nodes, 0, 0);
+        add(&l, "layout.is_token_in_rank", MOE_ST_BOOL, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.in_rank, 2, N, G, 0);
+        add(&l, "layout.send_counts", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.send_counts, 2, G, G, 0);
         /* per rank: received rows, expert outputs */
         char name[MOE_ST_NAME_MAX];
         size_t at[4] = {0, 0, 0, 0};
@@ -273,11 +301,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         strcat(config, "}");
         moe_golden_write(cfg->dump, l.items, l.count, config, bytes, &local);
         free(config);
-        free(per_node);
-        free(per_expert);
-        free(send_counts);
-        free(per_rank);
-        free(in_rank);
+        layout_counts_free(&lc);
         free(selection);
         free(tokens);
         free(l.items);
