@@ -26,7 +26,10 @@ import tempfile
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bench", "peers"))
+import moe_data  # noqa: E402  (docs/data.md's Philox mapping in numpy)
 import st  # noqa: E402
 from fp8_recipes import recipe as fp8_block  # noqa: E402
 from recompute import bf16  # noqa: E402
@@ -62,11 +65,13 @@ def gemm_pairwise(a, bt, rows=16):
 # of per block of 128, softmax for V3's sigmoid, masked groups filled with 0
 # instead of -inf, the route scale left out, no renormalisation, the bias in
 # the weights, a token's neighbour dispatched in its place, a slot's weight
-# taken from the next slot in the combine.
+# taken from the next slot in the combine, bf16 inputs truncated instead of
+# rounded to nearest even.
 BUGS = {"no-shared": "output", "weight-elsewhere": "experts", "fp8-per-row": "dispatch",
         "fp8-per-tensor": "dispatch", "softmax-for-sigmoid": "router", "mask-zero": "router",
         "no-route-scale": "router", "no-renorm": "router", "bias-in-weights": "router",
-        "dispatch-off-by-one": "dispatch", "combine-off-by-one": "output"}
+        "dispatch-off-by-one": "dispatch", "combine-off-by-one": "output",
+        "bf16-truncation": "inputs"}
 
 
 def bug_applies(bug, files, config):
@@ -79,7 +84,8 @@ def bug_applies(bug, files, config):
             "no-renorm": v3_bias,
             "mask-zero": v3_bias and int(config["groups"]) > 1,
             "no-route-scale": float(config["route-scale"]) != 1.0,
-            "combine-off-by-one": config["weight-at"] == "output" and int(config["topk"]) > 1}.get(bug, True)
+            "combine-off-by-one": config["weight-at"] == "output" and int(config["topk"]) > 1,
+            "bf16-truncation": config["dtype"] == "bf16"}.get(bug, True)
 
 PORTS = {
     "fma": gemm_fma,
@@ -179,6 +185,31 @@ def route(files, config, bug=None):
             "router.topk_weights": weights}
 
 
+def word(seed, tensor, index):
+    """The raw Philox word of element index of (tensor, entity 0)."""
+    index = np.asarray(index, dtype=np.uint64)
+    block = index >> np.uint64(2)
+    words = moe_data.philox((block & moe_data.MASK).astype(np.uint32),
+                            (block >> np.uint64(32)).astype(np.uint32),
+                            np.full(index.size, tensor, np.uint32), np.zeros(index.size, np.uint32),
+                            seed & 0xFFFFFFFF, seed >> 32)
+    return np.choose((index & np.uint64(3)).astype(np.int64), words)
+
+
+def regenerate_tokens(config, n, d, bug=None):
+    """tokens.x regenerated from the seed as docs/data.md says, rounded to
+    --dtype (to nearest even; truncated with the bug)."""
+    seed = int(config["seed"])
+    x = moe_data.synth(seed, moe_data.TOKENS, 0, 0, n * d, float(config["init-scale"])).reshape(n, d)
+    if config.get("input-dist") == "activations":
+        binade = np.ldexp(np.float32(1), (word(seed, 8, np.arange(n)) >> np.uint32(30)).astype(np.int64) - 2)
+        channel = np.where(word(seed, 9, np.arange(d)) >> np.uint32(27) == 0, np.float32(16), np.float32(1))
+        x = (x * binade.astype(F)[:, None] * channel[None, :]).astype(F)
+    if config["dtype"] == "bf16":
+        x = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(F) if bug == "bf16-truncation" else bf16(x)
+    return x
+
+
 def port(files, config, gemm, bug=None):
     """The candidate tensors of one port (with one of BUGS when bug is set)."""
     ids, weights = files["router.topk_ids"], files["router.topk_weights"]
@@ -218,6 +249,7 @@ def port(files, config, gemm, bug=None):
         y = y + ffn(gemm, files["tokens.x"], files["shared.w1"][s], files["shared.w2"][s])
     out["output.y"] = y
     out.update(route(files, config, bug))
+    out["tokens.x"] = regenerate_tokens(config, *files["tokens.x"].shape, bug)
     return out
 
 
