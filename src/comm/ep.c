@@ -101,6 +101,8 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     moe_synth_fill(cfg->seed, MOE_TENSOR_GATE, 0, 0, cfg->experts * d,
                    moe_synth_weight_scale(d), ep->gate);
     moe_precision_weights(cfg->param_dtype, ep->gate, cfg->experts * d);
+    for (int64_t e = 1; e <= cfg->gate_ties; e++) /* --gate-ties: exact ties on every token */
+        memcpy(ep->gate + e * d, ep->gate, sizeof(float) * (size_t)d);
     if (cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0) {
         ep->bias = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
         moe_synth_fill(cfg->seed, MOE_TENSOR_BIAS, 0, 0, cfg->experts, (float)cfg->bias_scale,

@@ -100,6 +100,7 @@ static const flag_spec flags[] = {
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", NULL, "1", "data seed, 0 .. 2^64-1", RUN},
     {"init-scale", FLAG_REAL, FIELD(init_scale), 0, 1000000000000000000LL, "S", NULL, "1", "input tokens uniform in [-S, S)", RUN},
     {"input-dist", FLAG_CHOICE, FIELD(input_dist), 0, 0, NULL, input_dist_choices, "uniform", "input tokens: uniform, or activations (per-token binades, 1 channel in 32 an outlier x16; docs/data.md)", RUN},
+    {"gate-ties", FLAG_INT, FIELD(gate_ties), 0, 4095, "N", NULL, "0", "gate rows of experts 1..N copy expert 0's: they tie on every token (docs/data.md)", RUN},
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", NULL, "1", "timed forward passes", RUN},
     {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", NULL, "4", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
@@ -566,6 +567,9 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                         cfg->init_scale, cfg->param_dtype == MOE_DTYPE_BF16 ? " and bf16" : "", reach,
                         (double)FLT_MAX / 16,
                         sqrt(FLT_MAX / 16 / ((double)cfg->hidden * sqrt((double)cfg->ffn))) / peak);
+    if (cfg->gate_ties >= cfg->experts)
+        return moe_fail(st, MOE_EXIT_USAGE, "--gate-ties must be in [0, %lld] (below --experts), got %lld",
+                        (long long)cfg->experts - 1, (long long)cfg->gate_ties);
     if (cfg->param_dtype == MOE_DTYPE_FP8)
         return moe_fail(st, MOE_EXIT_USAGE, "--dtype must be fp32 or bf16 for moe-ep run, got fp8");
     if (cfg->combine_dtype == MOE_DTYPE_FP8)
