@@ -67,6 +67,15 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
     for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
         json_array_append_new(stages, json_string(moe_golden_stage_names[s]));
     json_object_set_new(manifest, "stages", stages);
+    /* What verify accepts beside the tensors listed: DeepEP's conventions,
+     * FP8 rows with their scales (docs/golden.md, "What verify reads"). */
+    json_object_set_new(manifest, "accepted", json_pack(
+        "{s:s, s:s, s:s, s:s, s:s}",
+        "layout.rank{r}.tokens_per_rank", "(G) row r of layout.send_counts",
+        "layout.rank{r}.is_token_in_rank", "(T, G) rows r*T .. r*T+T-1 of layout.is_token_in_rank",
+        "layout.rank{r}.tokens_per_expert", "(E) (token, expert) pairs of rank r's tokens per expert",
+        "experts.rank{r}.out with experts.rank{r}.row", "rows in any order; row[i] is candidate row i's golden row",
+        "dispatch.rank{r}.x as F8_E4M3 with dispatch.rank{r}.x.scale", "(rows, ceil(d/128)) F32 scale per block"));
     *bytes = 0.0;
     int rc = MOE_EXIT_OK;
     moe_st_tensor *batch = moe_xmalloc(sizeof(moe_st_tensor) * (size_t)(n ? n : 1));
