@@ -235,9 +235,11 @@ void moe_ep_reduce(const moe_ep *ep, const float *const *slot_rows, const float 
                        cfg->tokens, (int)cfg->topk, cfg->hidden, y);
 }
 
-void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out)
+void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out,
+                   moe_forward_stats *stats)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
+    const double start = MPI_Wtime();
     for (int s = 0; s < (int)ep->cfg->shared_experts; s++) {
         const moe_expert_weights w = weights_at(ep, ep->shared_w1, ep->shared_w2, s);
         for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
@@ -247,5 +249,7 @@ void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, f
                 y[first * d + n] += out[n];
         }
     }
+    stats->done = MPI_Wtime();
+    stats->seconds[MOE_STAGE_SHARED] = stats->done - start;
 }
 

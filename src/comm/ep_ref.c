@@ -180,7 +180,7 @@ static void ref_reduce(const moe_ep *ep, ref_forward *f, const float *x, const f
 {
     const int G = ep->comm.ranks;
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
-    double t = MPI_Wtime();
+    const double t = MPI_Wtime();
     const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * ep->cfg->topk)); /* (T, k) */
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)G);
     for (int r = 0; r < G; r++)
@@ -190,10 +190,7 @@ static void ref_reduce(const moe_ep *ep, ref_forward *f, const float *x, const f
     moe_ep_reduce(ep, slot_rows, weights, y);
     free(slot_rows);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
-    t = MPI_Wtime();
-    moe_ep_shared(ep, x, y, f->scratch, f->expert_in);
-    stats->done = MPI_Wtime();
-    stats->seconds[MOE_STAGE_SHARED] = stats->done - t;
+    moe_ep_shared(ep, x, y, f->scratch, f->expert_in, stats);
 }
 
 static void ref_free(ref_forward *f)

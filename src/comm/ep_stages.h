@@ -88,8 +88,10 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
 void moe_ep_reduce(const moe_ep *ep, const float *const *slot_rows, const float *weights,
                    float *y);
 
-/* Stage shared. y (T, d) += the shared experts of x (T, d), in blocks of
- * MOE_SHARED_ROW_BLOCK tokens; scratch (64, 2f), out (64, d). */
-void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out);
+/* Stage shared, the last of a forward. y (T, d) += the shared experts of x
+ * (T, d), in blocks of MOE_SHARED_ROW_BLOCK tokens; scratch (64, 2f), out
+ * (64, d). Records its time and the forward's end (y complete) in stats. */
+void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out,
+                   moe_forward_stats *stats);
 
 #endif

@@ -147,6 +147,13 @@ static void row_table(wave_state *s, int G, int me, moe_index d, const float *x_
     }
 }
 
+/* The link model a schedule runs under: ep's, or none. */
+static const moe_link *schedule_link(const moe_ep *ep, const moe_schedule *sched)
+{
+    static const moe_link no_link = {.enabled = false};
+    return sched->link ? &ep->link : &no_link;
+}
+
 /* Post time and modelled arrival of an operation on this rank's links. */
 static void track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
                   double bytes[2][MOE_TIERS])
@@ -225,7 +232,7 @@ static void wave_experts(const moe_ep *ep, wave_state *ws, float *expert_in, flo
     for (int l = 0; l < ws->recv.local_experts; l++) {
         clock->rows = ws->recv.expert_offset[l + 1] - ws->recv.expert_offset[l];
         moe_ep_expert(ep, &ws->recv, l, ws->row_at, ws->recv_meta, expert_in, scratch,
-                          ws->expert_out, &hooks);
+                      ws->expert_out, &hooks);
     }
     const double now = MPI_Wtime(); /* the last scatter belongs to the last L2 */
     clock->compute += now - clock->mark;
@@ -400,11 +407,10 @@ static void fail_inside_pipeline(const moe_comm *c, const char *stage)
 static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_forward *f,
                            moe_forward_stats *stats)
 {
-    static const moe_link no_link = {.enabled = false};
     const moe_comm *c = &ep->comm;
     const int G = c->ranks, W = sched->waves;
     const moe_index d = ep->cfg->hidden;
-    const moe_link *link = sched->link ? &ep->link : &no_link;
+    const moe_link *link = schedule_link(ep, sched);
     wave_state *ws = f->ws;
     moe_progress progress;
     moe_progress_init(&progress, sched->progress, 2 * W);
@@ -469,7 +475,7 @@ static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forw
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
     const moe_index d = ep->cfg->hidden;
-    double t = MPI_Wtime();
+    const double t = MPI_Wtime();
     for (int w = 0; w < sched->waves; w++) {
         wave_state *s = &f->ws[w];
         for (int r = 0; r < G; r++)
@@ -479,10 +485,7 @@ static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forw
     }
     moe_ep_reduce(ep, f->slot_rows, weights, y);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
-    t = MPI_Wtime();
-    moe_ep_shared(ep, x, y, f->scratch, f->expert_in);
-    stats->done = MPI_Wtime();
-    stats->seconds[MOE_STAGE_SHARED] = stats->done - t;
+    moe_ep_shared(ep, x, y, f->scratch, f->expert_in, stats);
 }
 
 int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const float *x,
@@ -519,12 +522,11 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
 
 double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
 {
-    static const moe_link no_link = {.enabled = false};
     const moe_comm *c = &ep->comm;
     const int G = c->ranks, W = ep->work->last_waves;
     wave_state *ws = ep->work->last;
     MOE_ASSERT(ws != NULL);
-    const moe_link *link = sched->link ? &ep->link : &no_link;
+    const moe_link *link = schedule_link(ep, sched);
     MPI_Datatype row_type, meta_type;
     moe_ep_row_types(ep, &row_type, &meta_type);
     MPI_Request *requests = moe_xmalloc(sizeof(MPI_Request) * (size_t)(3 * W));

@@ -122,18 +122,11 @@ def dispatch_fp8(x, config, bug=None):
     set's recipe per block of 128, or one scale per row or per tensor (bugs)."""
     name, ue8m0 = config.get("fp8-recipe", "moe"), config["fp8-scale"] == "ue8m0"
     out = np.empty_like(x)
-    if bug == "fp8-per-tensor":  # one scale for all rows: every block quantised with the global amax
-        amax_row = np.zeros(128, dtype=F)
-        amax_row[0] = np.max(np.abs(x))
+    tensor_amax = np.abs(x).max()  # the fp8-per-tensor bug's one amax for all rows
     for i, row in enumerate(x):
         for b0 in range(0, row.size, 128):
             block = row[b0 : b0 + 128]
-            if bug == "fp8-per-row":
-                ref = np.abs(row).max()
-            elif bug == "fp8-per-tensor":
-                ref = amax_row[0]
-            else:
-                ref = None
+            ref = {"fp8-per-row": np.abs(row).max(), "fp8-per-tensor": tensor_amax}.get(bug)
             if ref is None:
                 q, s = fp8_block(name, ue8m0, block)
             else:  # the block's scale from another amax: append it, take the block's values
