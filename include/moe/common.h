@@ -8,6 +8,7 @@
 #ifndef MOE_COMMON_H
 #define MOE_COMMON_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 
@@ -75,6 +76,17 @@ uint64_t moe_digest64(const void *data, size_t n);
 
 /* counts (n) and displs (n) as MPI wants them (ints) from row counts count (n). */
 void moe_to_counts(const moe_index *count, int n, int *counts, int *displs);
+
+/* Fault injection for the tests: MOE_EP_FAULT=RANK:STAGE makes rank RANK
+ * fail at STAGE, one of moe_fault_stages (NULL-terminated): the forward's
+ * stages and the dump fail as an allocation or I/O failure would (comm.h),
+ * mpi fails an MPI call, write fails the golden writer after its first file
+ * (as a full disk would), kill ends the writing process with SIGKILL there.
+ * moe_fault_validate refuses a malformed value (exit 2); moe_fault_armed
+ * says whether `rank` is to fail at `stage`. */
+extern const char *const moe_fault_stages[];
+int moe_fault_validate(moe_status *st);
+bool moe_fault_armed(int rank, const char *stage);
 
 /* Bytes of memory this machine can still give (MemAvailable), or its
  * physical memory when that is unknown. */

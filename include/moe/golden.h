@@ -42,12 +42,19 @@ typedef struct {
     bool bf16_step;    /* the value was rounded to bf16 once: allow one step */
 } moe_golden_tensor;
 
-/* Write the set into dir (created if missing; if dir does not exist the set
- * is built beside it and renamed into place, so a failed dump leaves
- * nothing). config_json: a JSON object for the manifest's "config".
- * *bytes receives the total size. Returns MOE_EXIT_OK or MOE_EXIT_RUNTIME. */
+/* Write the set as dir (trailing slashes allowed). The new set is built in
+ * dir.partial.HOST.PID beside it, read back against its checksums, and only
+ * then swapped in for whatever dir held (atomically where the filesystem
+ * can exchange two names); any failure leaves dir as it was and nothing
+ * else behind, and debris of dumps killed earlier on this host is removed.
+ * config_json: a JSON object for the manifest's "config". *bytes receives
+ * the total size. Returns MOE_EXIT_OK or MOE_EXIT_RUNTIME. */
 int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
                      const char *config_json, double *bytes, moe_status *st);
+
+/* Usage check before a run: dir is new, empty or a golden set (a dump
+ * replaces all it holds, so a directory with anything else is refused). */
+int moe_golden_check_target(const char *dir, moe_status *st);
 
 /* Compare the tensors of candidate with the set in dir, in pipeline order,
  * and print the table to out. Candidate ids of any integer dtype and values

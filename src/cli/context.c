@@ -3,6 +3,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "moe/context.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,7 +11,41 @@
 
 #include "moe/files.h"
 #include "moe/gemm.h"
+#include "moe/golden.h"
 #include "moe/routing.h"
+
+/* Every output path can be written, and no two name the same place (nor a
+ * file inside the dump's directory, which the dump replaces). Rank 0. */
+static int check_outputs(const moe_config *cfg, moe_status *st)
+{
+    const struct {
+        const char *flag, *path;
+    } out[] = {{"--dump", cfg->dump}, {"--trace", cfg->trace}, {"--timeline", cfg->timeline},
+               {"--csv", cfg->csv}, {"--plot", cfg->plot}};
+    enum { N = sizeof out / sizeof out[0] };
+    char where[N][PATH_MAX + 8];
+    for (int n = 0; n < N; n++) {
+        where[n][0] = '\0';
+        if (!out[n].path[0])
+            continue;
+        if (n == 0 ? moe_check_output_dir(out[n].flag, out[n].path, st) ||
+                         moe_golden_check_target(out[n].path, st)
+                   : moe_check_output_path(out[n].flag, out[n].path, st))
+            return st->code;
+        moe_path_identity(out[n].path, where[n], sizeof where[n]);
+        for (int m = 0; m < n; m++) {
+            const size_t len = strlen(where[m]);
+            if (where[m][0] && !strcmp(where[n], where[m]))
+                return moe_fail(st, MOE_EXIT_USAGE, "%s and %s name the same path '%s'",
+                                out[m].flag, out[n].flag, out[n].path);
+            if (m == 0 && where[m][0] && !strncmp(where[n], where[m], len) && where[n][len] == '/')
+                return moe_fail(st, MOE_EXIT_USAGE,
+                                "%s '%s' is inside the --dump directory, which the dump replaces",
+                                out[n].flag, out[n].path);
+        }
+    }
+    return MOE_EXIT_OK;
+}
 
 /* Parse and validate `command`'s arguments on every rank, check the output
  * paths, estimate memory; agree. */
@@ -24,18 +59,11 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         cfg->waves_count = 4;
         cfg->iters = 5;
     }
-    if (moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
+    if (moe_fault_validate(st) == MOE_EXIT_OK &&
+        moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
-        if (c->rank == 0 && cfg->trace[0])
-            moe_check_output_path("--trace", cfg->trace, st);
-        if (c->rank == 0 && cfg->timeline[0] && st->code == MOE_EXIT_OK)
-            moe_check_output_path("--timeline", cfg->timeline, st);
-        if (c->rank == 0 && cfg->dump[0] && st->code == MOE_EXIT_OK)
-            moe_check_output_dir("--dump", cfg->dump, st);
-        if (c->rank == 0 && cfg->csv[0] && st->code == MOE_EXIT_OK)
-            moe_check_output_path("--csv", cfg->csv, st);
-        if (c->rank == 0 && cfg->plot[0] && st->code == MOE_EXIT_OK)
-            moe_check_output_path("--plot", cfg->plot, st);
+        if (c->rank == 0)
+            check_outputs(cfg, st);
         if (command == MOE_CMD_BENCH && cfg->blocking && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
         if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)

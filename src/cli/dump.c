@@ -8,6 +8,7 @@
  * are not gathered: rank 0 regenerates them from the seed (they are a pure
  * function of it, docs/data.md). Collective.
  */
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,12 +96,8 @@ static void tolerate(moe_golden_tensor *g, double rel)
  * part of what it is, so --dump is left out. */
 static void emit_config(void *ctx, const char *name, const char *value)
 {
-    char **json = ctx;
-    if (!strcmp(name, "dump"))
-        return;
-    size_t len = strlen(*json);
-    *json = realloc(*json, len + strlen(name) + strlen(value) + 16);
-    sprintf(*json + len, "%s\"%s\": \"%s\"", len > 1 ? ", " : "", name, value);
+    if (strcmp(name, "dump"))
+        json_object_set_new(ctx, name, json_string(value)); /* validated as UTF-8 (config.c) */
 }
 
 /* The layout tensors of a set, from all ranks' ids (N, k) and the placement. */
@@ -293,14 +290,14 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         l.items[it].abs = l.items[iy].abs;
         l.items[iy].allow = l.items[it].allow = all_allow ? "output.allow" : NULL;
 
-        char *config = moe_xmalloc(2);
-        strcpy(config, "{");
-        moe_config_describe(cfg, MOE_CMD_RUN, emit_config, &config);
-        emit_config(&config, "ranks", (snprintf(name, sizeof name, "%d", G), name));
-        config = realloc(config, strlen(config) + 2);
-        strcat(config, "}");
+        json_t *config_object = json_object();
+        moe_config_describe(cfg, MOE_CMD_RUN, emit_config, config_object);
+        json_object_set_new(config_object, "ranks", json_sprintf("%d", G));
+        char *config = json_dumps(config_object, JSON_PRESERVE_ORDER);
+        MOE_ASSERT(config != NULL);
         moe_golden_write(cfg->dump, l.items, l.count, config, bytes, &local);
         free(config);
+        json_decref(config_object);
         layout_counts_free(&lc);
         free(selection);
         free(tokens);

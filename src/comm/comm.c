@@ -284,12 +284,10 @@ int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, vo
 
 bool moe_fault_here(const moe_comm *c, const char *stage, moe_status *st)
 {
-    const char *spec = getenv("MOE_EP_FAULT");
-    int rank;
-    char where[32];
-    if (!spec || sscanf(spec, "%d:%31s", &rank, where) != 2 || rank != c->rank || strcmp(where, stage))
+    if (!moe_fault_armed(c->rank, stage))
         return false;
-    moe_fail(st, MOE_EXIT_RUNTIME, "injected fault at stage %s (MOE_EP_FAULT)", stage);
+    moe_fail(st, MOE_EXIT_RUNTIME, "injected fault at stage %s on rank %d (MOE_EP_FAULT)", stage,
+             c->rank);
     return true;
 }
 

@@ -2,20 +2,33 @@
 #define _POSIX_C_SOURCE 200809L
 #include "moe/common.h"
 
-#include <string.h>
-#include <unistd.h>
-
+#include <errno.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 int moe_message_rank = -1;
 
 int moe_fail(moe_status *st, int code, const char *fmt, ...)
 {
+    char raw[MOE_MESSAGE_MAX];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(st->message, sizeof st->message, fmt, ap);
+    vsnprintf(raw, sizeof raw, fmt, ap);
     va_end(ap);
+    /* One line whatever the values echoed in it hold: controls are escaped. */
+    size_t at = 0;
+    for (const unsigned char *c = (const unsigned char *)raw; *c && at + 5 < sizeof st->message; c++) {
+        if (*c == '\n')
+            at += (size_t)snprintf(st->message + at, sizeof st->message - at, "\\n");
+        else if (*c < 0x20 || *c == 0x7f)
+            at += (size_t)snprintf(st->message + at, sizeof st->message - at, "\\x%02x", *c);
+        else
+            st->message[at++] = (char)*c;
+    }
+    st->message[at] = '\0';
     st->code = code;
     return code;
 }
@@ -132,4 +145,46 @@ void moe_to_counts(const moe_index *count, int n, int *counts, int *displs)
         displs[r] = (int)offset;
         offset += count[r];
     }
+}
+
+const char *const moe_fault_stages[] = {"generate", "plan", "dispatch", "experts", "combine",
+                                        "dump", "mpi", "write", "kill", NULL};
+
+/* MOE_EP_FAULT=RANK:STAGE: a rank in [0, 2^20) and a known stage, nothing else. */
+static bool fault_spec(long *rank, const char **stage)
+{
+    const char *spec = getenv("MOE_EP_FAULT");
+    if (!spec || !*spec)
+        return false;
+    char *end;
+    errno = 0;
+    *rank = (spec[0] >= '0' && spec[0] <= '9') ? strtol(spec, &end, 10) : -1;
+    if (*rank < 0 || *rank >= (1 << 20) || errno || *end != ':')
+        return false;
+    for (const char *const *s = moe_fault_stages; *s; s++)
+        if (!strcmp(end + 1, *s)) {
+            *stage = *s;
+            return true;
+        }
+    return false;
+}
+
+int moe_fault_validate(moe_status *st)
+{
+    long rank;
+    const char *stage, *spec = getenv("MOE_EP_FAULT");
+    if (!spec || !*spec || fault_spec(&rank, &stage))
+        return MOE_EXIT_OK;
+    char names[160] = "";
+    for (const char *const *s = moe_fault_stages; *s; s++)
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *s, s[1] ? "|" : "");
+    return moe_fail(st, MOE_EXIT_USAGE, "MOE_EP_FAULT must be RANK:STAGE, STAGE one of %s, got '%.60s'",
+                    names, spec);
+}
+
+bool moe_fault_armed(int rank, const char *stage)
+{
+    long want;
+    const char *armed;
+    return fault_spec(&want, &armed) && want == rank && !strcmp(armed, stage);
 }

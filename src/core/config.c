@@ -202,6 +202,28 @@ static const flag_spec *find_flag(const char *name, size_t len)
     return NULL;
 }
 
+/* Well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF). */
+static bool utf8_valid(const char *text)
+{
+    for (const unsigned char *c = (const unsigned char *)text; *c;) {
+        int extra = *c < 0x80 ? 0 : (*c & 0xe0) == 0xc0 ? 1 : (*c & 0xf0) == 0xe0 ? 2
+                  : (*c & 0xf8) == 0xf0 ? 3 : -1;
+        if (extra < 0)
+            return false;
+        uint32_t point = extra ? *c & (0x3f >> extra) : *c;
+        c++;
+        for (int n = 0; n < extra; n++, c++) {
+            if ((*c & 0xc0) != 0x80)
+                return false;
+            point = point << 6 | (*c & 0x3f);
+        }
+        static const uint32_t least[] = {0, 0x80, 0x800, 0x10000};
+        if (point < least[extra] || point > 0x10ffff || (point >= 0xd800 && point <= 0xdfff))
+            return false;
+    }
+    return true;
+}
+
 /* `where` is "--tokens" for a flag or "FILE:LINE: tokens" for a preset key. */
 static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, const char *where,
                      moe_status *st)
@@ -277,8 +299,11 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
     }
     case FLAG_TEXT:
         if (strlen(value) >= MOE_NAME_MAX)
-            return moe_fail(st, MOE_EXIT_USAGE, "%s: path longer than %d characters", where,
+            return moe_fail(st, MOE_EXIT_USAGE, "%s: %s longer than %d characters", where,
+                            strcmp(flag->value_name, "SPEC") ? "path" : "value",
                             MOE_NAME_MAX - 1);
+        if (!utf8_valid(value)) /* the golden manifest records it as JSON text */
+            return moe_fail(st, MOE_EXIT_USAGE, "%s must be UTF-8 text", where);
         snprintf(base, MOE_NAME_MAX, "%s", value);
         return MOE_EXIT_OK;
     case FLAG_CHOICE: {

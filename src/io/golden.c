@@ -1,8 +1,14 @@
 /* golden.c — writing golden sets and verifying candidates (see golden.h). */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
 #include "moe/golden.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
 #include <jansson.h>
 #include <stdint.h>
 #include <math.h>
@@ -47,22 +53,172 @@ static void write_json(FILE *fp, const void *manifest)
     json_dumpf((const json_t *)manifest, fp, JSON_INDENT(1) | JSON_PRESERVE_ORDER);
 }
 
-int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
-                     const char *config_json, double *bytes, moe_status *st)
+static bool file_sha256(const char *path, char hex[65]);
+
+/* ---- the set's directory -------------------------------------------------
+ *
+ * A set is written into DIR.partial.HOST.PID beside DIR, its files are read
+ * back against the checksums the writer computed, and only then is it
+ * swapped in: renameat2(RENAME_EXCHANGE) where the filesystem has it, two
+ * renames otherwise. A failure before the swap removes the new directory and
+ * leaves DIR as it was; a killed writer leaves DIR.partial.HOST.PID, which the
+ * next dump into DIR removes once that process is gone. Nothing is removed
+ * that holds anything but a set's own entries. */
+
+/* May `name` sit in a set's directory? The stage files, the manifest, and
+ * their temporaries NAME.tmp.PID. */
+static bool set_entry(const char *name)
+{
+    const char *tmp = strstr(name, ".tmp.");
+    const size_t len = tmp ? (size_t)(tmp - name) : strlen(name);
+    if (tmp && (!tmp[5] || strspn(tmp + 5, "0123456789") != strlen(tmp + 5)))
+        return false;
+    if (len == strlen("manifest.json") && !strncmp(name, "manifest.json", len))
+        return true;
+    for (int s = 0; s < MOE_GOLDEN_STAGES; s++) {
+        char file[64];
+        snprintf(file, sizeof file, "%s.safetensors", moe_golden_stage_names[s]);
+        if (len == strlen(file) && !strncmp(name, file, len))
+            return true;
+    }
+    return false;
+}
+
+/* The first entry of dir that is not a set's, into `odd` ("" when none);
+ * false if dir cannot be listed. */
+static bool only_set_entries(const char *dir, char *odd, size_t size)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return false;
+    odd[0] = '\0';
+    for (struct dirent *e; (e = readdir(d)) && !odd[0];)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && !set_entry(e->d_name))
+            snprintf(odd, size, "%s", e->d_name);
+    closedir(d);
+    return true;
+}
+
+/* Remove dir if it holds nothing but a set's entries. */
+static bool remove_set_dir(const char *dir)
+{
+    char odd[256];
+    if (!only_set_entries(dir, odd, sizeof odd) || odd[0])
+        return false;
+    DIR *d = opendir(dir);
+    if (!d)
+        return false;
+    for (struct dirent *e; (e = readdir(d));)
+        if (set_entry(e->d_name)) {
+            char path[2 * PATH_MAX];
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            unlink(path);
+        }
+    closedir(d);
+    return rmdir(dir) == 0;
+}
+
+int moe_golden_check_target(const char *dir, moe_status *st)
+{
+    char path[PATH_MAX], odd[256];
+    moe_path_strip_slashes(dir, path, sizeof path);
+    struct stat info;
+    if (stat(path, &info) != 0 || !S_ISDIR(info.st_mode))
+        return MOE_EXIT_OK;
+    if (!only_set_entries(path, odd, sizeof odd))
+        return moe_fail(st, MOE_EXIT_USAGE, "--dump: cannot list '%s': %s", path, strerror(errno));
+    if (odd[0])
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--dump: '%s' holds '%s', which is not part of a golden set; a dump "
+                        "replaces the whole directory, so give a new or empty one", path, odd);
+    return MOE_EXIT_OK;
+}
+
+/* Remove what killed dumps into `path` left beside it: DIR.partial.HOST.PID
+ * of this host whose process is gone, holding only a set's entries. */
+static void remove_stale(const char *path, const char *host)
+{
+    char copy[PATH_MAX], base_copy[PATH_MAX], prefix[PATH_MAX + 16];
+    snprintf(copy, sizeof copy, "%s", path);
+    snprintf(base_copy, sizeof base_copy, "%s", path);
+    const char *parent = dirname(copy), *base = basename(base_copy);
+    snprintf(prefix, sizeof prefix, "%s.partial.%s.", base, host);
+    DIR *d = opendir(parent);
+    if (!d)
+        return;
+    for (struct dirent *e; (e = readdir(d));) {
+        const char *pid_text = e->d_name + strlen(prefix);
+        if (strncmp(e->d_name, prefix, strlen(prefix)) || !*pid_text ||
+            strspn(pid_text, "0123456789") != strlen(pid_text))
+            continue;
+        const long pid = strtol(pid_text, NULL, 10);
+        if (pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH)
+            continue; /* a dump still writing */
+        char stale[2 * PATH_MAX];
+        snprintf(stale, sizeof stale, "%s/%s", parent, e->d_name);
+        if (remove_set_dir(stale))
+            printf("moe-ep: removed '%s', left by a dump that was killed (pid %ld)\n", stale, pid);
+    }
+    closedir(d);
+}
+
+/* Read every file back and compare it with the checksum its writer made. */
+static int check_written(const char *work, json_t *files, moe_status *st)
+{
+    const char *name;
+    json_t *file;
+    json_object_foreach(files, name, file) {
+        char path[2 * PATH_MAX], hex[65];
+        snprintf(path, sizeof path, "%s/%s", work, name);
+        if (!file_sha256(path, hex) || strcmp(hex, json_string_value(json_object_get(file, "sha256"))))
+            return moe_fail(st, MOE_EXIT_RUNTIME, "--dump: '%s' does not read back as written", path);
+    }
+    return MOE_EXIT_OK;
+}
+
+/* Put work in path's place; the old contents of path (if any) are removed. */
+static int swap_in(const char *work, const char *path, moe_status *st)
 {
     struct stat info;
-    const bool fresh = stat(dir, &info) != 0;
-    char work[520];
-    snprintf(work, sizeof work, fresh ? "%s.partial.%ld" : "%s", dir, (long)getpid());
-    if (fresh && mkdir(work, 0777) != 0)
-        return moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot create '%s': %s", work, strerror(errno));
+    if (stat(path, &info) != 0) {
+        if (rename(work, path) != 0)
+            return moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot rename '%s' to '%s': %s", work,
+                            path, strerror(errno));
+        return MOE_EXIT_OK;
+    }
+    if (renameat2(AT_FDCWD, work, AT_FDCWD, path, RENAME_EXCHANGE) != 0) {
+        /* No atomic exchange here: move the old set aside, then the new one in. */
+        char old[2 * PATH_MAX];
+        snprintf(old, sizeof old, "%s.old", work);
+        if (rename(path, old) != 0)
+            return moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot move '%s' aside: %s", path,
+                            strerror(errno));
+        if (rename(work, path) != 0) {
+            const int err = errno;
+            rename(old, path);
+            return moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot rename '%s' to '%s': %s", work,
+                            path, strerror(err));
+        }
+        remove_set_dir(old);
+        return MOE_EXIT_OK;
+    }
+    remove_set_dir(work); /* now the old set */
+    return MOE_EXIT_OK;
+}
+
+/* ---- writing, continued -------------------------------------------------- */
+
+/* The manifest's top, before its files and tensors. */
+static json_t *manifest_head(const char *config_json)
+{
     json_error_t error;
     json_t *config = json_loads(config_json, 0, &error);
-    json_t *manifest = json_object(), *files = json_object(), *list = json_object();
+    MOE_ASSERT(config != NULL && json_is_object(config)); /* built with jansson by the caller */
+    json_t *manifest = json_object();
     json_object_set_new(manifest, "format", json_string("moe-ep golden set"));
     json_object_set_new(manifest, "format_version", json_integer(1));
     json_object_set_new(manifest, "moe_ep_version", json_string(PACKAGE_VERSION));
-    json_object_set_new(manifest, "config", config ? config : json_object());
+    json_object_set_new(manifest, "config", config);
     json_t *stages = json_array();
     for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
         json_array_append_new(stages, json_string(moe_golden_stage_names[s]));
@@ -76,8 +232,18 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
         "layout.rank{r}.tokens_per_expert", "(E) (token, expert) pairs of rank r's tokens per expert",
         "experts.rank{r}.out with experts.rank{r}.row", "rows in any order; row[i] is candidate row i's golden row",
         "dispatch.rank{r}.x as F8_E4M3 with dispatch.rank{r}.x.scale", "(rows, ceil(d/128)) F32 scale per block"));
+    return manifest;
+}
+
+/* The stage files and the manifest, into work. */
+static int write_files(const char *work, const moe_golden_tensor *tensors, int n,
+                       json_t *manifest, double *bytes, moe_status *st)
+{
+    json_t *files = json_object(), *list = json_object();
+    json_object_set_new(manifest, "files", files);
+    json_object_set_new(manifest, "tensors", list);
     *bytes = 0.0;
-    int rc = MOE_EXIT_OK;
+    int rc = MOE_EXIT_OK, written = 0;
     moe_st_tensor *batch = moe_xmalloc(sizeof(moe_st_tensor) * (size_t)(n ? n : 1));
     for (int stage = 0; stage < MOE_GOLDEN_STAGES && rc == MOE_EXIT_OK; stage++) {
         int count = 0;
@@ -88,46 +254,55 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
             }
         if (count == 0)
             continue;
-        char path[700], hex[65], name[64];
+        char path[2 * PATH_MAX], hex[65], name[64], meta[160];
         snprintf(name, sizeof name, "%s.safetensors", moe_golden_stage_names[stage]);
         snprintf(path, sizeof path, "%s/%s", work, name);
-        char meta[160];
         snprintf(meta, sizeof meta, "{\"format\": \"moe-ep golden set\", \"stage\": \"%s\"}",
                  moe_golden_stage_names[stage]);
         rc = moe_st_write(path, batch, count, meta, hex, st);
+        struct stat info;
         if (rc == MOE_EXIT_OK && stat(path, &info) == 0) {
-            json_t *file = json_object();
-            json_object_set_new(file, "sha256", json_string(hex));
-            json_object_set_new(file, "bytes", json_integer((json_int_t)info.st_size));
-            json_object_set_new(files, name, file);
+            json_object_set_new(files, name, json_pack("{s:s, s:I}", "sha256", hex, "bytes",
+                                                       (json_int_t)info.st_size));
             *bytes += (double)info.st_size;
+        }
+        if (rc == MOE_EXIT_OK && written++ == 0) { /* the tests' stand-ins for a full disk, a kill */
+            if (moe_fault_armed(moe_message_rank, "write"))
+                rc = moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s': injected fault at stage "
+                              "write on rank %d (MOE_EP_FAULT)", path, moe_message_rank);
+            if (moe_fault_armed(moe_message_rank, "kill"))
+                raise(SIGKILL);
         }
     }
     free(batch);
-    json_object_set_new(manifest, "files", files);
-    json_object_set_new(manifest, "tensors", list);
     if (rc == MOE_EXIT_OK) {
-        char path[700];
+        char path[2 * PATH_MAX];
         snprintf(path, sizeof path, "%s/manifest.json", work);
         rc = moe_write_file_atomic(path, write_json, manifest, st);
     }
+    return rc;
+}
+
+int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
+                     const char *config_json, double *bytes, moe_status *st)
+{
+    char path[PATH_MAX], work[PATH_MAX + 96], host[64] = "host";
+    moe_path_strip_slashes(dir, path, sizeof path);
+    gethostname(host, sizeof host - 1);
+    host[strcspn(host, "/.")] = '\0';
+    remove_stale(path, host);
+    snprintf(work, sizeof work, "%s.partial.%s.%ld", path, host, (long)getpid());
+    if (mkdir(work, 0777) != 0)
+        return moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot create '%s': %s", work, strerror(errno));
+    json_t *manifest = manifest_head(config_json);
+    int rc = write_files(work, tensors, n, manifest, bytes, st);
+    if (rc == MOE_EXIT_OK)
+        rc = check_written(work, json_object_get(manifest, "files"), st);
     json_decref(manifest);
-    if (fresh) {
-        if (rc == MOE_EXIT_OK && rename(work, dir) != 0)
-            rc = moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot rename '%s' to '%s': %s", work,
-                          dir, strerror(errno));
-        if (rc != MOE_EXIT_OK) { /* leave nothing behind */
-            for (int stage = 0; stage < MOE_GOLDEN_STAGES; stage++) {
-                char path[700];
-                snprintf(path, sizeof path, "%s/%s.safetensors", work, moe_golden_stage_names[stage]);
-                unlink(path);
-            }
-            char path[700];
-            snprintf(path, sizeof path, "%s/manifest.json", work);
-            unlink(path);
-            rmdir(work);
-        }
-    }
+    if (rc == MOE_EXIT_OK)
+        rc = swap_in(work, path, st);
+    if (rc != MOE_EXIT_OK)
+        remove_set_dir(work); /* the old set stays as it was */
     return rc;
 }
 
