@@ -77,6 +77,12 @@ uint64_t moe_digest64(const void *data, size_t n);
 /* counts (n) and displs (n) as MPI wants them (ints) from row counts count (n). */
 void moe_to_counts(const moe_index *count, int n, int *counts, int *displs);
 
+/* Open an input file (a preset, a cluster, a safetensors file, a manifest)
+ * for reading; only a regular file will do, so a directory, a FIFO or a
+ * device is refused at once instead of read forever. NULL on failure, with
+ * a usage error "WHATcannot read 'PATH': why" in st. */
+FILE *moe_open_input(const char *what, const char *path, moe_status *st);
+
 /* Fault injection for the tests: MOE_EP_FAULT=RANK:STAGE makes rank RANK
  * fail at STAGE, one of moe_fault_stages (NULL-terminated): the forward's
  * stages and the dump fail as an allocation or I/O failure would (comm.h),

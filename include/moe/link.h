@@ -31,12 +31,23 @@ typedef struct {
     int ranks_per_node;         /* R; rank r is on virtual node r / R */
 } moe_link;
 
+/* The ranges a spec may give, so that a forward's emulated wait stays
+ * bounded: C/B at most 10^5 FLOP per byte (at 100 GFLOP/s, 1 MB/s), every
+ * bandwidth in [1 MB/s, 1000 TB/s], every latency at most 1 s. Past
+ * MOE_LINK_WAIT_MAX seconds of modelled wait for one all-to-all (a huge
+ * config on a slow link) the pipeline stops with a runtime error. */
+#define MOE_LINK_CB_MAX 1e5
+#define MOE_LINK_BW_MIN 1e6
+#define MOE_LINK_BW_MAX 1e15
+#define MOE_LINK_LATENCY_MAX 1.0
+#define MOE_LINK_WAIT_MAX 600.0
+
 /* Parse a --link spec:
  *   cb=RATIO[,lat=TIME]             both tiers at C/B = RATIO FLOP per byte
  *   bw=BW[:TIME]                    both tiers
  *   intra=BW[:TIME],inter=BW[:TIME] per tier (a missing tier is unlimited)
- * BW is a number with B/s, KB/s, MB/s, GB/s or TB/s (decimal units); TIME a
- * number with ns, us, ms or s. "" or "off" disables the model. Returns
+ * BW is a number with B/s, KB/s, MB/s, GB/s or TB/s (bytes, decimal units)
+ * or b/s, Kb/s, Mb/s, Gb/s, Tb/s (bits); TIME a number with ns, us, ms or s. "" or "off" disables the model. Returns
  * MOE_EXIT_OK or MOE_EXIT_USAGE with a message naming --link. */
 int moe_link_parse(moe_link *link, const char *spec, moe_status *st);
 

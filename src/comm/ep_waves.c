@@ -154,12 +154,22 @@ static const moe_link *schedule_link(const moe_ep *ep, const moe_schedule *sched
     return sched->link ? &ep->link : &no_link;
 }
 
-/* Post time and modelled arrival of an operation on this rank's links. */
+/* Post time and modelled arrival of an operation on this rank's links; a
+ * modelled wait past MOE_LINK_WAIT_MAX ends the job (exit 3) rather than
+ * holding it for hours. */
 static void track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
-                  double bytes[2][MOE_TIERS])
+                  double bytes[2][MOE_TIERS], MPI_Comm comm)
 {
-    const double now = MPI_Wtime();
-    moe_progress_track(p, op, now, moe_link_schedule(link, links, now, bytes[0], bytes[1]));
+    const double now = MPI_Wtime(), done = moe_link_schedule(link, links, now, bytes[0], bytes[1]);
+    if (done - now > MOE_LINK_WAIT_MAX) {
+        moe_comm me = {.comm = comm, .rank = moe_message_rank};
+        moe_status st = {0};
+        moe_fail(&st, MOE_EXIT_RUNTIME, "--link: the emulated links would hold one all-to-all "
+                 "for %.0f s, past the %.0f s bound; give faster links or a smaller config",
+                 done - now, MOE_LINK_WAIT_MAX);
+        moe_comm_abort(&me, &st);
+    }
+    moe_progress_track(p, op, now, done);
 }
 
 /* A wave's dispatch (its travelling rows, then every row's ids: two
@@ -192,7 +202,7 @@ static void wave_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Da
     moe_progress_lock(p);
     start_dispatch(ws, G, row_type, meta_type, comm, o->requests);
     o->count = 2;
-    track(p, op, link, links, ws->dispatch_bytes);
+    track(p, op, link, links, ws->dispatch_bytes, comm);
     moe_progress_unlock(p);
 }
 
@@ -203,7 +213,7 @@ static void wave_combine(wave_state *ws, moe_progress *p, int op, int G, MPI_Dat
     moe_progress_lock(p);
     start_combine(ws, G, row_type, comm, o->requests);
     o->count = 1;
-    track(p, op, link, links, ws->combine_bytes);
+    track(p, op, link, links, ws->combine_bytes, comm);
     moe_progress_unlock(p);
 }
 

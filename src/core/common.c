@@ -3,10 +3,12 @@
 #include "moe/common.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 int moe_message_rank = -1;
@@ -187,4 +189,25 @@ bool moe_fault_armed(int rank, const char *stage)
     long want;
     const char *armed;
     return fault_spec(&want, &armed) && want == rank && !strcmp(armed, stage);
+}
+
+FILE *moe_open_input(const char *what, const char *path, moe_status *st)
+{
+    /* Non-blocking, so that a FIFO without a writer cannot stall the open. */
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        moe_fail(st, MOE_EXIT_USAGE, "%scannot read '%s': %s", what, path, strerror(errno));
+        return NULL;
+    }
+    struct stat info;
+    const char *wrong = fstat(fd, &info) != 0          ? "cannot stat it"
+                        : S_ISDIR(info.st_mode)         ? "it is a directory"
+                        : !S_ISREG(info.st_mode)        ? "it is not a regular file (a FIFO, device or socket)"
+                                                        : NULL;
+    FILE *fp = wrong ? NULL : (fcntl(fd, F_SETFL, 0), fdopen(fd, "rb"));
+    if (!fp) {
+        close(fd);
+        moe_fail(st, MOE_EXIT_USAGE, "%scannot read '%s': %s", what, path, wrong ? wrong : strerror(errno));
+    }
+    return fp;
 }

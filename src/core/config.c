@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #ifndef MOE_SOURCE_DATA_DIR
 #define MOE_SOURCE_DATA_DIR "data"
@@ -375,10 +376,9 @@ static FILE *open_conf(const char *flag, const char *kind, const char *name, cha
 {
     if (strchr(name, '/')) {
         snprintf(file, size, "%s", name);
-        FILE *fp = fopen(file, "r");
-        if (!fp)
-            moe_fail(st, MOE_EXIT_USAGE, "--%s: cannot read '%s': %s", flag, file, strerror(errno));
-        return fp;
+        char what[32];
+        snprintf(what, sizeof what, "--%s: ", flag);
+        return moe_open_input(what, file, st);
     }
     if (!valid_name(name)) {
         moe_fail(st, MOE_EXIT_USAGE,
@@ -391,9 +391,11 @@ static FILE *open_conf(const char *flag, const char *kind, const char *name, cha
     for (char *save = NULL, *dir = strtok_r(path, ":", &save); dir;
          dir = strtok_r(NULL, ":", &save)) {
         snprintf(file, size, "%s/%s.conf", dir, name);
-        FILE *fp = fopen(file, "r");
-        if (fp)
-            return fp;
+        if (access(file, F_OK) == 0) {
+            char what[32];
+            snprintf(what, sizeof what, "--%s: ", flag);
+            return moe_open_input(what, file, st);
+        }
     }
     char known[512];
     list_names(kind, known, sizeof known);

@@ -2,44 +2,58 @@
 #define _POSIX_C_SOURCE 200809L
 #include "moe/link.h"
 
+#include <ctype.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
-/* "900GB/s" → bytes per second; returns false on a malformed value. */
+/* A plain decimal number: digits first (no sign, space, inf or nan), then
+ * the unit at *end. */
+static bool number(const char *text, double *v, char **end)
+{
+    if (!isdigit((unsigned char)text[0]) && !(text[0] == '.' && isdigit((unsigned char)text[1])))
+        return false;
+    *v = strtod(text, end);
+    return isfinite(*v);
+}
+
+/* "900GB/s" → bytes per second, in [MOE_LINK_BW_MIN, MOE_LINK_BW_MAX].
+ * B is a byte and b a bit, as network rates are written: 8Gb/s = 1GB/s. */
 static bool parse_bandwidth(const char *text, double *out)
 {
     char *end;
-    double v = strtod(text, &end);
+    double v;
     static const struct {
         const char *unit;
         double scale;
-    } units[] = {{"B/s", 1}, {"KB/s", 1e3}, {"MB/s", 1e6}, {"GB/s", 1e9}, {"TB/s", 1e12}};
-    if (end == text || !(v > 0) || !isfinite(v))
-        return false;
-    for (size_t u = 0; u < sizeof units / sizeof units[0]; u++)
-        if (!strcasecmp(end, units[u].unit)) {
-            *out = v * units[u].scale;
-            return true;
-        }
-    return false;
-}
-
-static bool parse_time(const char *text, double *out)
-{
-    char *end;
-    double v = strtod(text, &end);
-    static const struct {
-        const char *unit;
-        double scale;
-    } units[] = {{"ns", 1e-9}, {"us", 1e-6}, {"ms", 1e-3}, {"s", 1}};
-    if (end == text || !(v >= 0) || !isfinite(v))
+    } units[] = {{"B/s", 1},     {"KB/s", 1e3},     {"MB/s", 1e6},     {"GB/s", 1e9},
+                 {"TB/s", 1e12}, {"b/s", 1.0 / 8}, {"Kb/s", 1e3 / 8}, {"Mb/s", 1e6 / 8},
+                 {"Gb/s", 1e9 / 8}, {"Tb/s", 1e12 / 8}};
+    if (!number(text, &v, &end))
         return false;
     for (size_t u = 0; u < sizeof units / sizeof units[0]; u++)
         if (!strcmp(end, units[u].unit)) {
             *out = v * units[u].scale;
-            return true;
+            return *out >= MOE_LINK_BW_MIN && *out <= MOE_LINK_BW_MAX;
+        }
+    return false;
+}
+
+/* "5us" → seconds, in [0, MOE_LINK_LATENCY_MAX]. */
+static bool parse_time(const char *text, double *out)
+{
+    char *end;
+    double v;
+    static const struct {
+        const char *unit;
+        double scale;
+    } units[] = {{"ns", 1e-9}, {"us", 1e-6}, {"ms", 1e-3}, {"s", 1}};
+    if (!number(text, &v, &end))
+        return false;
+    for (size_t u = 0; u < sizeof units / sizeof units[0]; u++)
+        if (!strcmp(end, units[u].unit)) {
+            *out = v * units[u].scale;
+            return *out <= MOE_LINK_LATENCY_MAX;
         }
     return false;
 }
@@ -76,8 +90,8 @@ int moe_link_parse(moe_link *link, const char *spec, moe_status *st)
         char *key = item, *value = equals + 1;
         if (!strcmp(key, "cb")) {
             char *end;
-            link->cb_ratio = strtod(value, &end);
-            if (*end || !(link->cb_ratio > 0) || !isfinite(link->cb_ratio))
+            if (!number(value, &link->cb_ratio, &end) || *end || !(link->cb_ratio > 0) ||
+                link->cb_ratio > MOE_LINK_CB_MAX)
                 goto bad;
             cb = true;
         } else if (!strcmp(key, "lat")) {
@@ -110,7 +124,8 @@ int moe_link_parse(moe_link *link, const char *spec, moe_status *st)
 bad:
     return moe_fail(st, MOE_EXIT_USAGE,
                     "--link must be cb=RATIO[,lat=TIME], bw=BW[:TIME] or intra=BW[:TIME],inter=BW[:TIME] "
-                    "(BW like 50GB/s, TIME like 5us), got '%s'", spec);
+                    "(RATIO in (0, %g]; BW like 50GB/s or 400Gb/s, in [1MB/s, 1000TB/s]; TIME like "
+                    "5us, at most %gs), got '%s'", MOE_LINK_CB_MAX, MOE_LINK_LATENCY_MAX, spec);
 }
 
 double moe_link_schedule(const moe_link *link, moe_link_state *state, double t_post,

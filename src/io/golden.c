@@ -311,7 +311,8 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
 /* A file's SHA-256 as hex. */
 static bool file_sha256(const char *path, char hex[65])
 {
-    FILE *fp = fopen(path, "rb");
+    moe_status ignored = {0};
+    FILE *fp = moe_open_input("", path, &ignored);
     if (!fp)
         return false;
     moe_sha256 h;
@@ -900,7 +901,11 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
     snprintf(path, sizeof path, "%s/manifest.json", dir);
     json_error_t error;
     verify_run v = {.dir = dir, .out = out, .first_failing = MOE_GOLDEN_STAGES};
-    v.manifest = json_load_file(path, 0, &error);
+    FILE *fp = moe_open_input("golden manifest: ", path, st);
+    if (!fp)
+        return st->code;
+    v.manifest = json_loadf(fp, 0, &error);
+    fclose(fp);
     if (!v.manifest)
         return moe_fail(st, MOE_EXIT_USAGE, "cannot read golden manifest '%s': %s (line %d)", path,
                         error.text, error.line);

@@ -179,9 +179,9 @@ int moe_st_open(const char *path, moe_st_file *f, moe_status *st)
 {
     memset(f, 0, sizeof *f);
     snprintf(f->path, sizeof f->path, "%s", path);
-    f->fp = fopen(path, "rb");
+    f->fp = moe_open_input("", path, st);
     if (!f->fp)
-        return moe_fail(st, MOE_EXIT_USAGE, "cannot read '%s': %s", path, strerror(errno));
+        return st->code;
     struct stat info;
     if (fstat(fileno(f->fp), &info) != 0)
         return bad(f, st, "cannot stat it");
