@@ -128,6 +128,22 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
     if (st.code == MOE_EXIT_OK && cfg.moe_layers > cfg.layers)
         moe_fail(&st, MOE_EXIT_USAGE, "--moe-layers must be in [0, %lld] (at most --layers), got %lld",
                  (long long)cfg.layers, (long long)cfg.moe_layers);
+    if (st.code == MOE_EXIT_OK && cfg.ep > cfg.experts)
+        moe_fail(&st, MOE_EXIT_USAGE, "--ep must be in [1, %lld] (at most --experts: every GPU of "
+                 "the group holds at least one expert), got %lld",
+                 (long long)cfg.experts, (long long)cfg.ep);
+    /* The hardware the figures divide by: given by --cluster or the flags. */
+    const struct {
+        const char *flag;
+        double value;
+        bool needed;
+    } hardware[] = {{"--tflops", cfg.tflops, true},
+                    {"--intra-bw", cfg.intra_bw, cfg.gpus_per_node > 1 && cfg.ep > 1},
+                    {"--inter-bw", cfg.inter_bw, cfg.ep > cfg.gpus_per_node}};
+    for (size_t n = 0; n < sizeof hardware / sizeof hardware[0] && st.code == MOE_EXIT_OK; n++)
+        if (hardware[n].needed && !(hardware[n].value > 0))
+            moe_fail(&st, MOE_EXIT_USAGE, "%s must be above 0 (give --cluster NAME or the flag), got %g",
+                     hardware[n].flag, hardware[n].value);
     if (st.code == MOE_EXIT_OK && cfg.topk > cfg.experts)
         moe_fail(&st, MOE_EXIT_USAGE, "--topk must be in [1, %lld] (at most --experts), got %lld",
                  (long long)cfg.experts, (long long)cfg.topk);

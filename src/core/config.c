@@ -225,6 +225,18 @@ static bool utf8_valid(const char *text)
     return true;
 }
 
+/* A number as moe-ep reads it: a digit first, or a sign then a digit when
+ * `sign` (no leading space, "+ 1", "inf" or "nan"), or ".5". */
+static bool number_start(const char *value, bool sign)
+{
+    const char *c = value;
+    if (sign && (*c == '-' || *c == '+'))
+        c++;
+    if (*c == '.')
+        c++;
+    return isdigit((unsigned char)*c);
+}
+
 /* `where` is "--tokens" for a flag or "FILE:LINE: tokens" for a preset key. */
 static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, const char *where,
                      moe_status *st)
@@ -235,7 +247,8 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
     case FLAG_INT: {
         errno = 0;
         long long v = strtoll(value, &end, 10);
-        if (*value == '\0' || *end != '\0' || errno == ERANGE || v < flag->min || v > flag->max)
+        if (!number_start(value, true) || *end != '\0' || errno == ERANGE || v < flag->min ||
+            v > flag->max)
             return moe_fail(st, MOE_EXIT_USAGE,
                             "%s must be an integer in [%lld, %lld], got '%s'", where,
                             (long long)flag->min, (long long)flag->max, value);
@@ -244,8 +257,9 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
     }
     case FLAG_SEED: {
         errno = 0;
-        unsigned long long v = strtoull(value, &end, 0);
-        if (*value == '\0' || *value == '-' || *end != '\0' || errno == ERANGE)
+        const bool hex = value[0] == '0' && (value[1] == 'x' || value[1] == 'X');
+        unsigned long long v = strtoull(value, &end, hex ? 16 : 10); /* decimal, or 0x hex */
+        if (!number_start(value, false) || *end != '\0' || errno == ERANGE)
             return moe_fail(st, MOE_EXIT_USAGE,
                             "%s must be an integer in [0, 18446744073709551615], got '%s'", where,
                             value);
@@ -265,14 +279,12 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
     case FLAG_CLUSTER:
         return moe_fail(st, MOE_EXIT_USAGE, "%s: a .conf file cannot name another", where);
     case FLAG_WAVES: {
-        char text[256];
         int count = 0;
-        snprintf(text, sizeof text, "%s", value);
-        for (char *save = NULL, *item = strtok_r(text, ",", &save); item;
-             item = strtok_r(NULL, ",", &save)) {
+        for (const char *item = value;; item++) { /* strict: no empty items, no spaces */
             errno = 0;
             long long v = strtoll(item, &end, 10);
-            if (*end != '\0' || errno == ERANGE || v < flag->min || v > flag->max)
+            if (!number_start(item, false) || (*end != ',' && *end != '\0') || errno == ERANGE ||
+                v < flag->min || v > flag->max)
                 return moe_fail(st, MOE_EXIT_USAGE,
                                 "%s must be an integer in [%lld, %lld] or a list of them, got '%s'",
                                 where, (long long)flag->min, (long long)flag->max, value);
@@ -280,18 +292,18 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
                 return moe_fail(st, MOE_EXIT_USAGE, "%s lists at most %d wave counts, got '%s'",
                                 where, MOE_MAX_WAVE_RUNS, value);
             cfg->waves_list[count++] = v;
+            if (*end == '\0')
+                break;
+            item = end;
         }
-        if (count == 0)
-            return moe_fail(st, MOE_EXIT_USAGE,
-                            "%s must be an integer in [%lld, %lld] or a list of them, got '%s'",
-                            where, (long long)flag->min, (long long)flag->max, value);
         cfg->waves_count = count;
         return MOE_EXIT_OK;
     }
     case FLAG_REAL: {
         errno = 0;
         double v = strtod(value, &end);
-        if (*value == '\0' || *end != '\0' || errno == ERANGE || !(v >= (double)flag->min) ||
+        if (!number_start(value, true) || strpbrk(value, "xX") || *end != '\0' || errno == ERANGE ||
+            !(v >= (double)flag->min) ||
             !(v <= (double)flag->max))
             return moe_fail(st, MOE_EXIT_USAGE, "%s must be a number in [%lld, %lld], got '%s'",
                             where, (long long)flag->min, (long long)flag->max, value);
@@ -423,10 +435,12 @@ static int load_conf(moe_config *cfg, enum moe_command command, const char *flag
     FILE *fp = open_conf(flag, kind, name, file, sizeof file, st);
     if (!fp)
         return st->code;
-    char line[1024];
+    char *line = NULL;
+    size_t capacity = 0;
     int number = 0, rc = MOE_EXIT_OK;
-    while (rc == MOE_EXIT_OK && fgets(line, sizeof line, fp)) {
-        number++;
+    while (rc == MOE_EXIT_OK && getline(&line, &capacity, fp) >= 0) {
+        if (++number == 1 && !strncmp(line, "\xef\xbb\xbf", 3)) /* a UTF-8 byte-order mark */
+            memmove(line, line + 3, strlen(line + 3) + 1);
         char *hash = strchr(line, '#');
         if (hash)
             *hash = '\0';
@@ -451,8 +465,9 @@ static int load_conf(moe_config *cfg, enum moe_command command, const char *flag
         else if (spec->commands & (1u << command))
             rc = set_value(cfg, spec, value, where, st);
     }
-    if (rc == MOE_EXIT_OK && ferror(fp)) /* a directory opens, then fails to read */
+    if (rc == MOE_EXIT_OK && ferror(fp))
         rc = moe_fail(st, MOE_EXIT_USAGE, "--%s: cannot read '%s': %s", flag, file, strerror(errno));
+    free(line);
     fclose(fp);
     return rc;
 }
@@ -467,6 +482,19 @@ int moe_config_load_preset(moe_config *cfg, enum moe_command command, const char
 }
 
 static const char *const command_names[] = {"run", "plan", "bench"};
+
+/* Is next the value of a switch (a bool, or a choice that has true) rather
+ * than the next argument? */
+static bool switch_value(const flag_spec *flag, const char *next)
+{
+    if (flag->kind == FLAG_CHOICE)
+        return choice_value(flag, next) >= 0;
+    static const char *const words[] = {"true", "false", "yes", "no", "1", "0"};
+    for (size_t n = 0; n < sizeof words / sizeof words[0]; n++)
+        if (!strcmp(next, words[n]))
+            return true;
+    return false;
+}
 
 /* Splits "--name=value" / "--name value"; returns the flag or sets st. */
 static const flag_spec *parse_flag(enum moe_command command, int argc, char **argv, int *at,
@@ -485,9 +513,13 @@ static const flag_spec *parse_flag(enum moe_command command, int argc, char **ar
                  (int)len, name, command_names[command], command_names[command]);
         return NULL;
     }
+    const bool switch_like = flag->kind == FLAG_BOOL ||
+                             (flag->kind == FLAG_CHOICE && choice_value(flag, "true") >= 0);
     if (equals)
         *value = equals + 1;
-    else if (flag->kind == FLAG_BOOL || (flag->kind == FLAG_CHOICE && choice_value(flag, "true") >= 0))
+    else if (switch_like && *at + 1 < argc && switch_value(flag, argv[*at + 1]))
+        *value = argv[++*at]; /* --check false, as --check=false */
+    else if (switch_like)
         *value = "true"; /* a switch, or a choice that has true, may stand alone */
     else if (*at + 1 < argc)
         *value = argv[++*at];

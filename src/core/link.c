@@ -13,6 +13,8 @@ static bool number(const char *text, double *v, char **end)
 {
     if (!isdigit((unsigned char)text[0]) && !(text[0] == '.' && isdigit((unsigned char)text[1])))
         return false;
+    if (text[0] == '0' && (text[1] == 'x' || text[1] == 'X')) /* strtod would read hex */
+        return false;
     *v = strtod(text, end);
     return isfinite(*v);
 }

@@ -104,6 +104,50 @@ START_TEST(bad_flags_are_usage_errors)
 END_TEST
 
 /* --norm-topk auto follows each gate's reference code; true and false win. */
+/* Numbers are read strictly and alike everywhere; switches take a value
+ * either way; presets skip a byte-order mark and read long comments. */
+START_TEST(values_are_parsed_strictly)
+{
+    moe_config cfg;
+    moe_status st;
+    static const char *const refused[][2] = {
+        {"--seed", " -1"}, {"--seed", "+1"}, {"--seed", "-1"}, {"--tokens", "+-3"},
+        {"--tokens", " 7"}, {"--route-scale", "inf"}, {"--route-scale", "nan"},
+        {"--init-scale", "0x1p3"}, {"--waves", "1,,2"}, {"--waves", "2,"}, {"--waves", ",2"},
+        {"--waves", "1, 2"}, {"--seed", "18446744073709551616"}, {"--skew", "hot:0=+1\xff"}};
+    for (size_t n = 0; n < sizeof refused / sizeof refused[0]; n++) {
+        char *argv[2] = {(char *)refused[n][0], (char *)refused[n][1]};
+        moe_config_defaults(&cfg);
+        memset(&st, 0, sizeof st);
+        ck_assert_msg(moe_config_parse(&cfg, MOE_CMD_RUN, 2, argv, &st) == MOE_EXIT_USAGE,
+                      "accepted: %s '%s'", refused[n][0], refused[n][1]);
+    }
+    ck_assert_int_eq(parse(&cfg, &st, "--seed 010 --route-scale .5 --waves 1,2,8"), 0);
+    ck_assert_uint_eq(cfg.seed, 10);
+    ck_assert(cfg.route_scale == 0.5);
+    ck_assert_int_eq(cfg.waves_count, 3);
+    ck_assert_int_eq(parse(&cfg, &st, "--check false --blocking true --norm-topk false --tokens 9"), 0);
+    ck_assert(!cfg.check && cfg.blocking && cfg.norm_topk == MOE_NORM_TOPK_OFF && cfg.tokens == 9);
+    ck_assert_int_eq(parse(&cfg, &st, "--check --tokens 9"), 0);
+    ck_assert(cfg.check);
+
+    char path[] = "/tmp/moe-ep-check-XXXXXX.conf";
+    FILE *fp = fdopen(mkstemps(path, 5), "w");
+    fprintf(fp, "\xef\xbb\xbftokens = 12\n# %02000d\nhidden = 24\n", 0);
+    fclose(fp);
+    char line[600];
+    snprintf(line, sizeof line, "--preset %s", path);
+    ck_assert_int_eq(parse(&cfg, &st, line), 0);
+    ck_assert(cfg.tokens == 12 && cfg.hidden == 24);
+    fp = fopen(path, "w");
+    fprintf(fp, "# %03000d\n\ntokens = x\n", 0);
+    fclose(fp);
+    ck_assert_int_eq(parse(&cfg, &st, line), MOE_EXIT_USAGE);
+    ck_assert_msg(strstr(st.message, ":3: tokens") != NULL, "%s", st.message);
+    unlink(path);
+}
+END_TEST
+
 START_TEST(norm_topk_auto_follows_the_gate)
 {
     moe_config cfg;
@@ -148,6 +192,7 @@ Suite *make_config_suite(void)
     tcase_add_test(tc, flags_override_preset_in_any_order);
     tcase_add_test(tc, preset_syntax_error_names_file_and_line);
     tcase_add_loop_test(tc, bad_flags_are_usage_errors, 0, sizeof bad / sizeof bad[0]);
+    tcase_add_test(tc, values_are_parsed_strictly);
     tcase_add_test(tc, norm_topk_auto_follows_the_gate);
     tcase_add_test(tc, validation_checks_combinations);
     suite_add_tcase(s, tc);

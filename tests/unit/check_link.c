@@ -20,6 +20,9 @@ START_TEST(specs_parse)
     ck_assert_double_eq_tol(link.latency[MOE_TIER_INTRA], 3e-6, 1e-18);
     ck_assert_int_eq(moe_link_parse(&link, "bw=2MB/s", &st), 0);
     ck_assert_double_eq(link.bandwidth[MOE_TIER_INTER], 2e6);
+    ck_assert_int_eq(moe_link_parse(&link, "intra=8Gb/s,inter=400Gb/s", &st), 0); /* bits */
+    ck_assert_double_eq(link.bandwidth[MOE_TIER_INTRA], 1e9);
+    ck_assert_double_eq(link.bandwidth[MOE_TIER_INTER], 50e9);
     ck_assert_int_eq(moe_link_parse(&link, "off", &st), 0);
     ck_assert(!link.enabled);
 }
@@ -27,6 +30,9 @@ END_TEST
 
 static const char *const bad_specs[] = {
     "fast", "bw=12", "bw=-1GB/s", "intra=1GB/s:3weeks", "cb=0", "cb=abc", "cb=10,bw=1GB/s", "lat=1us",
+    /* past the ranges that bound a forward's wait; loose spellings */
+    "bw=1B/s", "bw=999KB/s", "bw=2000TB/s", "bw=1GB/s:100000s", "bw=1GB/s:2s", "cb=1e300", "cb=2e5",
+    "bw=8GB/S", "bw=8gb/s", "bw= 1GB/s", "bw=+1GB/s", "cb=nan", "cb=inf", "bw=infGB/s", "bw=0x10GB/s",
 };
 
 START_TEST(bad_specs_name_the_flag)
@@ -53,14 +59,14 @@ START_TEST(links_are_fifo_servers)
 {
     moe_link link = {.ranks_per_node = 2};
     moe_status st = {0};
-    ck_assert_int_eq(moe_link_parse(&link, "intra=1000B/s:1ms,inter=100B/s:10ms", &st), 0);
+    ck_assert_int_eq(moe_link_parse(&link, "intra=1GB/s:1ms,inter=100MB/s:10ms", &st), 0);
     moe_link_state state = {{{0}}};
-    const double in1[MOE_TIERS] = {500, 0}, out1[MOE_TIERS] = {0, 0};
+    const double in1[MOE_TIERS] = {500e6, 0}, out1[MOE_TIERS] = {0, 0};
     ck_assert_double_eq_tol(moe_link_schedule(&link, &state, 0.0, in1, out1), 0.501, 1e-12);
     /* same ingress link, posted at 0.1: waits until 0.5, then 0.5 s more */
     ck_assert_double_eq_tol(moe_link_schedule(&link, &state, 0.1, in1, out1), 1.001, 1e-12);
     /* egress and the other tier are free */
-    const double in2[MOE_TIERS] = {0, 0}, out2[MOE_TIERS] = {200, 50};
+    const double in2[MOE_TIERS] = {0, 0}, out2[MOE_TIERS] = {200e6, 50e6};
     ck_assert_double_eq_tol(moe_link_schedule(&link, &state, 0.1, in2, out2), 0.61, 1e-12);
     /* nothing over a link: done at post; model off: done at post */
     const double none[MOE_TIERS] = {0, 0};
