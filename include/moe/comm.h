@@ -73,6 +73,13 @@ bool moe_fault_here(const moe_comm *c, const char *stage, moe_status *st);
  * rank; others' are prefixed "rank R: " by moe_comm_agree. */
 void moe_comm_abort(const moe_comm *c, const moe_status *st) __attribute__((noreturn));
 
+/* Collective, the first of a command: do all ranks hold the same canonical
+ * configuration text (moe_config_canonical, plus the identity of the input
+ * files)? A mismatch is a usage error on every rank; on rank 0, st names the
+ * first rank that differs and the first differing line. Exchanges fixed-size
+ * digests first, so ranks that disagree cannot mismatch its messages. */
+int moe_comm_same_config(const moe_comm *c, const char *text, moe_status *st);
+
 /* Rank 0 prints "moe-ep: error: MESSAGE" to stderr. */
 void moe_comm_print_error(const moe_comm *c, const moe_status *st);
 

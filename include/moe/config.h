@@ -129,4 +129,9 @@ void moe_config_print_flags(FILE *out, enum moe_command command);
  * separated by ':': $MOE_EP_DATA_DIR/KIND, the source tree's, the installed. */
 const char *moe_config_data_path(const char *kind);
 
+/* The configuration as text, one "key=value" line per flag of command
+ * (after the preset), the command first: what every rank of a job must
+ * agree on. Newlines in values are written as \n. Caller frees. */
+char *moe_config_canonical(const moe_config *cfg, enum moe_command command);
+
 #endif

@@ -47,6 +47,26 @@ static int check_outputs(const moe_config *cfg, moe_status *st)
     return MOE_EXIT_OK;
 }
 
+/* text + "KEY=DIGEST\n", the 64-bit digest of the file at path (nothing
+ * when it cannot be read: its loader says why, collectively). */
+static char *append_file_digest(char *text, const char *key, const char *path)
+{
+    moe_status ignored = {0};
+    FILE *fp = moe_open_input("", path, &ignored);
+    if (!fp)
+        return text;
+    uint64_t digest = 0;
+    char block[1 << 16];
+    for (size_t got; (got = fread(block, 1, sizeof block, fp)) > 0;)
+        digest = digest * 0x100000001b3u ^ moe_digest64(block, got);
+    fclose(fp);
+    const size_t len = strlen(text);
+    text = realloc(text, len + strlen(key) + 24);
+    MOE_ASSERT(text != NULL);
+    sprintf(text + len, "%s=%016llx\n", key, (unsigned long long)digest);
+    return text;
+}
+
 /* Parse and validate `command`'s arguments on every rank, check the output
  * paths, estimate memory; agree. */
 static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, int argc,
@@ -84,7 +104,14 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
                      c->ranks_on_host);
         }
     }
-    return moe_comm_agree(c, st);
+    if (moe_comm_agree(c, st))
+        return st->code;
+    char *text = moe_config_canonical(cfg, command);
+    if (cfg->routing[0]) /* the file's contents, not just its name */
+        text = append_file_digest(text, "routing-file-digest", cfg->routing);
+    const int rc = moe_comm_same_config(c, text, st);
+    free(text);
+    return rc;
 }
 
 static int compare_doubles(const void *a, const void *b)

@@ -4,6 +4,7 @@
  * `moe-ep plan` runs with or without mpirun. The numbers come from
  * src/core/cluster.c; docs/plan.md gives the formulas.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "moe/cli.h"
@@ -147,7 +148,12 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
     if (st.code == MOE_EXIT_OK && cfg.topk > cfg.experts)
         moe_fail(&st, MOE_EXIT_USAGE, "--topk must be in [1, %lld] (at most --experts), got %lld",
                  (long long)cfg.experts, (long long)cfg.topk);
-    if (moe_comm_agree(c, &st)) {
+    if (moe_comm_agree(c, &st) == MOE_EXIT_OK) {
+        char *text = moe_config_canonical(&cfg, MOE_CMD_PLAN);
+        moe_comm_same_config(c, text, &st);
+        free(text);
+    }
+    if (st.code) {
         moe_comm_print_error(c, &st);
         return st.code;
     }

@@ -142,6 +142,42 @@ int moe_comm_agree(const moe_comm *c, moe_status *st)
     return code;
 }
 
+int moe_comm_same_config(const moe_comm *c, const char *text, moe_status *st)
+{
+    const int G = c->ranks;
+    const uint64_t mine = moe_digest64(text, strlen(text));
+    uint64_t *all = moe_xmalloc(sizeof(uint64_t) * (size_t)G);
+    MOE_MPI(MPI_Allgather(&mine, 1, MPI_UINT64_T, all, 1, MPI_UINT64_T, c->comm));
+    int other = 0;
+    while (other < G && all[other] == all[0])
+        other++;
+    free(all);
+    if (other == G)
+        return MOE_EXIT_OK;
+    /* Rank 0 learns the first rank that differs from it and names the key. */
+    long len = (long)strlen(text);
+    MOE_MPI(MPI_Bcast(&len, 1, MPI_LONG, other, c->comm));
+    char *theirs = moe_xmalloc((size_t)len + 1);
+    if (c->rank == other)
+        memcpy(theirs, text, (size_t)len);
+    MOE_MPI(MPI_Bcast(theirs, (int)len, MPI_CHAR, other, c->comm));
+    theirs[len] = '\0';
+    const char *a = text, *b = theirs;
+    while (*a && *a == *b) { /* to the first differing line */
+        a++;
+        b++;
+    }
+    while (a > text && a[-1] != '\n')
+        a--, b--;
+    const int la = (int)strcspn(a, "\n"), lb = (int)strcspn(b, "\n");
+    moe_fail(st, MOE_EXIT_USAGE,
+             "the ranks were started with different configurations: rank 0 has '%.*s', rank %d "
+             "has '%.*s' (give every rank the same arguments, presets and files)",
+             la > 150 ? 150 : la, a, other, lb > 150 ? 150 : lb, b);
+    free(theirs);
+    return st->code;
+}
+
 void moe_comm_print_error(const moe_comm *c, const moe_status *st)
 {
     if (c->rank == 0) {

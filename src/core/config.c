@@ -729,3 +729,24 @@ void moe_config_describe(const moe_config *cfg, enum moe_command command,
         emit(ctx, flag->name, value);
     }
 }
+
+static void canonical_line(void *ctx, const char *name, const char *value)
+{
+    char **text = ctx;
+    size_t len = strlen(*text);
+    *text = realloc(*text, len + strlen(name) + 2 * strlen(value) + 3);
+    MOE_ASSERT(*text != NULL);
+    char *at = *text + len;
+    at += sprintf(at, "%s=", name);
+    for (const char *c = value; *c; c++) /* one line per key, whatever the value holds */
+        at += *c == '\n' ? sprintf(at, "\\n") : sprintf(at, "%c", *c);
+    sprintf(at, "\n");
+}
+
+char *moe_config_canonical(const moe_config *cfg, enum moe_command command)
+{
+    char *text = moe_xmalloc(64);
+    snprintf(text, 64, "command=%s\n", command_names[command]);
+    moe_config_describe(cfg, command, canonical_line, &text);
+    return text;
+}
