@@ -8,6 +8,8 @@
 #include <libgen.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdarg.h>
+#include <ctype.h>
 #include <stdio.h>
 #include <jansson.h>
 #include <stdint.h>
@@ -418,14 +420,37 @@ static void index_text(int64_t flat, int ndim, const int64_t *shape, char *buf, 
     snprintf(buf + used, size - used, "]");
 }
 
-/* Load a golden tensor, checking its file against the manifest's SHA-256. */
-static void *load_golden(const char *dir, const char *file, const char *name, json_t *files,
-                         moe_st_entry *entry, moe_status *st)
+/* One verify: the golden set, the candidate, and the verdict so far. */
+typedef struct {
+    const char *dir;
+    json_t *manifest, *tensors, *files;
+    json_t *convention;     /* the contract of convention_golden's tensors */
+    moe_st_file cand;
+    float *selection;       /* (N, E) router.selection, for the near-tie rule; NULL without */
+    int experts;
+    double sel_abs, sel_rel;
+    FILE *out;
+    int first_failing;      /* stage, MOE_GOLDEN_STAGES while none failed */
+    int compared;
+    int64_t ranks, config_tokens, experts_config, topk, hidden; /* the config's G, T, E, k, d */
+    uint8_t *tied;          /* (tokens) whose top-k differs only by near-ties; NULL: none yet */
+    int64_t tokens, tied_count;
+} verify_run;
+
+/* Load the golden tensor `name` the manifest lists: its file must match the
+ * manifest's SHA-256, and the tensor there the manifest's dtype and shape
+ * (validate_manifest checked those against the config). */
+static void *load_golden(const verify_run *v, const char *name, moe_st_entry *entry, moe_status *st)
 {
-    char path[700], hex[65];
-    snprintf(path, sizeof path, "%s/%s", dir, file);
-    json_t *info = json_object_get(files, file);
-    const char *want = json_string_value(json_object_get(info, "sha256"));
+    json_t *info = json_object_get(v->tensors, name);
+    const char *file = json_string_value(json_object_get(info, "file"));
+    if (!file) {
+        moe_fail(st, MOE_EXIT_USAGE, "golden manifest lists no tensor '%s'", name);
+        return NULL;
+    }
+    char path[2 * PATH_MAX], hex[65];
+    snprintf(path, sizeof path, "%s/%s", v->dir, file);
+    const char *want = json_string_value(json_object_get(json_object_get(v->files, file), "sha256"));
     if (!want || !file_sha256(path, hex) || strcmp(hex, want) != 0) {
         moe_fail(st, MOE_EXIT_USAGE,
                  "golden file '%s' is missing or differs from its manifest checksum; regenerate the "
@@ -437,8 +462,16 @@ static void *load_golden(const char *dir, const char *file, const char *name, js
         return NULL;
     const moe_st_entry *e = moe_st_find(&f, name);
     void *data = NULL;
+    json_t *shape = json_object_get(info, "shape");
+    bool as_listed = e && !strcmp(moe_st_dtype_name(e->dtype), json_string_value(json_object_get(info, "dtype"))) &&
+                     (size_t)e->ndim == json_array_size(shape);
+    for (int dim = 0; as_listed && dim < e->ndim; dim++)
+        as_listed = e->shape[dim] == json_integer_value(json_array_get(shape, (size_t)dim));
     if (!e) {
         moe_fail(st, MOE_EXIT_USAGE, "golden file '%s' lacks tensor '%s'", path, name);
+    } else if (!as_listed) {
+        moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' in '%s' is not the dtype and shape its "
+                 "manifest lists", name, path);
     } else {
         *entry = *e;
         data = moe_xmalloc((size_t)(e->end - e->begin) + 1);
@@ -491,16 +524,13 @@ static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, co
  *   layout.rank{r}.is_token_in_rank  (T, G)  rows r*T .. of layout.is_token_in_rank
  *   layout.rank{r}.tokens_per_expert (E)     rank r's tokens' (token, expert) pairs
  * NULL when the name is none of these. */
-static void *convention_golden(const char *dir, json_t *manifest, const char *name,
-                               moe_st_entry *entry)
+static void *convention_golden(const verify_run *v, const char *name, moe_st_entry *entry)
 {
     int r;
     char what[64];
     if (sscanf(name, "layout.rank%d.%63s", &r, what) != 2)
         return NULL;
-    json_t *files = json_object_get(manifest, "files");
-    const char *ranks = json_string_value(json_object_get(json_object_get(manifest, "config"), "ranks"));
-    const int G = ranks ? atoi(ranks) : 0;
+    const int G = (int)v->ranks;
     moe_status ignored = {0};
     moe_st_entry src;
     void *out = NULL;
@@ -509,7 +539,7 @@ static void *convention_golden(const char *dir, json_t *manifest, const char *na
     if (G <= 0 || r < 0 || r >= G)
         return NULL;
     if (!strcmp(what, "tokens_per_rank")) {
-        int32_t *counts = load_golden(dir, "layout.safetensors", "layout.send_counts", files, &src, &ignored);
+        int32_t *counts = load_golden(v, "layout.send_counts", &src, &ignored);
         if (counts && src.ndim == 2 && src.shape[0] == G && src.shape[1] == G) {
             out = moe_xmalloc(sizeof(int32_t) * (size_t)G);
             memcpy(out, counts + (size_t)r * (size_t)G, sizeof(int32_t) * (size_t)G);
@@ -517,7 +547,7 @@ static void *convention_golden(const char *dir, json_t *manifest, const char *na
         }
         free(counts);
     } else if (!strcmp(what, "is_token_in_rank")) {
-        uint8_t *in = load_golden(dir, "layout.safetensors", "layout.is_token_in_rank", files, &src, &ignored);
+        uint8_t *in = load_golden(v, "layout.is_token_in_rank", &src, &ignored);
         if (in && src.ndim == 2 && src.shape[1] == G && src.shape[0] % G == 0) {
             const int64_t T = src.shape[0] / G;
             out = moe_xmalloc((size_t)(T * G) + 1);
@@ -526,9 +556,8 @@ static void *convention_golden(const char *dir, json_t *manifest, const char *na
         }
         free(in);
     } else if (!strcmp(what, "tokens_per_expert")) {
-        int32_t *ids = load_golden(dir, "router.safetensors", "router.topk_ids", files, &src, &ignored);
-        const char *experts = json_string_value(json_object_get(json_object_get(manifest, "config"), "experts"));
-        const int64_t E = experts ? atoll(experts) : 0;
+        int32_t *ids = load_golden(v, "router.topk_ids", &src, &ignored);
+        const int64_t E = v->experts_config;
         if (ids && E > 0 && src.ndim == 2 && src.shape[0] % G == 0) {
             const int64_t T = src.shape[0] / G, k = src.shape[1];
             int32_t *count = moe_xcalloc((size_t)E, sizeof(int32_t));
@@ -586,16 +615,16 @@ static float *golden_order(const moe_st_file *cand, const moe_st_entry *e, const
 /* The evidence under a failing tensor's row: the first bad element's
  * values, and what it stands for where the set says (a token's top-k, an
  * expert output's (token, expert) pair). */
-static void explain_mismatch(FILE *out, const char *dir, json_t *files, const char *name,
-                             const moe_st_entry *golden, const void *ref, const moe_st_entry *cand,
-                             const void *got, int64_t first)
+static void explain_mismatch(const verify_run *v, const char *name, const moe_st_entry *golden,
+                             const void *ref, const moe_st_entry *cand, const void *got, int64_t first)
 {
+    FILE *out = v->out;
     moe_status ignored = {0};
     const int64_t width = golden->ndim > 1 ? golden->shape[golden->ndim - 1] : 1;
     const int64_t row = first / width;
     if (!strcmp(name, "router.topk_ids")) {
         moe_st_entry w_entry;
-        float *w = load_golden(dir, "router.safetensors", "router.topk_weights", files, &w_entry, &ignored);
+        float *w = load_golden(v, "router.topk_weights", &w_entry, &ignored);
         fprintf(out, "%-28s token %lld: golden ids", "", (long long)row);
         for (int64_t s = 0; s < width; s++)
             fprintf(out, " %d", ((const int32_t *)ref)[row * width + s]);
@@ -619,7 +648,7 @@ static void explain_mismatch(FILE *out, const char *dir, json_t *files, const ch
         char pair_name[MOE_ST_NAME_MAX];
         snprintf(pair_name, sizeof pair_name, "experts.rank%d.pair", rank);
         moe_st_entry p_entry;
-        int32_t *pair = load_golden(dir, "experts.safetensors", pair_name, files, &p_entry, &ignored);
+        int32_t *pair = load_golden(v, pair_name, &p_entry, &ignored);
         if (pair && row < p_entry.shape[0])
             fprintf(out, " at (token %d, expert %d), column %lld", pair[2 * row], pair[2 * row + 1],
                     (long long)(first % width));
@@ -628,21 +657,6 @@ static void explain_mismatch(FILE *out, const char *dir, json_t *files, const ch
     fprintf(out, "\n");
 }
 
-/* One verify: the golden set, the candidate, and the verdict so far. */
-typedef struct {
-    const char *dir;
-    json_t *manifest, *tensors, *files;
-    json_t *convention;     /* the contract of convention_golden's tensors */
-    moe_st_file cand;
-    float *selection;       /* (N, E) router.selection, for the near-tie rule; NULL without */
-    int experts;
-    double sel_abs, sel_rel;
-    FILE *out;
-    int first_failing;      /* stage, MOE_GOLDEN_STAGES while none failed */
-    int compared;
-    uint8_t *tied;          /* (tokens) whose top-k differs only by near-ties; NULL: none yet */
-    int64_t tokens, tied_count;
-} verify_run;
 
 /* For a tensor after the router whose rows are tokens: which of its rows
  * belong to tied tokens (NULL: its rows are not tokens, e.g. counts). */
@@ -670,7 +684,7 @@ static uint8_t *tied_rows(verify_run *v, const char *name, int64_t rows)
     } else {
         return NULL;
     }
-    token = load_golden(v->dir, file, golden_name, v->files, &entry, &ignored);
+    token = load_golden(v, golden_name, &entry, &ignored);
     if (!token || entry.shape[0] != rows) {
         free(token);
         return NULL;
@@ -756,10 +770,8 @@ static double *load_allowance(verify_run *v, json_t *info, const char *name, int
     *failed = false;
     if (!allow_name)
         return NULL;
-    json_t *allow_info = json_object_get(v->tensors, allow_name);
     moe_st_entry entry;
-    double *allow = load_golden(v->dir, json_string_value(json_object_get(allow_info, "file")),
-                                allow_name, v->files, &entry, st);
+    double *allow = load_golden(v, allow_name, &entry, st);
     if (allow && (entry.dtype != MOE_ST_F64 || moe_st_elements(entry.ndim, entry.shape) != count)) {
         free(allow);
         allow = NULL;
@@ -779,7 +791,7 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
     moe_st_entry golden;
     void *ref = NULL;
     if (!info && stage == MOE_GOLDEN_LAYOUT &&
-        (ref = convention_golden(v->dir, v->manifest, e->name, &golden)))
+        (ref = convention_golden(v, e->name, &golden)))
         info = v->convention;
     const char *stage_name = json_string_value(json_object_get(info, "stage"));
     if (!info || !stage_name || strcmp(stage_name, moe_golden_stage_names[stage])) {
@@ -787,8 +799,7 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
         return MOE_EXIT_OK;
     }
     if (!ref)
-        ref = load_golden(v->dir, json_string_value(json_object_get(info, "file")), e->name,
-                          v->files, &golden, st);
+        ref = load_golden(v, e->name, &golden, st);
     if (!ref)
         return st->code;
     v->compared++;
@@ -832,8 +843,8 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
         free(ref);
         return rc == MOE_EXIT_CHECK_FAILED ? MOE_EXIT_OK : st->code;
     }
-    const contract tol = {json_real_value(json_object_get(info, "abs")),
-                          json_real_value(json_object_get(info, "rel")), allow,
+    const contract tol = {json_number_value(json_object_get(info, "abs")),
+                          json_number_value(json_object_get(info, "rel")), allow,
                           json_is_true(json_object_get(info, "bf16_step"))};
     verdict result = {0, 0, 0, -1, 0, 0};
     /* After near-ties, rows of the tied tokens legitimately differ: they are
@@ -847,6 +858,16 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
     }
     if (rule == MOE_RULE_TOPK) {
         const int k = (int)e->shape[e->ndim - 1];
+        for (int64_t i = 0; i < count; i++)
+            if (((const int32_t *)ref)[i] < 0 || ((const int32_t *)ref)[i] >= v->experts_config) {
+                moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' holds id %d, outside [0, %lld)",
+                         e->name, ((const int32_t *)ref)[i], (long long)v->experts_config);
+                free(skip);
+                free(allow);
+                free(got);
+                free(ref);
+                return st->code;
+            }
         int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1); /* as the golden's I32 */
         for (int64_t i = 0; i < count; i++) {
             const double id = moe_st_element(got, as.dtype, i);
@@ -885,13 +906,196 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
     if (result.bad && uncounted)
         fprintf(v->out, "%-28s differs, but tokens routed differently at near-ties change it: not counted\n", "");
     if (result.bad && !uncounted) {
-        explain_mismatch(v->out, v->dir, v->files, e->name, &golden, ref, &as, got, result.first_bad);
+        explain_mismatch(v, e->name, &golden, ref, &as, got, result.first_bad);
         fail_stage(v, stage);
     }
     free(skip);
     free(allow);
     free(got);
     free(ref);
+    return MOE_EXIT_OK;
+}
+
+/* ---- the manifest as untrusted input -------------------------------------
+ *
+ * Everything verify later relies on is checked first: the keys it reads and
+ * their types, tensor entries that name a listed file, a stage, a dtype, a
+ * rule and a shape of sizes whose product cannot overflow, tolerances that
+ * are finite numbers (integers or reals), allowances that are F64 tensors
+ * of their tensor's shape, and the shapes of the tensors the layer defines
+ * against the config's G, T, d, E and k. Golden files are then held to the
+ * manifest (load_golden) and golden ids to [0, E) (verify_tensor). */
+
+static int bad_manifest(moe_status *st, const char *path, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int bad_manifest(moe_status *st, const char *path, const char *fmt, ...)
+{
+    char what[MOE_MESSAGE_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    return moe_fail(st, MOE_EXIT_USAGE, "golden manifest '%s' is not valid: %s", path, what);
+}
+
+/* A config value that must be an integer in [1, max]. */
+static bool config_integer(json_t *config, const char *key, int64_t max, int64_t *out)
+{
+    const char *text = json_string_value(json_object_get(config, key));
+    char *end;
+    if (!text || !isdigit((unsigned char)text[0]))
+        return false;
+    errno = 0;
+    const long long v = strtoll(text, &end, 10);
+    *out = v;
+    return !*end && !errno && v >= 1 && v <= max;
+}
+
+/* The shape the layer gives a tensor of this name, in the config's sizes:
+ * -1 for a size that varies (rows of a rank); false when the name is not
+ * one of the layer's. */
+static bool expected_shape(const verify_run *v, const char *name, int64_t d, int *ndim, int64_t shape[2])
+{
+    const int64_t N = v->ranks * v->config_tokens, E = v->experts_config, k = v->topk, G = v->ranks;
+    static const struct {
+        const char *name;
+        char rows, cols; /* N tokens, G ranks, E experts, k, d hidden, r varying rows, 0 none */
+    } table[] = {{"tokens.x", 'N', 'd'},           {"router.logits", 'N', 'E'},
+                 {"router.scores", 'N', 'E'},      {"router.selection", 'N', 'E'},
+                 {"router.topk_ids", 'N', 'k'},    {"router.topk_weights", 'N', 'k'},
+                 {"gate.weight", 'E', 'd'},        {"gate.bias", 'E', 0},
+                 {"router.skew", 'E', 0},          {"layout.tokens_per_rank", 'G', 0},
+                 {"layout.tokens_per_expert", 'E', 0}, {"layout.is_token_in_rank", 'N', 'G'},
+                 {"layout.send_counts", 'G', 'G'}, {"output.y", 'N', 'd'},
+                 {"output.truth", 'N', 'd'},       {"output.allow", 'N', 'd'}};
+    const char *rank_tensor[][2] = {{"dispatch.rank%d.x%n", "rd"}, {"dispatch.rank%d.token%n", "r"},
+                                    {"experts.rank%d.out%n", "rd"}, {"experts.rank%d.pair%n", "r2"}};
+    char rows = 0, cols = 0;
+    for (size_t n = 0; n < sizeof table / sizeof table[0]; n++)
+        if (!strcmp(name, table[n].name))
+            rows = table[n].rows, cols = table[n].cols;
+    for (size_t n = 0; n < sizeof rank_tensor / sizeof rank_tensor[0] && !rows; n++) {
+        int r, used = -1;
+        if (sscanf(name, rank_tensor[n][0], &r, &used) == 1 && used == (int)strlen(name) && r >= 0 && r < G)
+            rows = rank_tensor[n][1][0], cols = rank_tensor[n][1][1];
+    }
+    if (!rows)
+        return false;
+    const char sym[2] = {rows, cols};
+    *ndim = cols ? 2 : 1;
+    for (int i = 0; i < *ndim; i++)
+        shape[i] = sym[i] == 'N' ? N : sym[i] == 'G' ? G : sym[i] == 'E' ? E : sym[i] == 'k' ? k
+                 : sym[i] == 'd' ? d : sym[i] == '2' ? 2 : -1;
+    return true;
+}
+
+static int validate_tensor_entry(const verify_run *v, const char *path, const char *name, json_t *t,
+                                 moe_status *st)
+{
+    if (!json_is_object(t))
+        return bad_manifest(st, path, "tensor '%s' is not an object", name);
+    const char *file = json_string_value(json_object_get(t, "file"));
+    const char *stage = json_string_value(json_object_get(t, "stage"));
+    const char *dtype = json_string_value(json_object_get(t, "dtype"));
+    const char *rule = json_string_value(json_object_get(t, "compare"));
+    json_t *shape = json_object_get(t, "shape"), *abs = json_object_get(t, "abs"), *rel = json_object_get(t, "rel");
+    if (!file || !json_object_get(v->files, file))
+        return bad_manifest(st, path, "tensor '%s' names no file of \"files\"", name);
+    bool known = false;
+    for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
+        known |= stage && !strcmp(stage, moe_golden_stage_names[s]);
+    if (!known)
+        return bad_manifest(st, path, "tensor '%s' has no known \"stage\"", name);
+    int kind = -1;
+    for (int k = 0; k < MOE_ST_DTYPES; k++)
+        if (dtype && !strcmp(dtype, moe_st_dtype_name((enum moe_st_dtype)k)))
+            kind = k;
+    if (kind < 0)
+        return bad_manifest(st, path, "tensor '%s' has no known \"dtype\"", name);
+    if (!rule || (strcmp(rule, "exact") && strcmp(rule, "tolerance") && strcmp(rule, "topk")))
+        return bad_manifest(st, path, "tensor '%s' has no \"compare\" of exact, tolerance or topk", name);
+    if (!json_is_array(shape) || json_array_size(shape) > MOE_ST_MAX_DIMS)
+        return bad_manifest(st, path, "tensor '%s' has no \"shape\" of at most %d sizes", name, MOE_ST_MAX_DIMS);
+    int64_t elements = 1;
+    for (size_t dim = 0; dim < json_array_size(shape); dim++) {
+        json_t *size = json_array_get(shape, dim);
+        const json_int_t n = json_is_integer(size) ? json_integer_value(size) : -1;
+        if (n < 0 || (n > 0 && elements > ((int64_t)1 << 40) / n))
+            return bad_manifest(st, path, "tensor '%s' has a shape that is not sizes of at most 2^40 elements in all", name);
+        elements *= n;
+    }
+    if (!strcmp(rule, "topk") && (json_array_size(shape) != 2 || strcmp(dtype, "I32")))
+        return bad_manifest(st, path, "tensor '%s' compared as topk is not (tokens, k) I32", name);
+    /* The tensors verify reads as indices have the dtype it reads them as. */
+    int r, used = -1;
+    const bool index_tensor = !strcmp(name, "router.topk_ids") || !strcmp(name, "layout.send_counts") ||
+                              (sscanf(name, "dispatch.rank%d.token%n", &r, &used) == 1 && used == (int)strlen(name)) ||
+                              (sscanf(name, "experts.rank%d.pair%n", &r, &used) == 1 && used == (int)strlen(name));
+    if ((index_tensor && strcmp(dtype, "I32")) ||
+        (!strcmp(name, "layout.is_token_in_rank") && strcmp(dtype, "BOOL")) ||
+        (!strcmp(name, "router.selection") && strcmp(dtype, "F32")) ||
+        (!strcmp(name, "router.topk_weights") && strcmp(dtype, "F32")))
+        return bad_manifest(st, path, "tensor '%s' is not of the dtype the layer gives it", name);
+    if (!json_is_number(abs) || !json_is_number(rel) || !(json_number_value(abs) >= 0) ||
+        !(json_number_value(rel) >= 0) || !isfinite(json_number_value(abs)) || !isfinite(json_number_value(rel)))
+        return bad_manifest(st, path, "tensor '%s' has no finite \"abs\" and \"rel\" of at least 0", name);
+    json_t *bf16 = json_object_get(t, "bf16_step"), *allow = json_object_get(t, "allow");
+    if (bf16 && !json_is_boolean(bf16))
+        return bad_manifest(st, path, "tensor '%s' has a \"bf16_step\" that is not true or false", name);
+    if (allow) {
+        json_t *a = json_object_get(v->tensors, json_string_value(allow) ? json_string_value(allow) : "");
+        const char *a_dtype = json_string_value(json_object_get(a, "dtype"));
+        if (!json_is_object(a) || !json_equal(json_object_get(a, "shape"), shape) || !a_dtype ||
+            strcmp(a_dtype, "F64"))
+            return bad_manifest(st, path, "tensor '%s' has an \"allow\" that is not an F64 tensor of its shape", name);
+    }
+    int ndim;
+    int64_t want[2];
+    const int64_t d = v->hidden;
+    if (expected_shape(v, name, d, &ndim, want)) {
+        bool ok = json_array_size(shape) == (size_t)ndim;
+        for (int dim = 0; ok && dim < ndim; dim++)
+            ok = want[dim] < 0 || json_integer_value(json_array_get(shape, (size_t)dim)) == want[dim];
+        if (!ok)
+            return bad_manifest(st, path, "tensor '%s' does not have the shape its config gives it", name);
+    }
+    return MOE_EXIT_OK;
+}
+
+static int validate_manifest(verify_run *v, const char *path, moe_status *st)
+{
+    json_t *m = v->manifest, *config = json_object_get(m, "config");
+    const char *format = json_string_value(json_object_get(m, "format"));
+    if (!json_is_object(m) || !format || strcmp(format, "moe-ep golden set"))
+        return moe_fail(st, MOE_EXIT_USAGE, "'%s' is not a moe-ep golden manifest", path);
+    if (!json_is_integer(json_object_get(m, "format_version")) ||
+        json_integer_value(json_object_get(m, "format_version")) != 1)
+        return bad_manifest(st, path, "\"format_version\" is not 1, the version this moe-ep reads");
+    if (!json_is_object(config) || !json_is_object(v->tensors) || !json_is_object(v->files))
+        return bad_manifest(st, path, "\"config\", \"files\" and \"tensors\" must be objects");
+    if (!config_integer(config, "ranks", 1 << 20, &v->ranks) ||
+        !config_integer(config, "tokens", 1 << 24, &v->config_tokens) ||
+        !config_integer(config, "experts", 4096, &v->experts_config) ||
+        !config_integer(config, "topk", v->experts_config, &v->topk) ||
+        !config_integer(config, "hidden", 65536, &v->hidden))
+        return bad_manifest(st, path, "\"config\" lacks ranks, tokens, experts, topk or hidden as "
+                            "integers in their ranges");
+    const char *key;
+    json_t *value;
+    json_object_foreach(config, key, value) {
+        if (!json_is_string(value))
+            return bad_manifest(st, path, "config value '%s' is not a string", key);
+    }
+    json_object_foreach(v->files, key, value) {
+        const char *sha = json_string_value(json_object_get(value, "sha256"));
+        if (!sha || strlen(sha) != 64 || strspn(sha, "0123456789abcdef") != 64 ||
+            !json_is_integer(json_object_get(value, "bytes")) || strchr(key, '/') || !strcmp(key, "..") )
+            return bad_manifest(st, path, "file '%s' has no \"sha256\" of 64 hex digits and \"bytes\"", key);
+    }
+    json_object_foreach(v->tensors, key, value) {
+        if (validate_tensor_entry(v, path, key, value, st))
+            return st->code;
+    }
     return MOE_EXIT_OK;
 }
 
@@ -911,9 +1115,9 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
                         error.text, error.line);
     v.tensors = json_object_get(v.manifest, "tensors");
     v.files = json_object_get(v.manifest, "files");
-    if (!json_is_object(v.tensors) || !json_is_object(v.files)) {
+    if (validate_manifest(&v, path, st)) {
         json_decref(v.manifest);
-        return moe_fail(st, MOE_EXIT_USAGE, "'%s' is not a moe-ep golden manifest", path);
+        return st->code;
     }
     if (moe_st_open(candidate, &v.cand, st)) {
         json_decref(v.manifest);
@@ -925,10 +1129,10 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
     moe_status ignored = {0};
     json_t *sel_info = json_object_get(v.tensors, "router.selection");
     if (sel_info)
-        v.selection = load_golden(dir, "router.safetensors", "router.selection", v.files, &sel_entry, &ignored);
+        v.selection = load_golden(&v, "router.selection", &sel_entry, &ignored);
     v.experts = v.selection ? (int)sel_entry.shape[1] : 0;
-    v.sel_abs = json_real_value(json_object_get(sel_info, "abs"));
-    v.sel_rel = json_real_value(json_object_get(sel_info, "rel"));
+    v.sel_abs = json_number_value(json_object_get(sel_info, "abs"));
+    v.sel_rel = json_number_value(json_object_get(sel_info, "rel"));
 
     fprintf(out, "%-28s %-9s %-10s %11s %11s %8s %10s  %s\n", "tensor", "stage", "rule", "max abs",
             "max rel", "% of tol", "mismatch", "first mismatch");

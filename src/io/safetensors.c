@@ -242,6 +242,10 @@ int moe_st_open(const char *path, moe_st_file *f, moe_status *st)
                 return bad(f, st, "a shape is not a list of sizes");
             }
             e->shape[dim] = json_integer_value(n);
+            if (e->shape[dim] > 0 && elements > (1ull << 50) / (uint64_t)e->shape[dim]) {
+                json_decref(root); /* the product would overflow, or no file holds it */
+                return bad(f, st, "a shape of more than 2^50 elements");
+            }
             elements *= (uint64_t)e->shape[dim];
         }
         json_t *b = json_array_get(offsets, 0), *end = json_array_get(offsets, 1);
