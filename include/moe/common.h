@@ -42,8 +42,14 @@ void moe_assert_fail(const char *expr, const char *file, int line) __attribute__
 #define MOE_ASSERT(cond) \
     ((cond) ? (void)0 : moe_assert_fail(#cond, __FILE__, __LINE__))
 
-/* malloc that never returns NULL: on failure prints the size, what it was
- * for, file and line, a hint, and aborts (under mpirun the job ends).
+/* The exit-3 path for failures no caller can recover from (an allocation
+ * that fails): prints "moe-ep: error: [rank R: ]MESSAGE" and ends the process
+ * (the comm layer installs one that ends the whole job, MPI_Abort with exit
+ * status 3). Does not return. */
+extern void (*moe_fatal)(const moe_status *st);
+
+/* malloc that never returns NULL: on failure the size, file and line and a
+ * hint go to moe_fatal (one line, exit status 3 on every rank).
  * Large buffers whose failure should be reported collectively are allocated
  * with plain malloc by the comm layer instead. A zero size returns a valid
  * unique pointer. */
@@ -97,6 +103,12 @@ bool moe_fault_armed(int rank, const char *stage);
 /* Bytes of memory this machine can still give (MemAvailable), or its
  * physical memory when that is unknown. */
 double moe_memory_available(void);
+
+/* Peak resident memory of this process in bytes since the last
+ * moe_peak_rss_reset (Linux's VmHWM, which writing 5 to
+ * /proc/self/clear_refs resets; elsewhere the lifetime peak, getrusage). */
+double moe_peak_rss(void);
+void moe_peak_rss_reset(void);
 
 /* Human-readable byte count ("1.50 GiB") into buf; returns buf. */
 char *moe_format_bytes(double bytes, char *buf, size_t size);

@@ -109,9 +109,15 @@ bool moe_config_norm_topk(const moe_config *cfg);
  * types). Ranks without an expert (E < G) are allowed. */
 int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st);
 
-/* Bytes one rank needs for the forward (and the truth with --check), with the
- * routed rows taken at their mean (T*k rows in, T*k pairs out per rank). */
-double moe_config_memory_per_rank(const moe_config *cfg, int ranks);
+/* Bytes the fullest rank holds at its peak for command: the runtime
+ * (MOE_MEMORY_RUNTIME), weights, tokens, one forward's buffers with the
+ * routed rows at their mean (T*k rows in, T*k pairs out), the per-wave
+ * plans of the most waves asked for, the truth with --check, rank 0's
+ * gathered set with --dump, bench's anchors. An upper bound of the peak
+ * resident memory (tests/mpi/memory checks it on a sweep) unless the
+ * routing is skewed, when a rank can receive more than the mean. */
+#define MOE_MEMORY_RUNTIME (32.0 * 1048576.0)
+double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command command, int ranks);
 
 /* The flags of a command with their current values, for a golden
  * manifest: calls emit(ctx, name, value) for each. */

@@ -56,6 +56,8 @@ typedef struct {
     moe_spread tokens_per_expert;
     /* what --dtype, --dispatch-dtype, --combine-dtype cost against fp32 */
     double dump_bytes, dump_seconds; /* --dump */
+    double rss_peak;                 /* the most any rank held resident (moe_peak_rss) */
+    double memory_estimate;          /* moe_config_memory_per_rank: what was checked up front */
     bool quantised;
     double quant_max_abs, quant_max_rel_rms; /* max |y - y_fp32|, and over rms(y_fp32) */
     /* --check */

@@ -98,36 +98,6 @@ static void run_alltoallv(void *arg)
     moe_comm_alltoallv_run(a->combine);
 }
 
-/* Peak resident memory of this process since the last peak_reset: Linux's
- * VmHWM, which writing 5 to /proc/self/clear_refs resets; elsewhere the
- * lifetime peak from getrusage. */
-static void peak_reset(void)
-{
-    FILE *f = fopen("/proc/self/clear_refs", "w");
-    if (f) {
-        fputs("5", f);
-        fclose(f);
-    }
-}
-
-static double peak_bytes(void)
-{
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    double kib = -1.0;
-    while (f && fgets(line, sizeof line, f))
-        if (strncmp(line, "VmHWM:", 6) == 0)
-            kib = strtod(line + 6, NULL);
-    if (f)
-        fclose(f);
-    if (kib < 0) {
-        struct rusage usage;
-        getrusage(RUSAGE_SELF, &usage);
-        kib = (double)usage.ru_maxrss;
-    }
-    return kib * 1024.0;
-}
-
 /* The least a rank must hold for a forward: its weights, the tokens and the
  * output, and each row once where it must be: the rows it sends to and
  * receives from other ranks, the expert outputs it computes, and those that
@@ -238,7 +208,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         if (c->rank == 0)
             fprintf(stderr, "bench: W = %d: %lld warm-up and %d timed forwards\n",
                     ctx.schedule.waves, (long long)cfg->warmup, iters);
-        peak_reset(); /* this W's forwards only, not the anchors before */
+        moe_peak_rss_reset(); /* this W's forwards only, not the anchors before */
         if (cfg->warmup > 0)
             rc = moe_context_timed_forwards(&ctx, (int)cfg->warmup);
         if (rc == MOE_EXIT_OK)
@@ -248,7 +218,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         moe_context_time_alltoalls(&ctx, iters);
         /* Anchors: the sgemm once (the experts' FLOPs do not depend on W),
          * the all-to-all per W (per-wave dedup changes the counts). */
-        const double rss = peak_bytes();
+        const double rss = moe_peak_rss();
         if (n == 0) {
             /* M: the rows this rank's experts take, the routed pairs and
              * its tokens once per shared expert */

@@ -93,7 +93,7 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
                      "--trace and --timeline show the wave pipeline; drop --blocking");
     }
     if (st->code == MOE_EXIT_OK) {
-        const double need = moe_config_memory_per_rank(cfg, c->ranks);
+        const double need = moe_config_memory_per_rank(cfg, command, c->ranks);
         const double have = moe_memory_available() / c->ranks_on_host;
         if (need > have) {
             char b1[32], b2[32];

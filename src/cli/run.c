@@ -303,6 +303,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         rc = write_pictures(c, cfg, &pics, s, &ctx.status);
 
     if (rc == MOE_EXIT_OK) {
+        s->rss_peak = moe_comm_max(c, moe_peak_rss());
+        s->memory_estimate = moe_config_memory_per_rank(cfg, MOE_CMD_RUN, c->ranks);
         if (c->rank == 0) {
             moe_report_print(stdout, s);
             fflush(stdout);

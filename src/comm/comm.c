@@ -70,6 +70,20 @@ void moe_mpi_check(int rc, const char *call, const char *file, int line)
     moe_comm_abort(&world, &st);
 }
 
+/* moe_fatal under MPI: the rank's message, then the job ends (exit 3).
+ * When every rank runs out at once (the same allocation on all), rank 0
+ * speaks first and its MPI_Abort ends the others before they print: one
+ * line. A rank that fails alone still prints, a moment later. */
+static void abort_world(const moe_status *st)
+{
+    if (moe_message_rank != 0) {
+        const struct timespec moment = {1, 0};
+        nanosleep(&moment, NULL);
+    }
+    const moe_comm world = {.comm = MPI_COMM_WORLD, .rank = moe_message_rank};
+    moe_comm_abort(&world, st);
+}
+
 void moe_comm_init(int *argc, char ***argv, moe_comm *c)
 {
     /* The wave path keeps its large buffers across forwards (ep.h), so a
@@ -85,6 +99,7 @@ void moe_comm_init(int *argc, char ***argv, moe_comm *c)
     MOE_MPI(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &moe_progress_thread_level));
     moe_comm_attach(c, MPI_COMM_WORLD);
     moe_message_rank = c->rank;
+    moe_fatal = abort_world;
 
     /* Ranks on one machine share its cores: more threads than cores would
      * make BLAS threads fight (and time-slice) instead of adding speed; so

@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -43,15 +44,27 @@ void moe_assert_fail(const char *expr, const char *file, int line)
     abort();
 }
 
+/* Until the comm layer installs its own (which ends the job with MPI_Abort):
+ * the message, then exit status 3. */
+static void exit_runtime(const moe_status *st)
+{
+    fprintf(stderr, "moe-ep: error: %s\n", st->message);
+    fflush(stderr);
+    exit(MOE_EXIT_RUNTIME);
+}
+
+void (*moe_fatal)(const moe_status *st) = exit_runtime;
+
 static void out_of_memory(size_t bytes, const char *file, int line)
 {
     char text[32];
-    fprintf(stderr,
-            "moe-ep: error on rank %d at %s:%d: cannot allocate %s\n"
-            "HINT: use fewer --tokens or a smaller model, or fewer ranks per machine\n",
-            moe_message_rank, file, line, moe_format_bytes((double)bytes, text, sizeof text));
-    fflush(stderr);
-    abort();
+    moe_status st = {0};
+    moe_fail(&st, MOE_EXIT_RUNTIME,
+             "cannot allocate %s at %s:%d (use fewer --tokens or a smaller model, or fewer ranks "
+             "per machine)",
+             moe_format_bytes((double)bytes, text, sizeof text), file, line);
+    moe_fatal(&st);
+    abort(); /* moe_fatal does not return */
 }
 
 void *moe_malloc_check(size_t bytes, const char *file, int line)
@@ -210,4 +223,31 @@ FILE *moe_open_input(const char *what, const char *path, moe_status *st)
         moe_fail(st, MOE_EXIT_USAGE, "%scannot read '%s': %s", what, path, wrong ? wrong : strerror(errno));
     }
     return fp;
+}
+
+void moe_peak_rss_reset(void)
+{
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (f) {
+        fputs("5", f);
+        fclose(f);
+    }
+}
+
+double moe_peak_rss(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    double kib = -1.0;
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "VmHWM:", 6) == 0)
+            kib = strtod(line + 6, NULL);
+    if (f)
+        fclose(f);
+    if (kib < 0) {
+        struct rusage usage;
+        getrusage(RUSAGE_SELF, &usage);
+        kib = (double)usage.ru_maxrss;
+    }
+    return kib * 1024.0;
 }

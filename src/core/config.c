@@ -652,21 +652,36 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     return MOE_EXIT_OK;
 }
 
-double moe_config_memory_per_rank(const moe_config *cfg, int ranks)
+double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command command, int ranks)
 {
-    const double T = (double)cfg->tokens, d = (double)cfg->hidden, f = (double)cfg->ffn;
+    const double G = ranks, T = (double)cfg->tokens, d = (double)cfg->hidden, f = (double)cfg->ffn;
     const double E = (double)cfg->experts, k = (double)cfg->topk, S = (double)cfg->shared_experts;
-    const double local_experts = (double)((cfg->experts + ranks - 1) / ranks);
-    const double expert_bytes = 3.0 * f * d * 4.0; /* W1 (2f,d) + W2 (d,f), fp32 */
-    double bytes = local_experts * expert_bytes + S * expert_bytes;
-    bytes += E * d * 4.0;                          /* gate */
-    bytes += 2.0 * T * d * 4.0;                    /* tokens and output */
-    bytes += T * E * 4.0 + T * k * 8.0;            /* logits, routing */
-    bytes += 2.0 * T * k * (d * 4.0 + k * 4.0);    /* dispatch send and receive */
-    bytes += 2.0 * T * k * d * 4.0;                /* combine send and receive */
-    bytes += T * k * (d + 2.0 * f) * 4.0;          /* expert rows, hidden and activation */
-    if (cfg->check)                                /* truth: x, y, hidden, out in fp64 */
-        bytes += expert_bytes * 3.0 + T * (3.0 * d + 2.0 * f) * 8.0;
+    const double N = G * T;                                   /* all ranks' tokens */
+    const double EL = (double)((cfg->experts + ranks - 1) / ranks);
+    const double expert_bytes = 3.0 * f * d * 4.0;            /* W1 (2f,d) + W2 (d,f), fp32 */
+    const double meta = 4.0 * (2.0 * k + 1.0);                /* a row's ids and weights */
+    double W = 1.0;                                           /* the most waves of one forward */
+    for (int n = 0; n < cfg->waves_count && !cfg->blocking; n++)
+        W = fmax(W, (double)cfg->waves_list[n]);
+    double bytes = MOE_MEMORY_RUNTIME;                        /* MPI, BLAS, the program */
+    bytes += (EL + S) * expert_bytes + E * d * 4.0;           /* experts, shared experts, gate */
+    bytes += 3.0 * T * d * 4.0;                               /* tokens, output, quantised copy */
+    bytes += 2.0 * T * E * 4.0 + T * k * 8.0;                 /* logits, scores, ids and weights */
+    /* One forward, the routed rows at their mean (T*k rows and pairs in and
+     * out): rows and ids sent and received, expert outputs sent and
+     * received back, the experts' inputs and activations, the tables. */
+    bytes += 2.0 * T * k * (4.0 * d + meta) + 2.0 * T * k * d * 4.0;
+    bytes += T * k * (d + 1.0 + 2.0 * f) * 4.0 + 3.0 * T * k * 8.0;
+    /* Per wave: a slot-to-pair map of every (token, slot), the counts. */
+    bytes += W * (T * k * 8.0 + G * (64.0 + 8.0 * (1.0 + EL)));
+    if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */
+        bytes += T * (3.0 * d + 3.0 * f + 1.0) * 8.0 + 2.0 * T * d * 8.0 + 3.0 * f * d * 12.0 + T * d * 4.0;
+    if (cfg->dump[0]) /* rank 0 gathers the set: per token, per pair, the rows */
+        bytes += N * (3.0 * E * 4.0 + k * 8.0 + d * (4.0 + 8.0 + 8.0 + 4.0 + 8.0) + G) +
+                 2.0 * N * k * d * 4.0 + 2.0 * T * k * (d * 4.0 + 8.0) + 3.0 * f * d * 4.0 * 2.0;
+    if (command == MOE_CMD_BENCH) /* the anchors: cache eviction, one sgemm, two all-to-alls */
+        bytes += 64.0 * 1048576.0 + (T * k + S * T) * (d + 6.0 * f) * 4.0 + 3.0 * f * d * 4.0 +
+                 4.0 * T * k * d * 4.0;
     return bytes;
 }
 

@@ -278,6 +278,13 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         fprintf(out, "golden    %s: %s in %.2f s (moe-ep verify %s CANDIDATE.safetensors)\n", cfg->dump,
                 moe_format_bytes(s->dump_bytes, size, sizeof size), s->dump_seconds, cfg->dump);
     }
+    if (s->rss_peak > 0) {
+        char peak[32], estimate[32];
+        fprintf(out, "memory    peak resident %s on the fullest rank; estimated up front %s "
+                     "(refused when past what the machine has free)\n",
+                moe_format_bytes(s->rss_peak, peak, sizeof peak),
+                moe_format_bytes(s->memory_estimate, estimate, sizeof estimate));
+    }
     if (!s->checked)
         return;
     fprintf(out, "truth     dense fp64: all %lld experts on all %.0f tokens, gate-weighted "
