@@ -145,7 +145,7 @@ void moe_config_defaults(moe_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
     for (size_t n = 0; n < N_FLAGS; n++)
-        if (flags[n].default_value) {
+        if (flags[n].default_value && *flags[n].default_value) { /* "" is memset's already */
             moe_status st = {0};
             set_value(cfg, &flags[n], flags[n].default_value, "default", &st);
             MOE_ASSERT(st.code == MOE_EXIT_OK);
@@ -311,6 +311,8 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
         return MOE_EXIT_OK;
     }
     case FLAG_TEXT:
+        if (!*value && strcmp(flag->value_name, "SPEC")) /* an output or input path, given empty */
+            return moe_fail(st, MOE_EXIT_USAGE, "%s needs a %s, got ''", where, flag->value_name);
         if (strlen(value) >= MOE_NAME_MAX)
             return moe_fail(st, MOE_EXIT_USAGE, "%s: %s longer than %d characters", where,
                             strcmp(flag->value_name, "SPEC") ? "path" : "value",
@@ -438,9 +440,13 @@ static int load_conf(moe_config *cfg, enum moe_command command, const char *flag
     char *line = NULL;
     size_t capacity = 0;
     int number = 0, rc = MOE_EXIT_OK;
-    while (rc == MOE_EXIT_OK && getline(&line, &capacity, fp) >= 0) {
+    for (ssize_t got; rc == MOE_EXIT_OK && (got = getline(&line, &capacity, fp)) >= 0;) {
         if (++number == 1 && !strncmp(line, "\xef\xbb\xbf", 3)) /* a UTF-8 byte-order mark */
-            memmove(line, line + 3, strlen(line + 3) + 1);
+            memmove(line, line + 3, (size_t)(got -= 3) + 1);
+        if (strlen(line) != (size_t)got) { /* text stops at a NUL; the rest would be lost */
+            rc = moe_fail(st, MOE_EXIT_USAGE, "%s:%d: a NUL byte: not a text file", file, number);
+            break;
+        }
         char *hash = strchr(line, '#');
         if (hash)
             *hash = '\0';

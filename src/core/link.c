@@ -83,8 +83,10 @@ int moe_link_parse(moe_link *link, const char *spec, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE, "--link spec too long");
     snprintf(text, sizeof text, "%s", spec);
     bool cb = false, tiers = false;
-    for (char *save = NULL, *item = strtok_r(text, ",", &save); item;
-         item = strtok_r(NULL, ",", &save)) {
+    for (char *item = text, *next; item; item = next) { /* strict: no empty items */
+        next = strchr(item, ',');
+        if (next)
+            *next++ = '\0';
         char *equals = strchr(item, '=');
         if (!equals)
             goto bad;

@@ -98,8 +98,12 @@ int moe_check_output_dir(const char *flag, const char *dir, moe_status *st)
 {
     char path[PATH_MAX], copy[PATH_MAX];
     moe_path_strip_slashes(dir, path, sizeof path);
-    if (!*path)
-        return moe_fail(st, MOE_EXIT_USAGE, "%s needs a directory name", flag);
+    snprintf(copy, sizeof copy, "%s", path);
+    const char *last = basename(copy);
+    if (!*path || !strcmp(last, ".") || !strcmp(last, "..") || !strcmp(last, "/"))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "%s needs a directory name it can replace, not '%s' (give e.g. %s/golden)",
+                        flag, dir, *path ? path : ".");
     struct stat info;
     bool exists;
     if (existing(flag, path, &info, &exists, st))

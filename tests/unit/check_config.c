@@ -148,6 +148,20 @@ START_TEST(values_are_parsed_strictly)
 }
 END_TEST
 
+/* A message is one line whatever the values echoed in it hold. */
+START_TEST(messages_are_one_line)
+{
+    moe_status st = {0};
+    moe_fail(&st, MOE_EXIT_USAGE, "unknown preset '%s'", "a\nmoe-ep: error: b\tc\x7f");
+    ck_assert_str_eq(st.message, "unknown preset 'a\\nmoe-ep: error: b\\x09c\\x7f'");
+    moe_config cfg;
+    char *argv[2] = {"--preset", "two\nlines"};
+    moe_config_defaults(&cfg);
+    ck_assert_int_eq(moe_config_parse(&cfg, MOE_CMD_RUN, 2, argv, &st), MOE_EXIT_USAGE);
+    ck_assert_ptr_null(strchr(st.message, '\n'));
+}
+END_TEST
+
 START_TEST(norm_topk_auto_follows_the_gate)
 {
     moe_config cfg;
@@ -193,6 +207,7 @@ Suite *make_config_suite(void)
     tcase_add_test(tc, preset_syntax_error_names_file_and_line);
     tcase_add_loop_test(tc, bad_flags_are_usage_errors, 0, sizeof bad / sizeof bad[0]);
     tcase_add_test(tc, values_are_parsed_strictly);
+    tcase_add_test(tc, messages_are_one_line);
     tcase_add_test(tc, norm_topk_auto_follows_the_gate);
     tcase_add_test(tc, validation_checks_combinations);
     suite_add_tcase(s, tc);
