@@ -122,6 +122,13 @@ START_TEST(values_are_parsed_strictly)
         ck_assert_msg(moe_config_parse(&cfg, MOE_CMD_RUN, 2, argv, &st) == MOE_EXIT_USAGE,
                       "accepted: %s '%s'", refused[n][0], refused[n][1]);
     }
+    char zeros[320] = "--waves="; /* no length cap: 300 leading zeros, then 2 */
+    memset(zeros + 8, '0', 300);
+    strcpy(zeros + 308, "2");
+    char *long_waves[1] = {zeros};
+    moe_config_defaults(&cfg);
+    ck_assert_int_eq(moe_config_parse(&cfg, MOE_CMD_RUN, 1, long_waves, &st), 0);
+    ck_assert(cfg.waves_count == 1 && cfg.waves_list[0] == 2);
     ck_assert_int_eq(parse(&cfg, &st, "--seed 010 --route-scale .5 --waves 1,2,8"), 0);
     ck_assert_uint_eq(cfg.seed, 10);
     ck_assert(cfg.route_scale == 0.5);
