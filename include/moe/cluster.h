@@ -26,6 +26,8 @@ typedef struct {
     /* traffic per GPU per MoE layer, forward, T tokens per GPU */
     double dispatch_bytes;      /* T k d x dispatch bytes per value */
     double combine_bytes;       /* T k d x combine bytes per value */
+    double dispatch_wire_bytes; /* T k x a dispatched row on the wire (wire.h) */
+    double combine_wire_bytes;  /* T k x an expert output on the wire */
     double remote_fraction;     /* share of (token, expert) copies leaving the node */
     double node_limited_copies; /* node-limited routing: nodes a token reaches, <= M */
     double inter_copies;        /* copies of a token over the inter-node link, on average */

@@ -80,6 +80,13 @@ void moe_comm_abort(const moe_comm *c, const moe_status *st) __attribute__((nore
  * digests first, so ranks that disagree cannot mismatch its messages. */
 int moe_comm_same_config(const moe_comm *c, const char *text, moe_status *st);
 
+/* The bytes this process has posted to other ranks in all-to-alls of rows
+ * and their meta: each call adds counts[r] (r != self) times the size of
+ * type. What MPI was asked to move, against which the reported traffic is
+ * checked (tests/mpi/ep_forward_test). */
+void moe_comm_count_posted(const int *counts, int G, int self, MPI_Datatype type);
+double moe_comm_posted_bytes(void);
+
 /* Rank 0 prints "moe-ep: error: MESSAGE" to stderr. */
 void moe_comm_print_error(const moe_comm *c, const moe_status *st);
 
@@ -100,10 +107,10 @@ void moe_comm_gather_bytes(const moe_comm *c, const void *mine, size_t bytes, vo
 int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, void **all,
                            size_t *sizes, moe_status *st);
 /* The plain all-to-all anchor of moe-ep bench: a blocking MPI_Alltoallv
- * sending rows[r] rows of d floats to each rank r, buffers and counts set up
+ * sending rows[r] rows of row_bytes bytes to each rank r, buffers and counts set up
  * once (prepare, collective) so that run times the call alone. */
 typedef struct moe_alltoallv_anchor moe_alltoallv_anchor;
-moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double *rows, moe_index d);
+moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double *rows, double row_bytes);
 void moe_comm_alltoallv_run(moe_alltoallv_anchor *a);
 void moe_comm_alltoallv_free(moe_alltoallv_anchor *a);
 /* Element-wise maximum of v (n) over ranks, in place. */

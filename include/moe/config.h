@@ -31,6 +31,10 @@ enum moe_fp8_recipe { MOE_FP8_RECIPE_MOE, MOE_FP8_RECIPE_DEEPEP, MOE_FP8_RECIPE_
 /* Where the gate weight multiplies: the expert output after L2 (DeepSeek-V3's
  * reference code), or the SwiGLU output before L2 (fused GPU kernels). */
 enum moe_weight_at { MOE_WEIGHT_AT_OUTPUT, MOE_WEIGHT_AT_ACTIVATION };
+/* How a forward's pairs are grouped into waves (layout.h): expert slots
+ * when every rank has at least W experts (auto), expert slots, or chunks of
+ * tokens (which keep the per-rank dedup of one wave). */
+enum moe_wave_by { MOE_WAVE_BY_AUTO, MOE_WAVE_BY_EXPERTS, MOE_WAVE_BY_TOKENS };
 
 typedef struct {
     char preset[MOE_NAME_MAX]; /* name or path of the preset applied, "" if none */
@@ -45,6 +49,7 @@ typedef struct {
     int waves_count;
     bool blocking;             /* the blocking reference path instead of waves */
     int64_t lookahead;         /* waves dispatched ahead of the one computing */
+    int wave_by;               /* enum moe_wave_by */
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;

@@ -62,6 +62,7 @@ typedef struct moe_ep_s {
 typedef struct {
     int waves;                       /* W >= 1 */
     int lookahead;                   /* waves dispatched ahead of the one computing, >= 1 */
+    int wave_by;                     /* enum moe_wave_by: how pairs are grouped into waves */
     enum moe_progress_kind progress; /* who drives the nonblocking collectives */
     bool link;                       /* emulate ep->link (when --link configured one) */
     moe_trace *trace;                /* this rank's events are appended here; NULL: none */

@@ -55,8 +55,13 @@ typedef struct {
 /* Expert-slot waves when every rank holds at least W experts: local slot l of
  * a rank with EL experts is in wave floor(l*W/EL), so every wave of every
  * rank has EL/W experts, give or take one. Otherwise token chunks: wave w is
- * local tokens [floor(w*T/W), floor((w+1)*T/W)). Cannot fail. */
+ * local tokens [floor(w*T/W), floor((w+1)*T/W)). Cannot fail.
+ * moe_waves_init_by chooses as `by` (enum moe_wave_by) says: auto as above,
+ * tokens always token chunks, experts expert slots (every rank must hold at
+ * least W experts). Expert slots send a token once per wave that holds one
+ * of its experts on a rank, token chunks once per rank, as one wave does. */
 void moe_waves_init(moe_waves *w, const moe_placement *p, int waves, moe_index tokens);
+void moe_waves_init_by(moe_waves *w, const moe_placement *p, int waves, moe_index tokens, int by);
 void moe_waves_free(moe_waves *w);
 moe_index moe_wave_first_token(const moe_waves *w, int wave);
 static inline int moe_wave_of(const moe_waves *w, moe_index token, int expert)
@@ -95,14 +100,7 @@ void moe_send_plan_free(moe_send_plan *plan);
  * identifies itself, as DeepEP's tests do). */
 #define MOE_META_WORDS(topk) (2 * (topk) + 1)
 
-/* The bytes a dispatched row puts on the wire (its d fp32 values and its
- * meta), and an expert output row on its way back: the one definition the
- * traffic figures, the link model and the benchmarks all use. */
-static inline double moe_dispatch_row_bytes(moe_index hidden, int topk)
-{
-    return 4.0 * (double)hidden + 4.0 * (double)MOE_META_WORDS(topk);
-}
-static inline double moe_combine_row_bytes(moe_index hidden) { return 4.0 * (double)hidden; }
+/* The bytes rows put on the wire: wire.h. */
 
 /* meta (rows, 2k + 1) for the tokens row_token[0 .. rows-1] of ids/weights
  * (T, k), whose global ids start at first_token. */

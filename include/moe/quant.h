@@ -49,7 +49,8 @@ double moe_bf16_step(double v);
  *   v3        a = max(amax, 1e-4):  s = a / 448;       q = e4m3(x / s)
  *             (DeepSeek-V3's act_quant)
  * With pow2 (UE8M0 scales) s becomes the smallest power of two >= the s
- * above and x is multiplied by 1/s (deepep, deepgemm) or divided by s (moe,
+ * above (for moe at least 2^-126, the smallest a UE8M0 byte carries as a
+ * normal float: wire.h) and x is multiplied by 1/s (deepep, deepgemm) or divided by s (moe,
  * v3) — exact either way. e4m3() rounds to nearest even and saturates at
  * ±448 (NaN stays NaN). */
 typedef struct {

@@ -21,6 +21,7 @@ typedef struct {
     int waves;
     double layer_seconds, pipeline_seconds, compute_seconds, comm_seconds;
     int wave_kind;
+    double rows_sent; /* dispatched rows, all ranks */
 } moe_curve_point;
 
 typedef struct {
@@ -32,6 +33,7 @@ typedef struct {
     moe_spread rows_received;     /* dispatch rows per rank */
     moe_spread pairs_received;    /* (row, expert) pairs computed per rank */
     double rows_sent, rows_sent_remote;    /* summed over ranks, one forward */
+    double rows_one_wave;                  /* the rows one wave sends (full per-rank dedup) */
     double pairs_back_remote;
     double bytes_dispatched, bytes_combined;
     double stage_seconds[MOE_STAGES]; /* median over iterations of the max over ranks */

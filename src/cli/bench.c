@@ -24,6 +24,7 @@
 #include "moe/gemm.h"
 #include "moe/timeline.h"
 #include "moe/context.h"
+#include "moe/wire.h"
 
 typedef struct {
     int waves, wave_kind, ranks;
@@ -242,7 +243,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         double *dispatch_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
         double *combine_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
         moe_waves waves;
-        moe_waves_init(&waves, &ctx.ep.placement, ctx.schedule.waves, T);
+        moe_waves_init_by(&waves, &ctx.ep.placement, ctx.schedule.waves, T, ctx.schedule.wave_by);
         moe_rows_per_destination(&ctx.ep.placement, ctx.ids, T, (int)cfg->topk, &waves, dispatch_rows);
         moe_waves_free(&waves);
         moe_send_plan plan;
@@ -251,8 +252,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             combine_rows[r] = (double)plan.pair_count[r];
         moe_send_plan_free(&plan);
         dispatch_rows[c->rank] = combine_rows[c->rank] = 0.0; /* as the forward: own rows stay */
-        a2a_anchor a = {moe_comm_alltoallv_prepare(c, dispatch_rows, d),
-                        moe_comm_alltoallv_prepare(c, combine_rows, d)};
+        a2a_anchor a = {moe_comm_alltoallv_prepare(c, dispatch_rows, moe_dispatch_row_bytes(cfg)),
+                        moe_comm_alltoallv_prepare(c, combine_rows, moe_combine_row_bytes(cfg))};
         const double a2a_anchor_seconds = timed(c, run_alltoallv, &a, false);
         /* nothing crosses ranks (one rank): no all-to-all figures */
         const bool travels =
@@ -264,8 +265,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
 
         const double ratio = moe_comm_max(c, rss / minimum_bytes(&ctx.ep, probe));
         /* the bytes that cross ranks, all ranks: rows with their ids out, outputs back */
-        const double bytes = s->rows_sent_remote * moe_dispatch_row_bytes(d, (int)cfg->topk) +
-                             s->pairs_back_remote * moe_combine_row_bytes(d);
+        const double bytes = s->rows_sent_remote * moe_dispatch_row_bytes(cfg) +
+                             s->pairs_back_remote * moe_combine_row_bytes(cfg);
         const double expert_time = s->compute_seconds;
         rows[n] = (bench_row){
             .waves = ctx.schedule.waves,

@@ -9,6 +9,8 @@
 
 #include "moe/cli.h"
 #include "moe/cluster.h"
+#include "moe/layout.h"
+#include "moe/wire.h"
 
 static void print_usage(FILE *out)
 {
@@ -88,6 +90,12 @@ static void print_plan(const moe_config *cfg, const moe_cluster *p)
            (long long)cfg->tokens, moe_dtype_bytes(cfg->dispatch_dtype),
            bytes(p->dispatch_bytes, a, sizeof a), moe_dtype_bytes(cfg->combine_dtype),
            bytes(p->combine_bytes, b, sizeof b));
+    printf("          on the wire (wire.h; the times below): dispatch T x k x %.0f B (values, %s, "
+           "%d meta words) = %s, combine T x k x %.0f B = %s\n",
+           moe_dispatch_row_bytes(cfg),
+           cfg->dispatch_dtype == MOE_DTYPE_FP8 ? "fp32 scales per 128" : "no scales",
+           MOE_META_WORDS((int)cfg->topk), bytes(p->dispatch_wire_bytes, a, sizeof a),
+           moe_combine_row_bytes(cfg), bytes(p->combine_wire_bytes, b, sizeof b));
     printf("          per step, %lld MoE layers: forward %s, forward + backward %s\n",
            (long long)cfg->moe_layers, bytes(p->step_forward_bytes, a, sizeof a),
            bytes(p->step_training_bytes, b, sizeof b));

@@ -21,6 +21,7 @@
 #include "moe/rng.h"
 #include "moe/timeline.h"
 #include "moe/truth.h"
+#include "moe/wire.h"
 
 static void print_usage(FILE *out)
 {
@@ -205,12 +206,17 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     const int G = c->ranks, E = (int)cfg->experts, k = (int)cfg->topk;
     const moe_index T = cfg->tokens;
     const int R = ep->link.ranks_per_node, nodes = (G + R - 1) / R;
-    const double row_bytes = moe_dispatch_row_bytes(cfg->hidden, k);
+    const double row_bytes = moe_dispatch_row_bytes(cfg);
 
     double *rows = moe_xmalloc(sizeof(double) * (size_t)G);
     moe_waves waves;
     if (!cfg->blocking)
-        moe_waves_init(&waves, &ep->placement, ctx->schedule.waves, T);
+        moe_waves_init_by(&waves, &ep->placement, ctx->schedule.waves, T, ctx->schedule.wave_by);
+    moe_rows_per_destination(&ep->placement, ids, T, k, NULL, rows); /* one wave */
+    s->rows_one_wave = 0.0;
+    for (int r = 0; r < G; r++)
+        s->rows_one_wave += rows[r];
+    s->rows_one_wave = moe_comm_sum(c, s->rows_one_wave);
     moe_rows_per_destination(&ep->placement, ids, T, k, cfg->blocking ? NULL : &waves, rows);
     if (!cfg->blocking)
         moe_waves_free(&waves);
@@ -293,7 +299,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         }
         curve[points++] = (moe_curve_point){(int)cfg->waves_list[n], s->layer_seconds,
                                             s->pipeline_seconds, s->compute_seconds,
-                                            s->comm_seconds, s->wave_kind};
+                                            s->comm_seconds, s->wave_kind, s->rows_sent};
     }
     *s = first_summary;
     ctx.schedule = first_schedule;

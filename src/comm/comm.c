@@ -193,6 +193,19 @@ int moe_comm_same_config(const moe_comm *c, const char *text, moe_status *st)
     return st->code;
 }
 
+static double posted_bytes;
+
+void moe_comm_count_posted(const int *counts, int G, int self, MPI_Datatype type)
+{
+    int size;
+    MOE_MPI(MPI_Type_size(type, &size));
+    for (int r = 0; r < G; r++)
+        if (r != self)
+            posted_bytes += (double)counts[r] * size;
+}
+
+double moe_comm_posted_bytes(void) { return posted_bytes; }
+
 void moe_comm_print_error(const moe_comm *c, const moe_status *st)
 {
     if (c->rank == 0) {
@@ -359,10 +372,10 @@ struct moe_alltoallv_anchor {
     MPI_Comm comm;
     MPI_Datatype row;
     int *send, *recv, *send_at, *recv_at; /* (G) each */
-    float *send_buf, *recv_buf;
+    unsigned char *send_buf, *recv_buf;
 };
 
-moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double *rows, moe_index d)
+moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double *rows, double row_bytes)
 {
     const int G = c->ranks;
     moe_alltoallv_anchor *a = moe_xcalloc(1, sizeof *a);
@@ -381,15 +394,16 @@ moe_alltoallv_anchor *moe_comm_alltoallv_prepare(const moe_comm *c, const double
         out += a->send[r];
         in += a->recv[r];
     }
-    MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &a->row));
+    const size_t bytes = (size_t)row_bytes;
+    MOE_MPI(MPI_Type_contiguous((int)bytes, MPI_BYTE, &a->row));
     MOE_MPI(MPI_Type_commit(&a->row));
     /* Written, not just allocated: untouched pages all map the one zero page,
      * which a copy reads from cache, faster than any real data. */
-    a->send_buf = moe_xmalloc(sizeof(float) * ((size_t)(out * d) + 1));
-    a->recv_buf = moe_xmalloc(sizeof(float) * ((size_t)(in * d) + 1));
-    for (size_t n = 0; n < (size_t)(out * d) + 1; n++)
-        a->send_buf[n] = (float)(n % 1021);
-    memset(a->recv_buf, 0, sizeof(float) * ((size_t)(in * d) + 1));
+    a->send_buf = moe_xmalloc(bytes * (size_t)out + 1);
+    a->recv_buf = moe_xmalloc(bytes * (size_t)in + 1);
+    for (size_t n = 0; n < bytes * (size_t)out + 1; n++)
+        a->send_buf[n] = (unsigned char)(n % 251);
+    memset(a->recv_buf, 0, bytes * (size_t)in + 1);
     return a;
 }
 

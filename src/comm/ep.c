@@ -25,18 +25,36 @@ moe_schedule moe_schedule_default(const moe_ep *ep)
     return (moe_schedule){
         .waves = (int)cfg->waves_list[0],
         .lookahead = (int)cfg->lookahead,
+        .wave_by = cfg->wave_by,
         .progress = moe_progress_granted(&ep->comm, (enum moe_progress_kind)cfg->progress),
         .link = true,
         .trace = NULL,
         .origin = 0.0};
 }
 
-void moe_ep_row_types(const moe_ep *ep, MPI_Datatype *row_type, MPI_Datatype *meta_type)
+void moe_ep_types_create(const moe_ep *ep, moe_ep_types *types)
 {
-    MOE_MPI(MPI_Type_contiguous((int)ep->cfg->hidden, MPI_FLOAT, row_type));
-    MOE_MPI(MPI_Type_commit(row_type));
-    MOE_MPI(MPI_Type_contiguous(MOE_META_WORDS((int)ep->cfg->topk), MPI_INT32_T, meta_type));
-    MOE_MPI(MPI_Type_commit(meta_type));
+    MOE_MPI(MPI_Type_contiguous((int)moe_wire_dispatch(ep->cfg).bytes, MPI_BYTE, &types->dispatch));
+    MOE_MPI(MPI_Type_commit(&types->dispatch));
+    MOE_MPI(MPI_Type_contiguous(MOE_META_WORDS((int)ep->cfg->topk), MPI_INT32_T, &types->meta));
+    MOE_MPI(MPI_Type_commit(&types->meta));
+    MOE_MPI(MPI_Type_contiguous((int)moe_wire_combine(ep->cfg).bytes, MPI_BYTE, &types->combine));
+    MOE_MPI(MPI_Type_commit(&types->combine));
+}
+
+void moe_ep_types_free(moe_ep_types *types)
+{
+    MOE_MPI(MPI_Type_free(&types->combine));
+    MOE_MPI(MPI_Type_free(&types->meta));
+    MOE_MPI(MPI_Type_free(&types->dispatch));
+}
+
+float *moe_ep_wire_values(const moe_wire *w, uint8_t *wire, moe_index rows, float *values)
+{
+    if (w->dtype == MOE_DTYPE_FP32)
+        return (float *)wire;
+    moe_wire_decode(w, wire, rows, values);
+    return values;
 }
 
 bool moe_ep_agreed(const moe_comm *c, const char *stage, moe_status *local)
@@ -188,17 +206,18 @@ const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *s
     return scratch;
 }
 
-void moe_ep_pack(const moe_ep *ep, const float *x_dispatch, const int32_t *ids,
-                 const float *weights, const moe_send_plan *plan, int stay, float *send_rows,
-                 int32_t *send_meta)
+void moe_ep_pack(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                 const moe_send_plan *plan, int stay, uint8_t *send_rows, int32_t *send_meta)
 {
-    const moe_index d = ep->cfg->hidden, rows = plan->row_offset[plan->ranks];
+    const moe_index rows = plan->row_offset[plan->ranks];
+    const moe_wire wire = moe_wire_dispatch(ep->cfg);
     if (stay < 0) {
-        moe_gather_rows(x_dispatch, d, plan->row_token, rows, send_rows);
+        moe_wire_encode(&wire, x, plan->row_token, rows, send_rows);
     } else { /* rows by destination: before `stay`, after it */
-        moe_gather_rows(x_dispatch, d, plan->row_token, plan->row_offset[stay], send_rows);
-        moe_gather_rows(x_dispatch, d, plan->row_token + plan->row_offset[stay + 1],
-                        rows - plan->row_offset[stay + 1], send_rows + plan->row_offset[stay] * d);
+        moe_wire_encode(&wire, x, plan->row_token, plan->row_offset[stay], send_rows);
+        moe_wire_encode(&wire, x, plan->row_token + plan->row_offset[stay + 1],
+                        rows - plan->row_offset[stay + 1],
+                        send_rows + (size_t)plan->row_offset[stay] * wire.bytes);
     }
     moe_pack_meta(ids, weights, (int)ep->cfg->topk, plan->row_token, rows,
                   (moe_index)ep->comm.rank * ep->cfg->tokens, send_meta);

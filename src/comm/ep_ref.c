@@ -51,7 +51,8 @@ static void capture_rank(const moe_recv_plan *recv, const float *recv_rows,
 
 /* One reference forward's plan and buffers on this rank. */
 typedef struct {
-    MPI_Datatype row_type, meta_type;  /* one row (d floats); its meta (2k + 1 words) */
+    moe_ep_types types;                /* a row, its meta, an output, as they travel */
+    moe_wire dispatch_wire, combine_wire;
     int *counts;                       /* (4, G): the four arrays below */
     int *send_counts, *send_at;        /* (G) rows to each rank, and where they start */
     int *recv_counts, *recv_at;        /* (G) rows from each rank, and where they land */
@@ -59,12 +60,14 @@ typedef struct {
     moe_index rows_in;
     moe_send_plan send;
     moe_recv_plan recv;
-    float *x_scratch;                  /* (T, d) the quantised tokens, or NULL */
-    float *send_rows, *recv_rows;      /* (rows out, d), (rows_in, d) */
+    uint8_t *send_rows, *recv_rows;    /* wire rows: (rows out), (rows_in) */
+    float *recv_decoded, *recv_values; /* (rows_in, d): decoded, or recv_rows itself (fp32) */
     int32_t *send_meta, *recv_meta;    /* (rows out, 2k + 1), (rows_in, 2k + 1) */
     float *expert_in, *scratch;        /* the largest expert batch's rows and activations */
     float *expert_out;                 /* (pairs received, d) */
-    float *back;                       /* (pairs sent, d) the outputs of this rank's tokens */
+    uint8_t *out_wire;                 /* expert_out as it travels, or expert_out itself (fp32) */
+    uint8_t *back;                     /* (pairs sent) wire rows: the outputs of this rank's tokens */
+    float *back_decoded;               /* (pairs sent, d) decoded, unless fp32 */
 } ref_forward;
 
 /* Stage plan, send side: the rows each destination gets (deduplicated), one
@@ -88,14 +91,18 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, ref_forward *f,
     }
     moe_to_counts(f->rows_from, G, f->recv_counts, f->recv_at);
     const moe_index rows_out = f->send.row_offset[G], words = MOE_META_WORDS(k);
-    f->send_rows = moe_try_malloc(sizeof(float) * (size_t)(rows_out * d), "the dispatch send buffer", c->rank, local);
+    const size_t row = f->dispatch_wire.bytes, out = f->combine_wire.bytes;
+    const moe_index back = f->send.pair_offset[G];
+    f->send_rows = moe_try_malloc(row * (size_t)rows_out, "the dispatch send buffer", c->rank, local);
     f->send_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(rows_out * words), "the dispatch ids", c->rank, local);
-    f->recv_rows = moe_try_malloc(sizeof(float) * (size_t)(f->rows_in * d), "the dispatch receive buffer", c->rank, local);
+    f->recv_rows = moe_try_malloc(row * (size_t)f->rows_in, "the dispatch receive buffer", c->rank, local);
     f->recv_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(f->rows_in * words), "the received ids", c->rank, local);
-    f->back = moe_try_malloc(sizeof(float) * (size_t)(f->send.pair_offset[G] * d), "the combine receive buffer", c->rank, local);
+    f->back = moe_try_malloc(out * (size_t)back, "the combine receive buffer", c->rank, local);
+    if (f->dispatch_wire.dtype != MOE_DTYPE_FP32)
+        f->recv_decoded = moe_try_malloc(sizeof(float) * (size_t)(f->rows_in * d), "the decoded rows", c->rank, local);
+    if (f->combine_wire.dtype != MOE_DTYPE_FP32)
+        f->back_decoded = moe_try_malloc(sizeof(float) * (size_t)(back * d), "the decoded outputs", c->rank, local);
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
-    if (cfg->dispatch_dtype != MOE_DTYPE_FP32)
-        f->x_scratch = moe_try_malloc(sizeof(float) * (size_t)(T * d), "the quantised tokens", c->rank, local);
 }
 
 /* Stage dispatch: every packed row once to its destination, with its ids
@@ -103,15 +110,18 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, ref_forward *f,
 static void ref_dispatch(const moe_ep *ep, ref_forward *f, moe_forward_stats *stats)
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
-    MOE_MPI(MPI_Alltoallv(f->send_rows, f->send_counts, f->send_at, f->row_type, f->recv_rows,
-                          f->recv_counts, f->recv_at, f->row_type, ep->comm.comm));
-    MOE_MPI(MPI_Alltoallv(f->send_meta, f->send_counts, f->send_at, f->meta_type, f->recv_meta,
-                          f->recv_counts, f->recv_at, f->meta_type, ep->comm.comm));
+    moe_comm_count_posted(f->send_counts, G, me, f->types.dispatch);
+    MOE_MPI(MPI_Alltoallv(f->send_rows, f->send_counts, f->send_at, f->types.dispatch, f->recv_rows,
+                          f->recv_counts, f->recv_at, f->types.dispatch, ep->comm.comm));
+    moe_comm_count_posted(f->send_counts, G, me, f->types.meta);
+    MOE_MPI(MPI_Alltoallv(f->send_meta, f->send_counts, f->send_at, f->types.meta, f->recv_meta,
+                          f->recv_counts, f->recv_at, f->types.meta, ep->comm.comm));
+    f->recv_values = moe_ep_wire_values(&f->dispatch_wire, f->recv_rows, f->rows_in, f->recv_decoded);
     const moe_index rows_out = f->send.row_offset[G];
     stats->rows_sent = rows_out;
     stats->rows_sent_remote = rows_out - f->send.row_count[me];
     stats->rows_received = f->rows_in;
-    stats->bytes_dispatched = (double)rows_out * moe_dispatch_row_bytes(ep->cfg->hidden, (int)ep->cfg->topk);
+    stats->bytes_dispatched = (double)rows_out * moe_dispatch_row_bytes(ep->cfg);
 }
 
 /* Stage plan, receive side: which received row visits which local expert
@@ -129,7 +139,10 @@ static void ref_plan_receive(const moe_ep *ep, ref_forward *f, moe_forward_stats
         if (f->recv.expert_offset[l + 1] - f->recv.expert_offset[l] > most)
             most = f->recv.expert_offset[l + 1] - f->recv.expert_offset[l];
     const int rank = ep->comm.rank;
-    f->expert_out = moe_try_malloc(sizeof(float) * (size_t)(f->recv.pairs * d), "the combine send buffer", rank, local);
+    f->expert_out = moe_try_malloc(sizeof(float) * (size_t)(f->recv.pairs * d), "the expert outputs", rank, local);
+    f->out_wire = f->combine_wire.dtype == MOE_DTYPE_FP32
+                      ? (uint8_t *)f->expert_out
+                      : moe_try_malloc(f->combine_wire.bytes * (size_t)f->recv.pairs, "the combine send buffer", rank, local);
     f->expert_in = moe_try_malloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", rank, local);
     f->scratch = moe_try_malloc(sizeof(float) * (size_t)(most * 2 * f_size), "expert activations", rank, local);
 }
@@ -143,7 +156,7 @@ static void ref_experts(const moe_ep *ep, ref_forward *f, moe_forward_stats *sta
     moe_gemm_reset_flops();
     const float **row_at = moe_xmalloc(sizeof(float *) * (size_t)f->rows_in + 1);
     for (moe_index m = 0; m < f->rows_in; m++)
-        row_at[m] = f->recv_rows + m * d;
+        row_at[m] = f->recv_values + m * d;
     for (int l = 0; l < ep->local_experts; l++)
         moe_ep_expert(ep, &f->recv, l, row_at, f->recv_meta, f->expert_in, f->scratch,
                       f->expert_out, NULL);
@@ -151,7 +164,7 @@ static void ref_experts(const moe_ep *ep, ref_forward *f, moe_forward_stats *sta
     stats->expert_flops = moe_gemm_sflops();
     stats->pairs_received = f->recv.pairs;
     if (capture)
-        capture_rank(&f->recv, f->recv_rows, f->recv_meta, f->expert_out, ep->first_expert, d,
+        capture_rank(&f->recv, f->recv_values, f->recv_meta, f->expert_out, ep->first_expert, d,
                      (int)ep->cfg->topk, capture);
     stats->expert_start = t;
     stats->expert_end = MPI_Wtime();
@@ -166,10 +179,13 @@ static void ref_combine(const moe_ep *ep, ref_forward *f, moe_forward_stats *sta
     const double t = MPI_Wtime();
     moe_to_counts(f->recv.source_pairs, G, f->send_counts, f->send_at);
     moe_to_counts(f->send.pair_count, G, f->recv_counts, f->recv_at);
-    MOE_MPI(MPI_Alltoallv(f->expert_out, f->send_counts, f->send_at, f->row_type, f->back,
-                          f->recv_counts, f->recv_at, f->row_type, ep->comm.comm));
+    if (f->out_wire != (uint8_t *)f->expert_out)
+        moe_wire_encode(&f->combine_wire, f->expert_out, NULL, f->recv.pairs, f->out_wire);
+    moe_comm_count_posted(f->send_counts, G, me, f->types.combine);
+    MOE_MPI(MPI_Alltoallv(f->out_wire, f->send_counts, f->send_at, f->types.combine, f->back,
+                          f->recv_counts, f->recv_at, f->types.combine, ep->comm.comm));
     stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
-    stats->bytes_combined = (double)f->recv.pairs * moe_combine_row_bytes(ep->cfg->hidden);
+    stats->bytes_combined = (double)f->recv.pairs * moe_combine_row_bytes(ep->cfg);
     stats->pairs_back_remote = f->send.pair_offset[G] - f->send.pair_count[me];
 }
 
@@ -183,8 +199,9 @@ static void ref_reduce(const moe_ep *ep, ref_forward *f, const float *x, const f
     const double t = MPI_Wtime();
     const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * ep->cfg->topk)); /* (T, k) */
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)G);
+    const float *back = moe_ep_wire_values(&f->combine_wire, f->back, f->send.pair_offset[G], f->back_decoded);
     for (int r = 0; r < G; r++)
-        from[r] = f->back + f->send.pair_offset[r] * d;
+        from[r] = back + f->send.pair_offset[r] * d;
     moe_combine_locate(&f->send, from, d, slot_rows);
     free(from);
     moe_ep_reduce(ep, slot_rows, weights, y);
@@ -197,8 +214,11 @@ static void ref_free(ref_forward *f)
 {
     free(f->scratch);
     free(f->expert_in);
+    if (f->out_wire != (uint8_t *)f->expert_out)
+        free(f->out_wire);
     free(f->expert_out);
-    free(f->x_scratch);
+    free(f->back_decoded);
+    free(f->recv_decoded);
     moe_recv_plan_free(&f->recv);
     free(f->back);
     free(f->recv_meta);
@@ -208,8 +228,7 @@ static void ref_free(ref_forward *f)
     moe_send_plan_free(&f->send);
     free(f->rows_from);
     free(f->counts);
-    MOE_MPI(MPI_Type_free(&f->meta_type));
-    MOE_MPI(MPI_Type_free(&f->row_type));
+    moe_ep_types_free(&f->types);
 }
 
 int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
@@ -224,15 +243,16 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
     f.send_at = f.counts + G;
     f.recv_counts = f.counts + 2 * G;
     f.recv_at = f.counts + 3 * G;
-    moe_ep_row_types(ep, &f.row_type, &f.meta_type);
+    moe_ep_types_create(ep, &f.types);
+    f.dispatch_wire = moe_wire_dispatch(ep->cfg);
+    f.combine_wire = moe_wire_combine(ep->cfg);
     moe_status local = {0};
     memset(stats, 0, sizeof *stats);
 
     ref_plan(ep, ids, &f, stats, &local);
     if (moe_ep_agreed(c, "plan", &local)) {
         const double t = MPI_Wtime();
-        moe_ep_pack(ep, moe_ep_dispatched_tokens(ep, x, f.x_scratch), ids, weights, &f.send, -1,
-                    f.send_rows, f.send_meta);
+        moe_ep_pack(ep, x, ids, weights, &f.send, -1, f.send_rows, f.send_meta);
         ref_dispatch(ep, &f, stats);
         stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
         ref_plan_receive(ep, &f, stats, &local);

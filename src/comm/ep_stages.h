@@ -17,6 +17,7 @@
 #define MOE_EP_STAGES_H
 
 #include "moe/ep.h"
+#include "moe/wire.h"
 
 /* Shared experts are applied in blocks of this many of the home rank's
  * tokens, block b covering local tokens [64b, 64b+64): the same sgemm calls
@@ -30,7 +31,9 @@
  * them (no allocation and no page faults once they are sized), and refits
  * them when the schedule changes. */
 enum { MOE_WAVE_SEND_ROWS, MOE_WAVE_SEND_META, MOE_WAVE_RECV_ROWS, MOE_WAVE_RECV_META,
-       MOE_WAVE_EXPERT_OUT, MOE_WAVE_BACK, MOE_WAVE_ROW_AT, MOE_WAVE_BUFFERS };
+       MOE_WAVE_EXPERT_OUT, MOE_WAVE_BACK, MOE_WAVE_ROW_AT,
+       MOE_WAVE_RECV_VALUES, MOE_WAVE_OUT_WIRE, MOE_WAVE_BACK_VALUES, /* bf16/fp8 on the wire */
+       MOE_WAVE_BUFFERS };
 
 struct moe_wave_state; /* one wave's plan and buffers (ep_waves.c) */
 
@@ -49,9 +52,18 @@ struct moe_ep_workspace {
 /* Frees the plans a wave forward kept (ep_waves.c); ep_free calls it. */
 void moe_ep_forget_waves(struct moe_ep_workspace *work);
 
-/* MPI datatypes of one dispatched row (d floats) and of its meta
- * (MOE_META_WORDS(k) int32 words), committed; free with MPI_Type_free. */
-void moe_ep_row_types(const moe_ep *ep, MPI_Datatype *row_type, MPI_Datatype *meta_type);
+/* MPI datatypes of one dispatched row as it travels (wire.h: its values in
+ * --dispatch-dtype), of its meta (MOE_META_WORDS(k) int32 words) and of one
+ * expert output on its way back (--combine-dtype). */
+typedef struct {
+    MPI_Datatype dispatch, meta, combine;
+} moe_ep_types;
+void moe_ep_types_create(const moe_ep *ep, moe_ep_types *types);
+void moe_ep_types_free(moe_ep_types *types);
+
+/* A wire buffer's rows as values: decoded into values, or (fp32, whose wire
+ * rows are the values) wire itself without a copy. Returns the values. */
+float *moe_ep_wire_values(const moe_wire *w, uint8_t *wire, moe_index rows, float *values);
 
 /* After a stage that may have failed on some ranks: inject the test fault of
  * `stage` (moe_fault_here) on a rank that is still well, then agree. True
@@ -59,15 +71,14 @@ void moe_ep_row_types(const moe_ep *ep, MPI_Datatype *row_type, MPI_Datatype *me
  * collective error. Collective. */
 bool moe_ep_agreed(const moe_comm *c, const char *stage, moe_status *local);
 
-/* Stage pack. send_rows = the rows of x_dispatch (T, d) that plan sends, in
- * plan order (destination, then local token), leaving out those for rank
- * `stay` (-1: none), whose experts read them where they are;
- * send_meta (plan rows, MOE_META_WORDS(k)) = every row's top-k ids, gate
- * weights and global token id (layout.h). Copies, no arithmetic: the bits
- * are the inputs'. */
-void moe_ep_pack(const moe_ep *ep, const float *x_dispatch, const int32_t *ids,
-                 const float *weights, const moe_send_plan *plan, int stay, float *send_rows,
-                 int32_t *send_meta);
+/* Stage pack. send_rows = the rows of x (T, d) that plan sends, as the wire
+ * carries them (wire.h: quantised here, so that they decode to exactly the
+ * rows of moe_ep_dispatched_tokens), in plan order (destination, then local
+ * token), leaving out those for rank `stay` (-1: none), whose experts read
+ * them where they are; send_meta (plan rows, MOE_META_WORDS(k)) = every
+ * row's top-k ids, gate weights and global token id (layout.h), copied. */
+void moe_ep_pack(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                 const moe_send_plan *plan, int stay, uint8_t *send_rows, int32_t *send_meta);
 
 /* Stage experts, for local expert l: gather the rows recv assigns it from
  * where row_at (received rows) says each received row is, run the SwiGLU

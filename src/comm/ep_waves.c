@@ -48,7 +48,11 @@ typedef struct moe_wave_state {
      * never go through MPI: the experts read them from the tokens, the reduce
      * from expert_out, and send_rows, recv_rows and back hold only the rows
      * that travel. */
-    float *send_rows, *recv_rows, *expert_out, *back;
+    uint8_t *send_rows, *recv_rows;  /* wire rows (wire.h) */
+    float *recv_values;              /* recv_rows decoded, or recv_rows itself (fp32) */
+    float *expert_out;               /* (pairs_in, d) */
+    uint8_t *out_wire, *back;        /* expert_out as it travels (or itself, fp32); wire rows back */
+    float *back_values;              /* back decoded, or back itself (fp32) */
     int32_t *send_meta, *recv_meta;  /* (rows, 2k + 1), all rows */
     const float **row_at;            /* (rows_in) where each received row is */
     const float **from;              /* (G) where the pairs back from each rank start */
@@ -59,7 +63,8 @@ typedef struct moe_wave_state {
 /* One wave forward on this rank: the waves, their states, the shared
  * buffers (all in ep->work). */
 typedef struct {
-    MPI_Datatype row_type, meta_type; /* one row (d floats); its meta (2k + 1 words) */
+    moe_ep_types types;               /* a row, its meta, an output, as they travel */
+    moe_wire dispatch_wire, combine_wire;
     moe_waves waves;
     wave_state *ws;                   /* (W) */
     float *expert_in, *scratch;       /* the largest expert batch's rows and activations */
@@ -140,7 +145,7 @@ static void row_table(wave_state *s, int G, int me, moe_index d, const float *x_
 {
     moe_index m = 0;
     for (int r = 0; r < G; r++) {
-        const float *first = s->recv_rows + (moe_index)COUNTS(s, R_RECV_AT, G)[r] * d;
+        const float *first = s->recv_values + (moe_index)COUNTS(s, R_RECV_AT, G)[r] * d;
         const moe_index *own = s->send.row_token + s->send.row_offset[me];
         for (moe_index j = 0; j < s->rows_from[r]; j++)
             s->row_at[m++] = r == me ? x_dispatch + own[j] * d : first + j * d;
@@ -175,43 +180,52 @@ static void track(moe_progress *p, int op, const moe_link *link, moe_link_state 
 /* A wave's dispatch (its travelling rows, then every row's ids: two
  * requests) and combine (one): the calls the pipeline posts and the pass
  * that times the all-to-alls alone repeats. */
-static void start_dispatch(wave_state *ws, int G, MPI_Datatype row_type, MPI_Datatype meta_type,
-                           MPI_Comm comm, MPI_Request requests[2])
+static void start_dispatch(wave_state *ws, int G, const moe_ep_types *t, MPI_Comm comm,
+                           MPI_Request requests[2])
 {
-    MOE_MPI(MPI_Ialltoallv(ws->send_rows, COUNTS(ws, R_SEND, G), COUNTS(ws, R_SEND_AT, G), row_type,
-                           ws->recv_rows, COUNTS(ws, R_RECV, G), COUNTS(ws, R_RECV_AT, G), row_type, comm,
+    MOE_MPI(MPI_Ialltoallv(ws->send_rows, COUNTS(ws, R_SEND, G), COUNTS(ws, R_SEND_AT, G), t->dispatch,
+                           ws->recv_rows, COUNTS(ws, R_RECV, G), COUNTS(ws, R_RECV_AT, G), t->dispatch, comm,
                            &requests[0]));
-    MOE_MPI(MPI_Ialltoallv(ws->send_meta, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), meta_type,
-                           ws->recv_meta, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), meta_type, comm,
+    MOE_MPI(MPI_Ialltoallv(ws->send_meta, COUNTS(ws, D_SEND, G), COUNTS(ws, D_SEND_AT, G), t->meta,
+                           ws->recv_meta, COUNTS(ws, D_RECV, G), COUNTS(ws, D_RECV_AT, G), t->meta, comm,
                            &requests[1]));
 }
 
-static void start_combine(wave_state *ws, int G, MPI_Datatype row_type, MPI_Comm comm,
+static void start_combine(wave_state *ws, int G, const moe_ep_types *t, MPI_Comm comm,
                           MPI_Request requests[1])
 {
-    MOE_MPI(MPI_Ialltoallv(ws->expert_out, COUNTS(ws, C_SEND, G), COUNTS(ws, C_SEND_AT, G), row_type,
-                           ws->back, COUNTS(ws, C_RECV, G), COUNTS(ws, C_RECV_AT, G), row_type, comm,
+    MOE_MPI(MPI_Ialltoallv(ws->out_wire, COUNTS(ws, C_SEND, G), COUNTS(ws, C_SEND_AT, G), t->combine,
+                           ws->back, COUNTS(ws, C_RECV, G), COUNTS(ws, C_RECV_AT, G), t->combine, comm,
                            &requests[0]));
 }
 
-static void wave_dispatch(wave_state *ws, moe_progress *p, int op, int G, MPI_Datatype row_type,
-                          MPI_Datatype meta_type, MPI_Comm comm, const moe_link *link,
-                          moe_link_state *links)
+static void wave_dispatch(wave_state *ws, moe_progress *p, int op, int G, const moe_ep_types *t,
+                          MPI_Comm comm, const moe_link *link, moe_link_state *links)
 {
     moe_comm_op *o = &p->ops[op];
+    int self;
+    MOE_MPI(MPI_Comm_rank(comm, &self));
+    moe_comm_count_posted(COUNTS(ws, R_SEND, G), G, self, t->dispatch);
+    moe_comm_count_posted(COUNTS(ws, D_SEND, G), G, self, t->meta);
     moe_progress_lock(p);
-    start_dispatch(ws, G, row_type, meta_type, comm, o->requests);
+    start_dispatch(ws, G, t, comm, o->requests);
     o->count = 2;
     track(p, op, link, links, ws->dispatch_bytes, comm);
     moe_progress_unlock(p);
 }
 
-static void wave_combine(wave_state *ws, moe_progress *p, int op, int G, MPI_Datatype row_type,
-                         MPI_Comm comm, const moe_link *link, moe_link_state *links)
+static void wave_combine(wave_state *ws, moe_progress *p, int op, int G, const moe_ep_types *t,
+                         const moe_wire *wire, MPI_Comm comm, const moe_link *link,
+                         moe_link_state *links)
 {
     moe_comm_op *o = &p->ops[op];
+    int self;
+    MOE_MPI(MPI_Comm_rank(comm, &self));
+    if (ws->out_wire != (uint8_t *)ws->expert_out) /* bf16 on the wire */
+        moe_wire_encode(wire, ws->expert_out, NULL, ws->pairs_in, ws->out_wire);
+    moe_comm_count_posted(COUNTS(ws, C_SEND, G), G, self, t->combine);
     moe_progress_lock(p);
-    start_combine(ws, G, row_type, comm, o->requests);
+    start_combine(ws, G, t, comm, o->requests);
     o->count = 1;
     track(p, op, link, links, ws->combine_bytes, comm);
     moe_progress_unlock(p);
@@ -301,7 +315,7 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
     const int G = c->ranks, me = c->rank, k = (int)cfg->topk, W = sched->waves,
               EL = ep->local_experts;
     const moe_index T = cfg->tokens, d = cfg->hidden, ffn = cfg->ffn;
-    moe_waves_init(&f->waves, &ep->placement, W, T);
+    moe_waves_init_by(&f->waves, &ep->placement, W, T, sched->wave_by);
     stats->wave_kind = f->waves.kind;
     int EM = 0;
     for (int r = 0; r < G; r++)
@@ -327,7 +341,7 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
     struct moe_ep_workspace *work = ep->work;
     fit_wave_slots(work, W);
     moe_index most = MOE_SHARED_ROW_BLOCK; /* rows of the largest expert batch, for scratch */
-    const double row_bytes = moe_dispatch_row_bytes(d, k);
+    const double row_bytes = moe_dispatch_row_bytes(cfg);
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
         s->rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G);
@@ -357,12 +371,22 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
         const moe_index own_rows = s->rows_from[me], own_pairs = s->send.pair_count[me];
         moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
         const size_t row = sizeof(float) * (size_t)d, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
-        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], row * (size_t)(s->rows_out - s->send.row_count[me]), "dispatch rows", me, local);
+        const size_t wire_in = f->dispatch_wire.bytes, wire_out = f->combine_wire.bytes;
+        const moe_index remote_in = s->rows_in - own_rows, back = s->send.pair_offset[G] - own_pairs;
+        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], wire_in * (size_t)(s->rows_out - s->send.row_count[me]), "dispatch rows", me, local);
         s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", me, local);
-        s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], row * (size_t)(s->rows_in - own_rows), "received rows", me, local);
+        s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], wire_in * (size_t)remote_in, "received rows", me, local);
         s->recv_meta = moe_buffer_fit(&b[MOE_WAVE_RECV_META], meta * (size_t)s->rows_in, "received ids", me, local);
         s->expert_out = moe_buffer_fit(&b[MOE_WAVE_EXPERT_OUT], row * (size_t)s->pairs_in, "expert outputs", me, local);
-        s->back = moe_buffer_fit(&b[MOE_WAVE_BACK], row * (size_t)(s->send.pair_offset[G] - own_pairs), "combined rows", me, local);
+        s->back = moe_buffer_fit(&b[MOE_WAVE_BACK], wire_out * (size_t)back, "combined rows", me, local);
+        /* bf16 or fp8 on the wire: the values decoded beside the wire rows */
+        const bool narrow_in = f->dispatch_wire.dtype != MOE_DTYPE_FP32, narrow_out = f->combine_wire.dtype != MOE_DTYPE_FP32;
+        s->recv_values = narrow_in ? moe_buffer_fit(&b[MOE_WAVE_RECV_VALUES], row * (size_t)remote_in, "decoded rows", me, local)
+                                   : (float *)s->recv_rows;
+        s->out_wire = narrow_out ? moe_buffer_fit(&b[MOE_WAVE_OUT_WIRE], wire_out * (size_t)s->pairs_in, "expert outputs on the wire", me, local)
+                                 : (uint8_t *)s->expert_out;
+        s->back_values = narrow_out ? moe_buffer_fit(&b[MOE_WAVE_BACK_VALUES], row * (size_t)back, "decoded outputs", me, local)
+                                    : (float *)s->back;
         s->row_at = moe_buffer_fit(&b[MOE_WAVE_ROW_AT], sizeof(float *) * (size_t)s->rows_in, "the row table", me, local);
     }
     f->expert_in = moe_buffer_fit(&work->expert_in, sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", me, local);
@@ -379,10 +403,10 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
 static void waves_pack(const moe_ep *ep, const moe_schedule *sched, const float *x,
                        const int32_t *ids, const float *weights, waves_forward *f)
 {
-    f->x_dispatch = moe_ep_dispatched_tokens(ep, x, f->x_scratch);
+    f->x_dispatch = moe_ep_dispatched_tokens(ep, x, f->x_scratch); /* this rank's own rows */
     for (int w = 0; w < sched->waves; w++)
-        moe_ep_pack(ep, f->x_dispatch, ids, weights, &f->ws[w].send, ep->comm.rank,
-                    f->ws[w].send_rows, f->ws[w].send_meta);
+        moe_ep_pack(ep, x, ids, weights, &f->ws[w].send, ep->comm.rank, f->ws[w].send_rows,
+                    f->ws[w].send_meta);
 }
 
 /* Stage plan, receive side of wave w (once its dispatch has arrived): which
@@ -397,9 +421,10 @@ static void wave_plan_receive(const moe_ep *ep, const waves_forward *f, int w)
     MOE_ASSERT(s->recv.pairs == s->pairs_in);
     moe_to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
     COUNTS(s, C_SEND, G)[me] = 0;
+    moe_ep_wire_values(&f->dispatch_wire, s->recv_rows, s->rows_in - s->rows_from[me], s->recv_values);
     row_table(s, G, me, ep->cfg->hidden, f->x_dispatch);
-    link_bytes(ep, s->send.pair_count, s->recv.source_pairs,
-               moe_combine_row_bytes(ep->cfg->hidden), s->combine_bytes);
+    link_bytes(ep, s->send.pair_count, s->recv.source_pairs, moe_combine_row_bytes(ep->cfg),
+               s->combine_bytes);
 }
 
 /* A rank that fails inside the pipeline cannot stop the others together:
@@ -419,7 +444,6 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
 {
     const moe_comm *c = &ep->comm;
     const int G = c->ranks, W = sched->waves;
-    const moe_index d = ep->cfg->hidden;
     const moe_link *link = schedule_link(ep, sched);
     wave_state *ws = f->ws;
     moe_progress progress;
@@ -432,7 +456,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     for (int w = 0; w < W; w++) {
         for (const int want = w + sched->lookahead + 1 < W ? w + sched->lookahead + 1 : W;
              posted < want; posted++)
-            wave_dispatch(&ws[posted], &progress, posted, G, f->row_type, f->meta_type, c->comm,
+            wave_dispatch(&ws[posted], &progress, posted, G, &f->types, c->comm,
                           link, &links);
         moe_progress_wait(&progress, w);
         fail_inside_pipeline(c, "dispatch");
@@ -441,7 +465,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
         wave_plan_receive(ep, f, w);
         wave_experts(ep, &ws[w], f->expert_in, f->scratch, &clock);
         fail_inside_pipeline(c, "experts");
-        wave_combine(&ws[w], &progress, W + w, G, f->row_type, c->comm, link, &links);
+        wave_combine(&ws[w], &progress, W + w, G, &f->types, &f->combine_wire, c->comm, link, &links);
         fail_inside_pipeline(c, "combine");
     }
     for (int w = 0; w < W; w++)
@@ -451,8 +475,8 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     stats->compute_seconds = clock.compute;
     moe_progress_stop(&progress);
     stats->test_seconds = progress.test_seconds;
-    const double row_bytes = moe_dispatch_row_bytes(d, (int)ep->cfg->topk);
-    const double out_bytes = moe_combine_row_bytes(d);
+    const double row_bytes = moe_dispatch_row_bytes(ep->cfg);
+    const double out_bytes = moe_combine_row_bytes(ep->cfg);
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
         add_comm_event(sched->trace, &progress.ops[w], w ? &progress.ops[w - 1] : NULL,
@@ -488,9 +512,11 @@ static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forw
     const double t = MPI_Wtime();
     for (int w = 0; w < sched->waves; w++) {
         wave_state *s = &f->ws[w];
+        moe_ep_wire_values(&f->combine_wire, s->back, s->send.pair_offset[G] - s->send.pair_count[me],
+                           s->back_values);
         for (int r = 0; r < G; r++)
             s->from[r] = r == me ? s->expert_out + (moe_index)COUNTS(s, C_SEND_AT, G)[me] * d
-                                 : s->back + (moe_index)COUNTS(s, C_RECV_AT, G)[r] * d;
+                                 : s->back_values + (moe_index)COUNTS(s, C_RECV_AT, G)[r] * d;
         moe_combine_locate(&s->send, s->from, d, f->slot_rows);
     }
     moe_ep_reduce(ep, f->slot_rows, weights, y);
@@ -508,7 +534,9 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
     memset(stats, 0, sizeof *stats);
     stats->waves = sched->waves;
     moe_ep_forget_waves(ep->work);
-    moe_ep_row_types(ep, &f.row_type, &f.meta_type);
+    moe_ep_types_create(ep, &f.types);
+    f.dispatch_wire = moe_wire_dispatch(ep->cfg);
+    f.combine_wire = moe_wire_combine(ep->cfg);
 
     const double t = MPI_Wtime();
     waves_plan(ep, sched, ids, &f, stats, &local);
@@ -525,8 +553,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
         *st = local;
     }
     moe_waves_free(&f.waves);
-    MOE_MPI(MPI_Type_free(&f.meta_type));
-    MOE_MPI(MPI_Type_free(&f.row_type));
+    moe_ep_types_free(&f.types);
     return local.code;
 }
 
@@ -537,8 +564,8 @@ double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
     wave_state *ws = ep->work->last;
     MOE_ASSERT(ws != NULL);
     const moe_link *link = schedule_link(ep, sched);
-    MPI_Datatype row_type, meta_type;
-    moe_ep_row_types(ep, &row_type, &meta_type);
+    moe_ep_types types;
+    moe_ep_types_create(ep, &types);
     MPI_Request *requests = moe_xmalloc(sizeof(MPI_Request) * (size_t)(3 * W));
     MPI_Status *statuses = moe_xmalloc(sizeof(MPI_Status) * (size_t)(3 * W));
     moe_link_state alone = {{{0}}};
@@ -547,8 +574,8 @@ double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
     const double t = MPI_Wtime();
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
-        start_dispatch(s, G, row_type, meta_type, c->comm, &requests[3 * w]);
-        start_combine(s, G, row_type, c->comm, &requests[3 * w + 2]);
+        start_dispatch(s, G, &types, c->comm, &requests[3 * w]);
+        start_combine(s, G, &types, c->comm, &requests[3 * w + 2]);
         for (int pass = 0; pass < 2; pass++) {
             double (*bytes)[MOE_TIERS] = pass == 0 ? s->dispatch_bytes : s->combine_bytes;
             const double done = moe_link_schedule(link, &alone, 0.0, bytes[0], bytes[1]);
@@ -559,7 +586,6 @@ double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
     const double real = MPI_Wtime() - t;
     free(statuses);
     free(requests);
-    MOE_MPI(MPI_Type_free(&meta_type));
-    MOE_MPI(MPI_Type_free(&row_type));
+    moe_ep_types_free(&types);
     return real > modelled ? real : modelled;
 }

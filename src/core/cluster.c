@@ -3,6 +3,8 @@
 
 #include <math.h>
 
+#include "moe/wire.h"
+
 double moe_dtype_bytes(int dtype)
 {
     return dtype == MOE_DTYPE_FP8 ? 1.0 : dtype == MOE_DTYPE_BF16 ? 2.0 : 4.0;
@@ -35,7 +37,11 @@ void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
      * token's own node is among them. */
     const double nodes_reached = cfg->topk_groups < p->ep_nodes ? (double)cfg->topk_groups : p->ep_nodes;
     p->node_limited_copies = p->ep_nodes > 1 ? nodes_reached : 0.0;
-    p->step_forward_bytes = (p->dispatch_bytes + p->combine_bytes) * (double)cfg->moe_layers;
+    /* As the rows travel (wire.h): FP8 values with their scales and each
+     * row's ids and weights; what the times below move. */
+    p->dispatch_wire_bytes = T * k * moe_dispatch_row_bytes(cfg);
+    p->combine_wire_bytes = T * k * moe_combine_row_bytes(cfg);
+    p->step_forward_bytes = (p->dispatch_wire_bytes + p->combine_wire_bytes) * (double)cfg->moe_layers;
     p->step_training_bytes = 2.0 * p->step_forward_bytes;
 
     const double flops = cfg->tflops * 1e12, intra = cfg->intra_bw * 1e9, inter = cfg->inter_bw * 1e9;
@@ -51,7 +57,7 @@ void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
                                                    : k * p->remote_fraction;
     p->intra_copies = cfg->groups > 1 && nodes > 1 ? k * (node_gpus - 1.0) / node_gpus
                                                    : k * (node_gpus - 1.0) / ep;
-    const double per_copy = T * d * (b_dispatch + b_combine);
+    const double per_copy = T * (moe_dispatch_row_bytes(cfg) + moe_combine_row_bytes(cfg));
     const double inter_time = inter > 0 ? per_copy * p->inter_copies / inter : 0.0;
     const double intra_time = intra > 0 ? per_copy * p->intra_copies / intra : 0.0;
     p->comm_seconds = fmax(inter_time, intra_time);

@@ -64,6 +64,8 @@ static const flag_choice input_dist_choices[] = {
 static const flag_choice fp8_recipe_choices[] = {
     {"moe", MOE_FP8_RECIPE_MOE}, {"deepep", MOE_FP8_RECIPE_DEEPEP},
     {"deepgemm", MOE_FP8_RECIPE_DEEPGEMM}, {"v3", MOE_FP8_RECIPE_V3}, {NULL, 0}};
+static const flag_choice wave_by_choices[] = {
+    {"auto", MOE_WAVE_BY_AUTO}, {"experts", MOE_WAVE_BY_EXPERTS}, {"tokens", MOE_WAVE_BY_TOKENS}, {NULL, 0}};
 static const flag_choice fp8_scale_choices[] = {
     {"float", MOE_FP8_SCALE_FLOAT}, {"ue8m0", MOE_FP8_SCALE_UE8M0}, {NULL, 0}};
 
@@ -105,6 +107,7 @@ static const flag_spec flags[] = {
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", NULL, "1", "timed forward passes", RUN},
     {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", NULL, "4", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
+    {"wave-by", FLAG_CHOICE, FIELD(wave_by), 0, 0, NULL, wave_by_choices, "auto", "waves as groups of expert slots (auto: when every rank has >= W experts) or chunks of tokens (keep the dedup)", RUN},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
@@ -644,6 +647,13 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                         "--dump needs --gemm packed or exact (default packed), got blas: OpenBLAS's "
                         "bits depend on the CPU and the thread count, and a golden set is the same "
                         "bytes on every machine");
+    const int64_t fewest = cfg->experts / ranks; /* local experts of the rank with the fewest */
+    for (int n = 0; n < cfg->waves_count && cfg->wave_by == MOE_WAVE_BY_EXPERTS; n++)
+        if (cfg->waves_list[n] > fewest)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--wave-by experts needs every rank to hold at least W experts (the fewest "
+                            "hold %lld at %d ranks), got --waves %lld; use --wave-by tokens or fewer waves",
+                            (long long)fewest, ranks, (long long)cfg->waves_list[n]);
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))
         return st->code;
@@ -678,6 +688,9 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
      * received back, the experts' inputs and activations, the tables. */
     bytes += 2.0 * T * k * (4.0 * d + meta) + 2.0 * T * k * d * 4.0;
     bytes += T * k * (d + 1.0 + 2.0 * f) * 4.0 + 3.0 * T * k * 8.0;
+    /* bf16 or fp8 on the wire: the rows decoded beside their wire copies */
+    bytes += (cfg->dispatch_dtype != MOE_DTYPE_FP32 ? 1.0 : 0.0) * T * k * d * 4.0 +
+             (cfg->combine_dtype != MOE_DTYPE_FP32 ? 2.0 : 0.0) * T * k * d * 4.0;
     /* Per wave: a slot-to-pair map of every (token, slot), the counts. */
     bytes += W * (T * k * 8.0 + G * (64.0 + 8.0 * (1.0 + EL)));
     if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "moe/common.h"
+#include "moe/config.h"
 
 void moe_placement_init(moe_placement *p, int experts, int ranks)
 {
@@ -33,6 +34,11 @@ void moe_placement_free(moe_placement *p)
 
 void moe_waves_init(moe_waves *w, const moe_placement *p, int waves, moe_index tokens)
 {
+    moe_waves_init_by(w, p, waves, tokens, MOE_WAVE_BY_AUTO);
+}
+
+void moe_waves_init_by(moe_waves *w, const moe_placement *p, int waves, moe_index tokens, int by)
+{
     MOE_ASSERT(waves >= 1);
     w->waves = waves;
     w->tokens = tokens;
@@ -41,7 +47,8 @@ void moe_waves_init(moe_waves *w, const moe_placement *p, int waves, moe_index t
     for (int r = 0; r < p->ranks; r++)
         if (moe_placement_local_experts(p, r) < fewest)
             fewest = moe_placement_local_experts(p, r);
-    if (fewest < waves) {
+    MOE_ASSERT(by != MOE_WAVE_BY_EXPERTS || fewest >= waves);
+    if (fewest < waves || by == MOE_WAVE_BY_TOKENS) {
         w->kind = MOE_WAVES_TOKEN_CHUNKS;
         return;
     }

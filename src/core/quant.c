@@ -119,8 +119,8 @@ void moe_quantize_e4m3_row(const float *x, moe_index width, moe_fp8_format fmt, 
         float scale, multiplier = 0.0f; /* multiplier 0: divide by scale */
         if (fmt.recipe == MOE_FP8_RECIPE_MOE) {
             scale = amax > 0.0f && finite ? amax / max : 1.0f;
-            if (fmt.pow2 && amax > 0.0f && finite)
-                scale = pow2_at_least(scale);
+            if (fmt.pow2 && amax > 0.0f && finite) /* a normal power of two: one UE8M0 byte */
+                scale = fmaxf(pow2_at_least(scale), 0x1p-126f);
         } else {
             const float a = fmaxf(amax, margin);
             if (fmt.recipe == MOE_FP8_RECIPE_DEEPEP) {

@@ -7,6 +7,7 @@
 #include "moe/experts.h"
 #include "moe/layout.h"
 #include "moe/router.h"
+#include "moe/wire.h"
 
 /* The links cannot do less than all the traffic, and the cores cannot start
  * before the first wave's dispatch nor finish before the last wave's combine
@@ -92,17 +93,23 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
 {
     const moe_config *cfg = s->cfg;
     const int G = s->ranks;
-    const double T = (double)cfg->tokens, k = (double)cfg->topk, d = (double)cfg->hidden;
-    char b1[32], b2[32], b3[32];
+    const double T = (double)cfg->tokens, k = (double)cfg->topk;
+    char b1[32], b2[32], b3[32], b4[32];
     const double pairs = G * T * k, saved = pairs - s->rows_sent;
     fprintf(out, "traffic   dispatch %s (%s to other ranks): %.0f rows for %.0f (token, expert) "
                  "pairs, dedup saved %.1f%%\n",
             moe_format_bytes(s->bytes_dispatched, b1, sizeof b1),
             moe_format_bytes(s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0), b2, sizeof b2),
             s->rows_sent, pairs, pairs > 0 ? 100.0 * saved / pairs : 0.0);
+    if (s->rows_one_wave > 0 && s->rows_sent > s->rows_one_wave)
+        fprintf(out, "          W = %d waves of expert slots send %.0f rows more than one wave would "
+                     "(+%.1f%%: a token goes once per wave holding one of its experts on a rank); "
+                     "--wave-by tokens keeps the dedup\n",
+                s->waves, s->rows_sent - s->rows_one_wave,
+                100.0 * (s->rows_sent - s->rows_one_wave) / s->rows_one_wave);
     fprintf(out, "          combine  %s (%s from other ranks)\n",
             moe_format_bytes(s->bytes_combined, b1, sizeof b1),
-            moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg->hidden), b2, sizeof b2));
+            moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg), b2, sizeof b2));
     if (s->matrix && G <= 16) {
         fprintf(out, "          dispatch KiB, from rank (row) to rank (column):\n          %6s", "");
         for (int q = 0; q < G; q++)
@@ -142,11 +149,22 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
                 moe_format_bytes(intra, b1, sizeof b1), moe_format_bytes(inter, b2, sizeof b2),
                 intra + inter > 0 ? 100.0 * inter / (intra + inter) : 0.0);
     }
-    const double direction = G * T * k * moe_combine_row_bytes(cfg->hidden); /* d fp32 values per copy */
-    fprintf(out, "          tokens x k x d x 4 B = %.0f x %.0f x %.0f x 4 = %s per all-to-all without dedup; "
-                 "per layer (dispatch + combine) %s, per training step (forward + backward) %s\n",
-            G * T, k, d, moe_format_bytes(direction, b1, sizeof b1),
-            moe_format_bytes(2 * direction, b2, sizeof b2), moe_format_bytes(4 * direction, b3, sizeof b3));
+    /* The seeds' arithmetic, with the wire rows (wire.h) in place of d x 4 B. */
+    const moe_wire in = moe_wire_dispatch(cfg), back = moe_wire_combine(cfg);
+    const double there = G * T * k * moe_dispatch_row_bytes(cfg), home = G * T * k * moe_combine_row_bytes(cfg);
+    char what[96];
+    if (in.dtype == MOE_DTYPE_FP8)
+        snprintf(what, sizeof what, "d fp8 + %lld %s scales", (long long)moe_fp8_blocks(cfg->hidden),
+                 in.scale_bytes == 1 ? "ue8m0" : "fp32");
+    else
+        snprintf(what, sizeof what, "d %s", in.dtype == MOE_DTYPE_BF16 ? "bf16" : "fp32");
+    fprintf(out, "          without dedup, tokens x k x row: dispatch %.0f x %.0f x %.0f B (%s + %d meta "
+                 "words) = %s, combine x %.0f B (d %s) = %s; per layer %s, per training step "
+                 "(forward + backward) %s\n",
+            G * T, k, moe_dispatch_row_bytes(cfg), what, MOE_META_WORDS((int)k),
+            moe_format_bytes(there, b1, sizeof b1), (double)back.bytes,
+            back.dtype == MOE_DTYPE_BF16 ? "bf16" : "fp32", moe_format_bytes(home, b2, sizeof b2),
+            moe_format_bytes(there + home, b3, sizeof b3), moe_format_bytes(2 * (there + home), b4, sizeof b4));
 }
 
 void moe_report_print_machine(FILE *out, const moe_run_summary *s)
@@ -234,7 +252,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         /* FLOPs this layer does per byte it moves between ranks (dispatch +
          * combine; messages to self cross no link). */
         const double remote = s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0) +
-                              s->pairs_back_remote * moe_combine_row_bytes(cfg->hidden);
+                              s->pairs_back_remote * moe_combine_row_bytes(cfg);
         const double need = remote > 0 ? s->expert_flops / remote : INFINITY;
         fprintf(out, "          C/B = %.0f FLOP/byte (C = %.1f GFLOP/s per rank%s, B = %.3g GB/s) · "
                      "overlap bound min(1, 2d/(C/B)) = %.0f%% (seed) · this layer does %.0f FLOP per "
@@ -257,19 +275,21 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         const double stage = (first->compute_seconds + first->comm_seconds) / 5.0;
         fprintf(out, "curve     speed-up against W = %d, per forward, ms (median of %lld iters each)\n",
                 first->waves, (long long)cfg->iters);
-        fprintf(out, "          %4s %-12s %9s %8s %9s %8s %8s %9s %9s %8s %8s\n", "W", "waves", "layer",
-                "speedup", "pipeline", "compute", "comm", "bound", "pipe/bnd", "overlap", "T(1+4/W)");
+        fprintf(out, "          %4s %-12s %9s %8s %9s %8s %8s %9s %9s %8s %8s %8s\n", "W", "waves", "layer",
+                "speedup", "pipeline", "compute", "comm", "bound", "pipe/bnd", "overlap", "T(1+4/W)",
+                "rows");
         for (int n = 0; n < s->curve_count; n++) {
             const moe_curve_point *p = &s->curve[n];
             const double W = p->waves, Tc = p->compute_seconds, Tm = p->comm_seconds;
             const double bound = moe_curve_bound(p);
-            fprintf(out, "          %4d %-12s %9.2f %8.2f %9.2f %8.2f %8.2f %9.2f %9.2f %7.0f%% %8.2f\n",
+            fprintf(out, "          %4d %-12s %9.2f %8.2f %9.2f %8.2f %8.2f %9.2f %9.2f %7.0f%% %8.2f %+7.1f%%\n",
                     p->waves, p->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
                     1e3 * p->layer_seconds, first->layer_seconds / p->layer_seconds,
                     1e3 * p->pipeline_seconds, 1e3 * Tc, 1e3 * Tm, 1e3 * bound,
                     p->pipeline_seconds / bound,
                     100.0 * moe_overlap(p->pipeline_seconds, Tc, Tm),
-                    1e3 * stage * (1.0 + 4.0 / W));
+                    1e3 * stage * (1.0 + 4.0 / W),
+                    s->rows_one_wave > 0 ? 100.0 * (p->rows_sent / s->rows_one_wave - 1.0) : 0.0);
         }
     }
 

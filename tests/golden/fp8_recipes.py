@@ -48,8 +48,8 @@ def recipe(name, ue8m0, block):
     a = np.maximum(amax, F(1e-4))
     if name == "moe":  # moe-ep: amax / 448, 1 for an all-zero block; divide
         s = amax / MAX if amax > 0 else F(1)
-        if ue8m0 and amax > 0:
-            s = pow2_at_least(np.array([s]))[0]
+        if ue8m0 and amax > 0:  # a normal power of two, one UE8M0 byte on the wire
+            s = max(pow2_at_least(np.array([s]))[0], F(2.0**-126))
         return e4m3(block / s), s
     if name == "deepep":  # csrc kernels: calculate_fp8_scales, x * scale
         if ue8m0:

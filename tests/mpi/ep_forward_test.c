@@ -42,6 +42,7 @@
 #include "moe/ep.h"
 #include "moe/progress.h"
 #include "moe/truth.h"
+#include "moe/wire.h"
 
 typedef struct {
     bool route_elsewhere;
@@ -171,6 +172,15 @@ static int sweep_waves(const moe_comm *world, const moe_config *cfg, const moe_p
     return failures;
 }
 
+/* Prints the wire check's line on rank 0; true when the figures differ. */
+static bool r_posted_report(int rank, double posted, double reported)
+{
+    if (rank == 0)
+        printf("wire: %.0f bytes posted to other ranks, %.0f reported: %s\n", posted, reported,
+               posted == reported ? "ok" : "FAIL");
+    return posted != reported;
+}
+
 int main(int argc, char **argv)
 {
     moe_comm world;
@@ -209,8 +219,19 @@ int main(int argc, char **argv)
     int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
     moe_forward_stats stats;
+    const double posted_before = moe_comm_posted_bytes();
     if (forward(&world, &cfg, &home, T, &opt, x, ids, weights, y, &stats))
         failures++;
+    /* The bytes MPI was asked to move to other ranks (counts times the wire
+     * row types) are the bytes the traffic figures report (wire.h). */
+    {
+        const double posted = moe_comm_sum(&world, moe_comm_posted_bytes() - posted_before);
+        const double reported =
+            moe_comm_sum(&world, (double)stats.rows_sent_remote) * moe_dispatch_row_bytes(&cfg) +
+            moe_comm_sum(&world, (double)stats.pairs_back_remote) * moe_combine_row_bytes(&cfg);
+        if (r_posted_report(world.rank, posted, reported))
+            failures++;
+    }
 
     /* 1. Against the dense fp64 truth. */
     double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "moe/quant.h"
+#include "moe/wire.h"
 #include "suites.h"
 
 static float from_bits(uint32_t u)
@@ -83,6 +84,43 @@ START_TEST(e4m3_nan_and_round_trip)
 }
 END_TEST
 
+/* Rows decoded from the wire are exactly the rows the emulation gives (what
+ * the dense truth and this rank's own rows use), for every dtype, recipe and
+ * scale format, on blocks of zeros, tiny (subnormal) values, ordinary and
+ * saturating ones; and a row has the bytes wire.h says. */
+START_TEST(wire_rows_decode_to_the_emulation)
+{
+    enum { ROWS = 4, D = 300 }; /* three blocks, the last one short */
+    static float x[ROWS * D], want[ROWS * D], got[ROWS * D];
+    static uint8_t wire[ROWS * (D * 4 + 16)];
+    for (int i = 0; i < ROWS * D; i++) {
+        const float u = (float)((i * 7919) % 2003) / 1001.0f - 1.0f;
+        const int row = i / D;
+        x[i] = row == 0 ? 0.0f : row == 1 ? u * 1e-40f : row == 2 ? u * 3.0f : u * 1e6f;
+    }
+    x[D + 5] = 0.0f; /* the tiny row keeps a zero in a block */
+    moe_config cfg;
+    moe_config_defaults(&cfg);
+    cfg.hidden = D;
+    for (int dtype = MOE_DTYPE_FP32; dtype <= MOE_DTYPE_FP8; dtype++)
+        for (int recipe = 0; recipe < 4; recipe++)
+            for (int ue8m0 = 0; ue8m0 < 2; ue8m0++) {
+                cfg.dispatch_dtype = dtype;
+                cfg.fp8_recipe = recipe;
+                cfg.fp8_scale = ue8m0 ? MOE_FP8_SCALE_UE8M0 : MOE_FP8_SCALE_FLOAT;
+                const moe_wire w = moe_wire_dispatch(&cfg);
+                const size_t values = dtype == MOE_DTYPE_FP8 ? D : (size_t)D * (dtype == MOE_DTYPE_BF16 ? 2 : 4);
+                ck_assert_uint_eq(w.bytes, values + (dtype == MOE_DTYPE_FP8 ? 3 * (ue8m0 ? 1 : 4) : 0));
+                moe_precision_dispatch(dtype, w.fp8, x, ROWS, D, want);
+                moe_wire_encode(&w, x, NULL, ROWS, wire);
+                moe_wire_decode(&w, wire, ROWS, got);
+                ck_assert_msg(memcmp(want, got, sizeof want) == 0,
+                              "dtype %d recipe %d ue8m0 %d: decoded rows differ from the emulation",
+                              dtype, recipe, ue8m0);
+            }
+}
+END_TEST
+
 START_TEST(block_quantiser)
 {
     float x[200], back[200], scales[2];
@@ -119,6 +157,7 @@ Suite *make_quant_suite(void)
     tcase_add_loop_test(tc, e4m3_bit_patterns, 0, sizeof e4m3_cases / sizeof e4m3_cases[0]);
     tcase_add_test(tc, e4m3_nan_and_round_trip);
     tcase_add_test(tc, block_quantiser);
+    tcase_add_test(tc, wire_rows_decode_to_the_emulation);
     suite_add_tcase(s, tc);
     return s;
 }

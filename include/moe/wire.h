@@ -1,0 +1,53 @@
+/* wire.h — the bytes a row puts on the wire: the one definition that the
+ * all-to-alls send, and that the traffic figures, the link model, bench's
+ * all-to-all anchor and `moe-ep plan` count.
+ *
+ * A dispatched row is its d values as --dispatch-dtype, then its meta (the
+ * top-k ids, gate weights and token id, MOE_META_WORDS(k) int32 words, sent
+ * as a second message of the same rows):
+ *   fp32  4d bytes
+ *   bf16  2d bytes (the top half of each fp32, rounded to nearest even)
+ *   fp8   d E4M3 bytes, then ceil(d/128) scales: fp32 (4 bytes each), or
+ *         with --fp8-scale ue8m0 one byte each, the biased exponent of the
+ *         power-of-two scale (2^(e-127), as DeepGEMM's UE8M0)
+ * An expert output on its way back is d values as --combine-dtype (fp32 or
+ * bf16). Decoding a row gives exactly the values the dense truth's
+ * emulation gives (quant.h): E4M3 byte times its scale in fp32, or the bf16
+ * value. Pure: no MPI.
+ */
+#ifndef MOE_WIRE_H
+#define MOE_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe/config.h"
+#include "moe/dims.h"
+#include "moe/quant.h"
+
+typedef struct {
+    int dtype;            /* MOE_DTYPE_* of the values */
+    moe_fp8_format fp8;   /* fp8: the recipe and whether scales are UE8M0 */
+    moe_index hidden;     /* d */
+    size_t scale_bytes;   /* fp8: bytes of one scale (4, or 1 for UE8M0); else 0 */
+    size_t bytes;         /* one row's values (and scales) */
+} moe_wire;
+
+/* The formats of a run's dispatched rows and expert outputs. */
+moe_wire moe_wire_dispatch(const moe_config *cfg);
+moe_wire moe_wire_combine(const moe_config *cfg);
+
+/* rows rows of x (rows, d) as the wire carries them, into out (rows, bytes);
+ * with row_index not NULL, row i is x's row row_index[i] (a gather). */
+void moe_wire_encode(const moe_wire *w, const float *x, const moe_index *row_index, moe_index rows,
+                     uint8_t *out);
+
+/* rows wire rows of in back to values, out (rows, d). */
+void moe_wire_decode(const moe_wire *w, const uint8_t *in, moe_index rows, float *out);
+
+/* Bytes one dispatched row (values and meta) and one expert output put on
+ * the wire. */
+double moe_dispatch_row_bytes(const moe_config *cfg);
+double moe_combine_row_bytes(const moe_config *cfg);
+
+#endif

@@ -1,0 +1,113 @@
+/* wire.c — rows as they travel (see wire.h). */
+#include "moe/wire.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "moe/layout.h"
+
+static moe_wire wire_of(int dtype, const moe_config *cfg)
+{
+    moe_wire w = {.dtype = dtype, .hidden = cfg->hidden};
+    w.fp8 = (moe_fp8_format){(enum moe_fp8_recipe)cfg->fp8_recipe, cfg->fp8_scale == MOE_FP8_SCALE_UE8M0};
+    const size_t d = (size_t)cfg->hidden;
+    if (dtype == MOE_DTYPE_FP8) {
+        w.scale_bytes = w.fp8.pow2 ? 1 : sizeof(float);
+        w.bytes = d + (size_t)moe_fp8_blocks(cfg->hidden) * w.scale_bytes;
+    } else {
+        w.bytes = d * (dtype == MOE_DTYPE_BF16 ? 2 : 4);
+    }
+    return w;
+}
+
+moe_wire moe_wire_dispatch(const moe_config *cfg) { return wire_of(cfg->dispatch_dtype, cfg); }
+moe_wire moe_wire_combine(const moe_config *cfg) { return wire_of(cfg->combine_dtype, cfg); }
+
+/* A power-of-two scale as UE8M0: its biased exponent; anything else (a
+ * non-finite scale of a non-finite block) as 0xFF, which decodes to NaN. */
+static uint8_t ue8m0(float s)
+{
+    uint32_t bits;
+    memcpy(&bits, &s, sizeof bits);
+    const uint32_t exponent = bits >> 23 & 0xff;
+    return (bits & 0x807fffff) == 0 && exponent > 0 && exponent < 0xff ? (uint8_t)exponent : 0xff;
+}
+
+static float from_ue8m0(uint8_t e)
+{
+    if (e == 0xff)
+        return NAN;
+    const uint32_t bits = (uint32_t)e << 23;
+    float s;
+    memcpy(&s, &bits, sizeof s);
+    return s;
+}
+
+static void encode_row(const moe_wire *w, const float *x, uint8_t *out)
+{
+    const moe_index d = w->hidden;
+    if (w->dtype == MOE_DTYPE_FP32) {
+        memcpy(out, x, sizeof(float) * (size_t)d);
+    } else if (w->dtype == MOE_DTYPE_BF16) {
+        for (moe_index j = 0; j < d; j++) {
+            const uint16_t h = moe_f32_to_bf16(x[j]);
+            memcpy(out + 2 * j, &h, sizeof h);
+        }
+    } else {
+        float scales[65536 / MOE_FP8_BLOCK]; /* d <= 65536 (config.c) */
+        moe_quantize_e4m3_row(x, d, w->fp8, out, scales, NULL);
+        uint8_t *at = out + d;
+        for (moe_index b = 0; b < moe_fp8_blocks(d); b++) {
+            if (w->scale_bytes == 1)
+                at[b] = ue8m0(scales[b]);
+            else
+                memcpy(at + (size_t)b * sizeof(float), &scales[b], sizeof(float));
+        }
+    }
+}
+
+void moe_wire_encode(const moe_wire *w, const float *x, const moe_index *row_index, moe_index rows,
+                     uint8_t *out)
+{
+    const moe_index d = w->hidden;
+#pragma omp parallel for schedule(static) if (rows * d > 65536)
+    for (moe_index i = 0; i < rows; i++)
+        encode_row(w, x + (row_index ? row_index[i] : i) * d, out + (size_t)i * w->bytes);
+}
+
+void moe_wire_decode(const moe_wire *w, const uint8_t *in, moe_index rows, float *out)
+{
+    const moe_index d = w->hidden;
+#pragma omp parallel for schedule(static) if (rows * d > 65536)
+    for (moe_index i = 0; i < rows; i++) {
+        const uint8_t *row = in + (size_t)i * w->bytes;
+        float *values = out + i * d;
+        if (w->dtype == MOE_DTYPE_FP32) {
+            memcpy(values, row, sizeof(float) * (size_t)d);
+        } else if (w->dtype == MOE_DTYPE_BF16) {
+            for (moe_index j = 0; j < d; j++) {
+                uint16_t h;
+                memcpy(&h, row + 2 * j, sizeof h);
+                values[j] = moe_bf16_to_f32(h);
+            }
+        } else {
+            const uint8_t *scales = row + d;
+            for (moe_index j = 0; j < d; j++) {
+                const moe_index b = j / MOE_FP8_BLOCK;
+                float s;
+                if (w->scale_bytes == 1)
+                    s = from_ue8m0(scales[b]);
+                else
+                    memcpy(&s, scales + (size_t)b * sizeof(float), sizeof s);
+                values[j] = moe_e4m3_to_f32(row[j]) * s;
+            }
+        }
+    }
+}
+
+double moe_dispatch_row_bytes(const moe_config *cfg)
+{
+    return (double)moe_wire_dispatch(cfg).bytes + 4.0 * (double)MOE_META_WORDS(cfg->topk);
+}
+
+double moe_combine_row_bytes(const moe_config *cfg) { return (double)moe_wire_combine(cfg).bytes; }
