@@ -29,6 +29,7 @@ typedef struct {
     double dispatch_wire_bytes; /* T k x a dispatched row on the wire (wire.h) */
     double combine_wire_bytes;  /* T k x an expert output on the wire */
     double remote_fraction;     /* share of (token, expert) copies leaving the node */
+    double nodes_reached;       /* nodes a token's k experts reach, sampled from the router */
     double node_limited_copies; /* node-limited routing: nodes a token reaches, <= M */
     double inter_copies;        /* copies of a token over the inter-node link, on average */
     double intra_copies;        /* copies of a token over NVLink, on average */
@@ -39,14 +40,15 @@ typedef struct {
     double comm_seconds;        /* max(IB bytes / inter bw, NVLink bytes / intra bw) */
     /* C/B */
     double cb_intra, cb_inter;  /* FLOP/s over bytes/s */
-    double seed_need;           /* the seed's 2d FLOP per byte */
+    double seed_need;           /* the seed's "2d" FLOP per byte: 2 d_ff (docs/plan.md) */
     double layer_need;          /* this layer's FLOP per byte moved: 6 f / (b_dispatch + b_combine) */
-    double overlap_seed;        /* min(1, 2d / (C/B)), C/B of the inter-node link */
-    double overlap_layer;       /* min(1, layer_need / (C/B)) */
-    /* the wave pipeline of seed 003: five equal stages T = (compute + comm) / 5 */
-    double stage_seconds;
-    double naive_seconds;       /* 5 T */
-    double wave_seconds;        /* T (1 + 4 / W) */
+    double overlap_seed;        /* the seed's min(1, 2d / (C/B)), C/B of the link the group crosses */
+    double overlap_bound;       /* the layer's: min(1, compute / comm), from its own times */
+    /* the wave pipeline */
+    double naive_seconds;       /* compute + comm, one after the other */
+    double wave_seconds;        /* at best: max(comm, compute + comm / W) */
+    double stage_seconds;       /* seed 003's five equal stages: T = (compute + comm) / 5 */
+    double seed_wave_seconds;   /* its T (1 + 4 / W): five resources, an idealisation */
 } moe_cluster;
 
 /* Bytes per value of a dtype. */

@@ -4,6 +4,7 @@
  * `moe-ep plan` runs with or without mpirun. The numbers come from
  * src/core/cluster.c; docs/plan.md gives the formulas.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,11 +24,9 @@ static void print_usage(FILE *out)
             "Flags override the presets, whatever their order.\n"
             "\n");
     moe_config_print_flags(out, MOE_CMD_PLAN);
-    fprintf(out,
-            "  --help                 this text\n"
-            "\n"
-            "Models: %s\nClusters: %s\n",
-            moe_config_data_path("presets"), moe_config_data_path("clusters"));
+    /* One call each: moe_config_data_path returns the same static buffer. */
+    fprintf(out, "  --help                 this text\n\nModels: %s\n", moe_config_data_path("presets"));
+    fprintf(out, "Clusters: %s\n", moe_config_data_path("clusters"));
 }
 
 static const char *const dtype_names[] = {"fp32", "bf16", "fp8"};
@@ -101,26 +100,39 @@ static void print_plan(const moe_config *cfg, const moe_cluster *p)
            bytes(p->step_training_bytes, b, sizeof b));
     printf("          %.1f%% of the (token, expert) copies leave their node", 100.0 * p->remote_fraction);
     if (p->node_limited_copies > 0 && cfg->groups > 1)
-        printf("; node-limited routing sends a token to at most %g of %d nodes (instead of up to %lld)",
-               p->node_limited_copies, p->ep_nodes, (long long)cfg->topk);
+        printf("; node-limited routing keeps a token on at most %lld of %d nodes, and its k = %lld "
+               "experts reach %.2f on average (sampled from the router over 256 tokens)",
+               (long long)cfg->topk_groups, p->ep_nodes, (long long)cfg->topk, p->node_limited_copies);
     printf("\n          copies of a token: %.2f over IB, %.2f over NVLink (per token, on average)\n",
            p->inter_copies, p->intra_copies);
     printf("time      per GPU per MoE layer, forward: experts 6 T k d f / FLOP/s = %.2f ms; "
            "all-to-alls %.2f ms; compute : comm = 1 : %.2f\n",
            1e3 * p->compute_seconds, 1e3 * p->comm_seconds,
            p->compute_seconds > 0 ? p->comm_seconds / p->compute_seconds : 0.0);
-    printf("C/B       hardware: NVLink %.0f, IB %.0f FLOP/byte · workload: the seed's 2d = %.0f; "
-           "this layer 6f / (%g + %g B) = %.0f FLOP per byte moved\n",
-           p->cb_intra, p->cb_inter, p->seed_need, moe_dtype_bytes(cfg->dispatch_dtype),
-           moe_dtype_bytes(cfg->combine_dtype), p->layer_need);
-    printf("overlap   bound on the %s link: min(1, 2d/(C/B)) = %.0f%% (seed) · min(1, %.0f/(C/B)) = "
-           "%.0f%% (this layer)\n",
-           p->ep_nodes > 1 ? "inter-node" : "intra-node", 100.0 * p->overlap_seed, p->layer_need,
-           100.0 * p->overlap_layer);
-    printf("pipeline  five equal stages T = (compute + comm) / 5 = %.2f ms: naive 5T = %.2f ms; "
-           "W = %lld waves T(1 + 4/W) = %.2f ms (%.2fx)\n",
-           1e3 * p->stage_seconds, 1e3 * p->naive_seconds, (long long)cfg->waves_list[0],
-           1e3 * p->wave_seconds, p->wave_seconds > 0 ? p->naive_seconds / p->wave_seconds : 0.0);
+    if (p->ep_nodes > 1)
+        printf("C/B       hardware, per tier: NVLink %.0f, IB %.0f FLOP/byte · workload: this layer "
+               "6f / (%g + %g B) = %.0f FLOP per byte moved; the seed's \"2d\" (2 d_ff, docs/plan.md) = %.0f\n",
+               p->cb_intra, p->cb_inter, moe_dtype_bytes(cfg->dispatch_dtype),
+               moe_dtype_bytes(cfg->combine_dtype), p->layer_need, p->seed_need);
+    else
+        printf("C/B       hardware: NVLink %.0f FLOP/byte (one node: no inter-node link) · workload: "
+               "this layer 6f / (%g + %g B) = %.0f FLOP per byte moved; the seed's \"2d\" (2 d_ff) = %.0f\n",
+               p->cb_intra, moe_dtype_bytes(cfg->dispatch_dtype), moe_dtype_bytes(cfg->combine_dtype),
+               p->layer_need, p->seed_need);
+    printf("overlap   at most %.0f%% of this layer's all-to-all time can hide behind its expert GEMMs "
+           "(min(1, compute / comm)); the seed's rule min(1, 2d/(C/B)) on the %s link gives %.0f%%\n",
+           100.0 * p->overlap_bound, p->ep_nodes > 1 ? "inter-node" : "intra-node",
+           100.0 * p->overlap_seed);
+    const double W = (double)cfg->waves_list[0];
+    printf("pipeline  one after the other %.2f ms; W = %.0f waves at best max(comm, compute + comm/W) "
+           "= %.2f ms (%.2fx)\n",
+           1e3 * p->naive_seconds, W, 1e3 * p->wave_seconds,
+           p->wave_seconds > 0 ? p->naive_seconds / p->wave_seconds : 0.0);
+    printf("          the seed's five equal stages T(1 + 4/W) = %.2f ms assume five resources%s\n",
+           1e3 * p->seed_wave_seconds,
+           p->seed_wave_seconds < fmax(p->comm_seconds, p->compute_seconds)
+               ? ": below the all-to-all or GEMM time alone here, so not reachable"
+               : "");
 }
 
 int moe_cli_plan(const moe_comm *c, int argc, char **argv)

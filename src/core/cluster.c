@@ -3,7 +3,62 @@
 
 #include <math.h>
 
+#include <stdlib.h>
+
+#include "moe/rng.h"
+#include "moe/router.h"
 #include "moe/wire.h"
+
+/* The nodes a token's k experts reach, on average, sampled: the seed's first
+ * PLAN_SAMPLE tokens through the router cfg describes (its synthetic gate and
+ * correction bias, groups, kept groups), as `moe-ep run` routes them, with
+ * E/EP experts per GPU and gpus-per-node GPUs per node. */
+enum { PLAN_SAMPLE = 256 };
+
+static double sample_nodes_reached(const moe_config *cfg, int nodes)
+{
+    const moe_index T = PLAN_SAMPLE, d = cfg->hidden;
+    const int E = (int)cfg->experts, k = (int)cfg->topk;
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *gate = moe_xmalloc(sizeof(float) * (size_t)(E * d));
+    float *bias = moe_xmalloc(sizeof(float) * (size_t)E);
+    float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    moe_synth_tokens(cfg->seed, 0, T, d, (float)cfg->init_scale, cfg->input_dist, x);
+    moe_synth_fill(cfg->seed, MOE_TENSOR_GATE, 0, 0, E * d, moe_synth_weight_scale(d), gate);
+    const bool biased = cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0;
+    if (biased)
+        moe_synth_fill(cfg->seed, MOE_TENSOR_BIAS, 0, 0, E, (float)cfg->bias_scale, bias);
+    const moe_router router = {.kind = (enum moe_router_kind)cfg->router, .experts = E, .topk = k,
+                               .normalize = moe_config_norm_topk(cfg), .groups = (int)cfg->groups,
+                               .topk_groups = (int)cfg->topk_groups,
+                               .route_scale = (float)cfg->route_scale, .bias = biased ? bias : NULL};
+    moe_router_logits(x, gate, T, d, E, logits);
+    moe_router_select(&router, logits, T, scores, ids, weights);
+    const double experts_per_node = (double)E / (double)nodes;
+    double reached = 0.0;
+    bool *seen = moe_xcalloc((size_t)nodes, sizeof(bool));
+    for (moe_index i = 0; i < T; i++) {
+        for (int n = 0; n < nodes; n++)
+            seen[n] = false;
+        for (int s = 0; s < k; s++) {
+            const int node = (int)((double)ids[i * k + s] / experts_per_node);
+            reached += !seen[node];
+            seen[node] = true;
+        }
+    }
+    free(seen);
+    free(weights);
+    free(ids);
+    free(scores);
+    free(logits);
+    free(bias);
+    free(gate);
+    free(x);
+    return reached / (double)T;
+}
 
 double moe_dtype_bytes(int dtype)
 {
@@ -35,7 +90,9 @@ void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
     /* Node-limited routing keeps a token on at most M nodes, one copy per
      * node over the inter-node link: at most M copies, M - 1 when the
      * token's own node is among them. */
-    const double nodes_reached = cfg->topk_groups < p->ep_nodes ? (double)cfg->topk_groups : p->ep_nodes;
+    /* Not min(M, nodes): the router decides how many it reaches (sampled). */
+    const double nodes_reached = p->ep_nodes > 1 ? sample_nodes_reached(cfg, p->ep_nodes) : 1.0;
+    p->nodes_reached = nodes_reached;
     p->node_limited_copies = p->ep_nodes > 1 ? nodes_reached : 0.0;
     /* As the rows travel (wire.h): FP8 values with their scales and each
      * row's ids and weights; what the times below move. */
@@ -64,13 +121,19 @@ void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
 
     p->cb_intra = intra > 0 ? flops / intra : 0.0;
     p->cb_inter = inter > 0 ? flops / inter : 0.0;
-    p->seed_need = 2.0 * d;
+    p->seed_need = 2.0 * f; /* the seed's "2d" is 2 d_ff (docs/plan.md) */
     p->layer_need = 6.0 * f / (b_dispatch + b_combine);
     const double cb = p->ep_nodes > 1 ? p->cb_inter : p->cb_intra;
     p->overlap_seed = cb > 0 ? fmin(1.0, p->seed_need / cb) : 1.0;
-    p->overlap_layer = cb > 0 ? fmin(1.0, p->layer_need / cb) : 1.0;
+    /* The layer's own bound, from its times: the share of the all-to-all
+     * time the expert GEMMs can cover. */
+    p->overlap_bound = p->comm_seconds > 0 ? fmin(1.0, p->compute_seconds / p->comm_seconds) : 1.0;
 
-    p->stage_seconds = (p->compute_seconds + p->comm_seconds) / 5.0;
-    p->naive_seconds = 5.0 * p->stage_seconds;
-    p->wave_seconds = p->stage_seconds * (1.0 + 4.0 / (double)cfg->waves_list[0]);
+    const double W = (double)cfg->waves_list[0];
+    p->naive_seconds = p->compute_seconds + p->comm_seconds;
+    /* Two resources, the GEMMs and the links: no schedule beats either's
+     * time, and W waves expose at least one wave's all-to-all. */
+    p->wave_seconds = fmax(p->comm_seconds, p->compute_seconds + p->comm_seconds / W);
+    p->stage_seconds = p->naive_seconds / 5.0;
+    p->seed_wave_seconds = p->stage_seconds * (1.0 + 4.0 / W);
 }

@@ -2,6 +2,7 @@
 #include <math.h>
 
 #include "moe/cluster.h"
+#include "moe/router.h"
 #include "suites.h"
 
 /* The deepseek-v3 preset and the H800 cluster, set by hand. */
@@ -15,6 +16,8 @@ static moe_config deepseek_v3(void)
     cfg.experts = 256;
     cfg.topk = 8;
     cfg.shared_experts = 1;
+    cfg.router = MOE_ROUTER_DEEPSEEK_V3;
+    cfg.route_scale = 2.5;
     cfg.groups = 8;
     cfg.topk_groups = 4;
     cfg.layers = 61;
@@ -52,7 +55,7 @@ START_TEST(cb_ratios_match_the_seed)
     moe_cluster_compute(&cfg, &p);
     ck_assert_double_eq_tol(p.cb_intra, 1099.0, 0.5);  /* H100 + NVLink */
     ck_assert_double_eq_tol(p.cb_inter, 19780.0, 0.5); /* H100 + IB 400G */
-    cfg.hidden = 3072;                                 /* V4's d */
+    cfg.ffn = 3072; /* the seed's "d = 3072, the token dimension inside the FFN": d_ff */
     moe_cluster_compute(&cfg, &p);
     ck_assert_double_eq(p.seed_need, 6144.0);
     ck_assert_double_eq_tol(p.overlap_seed, 0.31, 0.005); /* 6144 / 19780 */
@@ -72,10 +75,54 @@ START_TEST(traffic_and_pipeline)
     ck_assert_double_eq(p.combine_wire_bytes, p.combine_bytes);
     ck_assert_double_eq(p.step_training_bytes, 2 * 58 * (p.dispatch_wire_bytes + p.combine_wire_bytes));
     ck_assert_double_eq_tol(p.remote_fraction, 7.0 / 8.0, 1e-12);
-    ck_assert_double_eq(p.node_limited_copies, 4.0);
-    /* T (1 + (S - 1) / W) with S = 5 */
-    ck_assert_double_eq_tol(p.wave_seconds, p.stage_seconds * 2.0, 1e-15);
-    ck_assert_double_eq_tol(p.naive_seconds / p.wave_seconds, 2.5, 1e-12);
+    /* k = 8 experts in M = 4 kept groups of 32 (one group per node): the
+     * router reaches at most 4 nodes, nearly always all 4 */
+    ck_assert(p.node_limited_copies <= 4.0 && p.node_limited_copies > 3.8);
+    /* the seed's T (1 + (S - 1) / W) with S = 5, labelled as its idealisation */
+    ck_assert_double_eq_tol(p.seed_wave_seconds, p.stage_seconds * 2.0, 1e-15);
+    ck_assert_double_eq_tol(p.naive_seconds / p.seed_wave_seconds, 2.5, 1e-12);
+    /* what plan presents as reachable: the two-resource bound */
+    ck_assert_double_eq(p.wave_seconds, fmax(p.comm_seconds, p.compute_seconds + p.comm_seconds / 4));
+    cfg.topk_groups = 8; /* no limit: the router reaches about 5.3 of 8 nodes, not min(k, nodes) = 8 */
+    moe_cluster_compute(&cfg, &p);
+    ck_assert(p.nodes_reached > 5.0 && p.nodes_reached < 5.7);
+}
+END_TEST
+
+/* plan cannot contradict itself: over a sweep of models and clusters, no
+ * time it presents as reachable is below either resource's time, the
+ * bounds are fractions, and the node figures stay within what routing allows. */
+START_TEST(plan_invariants_hold_over_a_sweep)
+{
+    static const int64_t waves[] = {1, 2, 4, 8, 16};
+    static const double bw[][3] = {{900, 50, 989}, {160, 50, 989}, {900, 900, 10}, {50, 400, 2000}};
+    int checked = 0;
+    for (int m = 0; m < 4; m++)
+        for (int c = 0; c < 4; c++)
+            for (size_t w = 0; w < sizeof waves / sizeof waves[0]; w++) {
+                moe_config cfg = deepseek_v3();
+                cfg.hidden = 256 << (m % 2);
+                cfg.ffn = m < 2 ? 2048 : 12288;
+                cfg.topk_groups = m == 3 ? 8 : 4;
+                cfg.gpus_per_node = c == 2 ? 64 : 8; /* one node at c = 2 */
+                cfg.intra_bw = bw[c][0];
+                cfg.inter_bw = bw[c][1];
+                cfg.tflops = bw[c][2];
+                cfg.waves_list[0] = waves[w];
+                moe_cluster p;
+                moe_cluster_compute(&cfg, &p);
+                const double floor_time = fmax(p.comm_seconds, p.compute_seconds);
+                ck_assert(p.wave_seconds >= floor_time && p.wave_seconds <= p.naive_seconds);
+                ck_assert(p.overlap_bound >= 0 && p.overlap_bound <= 1);
+                ck_assert(p.overlap_seed >= 0 && p.overlap_seed <= 1);
+                ck_assert(p.nodes_reached >= 1 && p.nodes_reached <= fmin((double)p.ep_nodes, (double)cfg.topk));
+                if (cfg.groups > 1 && p.ep_nodes > 1)
+                    ck_assert(p.nodes_reached <= (double)cfg.topk_groups);
+                ck_assert(p.inter_copies <= p.nodes_reached || cfg.groups == 1);
+                ck_assert(p.step_training_bytes == 2 * p.step_forward_bytes);
+                checked++;
+            }
+    ck_assert_int_eq(checked, 80);
 }
 END_TEST
 
@@ -86,6 +133,7 @@ Suite *make_cluster_suite(void)
     tcase_add_test(tc, parameters_match_the_seed);
     tcase_add_test(tc, cb_ratios_match_the_seed);
     tcase_add_test(tc, traffic_and_pipeline);
+    tcase_add_test(tc, plan_invariants_hold_over_a_sweep);
     suite_add_tcase(s, tc);
     return s;
 }
