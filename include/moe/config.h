@@ -35,6 +35,9 @@ enum moe_weight_at { MOE_WEIGHT_AT_OUTPUT, MOE_WEIGHT_AT_ACTIVATION };
  * when every rank has at least W experts (auto), expert slots, or chunks of
  * tokens (which keep the per-rank dedup of one wave). */
 enum moe_wave_by { MOE_WAVE_BY_AUTO, MOE_WAVE_BY_EXPERTS, MOE_WAVE_BY_TOKENS };
+/* The dispatch's shape: one all-to-all over all ranks, or two stages (between
+ * nodes, then within them; ep_hier.c). */
+enum moe_dispatch_kind { MOE_DISPATCH_FLAT, MOE_DISPATCH_HIERARCHICAL };
 
 typedef struct {
     char preset[MOE_NAME_MAX]; /* name or path of the preset applied, "" if none */
@@ -50,6 +53,7 @@ typedef struct {
     bool blocking;             /* the blocking reference path instead of waves */
     int64_t lookahead;         /* waves dispatched ahead of the one computing */
     int wave_by;               /* enum moe_wave_by */
+    int dispatch;              /* enum moe_dispatch_kind */
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;

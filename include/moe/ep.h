@@ -115,6 +115,16 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
                        const float *weights, float *y, moe_forward_stats *stats,
                        moe_ep_capture *capture, moe_status *st);
 
+/* The same layer with the two-stage dispatch and combine of
+ * --dispatch hierarchical (ep_hier.c): each token crosses to another node
+ * once per node, to the rank of its local index there, which forwards it
+ * within its node; outputs return the same way. Blocking. y has the same
+ * bits as moe_ep_forward_ref with --gemm packed or exact. G must be a
+ * multiple of the ranks per node. Its buffers are plain allocations: one
+ * that fails ends the job with exit 3 (moe_fatal). Collective. */
+int moe_ep_forward_hier(const moe_ep *ep, const float *x, const int32_t *ids,
+                        const float *weights, float *y, moe_forward_stats *stats);
+
 /* The same layer in sched->waves pipelined waves, progress and link model as
  * sched says. Output bitwise identical to moe_ep_forward_ref for
  * expert-slot waves, and for any waves with --gemm exact or packed.

@@ -34,6 +34,8 @@ typedef struct {
     moe_spread pairs_received;    /* (row, expert) pairs computed per rank */
     double rows_sent, rows_sent_remote;    /* summed over ranks, one forward */
     double rows_one_wave;                  /* the rows one wave sends (full per-rank dedup) */
+    double rows_inter, rows_intra;         /* --dispatch hierarchical: stage-1 rows between
+                                              nodes, stage-2 rows within them, all ranks */
     double pairs_back_remote;
     double bytes_dispatched, bytes_combined;
     double stage_seconds[MOE_STAGES]; /* median over iterations of the max over ranks */

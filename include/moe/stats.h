@@ -66,6 +66,8 @@ typedef struct {
     moe_index rows_received;     /* dispatch rows received, self included */
     moe_index pairs_received;    /* (row, local expert) pairs computed here */
     moe_index pairs_back_remote; /* combine rows received from other ranks */
+    moe_index rows_inter, rows_intra; /* --dispatch hierarchical: stage-1 rows to other
+                                         nodes, stage-2 rows to other ranks of the node */
     double expert_flops;         /* sgemm FLOPs of the routed experts */
     double expert_start, expert_end; /* MPI_Wtime at the experts stage's ends */
     double done;                 /* MPI_Wtime when y was complete (before any measuring pass) */

@@ -139,6 +139,8 @@ static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_for
     s->rows_sent_remote = moe_comm_sum(c, (double)f->rows_sent_remote);
     s->pairs_back_remote = moe_comm_sum(c, (double)f->pairs_back_remote);
     s->bytes_dispatched = moe_comm_sum(c, f->bytes_dispatched);
+    s->rows_inter = moe_comm_sum(c, (double)f->rows_inter);
+    s->rows_intra = moe_comm_sum(c, (double)f->rows_intra);
     s->bytes_combined = moe_comm_sum(c, f->bytes_combined);
     s->expert_flops = moe_comm_sum(c, f->expert_flops);
     s->local_experts_min = (int)moe_comm_min(c, ep->local_experts);
@@ -189,6 +191,8 @@ static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
 
 static int forward(moe_run_context *ctx, double origin)
 {
+    if (ctx->cfg.blocking && ctx->cfg.dispatch == MOE_DISPATCH_HIERARCHICAL)
+        return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last);
     if (ctx->cfg.blocking)
         return moe_ep_forward_ref(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
                                   NULL, &ctx->status);

@@ -66,6 +66,8 @@ static const flag_choice fp8_recipe_choices[] = {
     {"deepgemm", MOE_FP8_RECIPE_DEEPGEMM}, {"v3", MOE_FP8_RECIPE_V3}, {NULL, 0}};
 static const flag_choice wave_by_choices[] = {
     {"auto", MOE_WAVE_BY_AUTO}, {"experts", MOE_WAVE_BY_EXPERTS}, {"tokens", MOE_WAVE_BY_TOKENS}, {NULL, 0}};
+static const flag_choice dispatch_choices[] = {
+    {"flat", MOE_DISPATCH_FLAT}, {"hierarchical", MOE_DISPATCH_HIERARCHICAL}, {NULL, 0}};
 static const flag_choice fp8_scale_choices[] = {
     {"float", MOE_FP8_SCALE_FLOAT}, {"ue8m0", MOE_FP8_SCALE_UE8M0}, {NULL, 0}};
 
@@ -108,6 +110,7 @@ static const flag_spec flags[] = {
     {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", NULL, "4", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
     {"wave-by", FLAG_CHOICE, FIELD(wave_by), 0, 0, NULL, wave_by_choices, "auto", "waves as groups of expert slots (auto: when every rank has >= W experts) or chunks of tokens (keep the dedup)", RUN},
+    {"dispatch", FLAG_CHOICE, FIELD(dispatch), 0, 0, NULL, dispatch_choices, "flat", "one all-to-all over all ranks, or two stages: once per node between nodes, then within each (needs --blocking; nodes of --ranks-per-node)", RUN},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
@@ -654,6 +657,14 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                             "--wave-by experts needs every rank to hold at least W experts (the fewest "
                             "hold %lld at %d ranks), got --waves %lld; use --wave-by tokens or fewer waves",
                             (long long)fewest, ranks, (long long)cfg->waves_list[n]);
+    const int64_t R = cfg->ranks_per_node > 0 ? cfg->ranks_per_node : ranks;
+    if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL && !cfg->blocking)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--dispatch hierarchical runs on the blocking path: add --blocking");
+    if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL && ranks % R != 0)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--dispatch hierarchical needs nodes of equal size: --ranks-per-node must "
+                        "divide the %d ranks, got %lld", ranks, (long long)R);
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))
         return st->code;

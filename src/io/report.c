@@ -148,6 +148,14 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
         fprintf(out, "          dispatch between ranks: intra-node %s, inter-node %s (%.0f%%)\n",
                 moe_format_bytes(intra, b1, sizeof b1), moe_format_bytes(inter, b2, sizeof b2),
                 intra + inter > 0 ? 100.0 * inter / (intra + inter) : 0.0);
+        if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL) {
+            const double tokens = G * T, flat_rows = inter / moe_dispatch_row_bytes(cfg);
+            fprintf(out, "          two-stage dispatch: %.0f rows between nodes (%.2f per token, once per "
+                         "node reached but its own), %.0f forwarded within nodes; the flat dispatch "
+                         "above sends %.0f rows between nodes (%.2f per token), %.0f%% more\n",
+                    s->rows_inter, s->rows_inter / tokens, s->rows_intra, flat_rows,
+                    flat_rows / tokens, s->rows_inter > 0 ? 100.0 * (flat_rows / s->rows_inter - 1.0) : 0.0);
+        }
     }
     /* The seeds' arithmetic, with the wire rows (wire.h) in place of d x 4 B. */
     const moe_wire in = moe_wire_dispatch(cfg), back = moe_wire_combine(cfg);

@@ -109,7 +109,9 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
           weights);
     const moe_schedule sched = moe_schedule_default(&ep);
     int rc = !cfg->blocking ? moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, stats, &st)
-                            : moe_ep_forward_ref(&ep, x, ids, weights, y, stats, NULL, &st);
+             : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
+                 ? moe_ep_forward_hier(&ep, x, ids, weights, y, stats)
+                 : moe_ep_forward_ref(&ep, x, ids, weights, y, stats, NULL, &st);
     if (rc)
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
     moe_ep_free(&ep);
@@ -309,6 +311,8 @@ int main(int argc, char **argv)
         self.threads = world.threads;
         moe_config one = cfg;
         one.tokens = (int64_t)G * T;
+        one.dispatch = MOE_DISPATCH_FLAT; /* one rank: one node, the flat reference */
+        one.ranks_per_node = 0;
         float *x1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * d));
         float *y1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * d));
         int32_t *ids1 = moe_xmalloc(sizeof(int32_t) * (size_t)(G * T * k));
