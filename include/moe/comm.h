@@ -31,6 +31,7 @@ typedef struct {
     MPI_Comm comm;
     int rank, ranks;   /* r, G */
     int ranks_on_host; /* ranks sharing this machine */
+    int node_ranks;    /* R when every machine holds R consecutive ranks, else 0 */
     int cores;         /* online cores of this machine */
     int bound;         /* cores this rank may run on (its binding), the least over ranks */
     int threads;       /* OpenMP and BLAS threads per rank */

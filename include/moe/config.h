@@ -118,6 +118,12 @@ bool moe_config_norm_topk(const moe_config *cfg);
  * types). Ranks without an expert (E < G) are allowed. */
 int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st);
 
+/* --ranks-per-node auto (stored as MOE_RANKS_PER_NODE_AUTO) becomes the
+ * ranks of a real node: node_ranks, R when every machine holds R
+ * consecutive ranks (0: they do not, a usage error). */
+#define MOE_RANKS_PER_NODE_AUTO (-1)
+int moe_config_resolve_nodes(moe_config *cfg, int node_ranks, int ranks, moe_status *st);
+
 /* Bytes the fullest rank holds at its peak for command: the runtime
  * (MOE_MEMORY_RUNTIME), weights, tokens, one forward's buffers with the
  * routed rows at their mean (T*k rows in, T*k pairs out), the per-wave

@@ -81,6 +81,7 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
     }
     if (moe_fault_validate(st) == MOE_EXIT_OK &&
         moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
+        moe_config_resolve_nodes(cfg, c->node_ranks, c->ranks, st) == MOE_EXIT_OK &&
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
         if (c->rank == 0)
             check_outputs(cfg, st);

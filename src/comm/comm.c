@@ -26,6 +26,16 @@ void moe_comm_attach(moe_comm *c, MPI_Comm comm)
     MPI_Comm host;
     MOE_MPI(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &host));
     MOE_MPI(MPI_Comm_size(host, &c->ranks_on_host));
+    /* Real nodes: equal, of consecutive ranks (rank 0 of each host's group
+     * at a multiple of its size), or none to speak of. */
+    int host_rank, consecutive, all;
+    MOE_MPI(MPI_Comm_rank(host, &host_rank));
+    consecutive = c->rank / c->ranks_on_host * c->ranks_on_host + host_rank == c->rank &&
+                  c->ranks % c->ranks_on_host == 0;
+    MOE_MPI(MPI_Allreduce(&consecutive, &all, 1, MPI_INT, MPI_LAND, comm));
+    int sizes[2] = {c->ranks_on_host, -c->ranks_on_host}, extremes[2];
+    MOE_MPI(MPI_Allreduce(sizes, extremes, 2, MPI_INT, MPI_MAX, comm));
+    c->node_ranks = all && extremes[0] == -extremes[1] ? c->ranks_on_host : 0;
     MOE_MPI(MPI_Comm_free(&host));
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     c->cores = cores > 0 ? (int)cores : 1;

@@ -84,6 +84,13 @@ typedef struct {
     unsigned commands; /* RUN, PLAN or BOTH */
 } flag_spec;
 
+/* A FLAG_INT whose value name ends in "|auto" also takes "auto", stored as -1. */
+static bool takes_auto(const flag_spec *flag)
+{
+    const char *name = flag->value_name;
+    return name && strlen(name) > 5 && !strcmp(name + strlen(name) - 5, "|auto");
+}
+
 #define FIELD(f) offsetof(moe_config, f)
 
 static const flag_spec flags[] = {
@@ -121,7 +128,7 @@ static const flag_spec flags[] = {
     {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", NULL, "", "Chrome trace of the last forward (Perfetto)", RUN},
     {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", NULL, "", "SVG Gantt chart of the last forward", RUN},
     {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", NULL, "", "emulated links: cb=RATIO | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
-    {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R", NULL, "0", "ranks per virtual node; 0 = one node", RUN},
+    {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R|auto", NULL, "auto", "ranks per node: virtual nodes of R consecutive ranks (0 = one node), or auto: the machines the ranks run on", RUN},
     {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, NULL, "false", "add the same forward at W = 1 to the timeline", RUN},
     {"warmup", FLAG_INT, FIELD(warmup), 0, 1000, "N", NULL, "2", "untimed forwards before each wave count", BENCH},
     {"csv", FLAG_TEXT, FIELD(csv), 0, 0, "FILE", NULL, "", "write the table as CSV", BENCH},
@@ -251,6 +258,10 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
     char *end = NULL;
     switch (flag->kind) {
     case FLAG_INT: {
+        if (takes_auto(flag) && !strcmp(value, "auto")) {
+            *(int64_t *)base = -1;
+            return MOE_EXIT_OK;
+        }
         errno = 0;
         long long v = strtoll(value, &end, 10);
         if (!number_start(value, true) || *end != '\0' || errno == ERANGE || v < flag->min ||
@@ -679,6 +690,18 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     return MOE_EXIT_OK;
 }
 
+int moe_config_resolve_nodes(moe_config *cfg, int node_ranks, int ranks, moe_status *st)
+{
+    if (cfg->ranks_per_node != MOE_RANKS_PER_NODE_AUTO)
+        return MOE_EXIT_OK;
+    if (node_ranks <= 0)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--ranks-per-node auto: the %d ranks are not on machines of equal size holding "
+                        "consecutive ranks; give --ranks-per-node R", ranks);
+    cfg->ranks_per_node = node_ranks == ranks ? 0 : node_ranks; /* one machine: one node */
+    return MOE_EXIT_OK;
+}
+
 double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command command, int ranks)
 {
     const double G = ranks, T = (double)cfg->tokens, d = (double)cfg->hidden, f = (double)cfg->ffn;
@@ -743,7 +766,10 @@ void moe_config_describe(const moe_config *cfg, enum moe_command command,
         char value[MOE_NAME_MAX + 32];
         switch (flag->kind) {
         case FLAG_INT:
-            snprintf(value, sizeof value, "%lld", (long long)*(const int64_t *)base);
+            if (takes_auto(flag) && *(const int64_t *)base < 0)
+                snprintf(value, sizeof value, "auto");
+            else
+                snprintf(value, sizeof value, "%lld", (long long)*(const int64_t *)base);
             break;
         case FLAG_SEED:
             snprintf(value, sizeof value, "%llu", (unsigned long long)*(const uint64_t *)base);
