@@ -110,6 +110,10 @@ int moe_check_output_dir(const char *flag, const char *dir, moe_status *st)
         return st->code;
     if (exists && !S_ISDIR(info.st_mode))
         return moe_fail(st, MOE_EXIT_USAGE, "%s: '%s' exists and is not a directory", flag, path);
+    struct stat link;
+    if (lstat(path, &link) == 0 && S_ISLNK(link.st_mode)) /* the swap would move the link, not the set */
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "%s: '%s' is a symbolic link; give the directory it points to", flag, path);
     /* The new contents are built beside it, then swapped in. */
     snprintf(copy, sizeof copy, "%s", path);
     return probe_dir(flag, path, dirname(copy), st);
