@@ -161,6 +161,18 @@ void moe_rows_per_destination(const moe_placement *p, const int32_t *ids, moe_in
 void moe_nodes_per_token(const moe_placement *p, const int32_t *ids, moe_index tokens, int topk,
                          int ranks_per_node, double *hist);
 
+/* The rows a rank's tokens (home rank `home`) put on each tier, added to
+ * rows: the flat dispatch sends a token once per destination rank (inter:
+ * ranks on other nodes; intra: other ranks of its node); the two-stage
+ * dispatch once per other node reached (inter), then from each node's relay
+ * (the rank of home's local index there) once per other rank holding one
+ * of its experts (intra). Nodes of ranks_per_node consecutive ranks. */
+typedef struct {
+    double flat_inter, flat_intra, two_stage_inter, two_stage_intra;
+} moe_node_rows;
+void moe_node_copies(const moe_placement *p, const int32_t *ids, moe_index tokens, int topk,
+                     int ranks_per_node, int home, moe_node_rows *rows);
+
 /* slot_rows (T, k): for every (token, slot) of `plan`, the address of its
  * expert output row: from[r] is where the pairs coming back from rank r
  * start (the combine receive buffer, or for this rank's own pairs the

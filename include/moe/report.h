@@ -8,6 +8,7 @@
 #include <stdio.h>
 
 #include "moe/config.h"
+#include "moe/layout.h"
 #include "moe/link.h"
 #include "moe/stats.h"
 #include "moe/truth.h"
@@ -36,6 +37,7 @@ typedef struct {
     double rows_one_wave;                  /* the rows one wave sends (full per-rank dedup) */
     double rows_inter, rows_intra;         /* --dispatch hierarchical: stage-1 rows between
                                               nodes, stage-2 rows within them, all ranks */
+    moe_node_rows node_rows;               /* what each dispatch puts on each tier, all ranks */
     double pairs_back_remote;
     double bytes_dispatched, bytes_combined;
     double stage_seconds[MOE_STAGES]; /* median over iterations of the max over ranks */

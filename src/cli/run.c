@@ -226,6 +226,9 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     moe_comm_gather_doubles(c, rows, G, out->matrix);
     free(rows);
 
+    s->node_rows = (moe_node_rows){0};
+    moe_node_copies(&ep->placement, ids, T, k, R, c->rank, &s->node_rows);
+    moe_comm_sum_array(c, &s->node_rows.flat_inter, 4);
     out->nodes_hist = moe_xcalloc((size_t)nodes + 1, sizeof(double));
     moe_nodes_per_token(&ep->placement, ids, T, k, R, out->nodes_hist);
     moe_comm_sum_array(c, out->nodes_hist, nodes + 1);

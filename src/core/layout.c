@@ -301,6 +301,39 @@ void moe_nodes_per_token(const moe_placement *p, const int32_t *ids, moe_index t
     free(last_token);
 }
 
+void moe_node_copies(const moe_placement *p, const int32_t *ids, moe_index tokens, int topk,
+                     int ranks_per_node, int home, moe_node_rows *rows)
+{
+    const int R = ranks_per_node, home_node = home / R;
+    bool *to_rank = moe_xcalloc((size_t)p->ranks, sizeof(bool));
+    bool *to_node = moe_xcalloc((size_t)(p->ranks / R + 1), sizeof(bool));
+    for (moe_index i = 0; i < tokens; i++) {
+        for (int s = 0; s < topk; s++) {
+            const int r = p->expert_rank[ids[i * topk + s]];
+            to_rank[r] = to_node[r / R] = true;
+        }
+        for (int s = 0; s < topk; s++) {
+            const int r = p->expert_rank[ids[i * topk + s]], n = r / R;
+            const int relay = n * R + home % R; /* the rank of the home's local index there */
+            if (to_rank[r]) { /* each destination rank once */
+                to_rank[r] = false;
+                if (n != home_node)
+                    rows->flat_inter++;
+                else if (r != home)
+                    rows->flat_intra++;
+                if (r != relay)
+                    rows->two_stage_intra++;
+            }
+            if (to_node[n]) { /* each destination node once */
+                to_node[n] = false;
+                rows->two_stage_inter += n != home_node;
+            }
+        }
+    }
+    free(to_node);
+    free(to_rank);
+}
+
 void moe_combine_locate(const moe_send_plan *plan, const float *const *from, moe_index hidden,
                         const float **slot_rows)
 {

@@ -148,6 +148,13 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
         fprintf(out, "          dispatch between ranks: intra-node %s, inter-node %s (%.0f%%)\n",
                 moe_format_bytes(intra, b1, sizeof b1), moe_format_bytes(inter, b2, sizeof b2),
                 intra + inter > 0 ? 100.0 * inter / (intra + inter) : 0.0);
+        const moe_node_rows *nr = &s->node_rows;
+        fprintf(out, "          rows per token: the flat dispatch %.2f between nodes + %.2f within; the "
+                     "two-stage %.2f between (once per other node reached) + %.2f within: %.0f%% "
+                     "fewer on the inter-node tier\n",
+                nr->flat_inter / (G * T), nr->flat_intra / (G * T), nr->two_stage_inter / (G * T),
+                nr->two_stage_intra / (G * T),
+                nr->flat_inter > 0 ? 100.0 * (1.0 - nr->two_stage_inter / nr->flat_inter) : 0.0);
         if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL) {
             const double tokens = G * T, flat_rows = inter / moe_dispatch_row_bytes(cfg);
             fprintf(out, "          two-stage dispatch: %.0f rows between nodes (%.2f per token, once per "

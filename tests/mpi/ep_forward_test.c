@@ -234,6 +234,24 @@ int main(int argc, char **argv)
         if (r_posted_report(world.rank, posted, reported))
             failures++;
     }
+    /* The two-stage dispatch's rows on each tier are what the routing says
+     * they must be (layout.h, moe_node_copies), to the row. */
+    if (cfg.blocking && cfg.dispatch == MOE_DISPATCH_HIERARCHICAL) {
+        moe_placement placement;
+        moe_placement_init(&placement, (int)cfg.experts, world.ranks);
+        moe_node_rows want = {0};
+        const int R = cfg.ranks_per_node > 0 ? (int)cfg.ranks_per_node : world.ranks;
+        moe_node_copies(&placement, ids, cfg.tokens, (int)cfg.topk, R, world.rank, &want);
+        moe_comm_sum_array(&world, &want.flat_inter, 4);
+        const double inter = moe_comm_sum(&world, (double)stats.rows_inter);
+        const double intra = moe_comm_sum(&world, (double)stats.rows_intra);
+        const bool same = inter == want.two_stage_inter && intra == want.two_stage_intra;
+        if (world.rank == 0)
+            printf("two-stage rows: %.0f between nodes, %.0f within; the routing says %.0f and %.0f: %s\n",
+                   inter, intra, want.two_stage_inter, want.two_stage_intra, same ? "ok" : "FAIL");
+        failures += !same;
+        moe_placement_free(&placement);
+    }
 
     /* 1. Against the dense fp64 truth. */
     double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
