@@ -38,6 +38,9 @@ enum moe_wave_by { MOE_WAVE_BY_AUTO, MOE_WAVE_BY_EXPERTS, MOE_WAVE_BY_TOKENS };
 /* The dispatch's shape: one all-to-all over all ranks, or two stages (between
  * nodes, then within them; ep_hier.c). */
 enum moe_dispatch_kind { MOE_DISPATCH_FLAT, MOE_DISPATCH_HIERARCHICAL };
+/* What the combine sends back: every (token, expert) output, or per
+ * (token, rank) the rank's gate-weighted outputs summed at the source. */
+enum moe_combine_kind { MOE_COMBINE_PAIRS, MOE_COMBINE_REDUCED };
 
 typedef struct {
     char preset[MOE_NAME_MAX]; /* name or path of the preset applied, "" if none */
@@ -54,6 +57,7 @@ typedef struct {
     int64_t lookahead;         /* waves dispatched ahead of the one computing */
     int wave_by;               /* enum moe_wave_by */
     int dispatch;              /* enum moe_dispatch_kind */
+    int combine;               /* enum moe_combine_kind */
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;

@@ -25,10 +25,13 @@
  * allow (T, d), when not NULL, receives the extra tolerance of the rounding
  * steps the truth cannot replay bit for bit: with --combine-dtype bf16, the
  * EP path rounds an fp32 expert output and the truth an fp64 one, which may
- * land one bf16 step apart; allow is one bf16 step of every rounded term. */
+ * land one bf16 step apart; allow is one bf16 step of every rounded term.
+ * With --combine reduced the rounded terms are, per token, the sums of the
+ * experts of each of `ranks` ranks (the placement of layout.h), as the EP
+ * path rounds the sum it sends back; ranks is not read otherwise. */
 void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                        const float *x_dispatched, const int32_t *ids, const float *weights,
-                       moe_index tokens, double *y, double *allow);
+                       moe_index tokens, int ranks, double *y, double *allow);
 
 /* Tolerance of the EP output against the truth: |got - ref| <= abs + rel*|ref|. */
 typedef struct {

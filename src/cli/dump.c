@@ -175,7 +175,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         return rc;
     }
     moe_truth_forward(cfg, MOE_TRUTH_EXACT, x, moe_ep_dispatched_tokens(ep, x, x_scratch), ids,
-                      weights, T, truth, allow);
+                      weights, T, G, truth, allow);
 
     /* 2. Gathered on rank 0. */
     const bool root = c->rank == 0;

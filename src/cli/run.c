@@ -56,7 +56,7 @@ static void check_against_truth(moe_run_context *ctx)
     double *allow = cfg->combine_dtype == MOE_DTYPE_FP32 ? NULL : moe_xmalloc(sizeof(double) * (size_t)n);
     float *scratch = moe_xmalloc(sizeof(float) * (size_t)n);
     moe_truth_forward(cfg, MOE_TRUTH_BLAS, x, moe_ep_dispatched_tokens(&ctx->ep, x, scratch), ids,
-                      weights, T, truth, allow);
+                      weights, T, c->ranks, truth, allow);
     moe_check_collective(c, cfg, y, truth, allow, s);
     s->quantised = cfg->param_dtype != MOE_DTYPE_FP32 || cfg->dispatch_dtype != MOE_DTYPE_FP32 ||
                    cfg->combine_dtype != MOE_DTYPE_FP32;
@@ -65,7 +65,7 @@ static void check_against_truth(moe_run_context *ctx)
         full.param_dtype = full.dispatch_dtype = full.combine_dtype = MOE_DTYPE_FP32;
         moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, (float)cfg->init_scale,
                          cfg->input_dist, scratch);
-        moe_truth_forward(&full, MOE_TRUTH_BLAS, scratch, scratch, ids, weights, T, truth, NULL);
+        moe_truth_forward(&full, MOE_TRUTH_BLAS, scratch, scratch, ids, weights, T, c->ranks, truth, NULL);
         double max_abs = 0.0;
         for (moe_index m = 0; m < n; m++)
             max_abs = fmax(max_abs, fabs((double)y[m] - truth[m]));

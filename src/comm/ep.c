@@ -25,7 +25,8 @@ moe_schedule moe_schedule_default(const moe_ep *ep)
     return (moe_schedule){
         .waves = (int)cfg->waves_list[0],
         .lookahead = (int)cfg->lookahead,
-        .wave_by = cfg->wave_by,
+        /* a reduced combine sums a token's pairs on a rank in one wave */
+        .wave_by = cfg->combine == MOE_COMBINE_REDUCED ? MOE_WAVE_BY_TOKENS : cfg->wave_by,
         .progress = moe_progress_granted(&ep->comm, (enum moe_progress_kind)cfg->progress),
         .link = true,
         .trace = NULL,
@@ -242,8 +243,53 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
     }
     moe_gather_row_ptrs(row_at, d, recv->expert_row + first, n, in);
     moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);
-    moe_precision_combine(ep->cfg->combine_dtype, out, n * d);
+    if (ep->cfg->combine == MOE_COMBINE_PAIRS) /* reduced: the sums are rounded instead */
+        moe_precision_combine(ep->cfg->combine_dtype, out, n * d);
     moe_scatter_rows(out, d, recv->expert_pair + first, n, expert_out);
+}
+
+void moe_ep_reduce_at_source(const moe_ep *ep, const moe_recv_plan *recv, const int32_t *recv_meta,
+                             const float *expert_out, float *sums)
+{
+    const moe_index d = ep->cfg->hidden;
+    const int k = (int)ep->cfg->topk;
+    const bool weighted = ep->cfg->weight_at == MOE_WEIGHT_AT_OUTPUT;
+    moe_index *pair_row = moe_xmalloc(sizeof(moe_index) * (size_t)recv->pairs + 1);
+    int *pair_slot = moe_xmalloc(sizeof(int) * (size_t)recv->pairs + 1);
+    for (moe_index m = 0; m < recv->pairs; m++) {
+        pair_row[recv->expert_pair[m]] = recv->expert_row[m];
+        pair_slot[recv->expert_pair[m]] = recv->expert_slot[m];
+    }
+    memset(sums, 0, sizeof(float) * (size_t)(recv->rows * d));
+    /* A row's pairs are consecutive, in slot order (layout.h). */
+    for (moe_index p = 0; p < recv->pairs; p++) {
+        const moe_index row = pair_row[p];
+        const float w = weighted ? moe_meta_weight(recv_meta + row * MOE_META_WORDS(k), k, pair_slot[p]) : 1.0f;
+        float *sum = sums + row * d;
+        const float *out = expert_out + p * d;
+        for (moe_index j = 0; j < d; j++)
+            sum[j] += w * out[j];
+    }
+    moe_precision_combine(ep->cfg->combine_dtype, sums, recv->rows * d);
+    free(pair_slot);
+    free(pair_row);
+}
+
+void moe_ep_reduce_rows(const moe_ep *ep, const moe_send_plan *const *plans, const float *const *from,
+                        int count, float *y)
+{
+    const moe_index d = ep->cfg->hidden;
+    memset(y, 0, sizeof(float) * (size_t)(ep->cfg->tokens * d));
+    for (int n = 0; n < count; n++) { /* destinations in ascending rank order within each plan */
+        const moe_send_plan *plan = plans[n];
+        for (int r = 0; r < plan->ranks; r++)
+            for (moe_index j = plan->row_offset[r]; j < plan->row_offset[r + 1]; j++) {
+                float *yt = y + plan->row_token[j] * d;
+                const float *row = from[n * plan->ranks + r] + (j - plan->row_offset[r]) * d;
+                for (moe_index c = 0; c < d; c++)
+                    yt[c] += row[c];
+            }
+    }
 }
 
 void moe_ep_reduce(const moe_ep *ep, const float *const *slot_rows, const float *weights,

@@ -65,7 +65,8 @@ typedef struct {
     int32_t *send_meta, *recv_meta;    /* (rows out, 2k + 1), (rows_in, 2k + 1) */
     float *expert_in, *scratch;        /* the largest expert batch's rows and activations */
     float *expert_out;                 /* (pairs received, d) */
-    uint8_t *out_wire;                 /* expert_out as it travels, or expert_out itself (fp32) */
+    uint8_t *out_wire;                 /* what travels back: expert_out or the sums, as the wire has them */
+    float *sums;                       /* --combine reduced: (rows_in, d) one row per (token, rank) */
     uint8_t *back;                     /* (pairs sent) wire rows: the outputs of this rank's tokens */
     float *back_decoded;               /* (pairs sent, d) decoded, unless fp32 */
 } ref_forward;
@@ -92,7 +93,8 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, ref_forward *f,
     moe_to_counts(f->rows_from, G, f->recv_counts, f->recv_at);
     const moe_index rows_out = f->send.row_offset[G], words = MOE_META_WORDS(k);
     const size_t row = f->dispatch_wire.bytes, out = f->combine_wire.bytes;
-    const moe_index back = f->send.pair_offset[G];
+    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED; /* one row back per row sent */
+    const moe_index back = reduced ? rows_out : f->send.pair_offset[G];
     f->send_rows = moe_try_malloc(row * (size_t)rows_out, "the dispatch send buffer", c->rank, local);
     f->send_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(rows_out * words), "the dispatch ids", c->rank, local);
     f->recv_rows = moe_try_malloc(row * (size_t)f->rows_in, "the dispatch receive buffer", c->rank, local);
@@ -140,9 +142,15 @@ static void ref_plan_receive(const moe_ep *ep, ref_forward *f, moe_forward_stats
             most = f->recv.expert_offset[l + 1] - f->recv.expert_offset[l];
     const int rank = ep->comm.rank;
     f->expert_out = moe_try_malloc(sizeof(float) * (size_t)(f->recv.pairs * d), "the expert outputs", rank, local);
-    f->out_wire = f->combine_wire.dtype == MOE_DTYPE_FP32
+    const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
+    const moe_index back = reduced ? f->rows_in : f->recv.pairs; /* rows that travel back */
+    if (reduced)
+        f->sums = moe_try_malloc(sizeof(float) * (size_t)(f->rows_in * d) + 1, "the sums", rank, local);
+    f->out_wire = f->combine_wire.dtype == MOE_DTYPE_FP32 && !reduced
                       ? (uint8_t *)f->expert_out
-                      : moe_try_malloc(f->combine_wire.bytes * (size_t)f->recv.pairs, "the combine send buffer", rank, local);
+                      : f->combine_wire.dtype == MOE_DTYPE_FP32
+                            ? (uint8_t *)f->sums
+                            : moe_try_malloc(f->combine_wire.bytes * (size_t)back + 1, "the combine send buffer", rank, local);
     f->expert_in = moe_try_malloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", rank, local);
     f->scratch = moe_try_malloc(sizeof(float) * (size_t)(most * 2 * f_size), "expert activations", rank, local);
 }
@@ -177,16 +185,26 @@ static void ref_combine(const moe_ep *ep, ref_forward *f, moe_forward_stats *sta
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
     const double t = MPI_Wtime();
-    moe_to_counts(f->recv.source_pairs, G, f->send_counts, f->send_at);
-    moe_to_counts(f->send.pair_count, G, f->recv_counts, f->recv_at);
-    if (f->out_wire != (uint8_t *)f->expert_out)
-        moe_wire_encode(&f->combine_wire, f->expert_out, NULL, f->recv.pairs, f->out_wire);
+    const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
+    if (reduced) { /* one row per row received, back where it came from */
+        moe_ep_reduce_at_source(ep, &f->recv, f->recv_meta, f->expert_out, f->sums);
+        moe_to_counts(f->rows_from, G, f->send_counts, f->send_at);
+        moe_to_counts(f->send.row_count, G, f->recv_counts, f->recv_at);
+    } else {
+        moe_to_counts(f->recv.source_pairs, G, f->send_counts, f->send_at);
+        moe_to_counts(f->send.pair_count, G, f->recv_counts, f->recv_at);
+    }
+    const float *values = reduced ? f->sums : f->expert_out;
+    const moe_index back = reduced ? f->rows_in : f->recv.pairs;
+    if (f->out_wire != (const uint8_t *)values)
+        moe_wire_encode(&f->combine_wire, values, NULL, back, f->out_wire);
     moe_comm_count_posted(f->send_counts, G, me, f->types.combine);
     MOE_MPI(MPI_Alltoallv(f->out_wire, f->send_counts, f->send_at, f->types.combine, f->back,
                           f->recv_counts, f->recv_at, f->types.combine, ep->comm.comm));
     stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
-    stats->bytes_combined = (double)f->recv.pairs * moe_combine_row_bytes(ep->cfg);
-    stats->pairs_back_remote = f->send.pair_offset[G] - f->send.pair_count[me];
+    stats->bytes_combined = (double)back * moe_combine_row_bytes(ep->cfg);
+    stats->pairs_back_remote = reduced ? f->send.row_offset[G] - f->send.row_count[me]
+                                       : f->send.pair_offset[G] - f->send.pair_count[me];
 }
 
 /* Stage reduce and shared: y from the outputs that came back, then the
@@ -199,12 +217,19 @@ static void ref_reduce(const moe_ep *ep, ref_forward *f, const float *x, const f
     const double t = MPI_Wtime();
     const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * ep->cfg->topk)); /* (T, k) */
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)G);
-    const float *back = moe_ep_wire_values(&f->combine_wire, f->back, f->send.pair_offset[G], f->back_decoded);
+    const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
+    const moe_index *offset = reduced ? f->send.row_offset : f->send.pair_offset;
+    const float *back = moe_ep_wire_values(&f->combine_wire, f->back, offset[G], f->back_decoded);
     for (int r = 0; r < G; r++)
-        from[r] = back + f->send.pair_offset[r] * d;
-    moe_combine_locate(&f->send, from, d, slot_rows);
+        from[r] = back + offset[r] * d;
+    if (reduced) {
+        const moe_send_plan *plans[1] = {&f->send};
+        moe_ep_reduce_rows(ep, plans, from, 1, y);
+    } else {
+        moe_combine_locate(&f->send, from, d, slot_rows);
+        moe_ep_reduce(ep, slot_rows, weights, y);
+    }
     free(from);
-    moe_ep_reduce(ep, slot_rows, weights, y);
     free(slot_rows);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
     moe_ep_shared(ep, x, y, f->scratch, f->expert_in, stats);
@@ -214,8 +239,9 @@ static void ref_free(ref_forward *f)
 {
     free(f->scratch);
     free(f->expert_in);
-    if (f->out_wire != (uint8_t *)f->expert_out)
+    if (f->out_wire != (uint8_t *)f->expert_out && f->out_wire != (uint8_t *)f->sums)
         free(f->out_wire);
+    free(f->sums);
     free(f->expert_out);
     free(f->back_decoded);
     free(f->recv_decoded);

@@ -33,6 +33,7 @@
 enum { MOE_WAVE_SEND_ROWS, MOE_WAVE_SEND_META, MOE_WAVE_RECV_ROWS, MOE_WAVE_RECV_META,
        MOE_WAVE_EXPERT_OUT, MOE_WAVE_BACK, MOE_WAVE_ROW_AT,
        MOE_WAVE_RECV_VALUES, MOE_WAVE_OUT_WIRE, MOE_WAVE_BACK_VALUES, /* bf16/fp8 on the wire */
+       MOE_WAVE_SUMS, /* --combine reduced */
        MOE_WAVE_BUFFERS };
 
 struct moe_wave_state; /* one wave's plan and buffers (ep_waves.c) */
@@ -91,6 +92,22 @@ void moe_ep_pack(const moe_ep *ep, const float *x, const int32_t *ids, const flo
 void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
                    const float *const *row_at, const int32_t *recv_meta, float *work,
                    float *scratch, float *expert_out, const moe_ffn_hooks *hooks);
+
+/* Stage combine, at the source (--combine reduced): sums (recv->rows, d) =
+ * per received row, the sum of its pairs' outputs in slot order (each
+ * times its gate weight when the weight is applied after L2), in fp32,
+ * then rounded to --combine-dtype: one row per (token, rank) goes back. */
+void moe_ep_reduce_at_source(const moe_ep *ep, const moe_recv_plan *recv, const int32_t *recv_meta,
+                             const float *expert_out, float *sums);
+
+/* Stage reduce of a reduced combine: y (T, d) = for each token, the sum of
+ * the rows its destinations sent back, over plans (count of them, one per
+ * wave) and, within each, destinations in ascending rank order. from[n *
+ * ranks + r] is where plan n's rows back from rank r start. A token's rows
+ * are all in one plan with waves of tokens, so the order, and the bits, do
+ * not depend on W. */
+void moe_ep_reduce_rows(const moe_ep *ep, const moe_send_plan *const *plans, const float *const *from,
+                        int count, float *y);
 
 /* Stage reduce. y (T, d) = sum over the k slots of each token, in slot
  * order, of its expert output row slot_rows (T, k) points to, times the

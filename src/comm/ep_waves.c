@@ -42,6 +42,7 @@ typedef struct moe_wave_state {
     moe_send_plan send;
     moe_recv_plan recv;
     moe_index rows_out, rows_in, pairs_in;
+    moe_index out_rows, back_in; /* rows the combine sends (pairs, or sums), rows back from others */
     moe_index *rows_from;                        /* (G) */
     int *counts;                                 /* (N_COUNTS, G): see the enum below */
     /* In ep->work. A rank's rows for its own experts, and their outputs,
@@ -51,6 +52,7 @@ typedef struct moe_wave_state {
     uint8_t *send_rows, *recv_rows;  /* wire rows (wire.h) */
     float *recv_values;              /* recv_rows decoded, or recv_rows itself (fp32) */
     float *expert_out;               /* (pairs_in, d) */
+    float *sums;                     /* --combine reduced: (rows_in, d) one per (token, rank); else NULL */
     uint8_t *out_wire, *back;        /* expert_out as it travels (or itself, fp32); wire rows back */
     float *back_values;              /* back decoded, or back itself (fp32) */
     int32_t *send_meta, *recv_meta;  /* (rows, 2k + 1), all rows */
@@ -221,8 +223,9 @@ static void wave_combine(wave_state *ws, moe_progress *p, int op, int G, const m
     moe_comm_op *o = &p->ops[op];
     int self;
     MOE_MPI(MPI_Comm_rank(comm, &self));
-    if (ws->out_wire != (uint8_t *)ws->expert_out) /* bf16 on the wire */
-        moe_wire_encode(wire, ws->expert_out, NULL, ws->pairs_in, ws->out_wire);
+    const float *values = ws->sums ? ws->sums : ws->expert_out;
+    if (ws->out_wire != (const uint8_t *)values) /* bf16 on the wire */
+        moe_wire_encode(wire, values, NULL, ws->out_rows, ws->out_wire);
     moe_comm_count_posted(COUNTS(ws, C_SEND, G), G, self, t->combine);
     moe_progress_lock(p);
     start_combine(ws, G, t, comm, o->requests);
@@ -258,6 +261,8 @@ static void wave_experts(const moe_ep *ep, wave_state *ws, float *expert_in, flo
         moe_ep_expert(ep, &ws->recv, l, ws->row_at, ws->recv_meta, expert_in, scratch,
                       ws->expert_out, &hooks);
     }
+    if (ws->sums) /* --combine reduced: one row per (token, rank) */
+        moe_ep_reduce_at_source(ep, &ws->recv, ws->recv_meta, ws->expert_out, ws->sums);
     const double now = MPI_Wtime(); /* the last scatter belongs to the last L2 */
     clock->compute += now - clock->mark;
     clock->mark = now;
@@ -367,12 +372,19 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
         moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
         remote_counts(s->send.row_count, G, me, COUNTS(s, R_SEND, G), COUNTS(s, R_SEND_AT, G));
         remote_counts(s->rows_from, G, me, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G));
-        remote_counts(s->send.pair_count, G, me, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
-        const moe_index own_rows = s->rows_from[me], own_pairs = s->send.pair_count[me];
+        /* Back: a row per pair, or with a reduced combine per row sent. */
+        const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+        const moe_index *back_count = reduced ? s->send.row_count : s->send.pair_count;
+        remote_counts(back_count, G, me, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
+        const moe_index own_rows = s->rows_from[me];
         moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
         const size_t row = sizeof(float) * (size_t)d, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
         const size_t wire_in = f->dispatch_wire.bytes, wire_out = f->combine_wire.bytes;
-        const moe_index remote_in = s->rows_in - own_rows, back = s->send.pair_offset[G] - own_pairs;
+        const moe_index remote_in = s->rows_in - own_rows;
+        const moe_index back = (reduced ? s->send.row_offset[G] : s->send.pair_offset[G]) - back_count[me];
+        s->back_in = back;
+        s->out_rows = reduced ? s->rows_in : s->pairs_in;
+        s->sums = reduced ? moe_buffer_fit(&b[MOE_WAVE_SUMS], row * (size_t)s->rows_in, "sums", me, local) : NULL;
         s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], wire_in * (size_t)(s->rows_out - s->send.row_count[me]), "dispatch rows", me, local);
         s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", me, local);
         s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], wire_in * (size_t)remote_in, "received rows", me, local);
@@ -383,8 +395,8 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
         const bool narrow_in = f->dispatch_wire.dtype != MOE_DTYPE_FP32, narrow_out = f->combine_wire.dtype != MOE_DTYPE_FP32;
         s->recv_values = narrow_in ? moe_buffer_fit(&b[MOE_WAVE_RECV_VALUES], row * (size_t)remote_in, "decoded rows", me, local)
                                    : (float *)s->recv_rows;
-        s->out_wire = narrow_out ? moe_buffer_fit(&b[MOE_WAVE_OUT_WIRE], wire_out * (size_t)s->pairs_in, "expert outputs on the wire", me, local)
-                                 : (uint8_t *)s->expert_out;
+        s->out_wire = narrow_out ? moe_buffer_fit(&b[MOE_WAVE_OUT_WIRE], wire_out * (size_t)s->out_rows, "expert outputs on the wire", me, local)
+                                 : (uint8_t *)(reduced ? s->sums : s->expert_out);
         s->back_values = narrow_out ? moe_buffer_fit(&b[MOE_WAVE_BACK_VALUES], row * (size_t)back, "decoded outputs", me, local)
                                     : (float *)s->back;
         s->row_at = moe_buffer_fit(&b[MOE_WAVE_ROW_AT], sizeof(float *) * (size_t)s->rows_in, "the row table", me, local);
@@ -419,11 +431,14 @@ static void wave_plan_receive(const moe_ep *ep, const waves_forward *f, int w)
     moe_recv_plan_build(&s->recv, &ep->placement, me, s->recv_meta, s->rows_in,
                         (int)ep->cfg->topk, s->rows_from, &f->waves, w);
     MOE_ASSERT(s->recv.pairs == s->pairs_in);
-    moe_to_counts(s->recv.source_pairs, G, COUNTS(s, C_SEND, G), COUNTS(s, C_SEND_AT, G));
+    const bool reduced = s->sums != NULL; /* each row received goes back summed */
+    moe_to_counts(reduced ? s->rows_from : s->recv.source_pairs, G, COUNTS(s, C_SEND, G),
+                  COUNTS(s, C_SEND_AT, G));
     COUNTS(s, C_SEND, G)[me] = 0;
     moe_ep_wire_values(&f->dispatch_wire, s->recv_rows, s->rows_in - s->rows_from[me], s->recv_values);
     row_table(s, G, me, ep->cfg->hidden, f->x_dispatch);
-    link_bytes(ep, s->send.pair_count, s->recv.source_pairs, moe_combine_row_bytes(ep->cfg),
+    link_bytes(ep, reduced ? s->send.row_count : s->send.pair_count,
+               reduced ? s->rows_from : s->recv.source_pairs, moe_combine_row_bytes(ep->cfg),
                s->combine_bytes);
 }
 
@@ -483,17 +498,17 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
                        sched->origin, w, MOE_EVENT_DISPATCH, (double)s->rows_out * row_bytes,
                        s->rows_out);
         add_comm_event(sched->trace, &progress.ops[W + w], w ? &progress.ops[W + w - 1] : NULL,
-                       sched->origin, w, MOE_EVENT_COMBINE, (double)s->recv.pairs * out_bytes,
-                       s->recv.pairs);
+                       sched->origin, w, MOE_EVENT_COMBINE, (double)s->out_rows * out_bytes,
+                       s->out_rows);
         stats->seconds[MOE_STAGE_DISPATCH] += progress.ops[w].completed - progress.ops[w].posted;
         stats->seconds[MOE_STAGE_COMBINE] += progress.ops[W + w].completed - progress.ops[W + w].posted;
         stats->rows_sent += s->rows_out;
         stats->rows_sent_remote += s->rows_out - s->send.row_count[c->rank];
         stats->rows_received += s->rows_in;
         stats->pairs_received += s->recv.pairs;
-        stats->pairs_back_remote += s->send.pair_offset[G] - s->send.pair_count[c->rank];
+        stats->pairs_back_remote += s->back_in;
         stats->bytes_dispatched += (double)s->rows_out * row_bytes;
-        stats->bytes_combined += (double)s->recv.pairs * out_bytes;
+        stats->bytes_combined += (double)s->out_rows * out_bytes;
     }
     moe_progress_free(&progress);
     stats->seconds[MOE_STAGE_EXPERTS] = clock.compute;
@@ -510,16 +525,27 @@ static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forw
     const int G = ep->comm.ranks, me = ep->comm.rank;
     const moe_index d = ep->cfg->hidden;
     const double t = MPI_Wtime();
-    for (int w = 0; w < sched->waves; w++) {
+    const int W = sched->waves;
+    const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
+    const moe_send_plan **plans = moe_xmalloc(sizeof(moe_send_plan *) * (size_t)W);
+    const float **from = moe_xmalloc(sizeof(float *) * (size_t)(W * G));
+    for (int w = 0; w < W; w++) {
         wave_state *s = &f->ws[w];
-        moe_ep_wire_values(&f->combine_wire, s->back, s->send.pair_offset[G] - s->send.pair_count[me],
-                           s->back_values);
+        moe_ep_wire_values(&f->combine_wire, s->back, s->back_in, s->back_values);
+        const float *own = reduced ? s->sums : s->expert_out; /* this rank's rows never left */
         for (int r = 0; r < G; r++)
-            s->from[r] = r == me ? s->expert_out + (moe_index)COUNTS(s, C_SEND_AT, G)[me] * d
-                                 : s->back_values + (moe_index)COUNTS(s, C_RECV_AT, G)[r] * d;
-        moe_combine_locate(&s->send, s->from, d, f->slot_rows);
+            s->from[r] = from[w * G + r] = r == me ? own + (moe_index)COUNTS(s, C_SEND_AT, G)[me] * d
+                                                   : s->back_values + (moe_index)COUNTS(s, C_RECV_AT, G)[r] * d;
+        plans[w] = &s->send;
+        if (!reduced)
+            moe_combine_locate(&s->send, s->from, d, f->slot_rows);
     }
-    moe_ep_reduce(ep, f->slot_rows, weights, y);
+    if (reduced)
+        moe_ep_reduce_rows(ep, plans, from, W, y);
+    else
+        moe_ep_reduce(ep, f->slot_rows, weights, y);
+    free(from);
+    free(plans);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
     moe_ep_shared(ep, x, y, f->scratch, f->expert_in, stats);
 }

@@ -7,6 +7,7 @@
 
 #include "moe/common.h"
 #include "moe/experts.h"
+#include "moe/layout.h"
 #include "moe/quant.h"
 
 static void to_f64(const float *src, moe_index n, double *dst)
@@ -57,9 +58,23 @@ static void weights_f64(const moe_config *cfg, float *w1, float *w2, moe_index d
     to_f64(w2, d * f, w2_64);
 }
 
+/* --combine reduced: y += the partial sums of one rank's experts, rounded
+ * as the EP path rounds them (one bf16 step of allowance each). */
+static void flush(const moe_config *cfg, double *y, double *allow, double *partial, moe_index n)
+{
+    const bool bf16 = cfg->combine_dtype == MOE_DTYPE_BF16;
+    for (moe_index m = 0; m < n; m++) {
+        const double v = partial[m];
+        y[m] += bf16 ? (double)moe_round_bf16((float)v) : v;
+        if (bf16 && allow)
+            allow[m] += moe_bf16_step(v);
+        partial[m] = 0.0;
+    }
+}
+
 void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                        const float *x_dispatched, const int32_t *ids, const float *weights,
-                       moe_index tokens, double *y, double *allow)
+                       moe_index tokens, int ranks, double *y, double *allow)
 {
     const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
     const int E = (int)cfg->experts, k = (int)cfg->topk;
@@ -74,6 +89,12 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
 
     to_f64(x_dispatched, T * d, x64);
     memset(y, 0, sizeof(double) * (size_t)(T * d));
+    /* A reduced combine rounds the sum of each rank's experts instead. */
+    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+    double *partial = reduced ? moe_xcalloc((size_t)(T * d), sizeof(double)) : NULL;
+    moe_placement placement = {0};
+    if (reduced)
+        moe_placement_init(&placement, E, ranks);
     if (allow)
         memset(allow, 0, sizeof(double) * (size_t)(T * d));
     for (int e = 0; e < E; e++) {
@@ -86,8 +107,19 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
         moe_expert_generate(cfg->seed, e, d, f, w1, w2);
         weights_f64(cfg, w1, w2, d, f, w1_64, w2_64);
         moe_expert_forward_f64(gemm, w1_64, w2_64, x64, T, d, f, scratch, out);
-        accumulate(cfg, y, allow, out, gate, T, d);
+        if (!reduced) {
+            accumulate(cfg, y, allow, out, gate, T, d);
+            continue;
+        }
+        for (moe_index i = 0; i < T; i++)
+            for (moe_index j = 0; gate[i] != 0.0 && j < d; j++) /* unselected: exactly zero */
+                partial[i * d + j] += gate[i] * out[i * d + j];
+        if (e == E - 1 || placement.expert_rank[e + 1] != placement.expert_rank[e])
+            flush(cfg, y, allow, partial, T * d);
     }
+    if (reduced)
+        moe_placement_free(&placement);
+    free(partial);
     if (x_dispatched != x)
         to_f64(x, T * d, x64);
     for (int s = 0; s < (int)cfg->shared_experts; s++) {

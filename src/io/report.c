@@ -107,9 +107,15 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
                      "--wave-by tokens keeps the dedup\n",
                 s->waves, s->rows_sent - s->rows_one_wave,
                 100.0 * (s->rows_sent - s->rows_one_wave) / s->rows_one_wave);
-    fprintf(out, "          combine  %s (%s from other ranks)\n",
-            moe_format_bytes(s->bytes_combined, b1, sizeof b1),
+    fprintf(out, "          combine  %s (%s from other ranks)", moe_format_bytes(s->bytes_combined, b1, sizeof b1),
             moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg), b2, sizeof b2));
+    if (cfg->combine == MOE_COMBINE_REDUCED)
+        fprintf(out, ": %.0f rows, one per (token, rank), each rank's pairs summed before they "
+                     "travel (--combine reduced; the pairs would be %.0f)\n",
+                s->rows_sent, pairs);
+    else
+        fprintf(out, ": one row per (token, expert) pair (--combine reduced sends %.0f, one per "
+                     "(token, rank))\n", s->rows_one_wave > 0 ? s->rows_one_wave : s->rows_sent);
     if (s->matrix && G <= 16) {
         fprintf(out, "          dispatch KiB, from rank (row) to rank (column):\n          %6s", "");
         for (int q = 0; q < G; q++)
