@@ -380,8 +380,8 @@ int main(int argc, char **argv)
         free(ids1);
         free(y1);
         free(x1);
-        free(all);
     }
+    free(all);
     MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     free(x_dispatched);
     free(allow);
