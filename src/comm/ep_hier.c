@@ -173,10 +173,7 @@ int moe_ep_forward_hier(const moe_ep *ep, const float *x, const int32_t *ids,
         rows_from[q] = within.recv[q];
     moe_recv_plan recv;
     moe_recv_plan_build(&recv, &ep->placement, me, meta2, rows2, k, rows_from, NULL, 0);
-    moe_index most = MOE_SHARED_ROW_BLOCK;
-    for (int l = 0; l < ep->local_experts; l++)
-        if (recv.expert_offset[l + 1] - recv.expert_offset[l] > most)
-            most = recv.expert_offset[l + 1] - recv.expert_offset[l];
+    const moe_index most = moe_ep_largest_batch(&recv);
     float *expert_in = moe_xmalloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)));
     float *scratch = moe_xmalloc(sizeof(float) * (size_t)(most * 2 * cfg->ffn));
     float *expert_out = moe_xmalloc(sizeof(float) * (size_t)(recv.pairs * d) + 1);

@@ -136,10 +136,7 @@ static void ref_plan_receive(const moe_ep *ep, ref_forward *f, moe_forward_stats
     moe_recv_plan_build(&f->recv, &ep->placement, ep->comm.rank, f->recv_meta, f->rows_in,
                         (int)ep->cfg->topk, f->rows_from, NULL, 0);
     stats->seconds[MOE_STAGE_PLAN] += MPI_Wtime() - t;
-    moe_index most = MOE_SHARED_ROW_BLOCK; /* the shared experts reuse the scratch */
-    for (int l = 0; l < ep->local_experts; l++)
-        if (f->recv.expert_offset[l + 1] - f->recv.expert_offset[l] > most)
-            most = f->recv.expert_offset[l + 1] - f->recv.expert_offset[l];
+    const moe_index most = moe_ep_largest_batch(&f->recv);
     const int rank = ep->comm.rank;
     f->expert_out = moe_try_malloc(sizeof(float) * (size_t)(f->recv.pairs * d), "the expert outputs", rank, local);
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;

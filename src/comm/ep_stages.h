@@ -109,6 +109,18 @@ void moe_ep_reduce_at_source(const moe_ep *ep, const moe_recv_plan *recv, const 
 void moe_ep_reduce_rows(const moe_ep *ep, const moe_send_plan *const *plans, const float *const *from,
                         int count, float *y);
 
+/* Rows of the work buffers the experts stage needs for recv: its largest
+ * expert batch, and at least a shared-expert block (the shared stage reuses
+ * them). */
+static inline moe_index moe_ep_largest_batch(const moe_recv_plan *recv)
+{
+    moe_index most = MOE_SHARED_ROW_BLOCK;
+    for (int l = 0; l < recv->local_experts; l++)
+        if (recv->expert_offset[l + 1] - recv->expert_offset[l] > most)
+            most = recv->expert_offset[l + 1] - recv->expert_offset[l];
+    return most;
+}
+
 /* Stage reduce. y (T, d) = sum over the k slots of each token, in slot
  * order, of its expert output row slot_rows (T, k) points to, times the
  * slot's gate weight from weights (T, k) when it was not applied before L2.
