@@ -26,6 +26,7 @@ enum { MOE_TIER_INTRA, MOE_TIER_INTER, MOE_TIERS };
 typedef struct {
     bool enabled;
     double cb_ratio;            /* > 0: bandwidth from the measured FLOP/s (cb=RATIO) */
+    double cb_ratio_inter;      /* > 0: the inter-node tier's own (inter-cb=RATIO) */
     double bandwidth[MOE_TIERS]; /* bytes per second */
     double latency[MOE_TIERS];  /* seconds */
     int ranks_per_node;         /* R; rank r is on virtual node r / R */
@@ -43,7 +44,9 @@ typedef struct {
 #define MOE_LINK_WAIT_MAX 600.0
 
 /* Parse a --link spec:
- *   cb=RATIO[,lat=TIME]             both tiers at C/B = RATIO FLOP per byte
+ *   cb=RATIO[,inter-cb=RATIO][,lat=TIME]
+ *                                   both tiers at C/B = RATIO FLOP per byte, or
+ *                                   the inter-node tier at its own
  *   bw=BW[:TIME]                    both tiers
  *   intra=BW[:TIME],inter=BW[:TIME] per tier (a missing tier is unlimited)
  * BW is a number with B/s, KB/s, MB/s, GB/s or TB/s (bytes, decimal units)

@@ -275,9 +275,12 @@ static int calibrate_link(moe_run_context *ctx)
     const double flops = moe_comm_sum(ctx->comm, f.expert_flops);
     const double seconds = moe_comm_sum(ctx->comm, f.compute_seconds);
     ctx->summary.rank_flops = seconds > 0 ? flops / seconds : 0.0;
-    const double bandwidth = ctx->summary.rank_flops / ep->link.cb_ratio;
-    for (int t = 0; t < MOE_TIERS; t++)
+    for (int t = 0; t < MOE_TIERS; t++) {
+        const double ratio = t == MOE_TIER_INTER && ep->link.cb_ratio_inter > 0 ? ep->link.cb_ratio_inter
+                                                                               : ep->link.cb_ratio;
+        const double bandwidth = ctx->summary.rank_flops / ratio;
         ep->link.bandwidth[t] = bandwidth > 0 ? bandwidth : INFINITY;
+    }
     return MOE_EXIT_OK;
 }
 

@@ -98,6 +98,11 @@ int moe_link_parse(moe_link *link, const char *spec, moe_status *st)
                 link->cb_ratio > MOE_LINK_CB_MAX)
                 goto bad;
             cb = true;
+        } else if (!strcmp(key, "inter-cb")) {
+            char *end;
+            if (!number(value, &link->cb_ratio_inter, &end) || *end || !(link->cb_ratio_inter > 0) ||
+                link->cb_ratio_inter > MOE_LINK_CB_MAX)
+                goto bad;
         } else if (!strcmp(key, "lat")) {
             double latency;
             if (!parse_time(value, &latency))
@@ -121,13 +126,15 @@ int moe_link_parse(moe_link *link, const char *spec, moe_status *st)
     if (cb && tiers)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--link: cb=RATIO sets the bandwidth itself; do not combine it with bw, intra or inter");
+    if (link->cb_ratio_inter > 0 && !cb)
+        return moe_fail(st, MOE_EXIT_USAGE, "--link: inter-cb=RATIO goes with cb=RATIO (the intra-node tier's)");
     if (!cb && !tiers)
         goto bad;
     link->enabled = true;
     return MOE_EXIT_OK;
 bad:
     return moe_fail(st, MOE_EXIT_USAGE,
-                    "--link must be cb=RATIO[,lat=TIME], bw=BW[:TIME] or intra=BW[:TIME],inter=BW[:TIME] "
+                    "--link must be cb=RATIO[,inter-cb=RATIO][,lat=TIME], bw=BW[:TIME] or intra=BW[:TIME],inter=BW[:TIME] "
                     "(RATIO in (0, %g]; BW like 50GB/s or 400Gb/s, in [1MB/s, 1000TB/s]; TIME like "
                     "5us, at most %gs), got '%s'", MOE_LINK_CB_MAX, MOE_LINK_LATENCY_MAX, spec);
 }

@@ -18,6 +18,10 @@ START_TEST(specs_parse)
     ck_assert_int_eq(moe_link_parse(&link, "cb=19780,lat=3us", &st), 0);
     ck_assert_double_eq(link.cb_ratio, 19780);
     ck_assert_double_eq_tol(link.latency[MOE_TIER_INTRA], 3e-6, 1e-18);
+    ck_assert_double_eq(link.cb_ratio_inter, 0); /* the inter-node tier as the other */
+    ck_assert_int_eq(moe_link_parse(&link, "cb=1000,inter-cb=18000", &st), 0);
+    ck_assert_double_eq(link.cb_ratio, 1000);
+    ck_assert_double_eq(link.cb_ratio_inter, 18000);
     ck_assert_int_eq(moe_link_parse(&link, "bw=2MB/s", &st), 0);
     ck_assert_double_eq(link.bandwidth[MOE_TIER_INTER], 2e6);
     ck_assert_int_eq(moe_link_parse(&link, "intra=8Gb/s,inter=400Gb/s", &st), 0); /* bits */
@@ -33,6 +37,7 @@ static const char *const bad_specs[] = {
     /* past the ranges that bound a forward's wait; loose spellings */
     "bw=1B/s", "bw=999KB/s", "bw=2000TB/s", "bw=1GB/s:100000s", "bw=1GB/s:2s", "cb=1e300", "cb=2e5",
     "bw=8GB/S", "bw=8gb/s", "bw= 1GB/s", "bw=+1GB/s", "cb=nan", "cb=inf", "bw=infGB/s", "bw=0x10GB/s",
+    "inter-cb=18", "cb=10,inter-cb=0", "cb=10,inter-cb=2e5", "cb=10,inter-cb=", "intra=1GB/s,inter-cb=10",
 };
 
 START_TEST(bad_specs_name_the_flag)
