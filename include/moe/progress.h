@@ -74,4 +74,8 @@ void moe_progress_poll(moe_progress *p);
 /* Until op has completed. */
 void moe_progress_wait(moe_progress *p, int op);
 
+/* Whether op, posted, has completed as far as the last test round saw (poll
+ * mode: call moe_progress_poll first). Does not block. */
+bool moe_progress_done(moe_progress *p, int op);
+
 #endif

@@ -38,6 +38,8 @@ typedef struct {
     double start, end;   /* seconds since the forward's aligned start */
     double bytes;        /* comm: bytes this rank sent */
     moe_index rows;      /* rows sent (comm) or computed (compute) */
+    int tier;            /* comm of the two-stage dispatch: the tier it crossed
+                            (link.h, MOE_TIER_*); -1: both (a flat all-to-all), or compute */
 } moe_event;
 
 /* A growable list of one rank's events. */

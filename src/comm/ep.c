@@ -1,7 +1,7 @@
 /* ep.c — the EP object (weights, placement, router, link model) and the
  * stages both forwards share: route, pack, experts, reduce, shared (see
- * ep.h and ep_stages.h). The forwards themselves are ep_ref.c and
- * ep_waves.c.
+ * ep.h and ep_stages.h). The forwards themselves are ep_ref.c,
+ * ep_waves.c and ep_hier.c.
  */
 #include "moe/ep.h"
 
@@ -25,8 +25,10 @@ moe_schedule moe_schedule_default(const moe_ep *ep)
     return (moe_schedule){
         .waves = (int)cfg->waves_list[0],
         .lookahead = (int)cfg->lookahead,
-        /* a reduced combine sums a token's pairs on a rank in one wave */
-        .wave_by = cfg->combine == MOE_COMBINE_REDUCED ? MOE_WAVE_BY_TOKENS : cfg->wave_by,
+        /* a reduced combine sums a token's pairs on a rank in one wave; the
+         * two-stage dispatch runs waves of tokens (ep_hier.c) */
+        .wave_by = cfg->combine == MOE_COMBINE_REDUCED || cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
+                       ? MOE_WAVE_BY_TOKENS : cfg->wave_by,
         .progress = moe_progress_granted(&ep->comm, (enum moe_progress_kind)cfg->progress),
         .link = true,
         .trace = NULL,
@@ -151,6 +153,7 @@ void moe_ep_free(moe_ep *ep)
     if (ep->work) {
         struct moe_ep_workspace *work = ep->work;
         moe_ep_forget_waves(work);
+        moe_ep_forget_hier(work);
         for (int n = 0; n < work->waves * MOE_WAVE_BUFFERS; n++)
             moe_buffer_free(&work->wave[n]);
         free(work->wave);

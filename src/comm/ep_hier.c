@@ -1,28 +1,53 @@
-/* ep_hier.c — the two-stage (hierarchical) dispatch and combine, blocking.
+/* ep_hier.c — the two-stage (hierarchical) dispatch and combine
+ * (--dispatch hierarchical), pipelined in waves of tokens.
  *
  * Nodes are groups of R consecutive ranks (ep->link.ranks_per_node; G a
- * multiple of R). Rank g = n·R + l is local index l of node n. Two
- * sub-communicators carry the stages, as DeepEP's internode kernels do:
+ * multiple of R). Rank g = n·R + l is local index l of node n. Two kinds of
+ * sub-communicator carry the hops, as DeepEP's internode kernels do:
  *
  *   index comm  the ranks of local index l, one per node (the inter-node tier)
  *   node comm   the R ranks of node n (the intra-node tier)
  *
- *   stage 1  home g sends each token once per node that holds one of its
- *            experts, to the rank of the same local index there (its relay;
- *            the home node's relay is g itself): rows and meta, on the index comm
- *   stage 2  the relay forwards each row it received, as received (the wire
- *            bytes are not re-quantised), once to every rank of its node that
- *            holds one of the token's experts: on the node comm
- *   experts  as on the flat path, per local expert, pairs in received order
- *   combine  stage 2 reversed (each pair's output back to its relay), then
- *            stage 1 reversed (the relay returns, per row it relayed, the
- *            outputs of the row's slots on its node, in slot order, to home)
- *   reduce   home sums the k slots in slot order, as the flat path does
+ * A wave (a chunk of every rank's tokens) runs four all-to-alls:
+ *
+ *   D1  index comm  home g sends each token once per node that holds one of
+ *                   its experts, to the rank of its local index there (its
+ *                   relay; the home node's relay is g itself): rows and meta
+ *   D2  node comm   the relay forwards each row it received, as received
+ *                   (the wire bytes are not re-quantised), once to every rank
+ *                   of its node that holds one of the token's experts
+ *       experts     as on the flat path, per local expert
+ *   C2  node comm   each pair's output back to the relay it came from
+ *   C1  index comm  the relay returns, per row it relayed, the outputs of the
+ *                   row's slots on its node, in slot order, to home
+ *       reduce      home sums the k slots in slot order, as the flat path does
+ *
+ * Counts: one MPI_Alltoall over the whole communicator, before anything
+ * moves, tells every rank what it will receive in D1 and D2 of every wave
+ * (DeepEP's notify step does the same); C2's and C1's counts follow from the
+ * plans. Each kind of all-to-all has its own communicator, so that each sees
+ * its operations in wave order on every rank whatever order they land in.
+ *
+ * The relay's work (plan and post D2 once D1 has landed; gather and post C1
+ * once C2 has) runs as soon as its input is in: at every stage boundary of
+ * the experts, as well as between waves. So while wave w computes, later
+ * waves cross the inter-node tier (D1) and the intra-node tier (D2) at once:
+ *
+ *   post D1(0 .. A)                                  A = lookahead
+ *   for w = 0 .. W-1:
+ *       post D1(w + A)
+ *       until D2(w) is posted: wait D1(w), relay what landed
+ *       wait D2(w); experts(w), relaying what lands at each stage end; post C2(w)
+ *   until every C1 is posted: wait, relay what landed; wait every C1
+ *
+ * --blocking runs the same stages with one wave, each all-to-all waited for
+ * as soon as it is posted, and no link model.
  *
  * Every expert output travels back unchanged (a bf16 row re-encoded is the
  * same bytes), so y has the same bits as moe_ep_forward_ref with --gemm
- * packed or exact (whose rows' bits depend on nothing but the row), and is
- * within tolerance with blas (an expert's rows arrive in another order).
+ * packed or exact (whose rows' bits depend on nothing but the row), at any
+ * W, and is within tolerance with blas (an expert's rows arrive in another
+ * order).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -30,253 +55,567 @@
 #include "ep_stages.h"
 #include "moe/gemm.h"
 
-/* One tier's all-to-all of rows: counts per peer of the sub-communicator,
- * derived displacements, the peer counts learnt with MPI_Alltoall. */
+/* The four all-to-alls of a wave, in the order they run. */
+enum { D1, D2, C2, C1, HOPS };
+static bool between_nodes(int hop) { return hop == D1 || hop == C1; }
+
+/* MPI's four arrays of one all-to-all's counts, in rows. */
+enum { SEND, SEND_AT, RECV, RECV_AT, ARRAYS };
+
+/* One wave's plans and buffers on this rank (buffers in ep->work->hier). */
+typedef struct moe_hier_wave {
+    moe_send_plan p1;    /* home: the wave's tokens by destination node */
+    moe_send_plan p2;    /* relay: the rows D1 brought, by rank of this node
+                            (place R stands for the experts on other nodes) */
+    moe_recv_plan recv;  /* experts: the rows D2 brought, by local expert */
+    int posted;          /* its all-to-alls posted so far, D1 .. C1 in order */
+    int *counts;         /* (HOPS, ARRAYS, S) */
+    moe_index rows1, out2, rows2, pairs1; /* rows D1 brought, D2 sends, D2 brought;
+                                             outputs C1 returns */
+    uint8_t *send1, *recv1, *send2, *recv2, *out_wire, *back2, *ret1, *back1; /* wire rows */
+    int32_t *meta1_out, *meta1, *ids1, *meta2_out, *meta2;
+    float *expert_out;   /* (recv.pairs, d) */
+    const float **row_at; /* (rows2) where each row D2 brought is, decoded */
+    double bytes[HOPS][2][MOE_TIERS]; /* over the links: [in, out][tier] */
+} hier_wave;
+
+/* One two-stage forward on this rank. */
 typedef struct {
-    MPI_Comm comm;
-    int size, self;
-    int *send, *send_at, *recv, *recv_at; /* (size) each */
-    moe_index in;                         /* rows received */
-} tier;
+    const moe_ep *ep;
+    bool blocking;                /* wait for each all-to-all as soon as it is posted */
+    bool timing;                  /* moe_ep_hier_time_alltoalls: the bytes were counted */
+    int W, nodes, R, node, local; /* local: this rank's index in its node */
+    int S;                        /* stride of a wave's counts: max(nodes, R) */
+    moe_ep_types types;
+    moe_wire in_wire, out_wire;
+    moe_placement by_node;        /* expert → node */
+    moe_placement in_node;        /* expert → rank in this node, R when elsewhere */
+    moe_waves waves;
+    hier_wave *hw;                /* (W) */
+    moe_index *rows_from;         /* (G) rows D2 brought from each rank of the node */
+    moe_progress progress;        /* op w·HOPS + hop */
+    moe_link_state links;
+    const moe_link *link;
+    moe_stage_clock clock;
+    int next_relay[2];            /* the next wave whose D2, C1 the relay posts */
+} hier_forward;
 
-static void tier_init(tier *t, MPI_Comm parent, int color, int key)
+static int *counts(const hier_forward *f, const hier_wave *h, int hop, int which)
 {
-    MOE_MPI(MPI_Comm_split(parent, color, key, &t->comm));
-    MOE_MPI(MPI_Comm_size(t->comm, &t->size));
-    MOE_MPI(MPI_Comm_rank(t->comm, &t->self));
-    t->send = moe_xcalloc((size_t)(4 * t->size), sizeof(int));
-    t->send_at = t->send + t->size;
-    t->recv = t->send + 2 * t->size;
-    t->recv_at = t->send + 3 * t->size;
+    return h->counts + ((size_t)hop * ARRAYS + (size_t)which) * (size_t)f->S;
+}
+static int hop_size(const hier_forward *f, int hop) { return between_nodes(hop) ? f->nodes : f->R; }
+static int hop_self(const hier_forward *f, int hop) { return between_nodes(hop) ? f->node : f->local; }
+
+/* Rows an all-to-all's counts move between this rank and other peers. */
+static moe_index remote(const hier_forward *f, const hier_wave *h, int hop, int which)
+{
+    const int *n = counts(f, h, hop, which);
+    moe_index rows = 0;
+    for (int p = 0; p < hop_size(f, hop); p++)
+        rows += p == hop_self(f, hop) ? 0 : n[p];
+    return rows;
 }
 
-static void tier_free(tier *t)
+/* A wave's buffer `which` with room for `bytes`; a failure ends the job
+ * (exit 3), as a rank cannot stop the others together inside the pipeline. */
+static void *fit(const hier_forward *f, int w, int which, size_t bytes, const char *what)
 {
-    free(t->send);
-    MOE_MPI(MPI_Comm_free(&t->comm));
+    moe_status st = {0};
+    void *p = moe_buffer_fit(&f->ep->work->hier[w * MOE_HIER_BUFFERS + which], bytes, what,
+                             f->ep->comm.rank, &st);
+    if (!p)
+        moe_fatal(&st);
+    return p;
 }
 
-/* send[] and recv[] set: displacements, and the rows coming in. */
-static void tier_displace(tier *t)
+/* A buffer every wave shares, grown to `bytes` (never shrunk here: waves
+ * need different sizes, and a shrink would reallocate between them). */
+static void *grow(const hier_forward *f, moe_buffer *b, size_t bytes, const char *what)
 {
+    if (b->data && b->bytes >= bytes)
+        return b->data;
+    moe_status st = {0};
+    void *p = moe_buffer_fit(b, bytes, what, f->ep->comm.rank, &st);
+    if (!p)
+        moe_fatal(&st);
+    return p;
+}
+
+/* Post a wave's next all-to-all: displacements from its counts, the bytes
+ * it puts on its tier, the MPI calls, the link model's arrival. */
+static void post(hier_forward *f, int w, int hop)
+{
+    hier_wave *h = &f->hw[w];
+    MOE_ASSERT(h->posted == hop);
+    const int size = hop_size(f, hop), self = hop_self(f, hop), op = w * HOPS + hop;
+    int *send = counts(f, h, hop, SEND), *send_at = counts(f, h, hop, SEND_AT);
+    int *recv = counts(f, h, hop, RECV), *recv_at = counts(f, h, hop, RECV_AT);
+    const double row_bytes = hop == D1 || hop == D2 ? moe_dispatch_row_bytes(f->ep->cfg)
+                                                    : moe_combine_row_bytes(f->ep->cfg);
+    const int tier = between_nodes(hop) ? MOE_TIER_INTER : MOE_TIER_INTRA;
     int out = 0, in = 0;
-    for (int p = 0; p < t->size; p++) {
-        t->send_at[p] = out;
-        t->recv_at[p] = in;
-        out += t->send[p];
-        in += t->recv[p];
+    memset(h->bytes[hop], 0, sizeof h->bytes[hop]);
+    for (int p = 0; p < size; p++) {
+        send_at[p] = out;
+        recv_at[p] = in;
+        out += send[p];
+        in += recv[p];
+        if (p != self) {
+            h->bytes[hop][0][tier] += recv[p] * row_bytes;
+            h->bytes[hop][1][tier] += send[p] * row_bytes;
+        }
     }
-    t->in = in;
+    const void *from[2] = {h->send1, h->meta1_out};
+    void *to[2] = {h->recv1, h->meta1};
+    MPI_Datatype type[2] = {f->types.dispatch, f->types.meta};
+    int n = 2;
+    if (hop == D2) {
+        from[0] = h->send2, from[1] = h->meta2_out;
+        to[0] = h->recv2, to[1] = h->meta2;
+    } else if (hop == C2 || hop == C1) {
+        from[0] = hop == C2 ? h->out_wire : h->ret1;
+        to[0] = hop == C2 ? h->back2 : h->back1;
+        type[0] = f->types.combine;
+        n = 1;
+    }
+    const MPI_Comm comm = f->ep->work->hier_comm[hop];
+    moe_comm_op *o = &f->progress.ops[op];
+    for (int j = 0; j < n && !f->timing; j++)
+        moe_comm_count_posted(send, size, self, type[j]);
+    moe_progress_lock(&f->progress);
+    for (int j = 0; j < n; j++)
+        MOE_MPI(MPI_Ialltoallv(from[j], send, send_at, type[j], to[j], recv, recv_at, type[j], comm,
+                               &o->requests[j]));
+    o->count = n;
+    moe_pipeline_track(&f->progress, op, f->link, &f->links, h->bytes[hop], comm);
+    moe_progress_unlock(&f->progress);
+    h->posted = hop + 1;
+    if (f->blocking)
+        moe_progress_wait(&f->progress, op);
 }
 
-/* send[] set: the peers' counts learnt, then the displacements. */
-static void tier_exchange_counts(tier *t)
+/* Stage plan, every wave: D1's plan, and the one count exchange. Per
+ * (rank r, wave): the rows this rank sends r's node when r is its relay
+ * there (D1), and the rows r's experts need from it, a token once (what r's
+ * relay forwards to r on its behalf in D2). */
+static void hier_plan(hier_forward *f, const int32_t *ids)
 {
-    MOE_MPI(MPI_Alltoall(t->send, 1, MPI_INT, t->recv, 1, MPI_INT, t->comm));
-    tier_displace(t);
+    const moe_ep *ep = f->ep;
+    const moe_comm *c = &ep->comm;
+    const int G = c->ranks, W = f->W, R = f->R, k = (int)ep->cfg->topk;
+    const moe_index T = ep->cfg->tokens;
+    int *out = moe_xcalloc((size_t)(G * W * 2), sizeof(int));
+    int *in = moe_xmalloc(sizeof(int) * (size_t)(G * W * 2));
+    moe_index *seen = moe_xmalloc(sizeof(moe_index) * (size_t)G); /* last token counted per rank */
+    for (int r = 0; r < G; r++)
+        seen[r] = -1;
+    for (int w = 0; w < W; w++) {
+        hier_wave *h = &f->hw[w];
+        moe_send_plan_build(&h->p1, &f->by_node, ids, T, k, &f->waves, w);
+        for (int n = 0; n < f->nodes; n++)
+            out[((n * R + f->local) * W + w) * 2] = (int)h->p1.row_count[n];
+        for (moe_index i = moe_wave_first_token(&f->waves, w); i < moe_wave_first_token(&f->waves, w + 1); i++)
+            for (int s = 0; s < k; s++) {
+                const int r = ep->placement.expert_rank[ids[i * k + s]];
+                if (seen[r] != i) {
+                    seen[r] = i;
+                    out[(r * W + w) * 2 + 1]++;
+                }
+            }
+    }
+    MOE_MPI(MPI_Alltoall(out, 2 * W, MPI_INT, in, 2 * W, MPI_INT, c->comm));
+    const size_t row = f->in_wire.bytes, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
+    for (int w = 0; w < W; w++) {
+        hier_wave *h = &f->hw[w];
+        h->counts = moe_xcalloc((size_t)(HOPS * ARRAYS * f->S), sizeof(int));
+        int *send1 = counts(f, h, D1, SEND), *recv1 = counts(f, h, D1, RECV);
+        int *recv2 = counts(f, h, D2, RECV);
+        h->rows1 = h->rows2 = 0;
+        for (int n = 0; n < f->nodes; n++) {
+            send1[n] = (int)h->p1.row_count[n];
+            recv1[n] = in[((n * R + f->local) * W + w) * 2];
+            h->rows1 += recv1[n];
+            for (int q = 0; q < R; q++) { /* homes of local index q on node n, via relay q */
+                recv2[q] += in[((n * R + q) * W + w) * 2 + 1];
+                h->rows2 += in[((n * R + q) * W + w) * 2 + 1];
+            }
+        }
+        const moe_index rows_out = h->p1.row_offset[f->nodes];
+        h->send1 = fit(f, w, MOE_HIER_SEND1, row * (size_t)rows_out, "dispatch rows");
+        h->meta1_out = fit(f, w, MOE_HIER_META1_OUT, meta * (size_t)rows_out, "dispatch ids");
+        h->recv1 = fit(f, w, MOE_HIER_RECV1, row * (size_t)h->rows1, "relayed rows");
+        h->meta1 = fit(f, w, MOE_HIER_META1, meta * (size_t)h->rows1, "relayed ids");
+        h->recv2 = fit(f, w, MOE_HIER_RECV2, row * (size_t)h->rows2, "received rows");
+        h->meta2 = fit(f, w, MOE_HIER_META2, meta * (size_t)h->rows2, "received ids");
+    }
+    free(seen);
+    free(in);
+    free(out);
 }
 
-static void tier_alltoallv(tier *t, const void *out, void *in, MPI_Datatype type)
+/* The relay, once D1(w) has landed: the rows for this node's ranks, as
+ * received, each once to every rank holding one of its experts; post D2. */
+static void relay_dispatch(hier_forward *f, int w)
 {
-    moe_comm_count_posted(t->send, t->size, t->self, type);
-    MOE_MPI(MPI_Alltoallv(out, t->send, t->send_at, type, in, t->recv, t->recv_at, type, t->comm));
+    const int k = (int)f->ep->cfg->topk, words = MOE_META_WORDS(k), R = f->R;
+    const size_t row = f->in_wire.bytes;
+    hier_wave *h = &f->hw[w];
+    h->ids1 = fit(f, w, MOE_HIER_IDS1, sizeof(int32_t) * (size_t)(h->rows1 * k), "relayed top-k ids");
+    for (moe_index i = 0; i < h->rows1; i++)
+        memcpy(h->ids1 + i * k, h->meta1 + i * words, sizeof(int32_t) * (size_t)k);
+    moe_send_plan_build(&h->p2, &f->in_node, h->ids1, h->rows1, k, NULL, 0);
+    h->out2 = h->p2.row_offset[R];
+    int *send2 = counts(f, h, D2, SEND);
+    for (int q = 0; q < R; q++)
+        send2[q] = (int)h->p2.row_count[q];
+    h->send2 = fit(f, w, MOE_HIER_SEND2, row * (size_t)h->out2, "forwarded rows");
+    h->meta2_out = fit(f, w, MOE_HIER_META2_OUT, sizeof(int32_t) * (size_t)(h->out2 * words), "forwarded ids");
+    for (moe_index j = 0; j < h->out2; j++) {
+        const moe_index i = h->p2.row_token[j];
+        memcpy(h->send2 + (size_t)j * row, h->recv1 + (size_t)i * row, row);
+        memcpy(h->meta2_out + j * words, h->meta1 + i * words, sizeof(int32_t) * (size_t)words);
+    }
+    post(f, w, D2);
 }
 
-/* Rows to other peers of a tier (what crossed a link). */
-static moe_index remote(const int *counts, int size, int self)
+/* Stage experts of wave w, once D2(w) has landed; then post C2 (each
+ * pair's output to its relay). */
+static void wave_experts(hier_forward *f, int w)
 {
-    moe_index n = 0;
-    for (int p = 0; p < size; p++)
-        n += p == self ? 0 : counts[p];
-    return n;
+    const moe_ep *ep = f->ep;
+    const int k = (int)ep->cfg->topk, R = f->R;
+    const moe_index d = ep->cfg->hidden;
+    hier_wave *h = &f->hw[w];
+    const bool narrow_in = f->in_wire.dtype != MOE_DTYPE_FP32;
+    float *values = moe_ep_wire_values(
+        &f->in_wire, h->recv2, h->rows2,
+        narrow_in ? fit(f, w, MOE_HIER_VALUES, sizeof(float) * (size_t)(h->rows2 * d), "decoded rows") : NULL);
+    const int *from = counts(f, h, D2, RECV);
+    for (int q = 0; q < R; q++)
+        f->rows_from[q] = from[q];
+    moe_recv_plan_build(&h->recv, &ep->placement, ep->comm.rank, h->meta2, h->rows2, k, f->rows_from,
+                        NULL, 0);
+    h->row_at = fit(f, w, MOE_HIER_ROW_AT, sizeof(float *) * (size_t)h->rows2, "the row table");
+    for (moe_index m = 0; m < h->rows2; m++)
+        h->row_at[m] = values + m * d;
+    const moe_index most = moe_ep_largest_batch(&h->recv);
+    float *expert_in = grow(f, &ep->work->expert_in,
+                                  sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows");
+    float *scratch = grow(f, &ep->work->scratch, sizeof(float) * (size_t)(most * 2 * ep->cfg->ffn),
+                                "expert activations");
+    h->expert_out = fit(f, w, MOE_HIER_EXPERT_OUT, sizeof(float) * (size_t)(h->recv.pairs * d), "expert outputs");
+    f->clock.wave = w;
+    f->clock.mark = MPI_Wtime();
+    moe_pipeline_experts(ep, &h->recv, h->row_at, h->meta2, h->expert_out, NULL, expert_in, scratch,
+                         &f->clock);
+    h->out_wire = (uint8_t *)h->expert_out;
+    if (f->out_wire.dtype != MOE_DTYPE_FP32) {
+        h->out_wire = fit(f, w, MOE_HIER_OUT_WIRE, f->out_wire.bytes * (size_t)h->recv.pairs,
+                          "expert outputs on the wire");
+        moe_wire_encode(&f->out_wire, h->expert_out, NULL, h->recv.pairs, h->out_wire);
+    }
+    int *send = counts(f, h, C2, SEND), *recv = counts(f, h, C2, RECV);
+    for (int q = 0; q < R; q++) {
+        send[q] = (int)h->recv.source_pairs[q];
+        recv[q] = (int)h->p2.pair_count[q];
+    }
+    h->back2 = fit(f, w, MOE_HIER_BACK2, f->out_wire.bytes * (size_t)h->p2.pair_offset[R], "outputs at the relay");
+    post(f, w, C2);
+}
+
+/* The relay, once C2(w) has landed: per row it relayed (in received order,
+ * so by home node), the outputs of its slots on this node in slot order, as
+ * home's D1 plan expects them back; the wire bytes travel on. Post C1. */
+static void relay_combine(hier_forward *f, int w)
+{
+    const int k = (int)f->ep->cfg->topk, R = f->R;
+    const size_t out_row = f->out_wire.bytes;
+    hier_wave *h = &f->hw[w];
+    h->pairs1 = 0;
+    for (moe_index n = 0; n < h->rows1 * k; n++)
+        h->pairs1 += f->in_node.expert_rank[h->ids1[n]] < R;
+    h->ret1 = fit(f, w, MOE_HIER_RET1, out_row * (size_t)h->pairs1, "outputs for home");
+    int *send = counts(f, h, C1, SEND), *recv = counts(f, h, C1, RECV);
+    const int *relayed = counts(f, h, D1, RECV);
+    moe_index at = 0, i = 0;
+    for (int m = 0; m < f->nodes; m++) {
+        send[m] = 0;
+        for (int n = 0; n < relayed[m]; n++, i++)
+            for (int s = 0; s < k; s++)
+                if (f->in_node.expert_rank[h->ids1[i * k + s]] < R) {
+                    memcpy(h->ret1 + (size_t)at++ * out_row,
+                           h->back2 + (size_t)h->p2.slot_pair[i * k + s] * out_row, out_row);
+                    send[m]++;
+                }
+    }
+    for (int n = 0; n < f->nodes; n++)
+        recv[n] = (int)h->p1.pair_count[n];
+    h->back1 = fit(f, w, MOE_HIER_BACK1, out_row * (size_t)h->p1.pair_offset[f->nodes], "outputs back home");
+    post(f, w, C1);
+}
+
+/* Relay what has landed, in wave order for each kind (so every rank posts a
+ * communicator's operations in the same order). In poll mode the caller has
+ * just polled. */
+static void relay_landed(void *arg)
+{
+    hier_forward *f = arg;
+    for (int *w = &f->next_relay[0]; *w < f->W && f->hw[*w].posted == D1 + 1 &&
+                                     moe_progress_done(&f->progress, *w * HOPS + D1);)
+        relay_dispatch(f, (*w)++);
+    for (int *w = &f->next_relay[1]; *w < f->W && f->hw[*w].posted == C2 + 1 &&
+                                     moe_progress_done(&f->progress, *w * HOPS + C2);)
+        relay_combine(f, (*w)++);
+}
+
+/* Until wave w has posted `hop` (which the relay posts): wait for the hop
+ * before it, relay what landed. */
+static void relay_until(hier_forward *f, int w, int hop)
+{
+    while (f->hw[w].posted <= hop) {
+        moe_progress_wait(&f->progress, w * HOPS + hop - 1);
+        relay_landed(f);
+    }
+}
+
+/* Stages dispatch, experts and combine of every wave, overlapped as the
+ * diagram at the top of this file shows. */
+static void hier_pipeline(hier_forward *f, int lookahead)
+{
+    const moe_comm *c = &f->ep->comm;
+    const int W = f->W;
+    for (int w = 0, posted = 0; w < W; w++) {
+        for (const int want = w + lookahead + 1 < W ? w + lookahead + 1 : W; posted < want; posted++)
+            post(f, posted, D1);
+        relay_until(f, w, D2);
+        moe_progress_wait(&f->progress, w * HOPS + D2);
+        moe_pipeline_fail_here(c, "dispatch");
+        wave_experts(f, w);
+        moe_pipeline_fail_here(c, "experts");
+        moe_progress_poll(&f->progress);
+        relay_landed(f);
+    }
+    for (int w = 0; w < W; w++)
+        relay_until(f, w, C1);
+    for (int w = 0; w < W; w++)
+        moe_progress_wait(&f->progress, w * HOPS + C1);
+    moe_pipeline_fail_here(c, "combine");
+}
+
+/* The traffic figures and the timeline's comm events of the waves. */
+static void hier_figures(hier_forward *f, const moe_schedule *sched, moe_forward_stats *stats)
+{
+    const moe_config *cfg = f->ep->cfg;
+    const double row_bytes = moe_dispatch_row_bytes(cfg), out_bytes = moe_combine_row_bytes(cfg);
+    static const int kind[HOPS] = {MOE_EVENT_DISPATCH, MOE_EVENT_DISPATCH, MOE_EVENT_COMBINE,
+                                   MOE_EVENT_COMBINE};
+    for (int w = 0; w < f->W; w++) {
+        hier_wave *h = &f->hw[w];
+        const moe_index sent[HOPS] = {h->p1.row_offset[f->nodes], h->out2, h->recv.pairs, h->pairs1};
+        for (int hop = 0; hop < HOPS; hop++) {
+            const moe_comm_op *o = &f->progress.ops[w * HOPS + hop];
+            if (sched)
+                moe_pipeline_comm_event(sched->trace, o, w ? &f->progress.ops[(w - 1) * HOPS + hop] : NULL,
+                                        sched->origin, w, kind[hop],
+                                        between_nodes(hop) ? MOE_TIER_INTER : MOE_TIER_INTRA,
+                                        (double)sent[hop] * (hop < C2 ? row_bytes : out_bytes), sent[hop]);
+            stats->seconds[hop < C2 ? MOE_STAGE_DISPATCH : MOE_STAGE_COMBINE] += o->completed - o->posted;
+        }
+        stats->rows_inter += remote(f, h, D1, SEND);
+        stats->rows_intra += remote(f, h, D2, SEND);
+        stats->rows_sent += sent[D1] + sent[D2];
+        stats->rows_received += h->rows2;
+        stats->pairs_received += h->recv.pairs;
+        stats->pairs_back_remote += remote(f, h, C2, RECV) + remote(f, h, C1, RECV);
+        stats->bytes_combined += (double)(sent[C2] + sent[C1]) * out_bytes;
+    }
+    stats->rows_sent_remote = stats->rows_inter + stats->rows_intra;
+    stats->bytes_dispatched = (double)stats->rows_sent * row_bytes;
+}
+
+/* Stages reduce and shared: y in slot order, whatever wave each slot came
+ * back in, then the shared experts on top. */
+static void hier_reduce(hier_forward *f, const float *x, const float *weights, float *y,
+                        moe_forward_stats *stats)
+{
+    const moe_ep *ep = f->ep;
+    const moe_index T = ep->cfg->tokens, k = ep->cfg->topk, d = ep->cfg->hidden;
+    const double t = MPI_Wtime();
+    const float **slot_rows = grow(f, &ep->work->slot_rows, sizeof(float *) * (size_t)(T * k),
+                                         "the reduce table");
+    const bool narrow = f->out_wire.dtype != MOE_DTYPE_FP32;
+    for (int w = 0; w < f->W; w++) {
+        hier_wave *h = &f->hw[w];
+        const moe_index rows = h->p1.pair_offset[f->nodes];
+        const float *back = moe_ep_wire_values(
+            &f->out_wire, h->back1, rows,
+            narrow ? fit(f, w, MOE_HIER_BACK, sizeof(float) * (size_t)(rows * d), "decoded outputs") : NULL);
+        for (moe_index n = 0; n < T * k; n++)
+            if (h->p1.slot_pair[n] >= 0)
+                slot_rows[n] = back + h->p1.slot_pair[n] * d;
+    }
+    moe_ep_reduce(ep, slot_rows, weights, y);
+    stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
+    const size_t block = MOE_SHARED_ROW_BLOCK;
+    float *scratch = grow(f, &ep->work->scratch, sizeof(float) * block * 2 * (size_t)ep->cfg->ffn,
+                          "shared-expert activations");
+    float *out = grow(f, &ep->work->expert_in, sizeof(float) * block * (size_t)d, "shared-expert outputs");
+    moe_ep_shared(ep, x, y, scratch, out, stats);
+}
+
+static void free_hier_waves(hier_wave *hw, int W)
+{
+    for (int w = 0; w < W; w++) {
+        moe_send_plan_free(&hw[w].p1);
+        moe_send_plan_free(&hw[w].p2);
+        moe_recv_plan_free(&hw[w].recv);
+        free(hw[w].counts);
+    }
+    free(hw);
+}
+
+static void forget_last(struct moe_ep_workspace *work)
+{
+    if (work->hier_last)
+        free_hier_waves(work->hier_last, work->hier_last_waves);
+    work->hier_last = NULL;
+    work->hier_last_waves = 0;
+}
+
+void moe_ep_forget_hier(struct moe_ep_workspace *work)
+{
+    forget_last(work);
+    for (int n = 0; n < work->hier_waves * MOE_HIER_BUFFERS; n++)
+        moe_buffer_free(&work->hier[n]);
+    free(work->hier);
+    work->hier = NULL;
+    work->hier_waves = 0;
+    if (work->hier_comms)
+        for (int hop = 0; hop < HOPS; hop++)
+            MOE_MPI(MPI_Comm_free(&work->hier_comm[hop]));
+    work->hier_comms = false;
+}
+
+/* The communicators (at the first forward: collective, as every forward is)
+ * and W waves' buffer slots; slots of a larger W before are handed back. */
+static void fit_workspace(const moe_ep *ep, int W, int node, int local)
+{
+    struct moe_ep_workspace *work = ep->work;
+    if (!work->hier_comms) {
+        MPI_Comm index_comm, node_comm;
+        MOE_MPI(MPI_Comm_split(ep->comm.comm, local, node, &index_comm));
+        MOE_MPI(MPI_Comm_split(ep->comm.comm, node, local, &node_comm));
+        for (int hop = 0; hop < HOPS; hop++)
+            MOE_MPI(MPI_Comm_dup(between_nodes(hop) ? index_comm : node_comm, &work->hier_comm[hop]));
+        MOE_MPI(MPI_Comm_free(&node_comm));
+        MOE_MPI(MPI_Comm_free(&index_comm));
+        work->hier_comms = true;
+    }
+    moe_ep_fit_slots(&work->hier, &work->hier_waves, W, MOE_HIER_BUFFERS);
+}
+
+int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float *x,
+                        const int32_t *ids, const float *weights, float *y,
+                        moe_forward_stats *stats)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_comm *c = &ep->comm;
+    const int G = c->ranks, R = ep->link.ranks_per_node, E = (int)cfg->experts;
+    MOE_ASSERT(G % R == 0); /* moe_config_validate */
+    hier_forward f = {.ep = ep, .blocking = sched == NULL, .W = sched ? sched->waves : 1,
+                      .nodes = G / R, .R = R, .node = c->rank / R, .local = c->rank % R};
+    f.S = f.nodes > R ? f.nodes : R;
+    memset(stats, 0, sizeof *stats);
+    stats->waves = sched ? f.W : 0;
+    stats->wave_kind = MOE_WAVES_TOKEN_CHUNKS;
+    forget_last(ep->work);
+    fit_workspace(ep, f.W, f.node, f.local);
+    moe_ep_types_create(ep, &f.types);
+    f.in_wire = moe_wire_dispatch(cfg);
+    f.out_wire = moe_wire_combine(cfg);
+    f.by_node = (moe_placement){.experts = E, .ranks = f.nodes};
+    f.in_node = (moe_placement){.experts = E, .ranks = R + 1};
+    f.by_node.expert_rank = moe_xmalloc(sizeof(int) * (size_t)E);
+    f.in_node.expert_rank = moe_xmalloc(sizeof(int) * (size_t)E);
+    for (int e = 0; e < E; e++) {
+        const int r = ep->placement.expert_rank[e];
+        f.by_node.expert_rank[e] = r / R;
+        f.in_node.expert_rank[e] = r / R == f.node ? r % R : R;
+    }
+    moe_waves_init_by(&f.waves, &ep->placement, f.W, cfg->tokens, MOE_WAVE_BY_TOKENS);
+    f.hw = moe_xcalloc((size_t)f.W, sizeof *f.hw);
+    f.rows_from = moe_xcalloc((size_t)G, sizeof(moe_index));
+
+    const double t = MPI_Wtime();
+    hier_plan(&f, ids);
+    for (int w = 0; w < f.W; w++)
+        moe_ep_pack(ep, x, ids, weights, &f.hw[w].p1, -1, f.hw[w].send1, f.hw[w].meta1_out);
+    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+
+    moe_progress_init(&f.progress, sched ? sched->progress : MOE_PROGRESS_POLL, HOPS * f.W);
+    f.link = sched ? moe_schedule_link(ep, sched) : &(const moe_link){.enabled = false};
+    moe_gemm_reset_flops();
+    const double start = MPI_Wtime();
+    f.clock = (moe_stage_clock){&f.progress, sched ? sched->trace : NULL, sched ? sched->origin : 0.0,
+                                start, 0.0, 0, 0, sched ? relay_landed : NULL, &f};
+    hier_pipeline(&f, sched ? sched->lookahead : 1);
+    const double end = MPI_Wtime();
+    moe_progress_stop(&f.progress);
+    stats->pipeline_seconds = end - start;
+    stats->compute_seconds = stats->seconds[MOE_STAGE_EXPERTS] = f.clock.compute;
+    stats->test_seconds = f.progress.test_seconds;
+    stats->expert_start = start;
+    stats->expert_end = end;
+    stats->expert_flops = moe_gemm_sflops();
+    hier_figures(&f, sched, stats);
+    hier_reduce(&f, x, weights, y, stats);
+
+    ep->work->hier_last = f.hw; /* for moe_ep_time_alltoalls */
+    ep->work->hier_last_waves = f.W;
+    moe_progress_free(&f.progress);
+    free(f.rows_from);
+    moe_waves_free(&f.waves);
+    free(f.in_node.expert_rank);
+    free(f.by_node.expert_rank);
+    moe_ep_types_free(&f.types);
+    return MOE_EXIT_OK;
 }
 
 int moe_ep_forward_hier(const moe_ep *ep, const float *x, const int32_t *ids,
                         const float *weights, float *y, moe_forward_stats *stats)
 {
-    const moe_config *cfg = ep->cfg;
-    const moe_comm *c = &ep->comm;
-    const int G = c->ranks, me = c->rank, R = ep->link.ranks_per_node, nodes = G / R;
-    const int node = me / R, k = (int)cfg->topk, E = (int)cfg->experts, words = MOE_META_WORDS(k);
-    const moe_index T = cfg->tokens, d = cfg->hidden;
-    MOE_ASSERT(G % R == 0); /* moe_config_validate */
-    const moe_wire in_wire = moe_wire_dispatch(cfg), out_wire = moe_wire_combine(cfg);
-    const size_t row = in_wire.bytes, out_row = out_wire.bytes;
-    memset(stats, 0, sizeof *stats);
-    const double t0 = MPI_Wtime();
-    moe_ep_types types;
-    moe_ep_types_create(ep, &types);
-    tier across, within; /* the index comm (one rank per node) and the node comm */
-    tier_init(&across, c->comm, me % R, node);
-    tier_init(&within, c->comm, node, me % R);
+    return moe_ep_hier_forward(ep, NULL, x, ids, weights, y, stats);
+}
 
-    /* Stage 1 plan: nodes as destinations, a token once per node. */
-    moe_placement by_node = {.experts = E, .ranks = nodes};
-    by_node.expert_rank = moe_xmalloc(sizeof(int) * (size_t)E);
-    for (int e = 0; e < E; e++)
-        by_node.expert_rank[e] = ep->placement.expert_rank[e] / R;
-    moe_send_plan p1;
-    moe_send_plan_build(&p1, &by_node, ids, T, k, NULL, 0);
-    for (int n = 0; n < nodes; n++)
-        across.send[n] = (int)p1.row_count[n];
-    tier_exchange_counts(&across);
-    uint8_t *send1 = moe_xmalloc(row * (size_t)p1.row_offset[nodes] + 1);
-    int32_t *meta1_out = moe_xmalloc(sizeof(int32_t) * (size_t)(p1.row_offset[nodes] * words) + 1);
-    moe_ep_pack(ep, x, ids, weights, &p1, -1, send1, meta1_out);
-    const moe_index rows1 = across.in;
-    uint8_t *recv1 = moe_xmalloc(row * (size_t)rows1 + 1);
-    int32_t *meta1 = moe_xmalloc(sizeof(int32_t) * (size_t)(rows1 * words) + 1);
-    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t0;
-    const double t1 = MPI_Wtime();
-    tier_alltoallv(&across, send1, recv1, types.dispatch);
-    tier_alltoallv(&across, meta1_out, meta1, types.meta);
-    const moe_index inter_rows = remote(across.send, nodes, node);
-
-    /* Stage 2 plan at the relay: this node's R ranks, and one more place
-     * (index R) standing for every expert on another node, never sent to. */
-    moe_placement in_node = {.experts = E, .ranks = R + 1};
-    in_node.expert_rank = moe_xmalloc(sizeof(int) * (size_t)E);
-    for (int e = 0; e < E; e++) {
-        const int r = ep->placement.expert_rank[e];
-        in_node.expert_rank[e] = r / R == node ? r - node * R : R;
-    }
-    int32_t *ids1 = moe_xmalloc(sizeof(int32_t) * (size_t)(rows1 * k) + 1);
-    for (moe_index i = 0; i < rows1; i++)
-        memcpy(ids1 + i * k, meta1 + i * words, sizeof(int32_t) * (size_t)k);
-    moe_send_plan p2;
-    moe_send_plan_build(&p2, &in_node, ids1, rows1, k, NULL, 0);
-    for (int q = 0; q < R; q++)
-        within.send[q] = (int)p2.row_count[q];
-    tier_exchange_counts(&within);
-    const moe_index out2 = p2.row_offset[R]; /* rows for this node's ranks */
-    uint8_t *send2 = moe_xmalloc(row * (size_t)out2 + 1);
-    int32_t *meta2_out = moe_xmalloc(sizeof(int32_t) * (size_t)(out2 * words) + 1);
-    for (moe_index j = 0; j < out2; j++) { /* forwarded as received */
-        const moe_index i = p2.row_token[j];
-        memcpy(send2 + (size_t)j * row, recv1 + (size_t)i * row, row);
-        memcpy(meta2_out + j * words, meta1 + i * words, sizeof(int32_t) * (size_t)words);
-    }
-    const moe_index rows2 = within.in;
-    uint8_t *recv2 = moe_xmalloc(row * (size_t)rows2 + 1);
-    int32_t *meta2 = moe_xmalloc(sizeof(int32_t) * (size_t)(rows2 * words) + 1);
-    tier_alltoallv(&within, send2, recv2, types.dispatch);
-    tier_alltoallv(&within, meta2_out, meta2, types.meta);
-    const moe_index intra_rows = remote(within.send, R, me % R);
-    stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t1;
-
-    /* Experts: the flat path's stage, on the rows of both stages' sources. */
-    const double t2 = MPI_Wtime();
-    float *values = moe_xmalloc(sizeof(float) * (size_t)(rows2 * d) + 1);
-    moe_wire_decode(&in_wire, recv2, rows2, values);
-    moe_index *rows_from = moe_xcalloc((size_t)G, sizeof(moe_index)); /* sources: node ranks */
-    for (int q = 0; q < R; q++)
-        rows_from[q] = within.recv[q];
-    moe_recv_plan recv;
-    moe_recv_plan_build(&recv, &ep->placement, me, meta2, rows2, k, rows_from, NULL, 0);
-    const moe_index most = moe_ep_largest_batch(&recv);
-    float *expert_in = moe_xmalloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)));
-    float *scratch = moe_xmalloc(sizeof(float) * (size_t)(most * 2 * cfg->ffn));
-    float *expert_out = moe_xmalloc(sizeof(float) * (size_t)(recv.pairs * d) + 1);
-    const float **row_at = moe_xmalloc(sizeof(float *) * (size_t)rows2 + 1);
-    for (moe_index m = 0; m < rows2; m++)
-        row_at[m] = values + m * d;
-    moe_gemm_reset_flops();
-    for (int l = 0; l < ep->local_experts; l++)
-        moe_ep_expert(ep, &recv, l, row_at, meta2, expert_in, scratch, expert_out, NULL);
-    stats->expert_flops = moe_gemm_sflops();
-    stats->expert_start = t2;
-    stats->expert_end = MPI_Wtime();
-    stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - t2;
-
-    /* Combine, stage 2 reversed: each pair's output to its relay. */
-    const double t3 = MPI_Wtime();
-    uint8_t *out_bytes = moe_xmalloc(out_row * (size_t)recv.pairs + 1);
-    moe_wire_encode(&out_wire, expert_out, NULL, recv.pairs, out_bytes);
-    for (int q = 0; q < R; q++) {
-        within.send[q] = (int)recv.source_pairs[q];
-        within.recv[q] = (int)p2.pair_count[q];
-    }
-    tier_displace(&within);
-    const moe_index back2_rows = p2.pair_offset[R];
-    uint8_t *back2 = moe_xmalloc(out_row * (size_t)back2_rows + 1);
-    tier_alltoallv(&within, out_bytes, back2, types.combine);
-    const moe_index back2_remote = remote(within.recv, R, me % R);
-
-    /* Stage 1 reversed: per relayed row (in received order, so by source
-     * node), the outputs of its slots on this node in slot order, as the
-     * home's stage-1 plan expects them back. The wire bytes travel on. */
-    moe_index pairs1 = 0;
-    for (moe_index i = 0; i < rows1 * k; i++)
-        pairs1 += in_node.expert_rank[ids1[i]] < R;
-    uint8_t *ret1 = moe_xmalloc(out_row * (size_t)pairs1 + 1);
-    memset(across.send, 0, sizeof(int) * (size_t)nodes);
-    moe_index at = 0, i = 0;
-    for (int m = 0; m < nodes; m++)
-        for (int n = 0; n < across.recv[m]; n++, i++)
-            for (int s = 0; s < k; s++)
-                if (in_node.expert_rank[ids1[i * k + s]] < R) {
-                    memcpy(ret1 + (size_t)at++ * out_row,
-                           back2 + (size_t)p2.slot_pair[i * k + s] * out_row, out_row);
-                    across.send[m]++;
-                }
-    for (int n = 0; n < nodes; n++)
-        across.recv[n] = (int)p1.pair_count[n];
-    tier_displace(&across);
-    uint8_t *back1 = moe_xmalloc(out_row * (size_t)p1.pair_offset[nodes] + 1);
-    tier_alltoallv(&across, ret1, back1, types.combine);
-    const moe_index back1_remote = remote(across.recv, nodes, node);
-    stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t3;
-
-    /* Reduce in slot order, then the shared experts. */
-    const double t4 = MPI_Wtime();
-    float *back = moe_xmalloc(sizeof(float) * (size_t)(p1.pair_offset[nodes] * d) + 1);
-    moe_wire_decode(&out_wire, back1, p1.pair_offset[nodes], back);
-    const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * k) + 1);
-    for (moe_index n = 0; n < T * k; n++)
-        slot_rows[n] = back + p1.slot_pair[n] * d;
-    moe_ep_reduce(ep, slot_rows, weights, y);
-    stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t4;
-    moe_ep_shared(ep, x, y, scratch, expert_in, stats);
-
-    /* What crossed links: stage 1 between nodes, stage 2 within them. */
-    stats->rows_sent = p1.row_offset[nodes] + out2;
-    stats->rows_sent_remote = inter_rows + intra_rows;
-    stats->rows_received = rows2;
-    stats->pairs_received = recv.pairs;
-    stats->pairs_back_remote = back2_remote + back1_remote;
-    stats->rows_inter = inter_rows;
-    stats->rows_intra = intra_rows;
-    stats->bytes_dispatched = (double)stats->rows_sent * moe_dispatch_row_bytes(cfg);
-    stats->bytes_combined = (double)(recv.pairs + pairs1) * moe_combine_row_bytes(cfg);
-
-    free(slot_rows);
-    free(back);
-    free(back1);
-    free(ret1);
-    free(back2);
-    free(out_bytes);
-    free(row_at);
-    free(expert_out);
-    free(scratch);
-    free(expert_in);
-    moe_recv_plan_free(&recv);
-    free(rows_from);
-    free(values);
-    free(meta2);
-    free(recv2);
-    free(meta2_out);
-    free(send2);
-    moe_send_plan_free(&p2);
-    free(ids1);
-    free(in_node.expert_rank);
-    free(meta1);
-    free(recv1);
-    free(meta1_out);
-    free(send1);
-    moe_send_plan_free(&p1);
-    free(by_node.expert_rank);
-    tier_free(&within);
-    tier_free(&across);
-    moe_ep_types_free(&types);
-    return MOE_EXIT_OK;
+double moe_ep_hier_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
+{
+    const struct moe_ep_workspace *work = ep->work;
+    const int W = work->hier_last_waves, R = ep->link.ranks_per_node;
+    MOE_ASSERT(work->hier_last != NULL);
+    hier_forward f = {.ep = ep, .timing = true, .W = W, .nodes = ep->comm.ranks / R, .R = R,
+                      .node = ep->comm.rank / R, .local = ep->comm.rank % R, .hw = work->hier_last};
+    f.S = f.nodes > R ? f.nodes : R;
+    moe_ep_types_create(ep, &f.types);
+    const moe_link *link = moe_schedule_link(ep, sched);
+    moe_link_state alone = {{{0}}};
+    double modelled = 0.0;
+    moe_progress_init(&f.progress, MOE_PROGRESS_POLL, HOPS * W);
+    f.link = &(const moe_link){.enabled = false};
+    MOE_MPI(MPI_Barrier(ep->comm.comm));
+    const double t = MPI_Wtime();
+    for (int w = 0; w < W; w++)
+        for (int hop = 0; hop < HOPS; hop++) {
+            f.hw[w].posted = hop;
+            post(&f, w, hop);
+            const double done = moe_link_schedule(link, &alone, 0.0, f.hw[w].bytes[hop][0],
+                                                  f.hw[w].bytes[hop][1]);
+            modelled = done > modelled ? done : modelled;
+        }
+    for (int op = 0; op < HOPS * W; op++)
+        moe_progress_wait(&f.progress, op);
+    const double real = MPI_Wtime() - t;
+    moe_progress_free(&f.progress);
+    moe_ep_types_free(&f.types);
+    return real > modelled ? real : modelled;
 }

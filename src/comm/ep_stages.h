@@ -1,7 +1,11 @@
 /* ep_stages.h — the stages both EP paths share, and their private plumbing.
  *
- * Not a public header: only ep.c, ep_ref.c and ep_waves.c include it. Each
+ * Not a public header: only the EP forwards (src/comm/ep*.c) include it. Each
  * stage is one function with one contract; shapes use the dims.h letters.
+ *
+ * The two-stage dispatch (ep_hier.c) runs the same stages, with dispatch
+ * and combine in two hops each; ep_pipeline.c holds what both pipelines
+ * share (the compute clock, posting under the link model, comm events).
  *
  *   stage     reference path (ep_ref.c)     wave path (ep_waves.c)       shared here
  *   route     moe_ep_route (ep.h)           the same                      yes
@@ -17,6 +21,7 @@
 #define MOE_EP_STAGES_H
 
 #include "moe/ep.h"
+#include "moe/progress.h"
 #include "moe/wire.h"
 
 /* Shared experts are applied in blocks of this many of the home rank's
@@ -36,7 +41,14 @@ enum { MOE_WAVE_SEND_ROWS, MOE_WAVE_SEND_META, MOE_WAVE_RECV_ROWS, MOE_WAVE_RECV
        MOE_WAVE_SUMS, /* --combine reduced */
        MOE_WAVE_BUFFERS };
 
+/* The same for a wave of the two-stage dispatch (ep_hier.c). */
+enum { MOE_HIER_SEND1, MOE_HIER_META1_OUT, MOE_HIER_RECV1, MOE_HIER_META1, MOE_HIER_IDS1,
+       MOE_HIER_SEND2, MOE_HIER_META2_OUT, MOE_HIER_RECV2, MOE_HIER_META2, MOE_HIER_VALUES,
+       MOE_HIER_ROW_AT, MOE_HIER_EXPERT_OUT, MOE_HIER_OUT_WIRE, MOE_HIER_BACK2, MOE_HIER_RET1,
+       MOE_HIER_BACK1, MOE_HIER_BACK, MOE_HIER_BUFFERS };
+
 struct moe_wave_state; /* one wave's plan and buffers (ep_waves.c) */
+struct moe_hier_wave;  /* the same, two-stage (ep_hier.c) */
 
 struct moe_ep_workspace {
     int waves;              /* wave slots held */
@@ -48,10 +60,84 @@ struct moe_ep_workspace {
     /* The last wave forward's plans, kept for moe_ep_time_alltoalls. */
     struct moe_wave_state *last;
     int last_waves;
+    /* The two-stage dispatch: its four communicators (made at its first
+     * forward), its wave slots (hier_waves, MOE_HIER_BUFFERS), its last plans. */
+    bool hier_comms;
+    MPI_Comm hier_comm[4];
+    int hier_waves;
+    moe_buffer *hier;
+    struct moe_hier_wave *hier_last;
+    int hier_last_waves;
 };
 
-/* Frees the plans a wave forward kept (ep_waves.c); ep_free calls it. */
+/* Free the plans a wave forward kept (ep_waves.c), and what the two-stage
+ * dispatch kept (ep_hier.c); ep_free calls them. */
 void moe_ep_forget_waves(struct moe_ep_workspace *work);
+void moe_ep_forget_hier(struct moe_ep_workspace *work);
+
+/* The two-stage counterparts of moe_ep_forward_waves and
+ * moe_ep_time_alltoalls (ep_hier.c), which call them for --dispatch
+ * hierarchical. sched NULL: the blocking run (one wave, each all-to-all
+ * waited for as soon as it is posted, no link model). */
+int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float *x,
+                        const int32_t *ids, const float *weights, float *y,
+                        moe_forward_stats *stats);
+double moe_ep_hier_time_alltoalls(const moe_ep *ep, const moe_schedule *sched);
+
+/* What both pipelines share (ep_pipeline.c). */
+
+/* Buffer slots for W waves of per_wave buffers each in *slots (*held waves
+ * held); the slots of waves past W are handed back. */
+void moe_ep_fit_slots(moe_buffer **slots, int *held, int W, int per_wave);
+
+/* The compute clock of a pipeline, passed to the expert FFN's hooks: after
+ * each compute stage it adds the stage's time, records its event, polls
+ * the operations in flight, then calls `between` (the two-stage dispatch
+ * relays there what has landed). */
+typedef struct {
+    moe_progress *progress;
+    moe_trace *trace;  /* NULL: no events */
+    double origin;     /* MPI_Wtime of the aligned start */
+    double mark;       /* start of the current compute segment */
+    double compute;    /* compute seconds so far */
+    int wave;
+    moe_index rows;
+    void (*between)(void *arg); /* NULL: nothing */
+    void *between_arg;
+} moe_stage_clock;
+
+/* Rows per exact-kernel chunk between polls: a few hundred microseconds of
+ * L1 at d = 1024, so a poll costs well under 1 % of the compute around it. */
+#define MOE_POLL_CHUNK_ROWS 32
+
+void moe_pipeline_after_stage(void *clock, enum moe_ffn_stage stage);
+
+/* The link model a schedule runs under: ep's, or none. */
+const moe_link *moe_schedule_link(const moe_ep *ep, const moe_schedule *sched);
+
+/* Post time and modelled arrival (bytes: [in, out][tier] over this rank's
+ * links) of operation op, just posted on comm; a modelled wait past
+ * MOE_LINK_WAIT_MAX ends the job (exit 3) rather than holding it for hours. */
+void moe_pipeline_track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
+                        double bytes[2][MOE_TIERS], MPI_Comm comm);
+
+/* A comm event runs from when its operation had the wire to itself, i.e.
+ * from its post or the previous operation of its kind's completion,
+ * whichever is later, to its completion: operations posted together then
+ * show one after another, as they pass through the links. No trace: nothing. */
+void moe_pipeline_comm_event(moe_trace *trace, const moe_comm_op *o, const moe_comm_op *previous,
+                             double origin, int wave, int kind, int tier, double bytes,
+                             moe_index rows);
+
+/* Stage experts of one wave under clock: every local expert of recv (hooks
+ * time and poll), then with sums the reduce at the source. */
+void moe_pipeline_experts(const moe_ep *ep, const moe_recv_plan *recv, const float *const *row_at,
+                          const int32_t *recv_meta, float *expert_out, float *sums,
+                          float *expert_in, float *scratch, moe_stage_clock *clock);
+
+/* A rank that fails inside the pipeline cannot stop the others together:
+ * it ends the job (an injected fault stands for a failure here). */
+void moe_pipeline_fail_here(const moe_comm *c, const char *stage);
 
 /* MPI datatypes of one dispatched row as it travels (wire.h: its values in
  * --dispatch-dtype), of its meta (MOE_META_WORDS(k) int32 words) and of one

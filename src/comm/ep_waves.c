@@ -97,35 +97,6 @@ static void remote_counts(const moe_index *count, int G, int me, int *counts, in
     }
 }
 
-typedef struct {
-    moe_progress *progress;
-    moe_trace *trace; /* NULL: no events */
-    double origin;    /* MPI_Wtime of the aligned start */
-    double mark;      /* start of the current compute segment */
-    double compute;   /* compute seconds so far */
-    int wave;
-    moe_index rows;
-} stage_clock;
-
-static void after_stage(void *arg, enum moe_ffn_stage stage)
-{
-    stage_clock *clock = arg;
-    const double now = MPI_Wtime();
-    clock->compute += now - clock->mark;
-    if (clock->trace)
-        moe_trace_add(clock->trace, (moe_event){clock->wave, MOE_EVENT_L1 + (int)stage,
-                                                clock->mark - clock->origin, now - clock->origin,
-                                                0.0, clock->rows});
-    moe_progress_poll(clock->progress);
-    clock->mark = MPI_Wtime();
-}
-
-/* Rows per exact-kernel chunk between polls: a few hundred microseconds of
- * L1 at d = 1024, so a poll costs well under 1 % of the compute around it. */
-#define POLL_CHUNK_ROWS 32
-
-
-
 /* The bytes an all-to-all moves over each tier: in_rows (G) to this rank and
  * out_rows (G) from it, row_bytes each; messages to self cross no link. */
 static void link_bytes(const moe_ep *ep, const moe_index *in_rows, const moe_index *out_rows,
@@ -152,31 +123,6 @@ static void row_table(wave_state *s, int G, int me, moe_index d, const float *x_
         for (moe_index j = 0; j < s->rows_from[r]; j++)
             s->row_at[m++] = r == me ? x_dispatch + own[j] * d : first + j * d;
     }
-}
-
-/* The link model a schedule runs under: ep's, or none. */
-static const moe_link *schedule_link(const moe_ep *ep, const moe_schedule *sched)
-{
-    static const moe_link no_link = {.enabled = false};
-    return sched->link ? &ep->link : &no_link;
-}
-
-/* Post time and modelled arrival of an operation on this rank's links; a
- * modelled wait past MOE_LINK_WAIT_MAX ends the job (exit 3) rather than
- * holding it for hours. */
-static void track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
-                  double bytes[2][MOE_TIERS], MPI_Comm comm)
-{
-    const double now = MPI_Wtime(), done = moe_link_schedule(link, links, now, bytes[0], bytes[1]);
-    if (done - now > MOE_LINK_WAIT_MAX) {
-        moe_comm me = {.comm = comm, .rank = moe_message_rank};
-        moe_status st = {0};
-        moe_fail(&st, MOE_EXIT_RUNTIME, "--link: the emulated links would hold one all-to-all "
-                 "for %.0f s, past the %.0f s bound; give faster links or a smaller config",
-                 done - now, MOE_LINK_WAIT_MAX);
-        moe_comm_abort(&me, &st);
-    }
-    moe_progress_track(p, op, now, done);
 }
 
 /* A wave's dispatch (its travelling rows, then every row's ids: two
@@ -212,7 +158,7 @@ static void wave_dispatch(wave_state *ws, moe_progress *p, int op, int G, const 
     moe_progress_lock(p);
     start_dispatch(ws, G, t, comm, o->requests);
     o->count = 2;
-    track(p, op, link, links, ws->dispatch_bytes, comm);
+    moe_pipeline_track(p, op, link, links, ws->dispatch_bytes, comm);
     moe_progress_unlock(p);
 }
 
@@ -230,45 +176,8 @@ static void wave_combine(wave_state *ws, moe_progress *p, int op, int G, const m
     moe_progress_lock(p);
     start_combine(ws, G, t, comm, o->requests);
     o->count = 1;
-    track(p, op, link, links, ws->combine_bytes, comm);
+    moe_pipeline_track(p, op, link, links, ws->combine_bytes, comm);
     moe_progress_unlock(p);
-}
-
-/* A comm event runs from when its operation had the wire to itself, i.e.
- * from its post or the previous operation of its kind's completion,
- * whichever is later, to its completion: operations posted together then
- * show one after another, as they pass through the links. */
-static void add_comm_event(moe_trace *trace, const moe_comm_op *o, const moe_comm_op *previous,
-                           double origin, int wave, int kind, double bytes, moe_index rows)
-{
-    if (!trace)
-        return;
-    double start = o->posted;
-    if (previous && previous->completed > start)
-        start = previous->completed < o->completed ? previous->completed : o->completed;
-    moe_trace_add(trace, (moe_event){wave, kind, start - origin, o->completed - origin, bytes, rows});
-}
-
-/* Experts of one wave: per local expert of the wave, gather its rows, FFN
- * (hooks poll and time), scatter the outputs into the combine buffer. */
-static void wave_experts(const moe_ep *ep, wave_state *ws, float *expert_in, float *scratch,
-                         stage_clock *clock)
-{
-    const moe_ffn_hooks hooks = {after_stage, clock,
-                                 ep->gemm == MOE_GEMM_EXACT ? POLL_CHUNK_ROWS : 0};
-    for (int l = 0; l < ws->recv.local_experts; l++) {
-        clock->rows = ws->recv.expert_offset[l + 1] - ws->recv.expert_offset[l];
-        moe_ep_expert(ep, &ws->recv, l, ws->row_at, ws->recv_meta, expert_in, scratch,
-                      ws->expert_out, &hooks);
-    }
-    if (ws->sums) /* --combine reduced: one row per (token, rank) */
-        moe_ep_reduce_at_source(ep, &ws->recv, ws->recv_meta, ws->expert_out, ws->sums);
-    const double now = MPI_Wtime(); /* the last scatter belongs to the last L2 */
-    clock->compute += now - clock->mark;
-    clock->mark = now;
-    if (clock->trace && clock->trace->count > 0 &&
-        clock->trace->events[clock->trace->count - 1].kind == MOE_EVENT_L2)
-        clock->trace->events[clock->trace->count - 1].end = now - clock->origin;
 }
 
 static void free_waves(wave_state *waves, int W)
@@ -290,21 +199,6 @@ void moe_ep_forget_waves(struct moe_ep_workspace *work)
         free_waves(work->last, work->last_waves);
     work->last = NULL;
     work->last_waves = 0;
-}
-
-/* Wave slots in the workspace for W waves; slots of a larger W before are
- * handed back. */
-static void fit_wave_slots(struct moe_ep_workspace *work, int W)
-{
-    if (work->waves < W) {
-        work->wave = realloc(work->wave, sizeof(moe_buffer) * (size_t)(W * MOE_WAVE_BUFFERS));
-        MOE_ASSERT(work->wave);
-        memset(work->wave + work->waves * MOE_WAVE_BUFFERS, 0,
-               sizeof(moe_buffer) * (size_t)((W - work->waves) * MOE_WAVE_BUFFERS));
-        work->waves = W;
-    }
-    for (int n = W * MOE_WAVE_BUFFERS; n < work->waves * MOE_WAVE_BUFFERS; n++)
-        moe_buffer_free(&work->wave[n]);
 }
 
 /* Stage plan, for every wave at once: each wave's rows per destination, one
@@ -344,7 +238,7 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
     MOE_MPI(MPI_Alltoall(counts_out, W * stride, MPI_INT, counts_in, W * stride, MPI_INT, c->comm));
 
     struct moe_ep_workspace *work = ep->work;
-    fit_wave_slots(work, W);
+    moe_ep_fit_slots(&work->wave, &work->waves, W, MOE_WAVE_BUFFERS);
     moe_index most = MOE_SHARED_ROW_BLOCK; /* rows of the largest expert batch, for scratch */
     const double row_bytes = moe_dispatch_row_bytes(cfg);
     for (int w = 0; w < W; w++) {
@@ -442,15 +336,6 @@ static void wave_plan_receive(const moe_ep *ep, const waves_forward *f, int w)
                s->combine_bytes);
 }
 
-/* A rank that fails inside the pipeline cannot stop the others together:
- * it ends the job (an injected fault stands for a failure here). */
-static void fail_inside_pipeline(const moe_comm *c, const char *stage)
-{
-    moe_status fault = {0};
-    if (moe_fault_here(c, stage, &fault))
-        moe_comm_abort(c, &fault);
-}
-
 /* Stages dispatch, experts and combine of every wave, overlapped as the
  * diagram at the top of this file shows; then the timeline's comm events
  * and the forward's traffic figures. */
@@ -459,13 +344,13 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
 {
     const moe_comm *c = &ep->comm;
     const int G = c->ranks, W = sched->waves;
-    const moe_link *link = schedule_link(ep, sched);
+    const moe_link *link = moe_schedule_link(ep, sched);
     wave_state *ws = f->ws;
     moe_progress progress;
     moe_progress_init(&progress, sched->progress, 2 * W);
     moe_gemm_reset_flops();
     const double start = MPI_Wtime();
-    stage_clock clock = {&progress, sched->trace, sched->origin, start, 0.0, 0, 0};
+    moe_stage_clock clock = {&progress, sched->trace, sched->origin, start, 0.0, 0, 0, NULL, NULL};
     moe_link_state links = {{{0}}};
     int posted = 0; /* dispatches posted so far */
     for (int w = 0; w < W; w++) {
@@ -474,14 +359,15 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
             wave_dispatch(&ws[posted], &progress, posted, G, &f->types, c->comm,
                           link, &links);
         moe_progress_wait(&progress, w);
-        fail_inside_pipeline(c, "dispatch");
+        moe_pipeline_fail_here(c, "dispatch");
         clock.wave = w;
         clock.mark = MPI_Wtime();
         wave_plan_receive(ep, f, w);
-        wave_experts(ep, &ws[w], f->expert_in, f->scratch, &clock);
-        fail_inside_pipeline(c, "experts");
+        moe_pipeline_experts(ep, &ws[w].recv, ws[w].row_at, ws[w].recv_meta, ws[w].expert_out,
+                             ws[w].sums, f->expert_in, f->scratch, &clock);
+        moe_pipeline_fail_here(c, "experts");
         wave_combine(&ws[w], &progress, W + w, G, &f->types, &f->combine_wire, c->comm, link, &links);
-        fail_inside_pipeline(c, "combine");
+        moe_pipeline_fail_here(c, "combine");
     }
     for (int w = 0; w < W; w++)
         moe_progress_wait(&progress, W + w);
@@ -494,12 +380,13 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     const double out_bytes = moe_combine_row_bytes(ep->cfg);
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
-        add_comm_event(sched->trace, &progress.ops[w], w ? &progress.ops[w - 1] : NULL,
-                       sched->origin, w, MOE_EVENT_DISPATCH, (double)s->rows_out * row_bytes,
-                       s->rows_out);
-        add_comm_event(sched->trace, &progress.ops[W + w], w ? &progress.ops[W + w - 1] : NULL,
-                       sched->origin, w, MOE_EVENT_COMBINE, (double)s->out_rows * out_bytes,
-                       s->out_rows);
+        moe_pipeline_comm_event(sched->trace, &progress.ops[w], w ? &progress.ops[w - 1] : NULL,
+                                sched->origin, w, MOE_EVENT_DISPATCH, -1,
+                                (double)s->rows_out * row_bytes, s->rows_out);
+        moe_pipeline_comm_event(sched->trace, &progress.ops[W + w],
+                                w ? &progress.ops[W + w - 1] : NULL, sched->origin, w,
+                                MOE_EVENT_COMBINE, -1, (double)s->out_rows * out_bytes,
+                                s->out_rows);
         stats->seconds[MOE_STAGE_DISPATCH] += progress.ops[w].completed - progress.ops[w].posted;
         stats->seconds[MOE_STAGE_COMBINE] += progress.ops[W + w].completed - progress.ops[W + w].posted;
         stats->rows_sent += s->rows_out;
@@ -555,6 +442,8 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
                          moe_forward_stats *stats, moe_status *st)
 {
     MOE_ASSERT(sched->waves >= 1 && sched->lookahead >= 1);
+    if (ep->cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
+        return moe_ep_hier_forward(ep, sched, x, ids, weights, y, stats);
     waves_forward f = {0};
     moe_status local = {0};
     memset(stats, 0, sizeof *stats);
@@ -585,11 +474,13 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
 
 double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
 {
+    if (ep->cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
+        return moe_ep_hier_time_alltoalls(ep, sched);
     const moe_comm *c = &ep->comm;
     const int G = c->ranks, W = ep->work->last_waves;
     wave_state *ws = ep->work->last;
     MOE_ASSERT(ws != NULL);
-    const moe_link *link = schedule_link(ep, sched);
+    const moe_link *link = moe_schedule_link(ep, sched);
     moe_ep_types types;
     moe_ep_types_create(ep, &types);
     MPI_Request *requests = moe_xmalloc(sizeof(MPI_Request) * (size_t)(3 * W));

@@ -196,3 +196,11 @@ void moe_progress_wait(moe_progress *p, int op)
         pthread_cond_wait(&p->changed, &p->lock);
     pthread_mutex_unlock(&p->lock);
 }
+
+bool moe_progress_done(moe_progress *p, int op)
+{
+    moe_progress_lock(p);
+    const bool done = !p->ops[op].active;
+    moe_progress_unlock(p);
+    return done;
+}

@@ -664,6 +664,10 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                         "--dump needs --gemm packed or exact (default packed), got blas: OpenBLAS's "
                         "bits depend on the CPU and the thread count, and a golden set is the same "
                         "bytes on every machine");
+    if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL && cfg->wave_by == MOE_WAVE_BY_EXPERTS)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--dispatch hierarchical runs waves of tokens (a relay forwards a token once "
+                        "per wave): drop --wave-by experts");
     const int64_t fewest = cfg->experts / ranks; /* local experts of the rank with the fewest */
     for (int n = 0; n < cfg->waves_count && cfg->wave_by == MOE_WAVE_BY_EXPERTS; n++)
         if (cfg->waves_list[n] > fewest)
@@ -672,9 +676,6 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                             "hold %lld at %d ranks), got --waves %lld; use --wave-by tokens or fewer waves",
                             (long long)fewest, ranks, (long long)cfg->waves_list[n]);
     const int64_t R = cfg->ranks_per_node > 0 ? cfg->ranks_per_node : ranks;
-    if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL && !cfg->blocking)
-        return moe_fail(st, MOE_EXIT_USAGE,
-                        "--dispatch hierarchical runs on the blocking path: add --blocking");
     if (cfg->combine == MOE_COMBINE_REDUCED && cfg->dump[0])
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dump writes the per-pair combine (golden.md): drop --combine reduced");

@@ -96,12 +96,17 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
     const double T = (double)cfg->tokens, k = (double)cfg->topk;
     char b1[32], b2[32], b3[32], b4[32];
     const double pairs = G * T * k, saved = pairs - s->rows_sent;
-    fprintf(out, "traffic   dispatch %s (%s to other ranks): %.0f rows for %.0f (token, expert) "
-                 "pairs, dedup saved %.1f%%\n",
+    const bool two_stage = cfg->dispatch == MOE_DISPATCH_HIERARCHICAL;
+    fprintf(out, "traffic   dispatch %s (%s to other ranks): ",
             moe_format_bytes(s->bytes_dispatched, b1, sizeof b1),
-            moe_format_bytes(s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0), b2, sizeof b2),
-            s->rows_sent, pairs, pairs > 0 ? 100.0 * saved / pairs : 0.0);
-    if (s->rows_one_wave > 0 && s->rows_sent > s->rows_one_wave)
+            moe_format_bytes(s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0), b2, sizeof b2));
+    if (two_stage) /* a row per hop: a token's rows add up over both */
+        fprintf(out, "%.0f rows in two hops for %.0f (token, expert) pairs (see the tiers below)\n",
+                s->rows_sent, pairs);
+    else
+        fprintf(out, "%.0f rows for %.0f (token, expert) pairs, dedup saved %.1f%%\n", s->rows_sent,
+                pairs, pairs > 0 ? 100.0 * saved / pairs : 0.0);
+    if (!two_stage && s->rows_one_wave > 0 && s->rows_sent > s->rows_one_wave)
         fprintf(out, "          W = %d waves of expert slots send %.0f rows more than one wave would "
                      "(+%.1f%%: a token goes once per wave holding one of its experts on a rank); "
                      "--wave-by tokens keeps the dedup\n",
@@ -109,7 +114,10 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
                 100.0 * (s->rows_sent - s->rows_one_wave) / s->rows_one_wave);
     fprintf(out, "          combine  %s (%s from other ranks)", moe_format_bytes(s->bytes_combined, b1, sizeof b1),
             moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg), b2, sizeof b2));
-    if (cfg->combine == MOE_COMBINE_REDUCED)
+    if (two_stage)
+        fprintf(out, ": one row per (token, expert) pair back to its relay, and from the relay "
+                     "home\n");
+    else if (cfg->combine == MOE_COMBINE_REDUCED)
         fprintf(out, ": %.0f rows, one per (token, rank), each rank's pairs summed before they "
                      "travel (--combine reduced; the pairs would be %.0f)\n",
                 s->rows_sent, pairs);
@@ -296,6 +304,9 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
          * formula T(1 + 4/W), T = (T_compute + T_comm)/5 at the first W,
          * which assumes five equal stages on five resources. */
         const moe_curve_point *first = &s->curve[0];
+        /* rows against one wave of the same dispatch (the two-stage one's waves
+         * of tokens keep its dedup: its first point is the base) */
+        const double base = cfg->dispatch == MOE_DISPATCH_HIERARCHICAL ? first->rows_sent : s->rows_one_wave;
         const double stage = (first->compute_seconds + first->comm_seconds) / 5.0;
         fprintf(out, "curve     speed-up against W = %d, per forward, ms (median of %lld iters each)\n",
                 first->waves, (long long)cfg->iters);
@@ -313,7 +324,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                     p->pipeline_seconds / bound,
                     100.0 * moe_overlap(p->pipeline_seconds, Tc, Tm),
                     1e3 * stage * (1.0 + 4.0 / W),
-                    s->rows_one_wave > 0 ? 100.0 * (p->rows_sent / s->rows_one_wave - 1.0) : 0.0);
+                    base > 0 ? 100.0 * (p->rows_sent / base - 1.0) : 0.0);
         }
     }
 

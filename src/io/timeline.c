@@ -5,6 +5,8 @@
 #include <math.h>
 #include <stdbool.h>
 
+#include "moe/link.h"
+
 /* Stage colours: comm in blues, compute in warm tones. */
 static const char *const colours[MOE_EVENT_KINDS] = {
     "#4e79a7", /* dispatch */
@@ -34,7 +36,8 @@ void moe_write_chrome_trace(FILE *out, const moe_timeline_panel *panel)
     for (int r = 0; r < panel->ranks; r++) {
         fprintf(out, "%s{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, \"args\": {\"name\": \"rank %d\"}},\n", sep, r, r);
         fprintf(out, "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 0, \"args\": {\"name\": \"comm\"}},\n", r);
-        fprintf(out, "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 1, \"args\": {\"name\": \"compute\"}}", r);
+        fprintf(out, "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 1, \"args\": {\"name\": \"compute\"}},\n", r);
+        fprintf(out, "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": 2, \"args\": {\"name\": \"comm inter-node\"}}", r);
         sep = ",\n";
         for (int n = panel->offset[r]; n < panel->offset[r + 1]; n++) {
             const moe_event *e = &panel->events[n];
@@ -43,7 +46,7 @@ void moe_write_chrome_trace(FILE *out, const moe_timeline_panel *panel)
                     "\"tid\": %d, \"ts\": %.3f, \"dur\": %.3f, \"args\": {\"wave\": %d, "
                     "\"rows\": %lld, \"bytes\": %.0f}}",
                     moe_event_names[e->kind], e->wave, is_comm(e->kind) ? "comm" : "compute", r,
-                    is_comm(e->kind) ? 0 : 1, 1e6 * (e->start - t0), 1e6 * (e->end - e->start), e->wave,
+                    !is_comm(e->kind) ? 1 : e->tier == MOE_TIER_INTER ? 2 : 0, 1e6 * (e->start - t0), 1e6 * (e->end - e->start), e->wave,
                     (long long)e->rows, e->bytes);
         }
     }
@@ -163,15 +166,21 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
                 if (w < 0.5)
                     w = 0.5;
                 /* The comm lane holds dispatch above and combine below:
-                 * wave w+1's dispatch and wave w-1's combine overlap in time. */
-                const int half = lane / 2;
-                const int y = y0 + (e->kind == MOE_EVENT_DISPATCH ? 0
-                                    : e->kind == MOE_EVENT_COMBINE ? half : lane);
-                const int h = is_comm(e->kind) ? half : lane;
+                 * wave w+1's dispatch and wave w-1's combine overlap in time.
+                 * The two-stage dispatch's hops take a quarter each, the
+                 * inter-node ones at the lane's edges: D1, D2, C2, C1. */
+                const int half = lane / 2, quarter = lane / 4;
+                const bool dispatch = e->kind == MOE_EVENT_DISPATCH, inter = e->tier == MOE_TIER_INTER;
+                int y = y0 + lane, h = lane;
+                if (is_comm(e->kind) && e->tier < 0)
+                    y = y0 + (dispatch ? 0 : half), h = half;
+                else if (is_comm(e->kind))
+                    y = y0 + quarter * (dispatch ? (inter ? 0 : 1) : (inter ? 3 : 2)), h = quarter;
                 fprintf(out, "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" "
-                             "stroke=\"white\" stroke-width=\"0.5\"><title>rank %d %s wave %d: "
+                             "stroke=\"white\" stroke-width=\"0.5\"%s><title>rank %d %s%s wave %d: "
                              "%.3f-%.3f ms, %lld rows</title></rect>\n",
-                        x, y + 1, w, h - 2, colours[e->kind], r, moe_event_names[e->kind],
+                        x, y + 1, w, h - 2, colours[e->kind], e->tier == MOE_TIER_INTRA ? " fill-opacity=\"0.6\"" : "",
+                        r, moe_event_names[e->kind], e->tier < 0 ? "" : inter ? " inter-node" : " intra-node",
                         e->wave, 1e3 * (e->start - t0), 1e3 * (e->end - t0), (long long)e->rows);
                 if (w > 16 && h >= 10)
                     fprintf(out, "<text x=\"%.2f\" y=\"%.1f\" text-anchor=\"middle\" "
@@ -198,8 +207,14 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
         fprintf(out, "<text x=\"%d\" y=\"%d\">%s%s</text>\n", x + 20, ly + 11,
                 moe_event_names[kind], is_comm(kind) ? " (comm)" : "");
     }
-    fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave</text>\n",
-            left + MOE_EVENT_KINDS * 150, ly + 11);
+    bool tiers = false;
+    for (int p = 0; p < n_panels; p++)
+        for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
+            tiers = tiers || panels[p].events[n].tier >= 0;
+    fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave%s</text>\n",
+            left + MOE_EVENT_KINDS * 150, ly + 11,
+            tiers ? "; comm lane, top to bottom: inter-node dispatch, intra-node dispatch (pale), "
+                    "intra-node combine (pale), inter-node combine" : "");
     if (with_curve)
         write_curve(out, curve, left, ly + legend, plot);
     fprintf(out, "</svg>\n");

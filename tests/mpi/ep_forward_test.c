@@ -236,7 +236,7 @@ int main(int argc, char **argv)
     }
     /* The two-stage dispatch's rows on each tier are what the routing says
      * they must be (layout.h, moe_node_copies), to the row. */
-    if (cfg.blocking && cfg.dispatch == MOE_DISPATCH_HIERARCHICAL) {
+    if (cfg.dispatch == MOE_DISPATCH_HIERARCHICAL) {
         moe_placement placement;
         moe_placement_init(&placement, (int)cfg.experts, world.ranks);
         moe_node_rows want = {0};

@@ -1,0 +1,97 @@
+/* ep_pipeline.c — the plumbing both pipelined forwards share (ep_waves.c,
+ * the flat dispatch; ep_hier.c, the two-stage one): the compute clock and
+ * its hooks, posting an operation under the link model, the timeline's comm
+ * events, a fault inside the pipeline. See ep_stages.h.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/gemm.h"
+#include "ep_stages.h"
+
+void moe_pipeline_after_stage(void *arg, enum moe_ffn_stage stage)
+{
+    moe_stage_clock *clock = arg;
+    const double now = MPI_Wtime();
+    clock->compute += now - clock->mark;
+    if (clock->trace)
+        moe_trace_add(clock->trace, (moe_event){clock->wave, MOE_EVENT_L1 + (int)stage,
+                                                clock->mark - clock->origin, now - clock->origin,
+                                                0.0, clock->rows, -1});
+    moe_progress_poll(clock->progress);
+    if (clock->between)
+        clock->between(clock->between_arg);
+    clock->mark = MPI_Wtime();
+}
+
+const moe_link *moe_schedule_link(const moe_ep *ep, const moe_schedule *sched)
+{
+    static const moe_link no_link = {.enabled = false};
+    return sched->link ? &ep->link : &no_link;
+}
+
+void moe_pipeline_track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
+                        double bytes[2][MOE_TIERS], MPI_Comm comm)
+{
+    const double now = MPI_Wtime(), done = moe_link_schedule(link, links, now, bytes[0], bytes[1]);
+    if (done - now > MOE_LINK_WAIT_MAX) {
+        moe_comm me = {.comm = comm, .rank = moe_message_rank};
+        moe_status st = {0};
+        moe_fail(&st, MOE_EXIT_RUNTIME, "--link: the emulated links would hold one all-to-all "
+                 "for %.0f s, past the %.0f s bound; give faster links or a smaller config",
+                 done - now, MOE_LINK_WAIT_MAX);
+        moe_comm_abort(&me, &st);
+    }
+    moe_progress_track(p, op, now, done);
+}
+
+void moe_pipeline_comm_event(moe_trace *trace, const moe_comm_op *o, const moe_comm_op *previous,
+                             double origin, int wave, int kind, int tier, double bytes,
+                             moe_index rows)
+{
+    if (!trace)
+        return;
+    double start = o->posted;
+    if (previous && previous->completed > start)
+        start = previous->completed < o->completed ? previous->completed : o->completed;
+    moe_trace_add(trace, (moe_event){wave, kind, start - origin, o->completed - origin, bytes, rows, tier});
+}
+
+void moe_pipeline_experts(const moe_ep *ep, const moe_recv_plan *recv, const float *const *row_at,
+                          const int32_t *recv_meta, float *expert_out, float *sums,
+                          float *expert_in, float *scratch, moe_stage_clock *clock)
+{
+    const moe_ffn_hooks hooks = {moe_pipeline_after_stage, clock,
+                                 ep->gemm == MOE_GEMM_EXACT ? MOE_POLL_CHUNK_ROWS : 0};
+    for (int l = 0; l < recv->local_experts; l++) {
+        clock->rows = recv->expert_offset[l + 1] - recv->expert_offset[l];
+        moe_ep_expert(ep, recv, l, row_at, recv_meta, expert_in, scratch, expert_out, &hooks);
+    }
+    if (sums) /* --combine reduced: one row per (token, rank) */
+        moe_ep_reduce_at_source(ep, recv, recv_meta, expert_out, sums);
+    const double now = MPI_Wtime(); /* the last scatter belongs to the last L2 */
+    clock->compute += now - clock->mark;
+    clock->mark = now;
+    if (clock->trace && clock->trace->count > 0 &&
+        clock->trace->events[clock->trace->count - 1].kind == MOE_EVENT_L2)
+        clock->trace->events[clock->trace->count - 1].end = now - clock->origin;
+}
+
+void moe_pipeline_fail_here(const moe_comm *c, const char *stage)
+{
+    moe_status fault = {0};
+    if (moe_fault_here(c, stage, &fault))
+        moe_comm_abort(c, &fault);
+}
+
+void moe_ep_fit_slots(moe_buffer **slots, int *held, int W, int per_wave)
+{
+    if (*held < W) {
+        *slots = realloc(*slots, sizeof(moe_buffer) * (size_t)(W * per_wave));
+        MOE_ASSERT(*slots);
+        memset(*slots + *held * per_wave, 0, sizeof(moe_buffer) * (size_t)((W - *held) * per_wave));
+        *held = W;
+    }
+    for (int n = W * per_wave; n < *held * per_wave; n++)
+        moe_buffer_free(&(*slots)[n]);
+}
