@@ -295,9 +295,12 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                (long long)cfg->warmup, moe_gemm_label(ctx.ep.gemm), s->progress ? "thread" : "poll");
         moe_report_print_machine(stdout, s);
         printf("anchors   sgemm of the experts' FLOPs (routed%s): %.2f ms (%.1f GFLOP/s on %d ranks) "
-               "· plain MPI_Alltoallv of the same counts, per W below\n",
+               "· plain MPI_Alltoallv of %s, per W below\n",
                cfg->shared_experts ? " and shared" : "", 1e3 * gemm_anchor,
-               anchor_flops * 1e-9 / gemm_anchor, c->ranks);
+               anchor_flops * 1e-9 / gemm_anchor, c->ranks,
+               cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
+                   ? "the flat dispatch's counts (one hop; the two-stage forward makes four)"
+                   : "the same counts");
         printf("          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
                "routed experts' compute\n");
         printf("%4s %-12s %22s %10s %9s %8s %9s %7s %9s %7s %8s %14s\n", "W", "waves",

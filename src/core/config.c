@@ -738,6 +738,11 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
     /* bf16 or fp8 on the wire: the rows decoded beside their wire copies */
     bytes += (cfg->dispatch_dtype != MOE_DTYPE_FP32 ? 1.0 : 0.0) * T * k * d * 4.0 +
              (cfg->combine_dtype != MOE_DTYPE_FP32 ? 2.0 : 0.0) * T * k * d * 4.0;
+    /* The two-stage dispatch adds the relay's hop: the rows and ids it
+     * receives and forwards, its table of their ids, the outputs it collects
+     * and those it returns home. */
+    if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
+        bytes += 2.0 * T * k * (4.0 * d + meta) + T * k * k * 4.0 + 2.0 * T * k * d * 4.0;
     /* Per wave: a slot-to-pair map of every (token, slot), the counts. */
     bytes += W * (T * k * 8.0 + G * (64.0 + 8.0 * (1.0 + EL)));
     if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */
