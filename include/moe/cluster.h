@@ -29,7 +29,8 @@ typedef struct {
     double dispatch_wire_bytes; /* T k x a dispatched row on the wire (wire.h) */
     double combine_wire_bytes;  /* T k x an expert output on the wire */
     double remote_fraction;     /* share of (token, expert) copies leaving the node */
-    double nodes_reached;       /* nodes a token's k experts reach, sampled from the router */
+    double nodes_reached;       /* nodes a token's k experts reach: sampled from the router,
+                                   or the mean of --nodes-per-token */
     double node_limited_copies; /* node-limited routing: nodes a token reaches, <= M */
     double inter_copies;        /* copies of a token over the inter-node link, on average */
     double intra_copies;        /* copies of a token over NVLink, on average */
@@ -54,7 +55,15 @@ typedef struct {
 /* Bytes per value of a dtype. */
 double moe_dtype_bytes(int dtype);
 
-/* Everything above from cfg (model, cluster, tokens per GPU, waves). */
+/* The mean of a nodes-per-token histogram "N:PERCENT,..." (run's report
+ * prints it: "3: 2.0%  4: 98.0%" is given as 3:2.0,4:98.0) over a group of
+ * `nodes` nodes: every N in [1, nodes] at most once, percentages >= 0 with
+ * a positive sum (they are normalised). MOE_EXIT_USAGE naming
+ * --nodes-per-token when it is not one. */
+int moe_cluster_nodes_mean(const char *hist, int nodes, double *mean, moe_status *st);
+
+/* Everything above from cfg (model, cluster, tokens per GPU, waves); nodes
+ * reached from cfg->nodes_per_token when given (valid), else sampled. */
 void moe_cluster_compute(const moe_config *cfg, moe_cluster *p);
 
 #endif

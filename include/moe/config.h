@@ -93,6 +93,7 @@ typedef struct {
     int64_t gpus, gpus_per_node, ep;
     double intra_bw, inter_bw;   /* GB/s per GPU */
     double tflops;               /* TFLOP/s per GPU */
+    char nodes_per_token[MOE_NAME_MAX]; /* plan: a measured histogram N:PERCENT,... ("": sample) */
     int64_t ranks_per_node;      /* R, virtual nodes; 0 = all ranks on one node */
 } moe_config;
 

@@ -101,8 +101,9 @@ static void print_plan(const moe_config *cfg, const moe_cluster *p)
     printf("          %.1f%% of the (token, expert) copies leave their node", 100.0 * p->remote_fraction);
     if (p->node_limited_copies > 0 && cfg->groups > 1)
         printf("; node-limited routing keeps a token on at most %lld of %d nodes, and its k = %lld "
-               "experts reach %.2f on average (sampled from the router over 256 tokens)",
-               (long long)cfg->topk_groups, p->ep_nodes, (long long)cfg->topk, p->node_limited_copies);
+               "experts reach %.2f on average (%s)",
+               (long long)cfg->topk_groups, p->ep_nodes, (long long)cfg->topk, p->node_limited_copies,
+               cfg->nodes_per_token[0] ? "the --nodes-per-token histogram" : "sampled from the router over 256 tokens");
     printf("\n          copies of a token: %.2f over IB, %.2f over NVLink (per token, on average)\n",
            p->inter_copies, p->intra_copies);
     printf("time      per GPU per MoE layer, forward: experts 6 T k d f / FLOP/s = %.2f ms; "
@@ -168,6 +169,10 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
     if (st.code == MOE_EXIT_OK && cfg.topk > cfg.experts)
         moe_fail(&st, MOE_EXIT_USAGE, "--topk must be in [1, %lld] (at most --experts), got %lld",
                  (long long)cfg.experts, (long long)cfg.topk);
+    double mean;
+    if (st.code == MOE_EXIT_OK && cfg.nodes_per_token[0])
+        moe_cluster_nodes_mean(cfg.nodes_per_token, (int)((cfg.ep + cfg.gpus_per_node - 1) / cfg.gpus_per_node),
+                               &mean, &st);
     if (moe_comm_agree(c, &st) == MOE_EXIT_OK) {
         char *text = moe_config_canonical(&cfg, MOE_CMD_PLAN);
         moe_comm_same_config(c, text, &st);

@@ -1,9 +1,11 @@
 /* cluster.c — the seeds' arithmetic for `moe-ep plan` (see cluster.h, docs/plan.md). */
 #include "moe/cluster.h"
 
+#include <ctype.h>
 #include <math.h>
-
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "moe/rng.h"
 #include "moe/router.h"
@@ -60,6 +62,38 @@ static double sample_nodes_reached(const moe_config *cfg, int nodes)
     return reached / (double)T;
 }
 
+int moe_cluster_nodes_mean(const char *hist, int nodes, double *mean, moe_status *st)
+{
+    char text[MOE_NAME_MAX];
+    snprintf(text, sizeof text, "%s", hist);
+    bool *seen = moe_xcalloc((size_t)nodes + 1, sizeof(bool));
+    double sum = 0.0, weighted = 0.0;
+    bool ok = *text != '\0';
+    for (char *item = text, *next; ok && item; item = next) {
+        next = strchr(item, ',');
+        if (next)
+            *next++ = '\0';
+        char *end;
+        const long n = isdigit((unsigned char)*item) ? strtol(item, &end, 10) : -1;
+        ok = n >= 1 && n <= nodes && *end == ':' && !seen[n] && isdigit((unsigned char)end[1]);
+        if (!ok)
+            break;
+        seen[n] = true;
+        const double percent = strtod(end + 1, &end);
+        ok = *end == '\0' && isfinite(percent);
+        sum += percent;
+        weighted += (double)n * percent;
+    }
+    free(seen);
+    if (!ok || !(sum > 0))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--nodes-per-token must be N:PERCENT,... with each N in [1, %d] (the nodes of "
+                        "the EP group) once and percentages summing above 0, as run's report prints "
+                        "them (3:2.0,4:98.0), got '%s'", nodes, hist);
+    *mean = weighted / sum;
+    return MOE_EXIT_OK;
+}
+
 double moe_dtype_bytes(int dtype)
 {
     return dtype == MOE_DTYPE_FP8 ? 1.0 : dtype == MOE_DTYPE_BF16 ? 2.0 : 4.0;
@@ -91,7 +125,12 @@ void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
      * node over the inter-node link: at most M copies, M - 1 when the
      * token's own node is among them. */
     /* Not min(M, nodes): the router decides how many it reaches (sampled). */
-    const double nodes_reached = p->ep_nodes > 1 ? sample_nodes_reached(cfg, p->ep_nodes) : 1.0;
+    double nodes_reached = 1.0;
+    moe_status ignored = {0}; /* moe-ep plan has checked the histogram */
+    if (p->ep_nodes > 1 && !(cfg->nodes_per_token[0] &&
+                             moe_cluster_nodes_mean(cfg->nodes_per_token, p->ep_nodes, &nodes_reached,
+                                                    &ignored) == MOE_EXIT_OK))
+        nodes_reached = sample_nodes_reached(cfg, p->ep_nodes);
     p->nodes_reached = nodes_reached;
     p->node_limited_copies = p->ep_nodes > 1 ? nodes_reached : 0.0;
     /* As the rows travel (wire.h): FP8 values with their scales and each

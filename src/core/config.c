@@ -130,7 +130,7 @@ static const flag_spec flags[] = {
     {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, NULL, "true", "include the weights in --dump", RUN},
     {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", NULL, "", "Chrome trace of the last forward (Perfetto)", RUN},
     {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", NULL, "", "SVG Gantt chart of the last forward", RUN},
-    {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", NULL, "", "emulated links: cb=RATIO | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
+    {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", NULL, "", "emulated links: cb=RATIO[,inter-cb=RATIO] | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
     {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R|auto", NULL, "auto", "ranks per node: virtual nodes of R consecutive ranks (0 = one node), or auto: the machines the ranks run on", RUN},
     {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, NULL, "false", "add the same forward at W = 1 to the timeline", RUN},
     {"warmup", FLAG_INT, FIELD(warmup), 0, 1000, "N", NULL, "2", "untimed forwards before each wave count", BENCH},
@@ -150,6 +150,7 @@ static const flag_spec flags[] = {
     {"intra-bw", FLAG_REAL, FIELD(intra_bw), 0, 100000, "GB/s", NULL, "0", "per-GPU bandwidth inside a node", PLAN},
     {"inter-bw", FLAG_REAL, FIELD(inter_bw), 0, 100000, "GB/s", NULL, "0", "per-GPU bandwidth between nodes", PLAN},
     {"tflops", FLAG_REAL, FIELD(tflops), 0, 1000000, "TFLOP/s", NULL, "0", "per-GPU dense FLOP/s of the expert GEMMs", PLAN},
+    {"nodes-per-token", FLAG_TEXT, FIELD(nodes_per_token), 0, 0, "HIST", NULL, "", "nodes a token reaches, measured: N:PERCENT,... as run prints it (default: sampled from the router)", PLAN},
 };
 #define N_FLAGS (sizeof flags / sizeof flags[0])
 
