@@ -118,15 +118,19 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
 /* The same layer with the two-stage dispatch and combine of
  * --dispatch hierarchical (ep_hier.c): each token crosses to another node
  * once per node, to the rank of its local index there, which forwards it
- * within its node; outputs return the same way. Blocking. y has the same
+ * within its node; outputs return the same way. Blocking: one wave, each
+ * all-to-all waited for when posted. (moe_ep_forward_waves runs it in
+ * waves of tokens for a configuration that asks for it.) y has the same
  * bits as moe_ep_forward_ref with --gemm packed or exact. G must be a
- * multiple of the ranks per node. Its buffers are plain allocations: one
- * that fails ends the job with exit 3 (moe_fatal). Collective. */
+ * multiple of the ranks per node. A buffer that cannot be allocated ends
+ * the job with exit 3 (moe_fatal); an injected plan fault returns
+ * MOE_EXIT_RUNTIME on every rank with st set. Collective. */
 int moe_ep_forward_hier(const moe_ep *ep, const float *x, const int32_t *ids,
-                        const float *weights, float *y, moe_forward_stats *stats);
+                        const float *weights, float *y, moe_forward_stats *stats, moe_status *st);
 
 /* The same layer in sched->waves pipelined waves, progress and link model as
- * sched says. Output bitwise identical to moe_ep_forward_ref for
+ * sched says; with --dispatch hierarchical, the two-stage dispatch in waves
+ * of tokens (ep_hier.c). Output bitwise identical to moe_ep_forward_ref for
  * expert-slot waves, and for any waves with --gemm exact or packed.
  * stats->comm_seconds is left 0: the all-to-alls alone are timed by
  * moe_ep_time_alltoalls, outside the forward. Collective. */

@@ -193,7 +193,8 @@ static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
 static int forward(moe_run_context *ctx, double origin)
 {
     if (ctx->cfg.blocking && ctx->cfg.dispatch == MOE_DISPATCH_HIERARCHICAL)
-        return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last);
+        return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
+                                   &ctx->status);
     if (ctx->cfg.blocking)
         return moe_ep_forward_ref(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
                                   NULL, &ctx->status);

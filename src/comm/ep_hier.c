@@ -515,9 +515,12 @@ static void fit_workspace(const moe_ep *ep, int W, int node, int local)
     moe_ep_fit_slots(&work->hier, &work->hier_waves, W, MOE_HIER_BUFFERS);
 }
 
+static void hier_run(hier_forward *f, const moe_schedule *sched, const float *x,
+                     const float *weights, float *y, moe_forward_stats *stats);
+
 int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float *x,
                         const int32_t *ids, const float *weights, float *y,
-                        moe_forward_stats *stats)
+                        moe_forward_stats *stats, moe_status *st)
 {
     const moe_config *cfg = ep->cfg;
     const moe_comm *c = &ep->comm;
@@ -552,40 +555,52 @@ int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float
     for (int w = 0; w < f.W; w++)
         moe_ep_pack(ep, x, ids, weights, &f.hw[w].p1, -1, f.hw[w].send1, f.hw[w].meta1_out);
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
-
-    moe_progress_init(&f.progress, sched ? sched->progress : MOE_PROGRESS_POLL, HOPS * f.W);
-    f.link = sched ? moe_schedule_link(ep, sched) : &(const moe_link){.enabled = false};
-    moe_gemm_reset_flops();
-    const double start = MPI_Wtime();
-    f.clock = (moe_stage_clock){&f.progress, sched ? sched->trace : NULL, sched ? sched->origin : 0.0,
-                                start, 0.0, 0, 0, sched ? relay_landed : NULL, &f};
-    hier_pipeline(&f, sched ? sched->lookahead : 1);
-    const double end = MPI_Wtime();
-    moe_progress_stop(&f.progress);
-    stats->pipeline_seconds = end - start;
-    stats->compute_seconds = stats->seconds[MOE_STAGE_EXPERTS] = f.clock.compute;
-    stats->test_seconds = f.progress.test_seconds;
-    stats->expert_start = start;
-    stats->expert_end = end;
-    stats->expert_flops = moe_gemm_sflops();
-    hier_figures(&f, sched, stats);
-    hier_reduce(&f, x, weights, y, stats);
-
-    ep->work->hier_last = f.hw; /* for moe_ep_time_alltoalls */
-    ep->work->hier_last_waves = f.W;
-    moe_progress_free(&f.progress);
+    moe_status local = {0};
+    if (!moe_ep_agreed(c, "plan", &local)) { /* an injected fault: every rank stops here */
+        *st = local;
+        free_hier_waves(f.hw, f.W);
+    } else {
+        hier_run(&f, sched, x, weights, y, stats);
+        ep->work->hier_last = f.hw; /* for moe_ep_time_alltoalls */
+        ep->work->hier_last_waves = f.W;
+    }
     free(f.rows_from);
     moe_waves_free(&f.waves);
     free(f.in_node.expert_rank);
     free(f.by_node.expert_rank);
     moe_ep_types_free(&f.types);
-    return MOE_EXIT_OK;
+    return local.code;
+}
+
+/* Stages dispatch to shared of a planned forward, and its figures. */
+static void hier_run(hier_forward *f, const moe_schedule *sched, const float *x,
+                     const float *weights, float *y, moe_forward_stats *stats)
+{
+    const moe_ep *ep = f->ep;
+    moe_progress_init(&f->progress, sched ? sched->progress : MOE_PROGRESS_POLL, HOPS * f->W);
+    f->link = sched ? moe_schedule_link(ep, sched) : &(const moe_link){.enabled = false};
+    moe_gemm_reset_flops();
+    const double start = MPI_Wtime();
+    f->clock = (moe_stage_clock){&f->progress, sched ? sched->trace : NULL, sched ? sched->origin : 0.0,
+                                 start, 0.0, 0, 0, sched ? relay_landed : NULL, f};
+    hier_pipeline(f, sched ? sched->lookahead : 1);
+    const double end = MPI_Wtime();
+    moe_progress_stop(&f->progress);
+    stats->pipeline_seconds = end - start;
+    stats->compute_seconds = stats->seconds[MOE_STAGE_EXPERTS] = f->clock.compute;
+    stats->test_seconds = f->progress.test_seconds;
+    stats->expert_start = start;
+    stats->expert_end = end;
+    stats->expert_flops = moe_gemm_sflops();
+    hier_figures(f, sched, stats);
+    hier_reduce(f, x, weights, y, stats);
+    moe_progress_free(&f->progress);
 }
 
 int moe_ep_forward_hier(const moe_ep *ep, const float *x, const int32_t *ids,
-                        const float *weights, float *y, moe_forward_stats *stats)
+                        const float *weights, float *y, moe_forward_stats *stats, moe_status *st)
 {
-    return moe_ep_hier_forward(ep, NULL, x, ids, weights, y, stats);
+    return moe_ep_hier_forward(ep, NULL, x, ids, weights, y, stats, st);
 }
 
 double moe_ep_hier_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)

@@ -81,7 +81,7 @@ void moe_ep_forget_hier(struct moe_ep_workspace *work);
  * waited for as soon as it is posted, no link model). */
 int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float *x,
                         const int32_t *ids, const float *weights, float *y,
-                        moe_forward_stats *stats);
+                        moe_forward_stats *stats, moe_status *st);
 double moe_ep_hier_time_alltoalls(const moe_ep *ep, const moe_schedule *sched);
 
 /* What both pipelines share (ep_pipeline.c). */

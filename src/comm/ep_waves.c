@@ -443,7 +443,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
 {
     MOE_ASSERT(sched->waves >= 1 && sched->lookahead >= 1);
     if (ep->cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
-        return moe_ep_hier_forward(ep, sched, x, ids, weights, y, stats);
+        return moe_ep_hier_forward(ep, sched, x, ids, weights, y, stats, st);
     waves_forward f = {0};
     moe_status local = {0};
     memset(stats, 0, sizeof *stats);

@@ -110,7 +110,7 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
     const moe_schedule sched = moe_schedule_default(&ep);
     int rc = !cfg->blocking ? moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, stats, &st)
              : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
-                 ? moe_ep_forward_hier(&ep, x, ids, weights, y, stats)
+                 ? moe_ep_forward_hier(&ep, x, ids, weights, y, stats, &st)
                  : moe_ep_forward_ref(&ep, x, ids, weights, y, stats, NULL, &st);
     if (rc)
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
