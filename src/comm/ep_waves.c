@@ -17,7 +17,7 @@
  *   for w = 0 .. W-1:                           neighbour-wave schedule)
  *       wave_dispatch(w+A) once w > 0           later waves' rows in flight
  *       wait dispatch(w); wave_plan_receive(w)
- *       wave_experts(w): L1, activation, L2     combine(w-1), dispatch(w+1)
+ *       experts(w): L1, activation, L2          combine(w-1), dispatch(w+1)
  *                                               progress at every stage end
  *       wave_combine(w)
  *   wait every combine
