@@ -50,6 +50,7 @@ typedef struct {
     int waves, wave_kind;
     double pipeline_seconds, compute_seconds, comm_seconds, test_seconds;
     bool ref_compared, ref_bitwise_expected;
+    bool ref_two_stage;           /* compared with the blocking two-stage path (its own sums) */
     double ref_differ, ref_max_diff; /* values that differ from the blocking path */
     double rank_flops;               /* --link cb: measured expert FLOP/s of a rank */
     moe_curve_point curve[MOE_MAX_WAVE_RUNS];

@@ -28,7 +28,10 @@
  * land one bf16 step apart; allow is one bf16 step of every rounded term.
  * With --combine reduced the rounded terms are, per token, the sums of the
  * experts of each of `ranks` ranks (the placement of layout.h), as the EP
- * path rounds the sum it sends back; ranks is not read otherwise. */
+ * path rounds the sum it sends back, and with --dispatch hierarchical
+ * also the sums of each node's ranks (nodes of --ranks-per-node, all ranks
+ * when 0), as each node's relay rounds the sum it returns home; ranks is
+ * not read otherwise. */
 void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                        const float *x_dispatched, const int32_t *ids, const float *weights,
                        moe_index tokens, int ranks, double *y, double *allow);

@@ -89,7 +89,14 @@ static int compare_with_reference(moe_run_context *ctx)
     const moe_index n = ep->cfg->tokens * ep->cfg->hidden;
     float *y_ref = moe_xmalloc(sizeof(float) * (size_t)n); /* (T, d) */
     moe_forward_stats f;
-    int rc = moe_ep_forward_ref(ep, ctx->x, ctx->ids, ctx->weights, y_ref, &f, NULL, &ctx->status);
+    /* The two-stage dispatch reduces at the relay too: its own blocking run
+     * sums in its order (ep_hier.c); the flat reference otherwise. */
+    const bool two_stage_sums = ep->cfg->combine == MOE_COMBINE_REDUCED &&
+                                ep->cfg->dispatch == MOE_DISPATCH_HIERARCHICAL;
+    s->ref_two_stage = two_stage_sums;
+    int rc = two_stage_sums
+                 ? moe_ep_forward_hier(ep, ctx->x, ctx->ids, ctx->weights, y_ref, &f, &ctx->status)
+                 : moe_ep_forward_ref(ep, ctx->x, ctx->ids, ctx->weights, y_ref, &f, NULL, &ctx->status);
     double differ = 0.0, max_diff = 0.0;
     for (moe_index m = 0; rc == MOE_EXIT_OK && m < n; m++)
         if (memcmp(&y[m], &y_ref[m], sizeof(float)) != 0) {

@@ -22,6 +22,14 @@
  *                   row's slots on its node, in slot order, to home
  *       reduce      home sums the k slots in slot order, as the flat path does
  *
+ * With --combine reduced (DeepEP's order) the outputs are summed before each
+ * hop back: a rank sums each received row's pairs in slot order and returns
+ * one row per (token, rank) in C2; the relay sums those of each token over
+ * its node's ranks in ascending local index and returns one row per (token,
+ * node) in C1; home sums them in ascending node order. Each sum is fp32,
+ * rounded to --combine-dtype before it travels; the truth rounds the same
+ * sums (truth.h).
+ *
  * Counts: one MPI_Alltoall over the whole communicator, before anything
  * moves, tells every rank what it will receive in D1 and D2 of every wave
  * (DeepEP's notify step does the same); C2's and C1's counts follow from the
@@ -54,6 +62,7 @@
 
 #include "ep_stages.h"
 #include "moe/gemm.h"
+#include "moe/quant.h"
 
 /* The four all-to-alls of a wave, in the order they run. */
 enum { D1, D2, C2, C1, HOPS };
@@ -69,10 +78,11 @@ typedef struct moe_hier_wave {
                             (place R stands for the experts on other nodes) */
     moe_recv_plan recv;  /* experts: the rows D2 brought, by local expert */
     int posted;          /* its all-to-alls posted so far, D1 .. C1 in order */
+    moe_index back2, back1; /* rows C2 and C1 send: a row per pair, or with
+                               --combine reduced per (token, rank) and (token, node) */
     int *counts;         /* (HOPS, ARRAYS, S) */
-    moe_index rows1, out2, rows2, pairs1; /* rows D1 brought, D2 sends, D2 brought;
-                                             outputs C1 returns */
-    uint8_t *send1, *recv1, *send2, *recv2, *out_wire, *back2, *ret1, *back1; /* wire rows */
+    moe_index rows1, out2, rows2; /* rows D1 brought, D2 sends, D2 brought */
+    uint8_t *send1, *recv1, *send2, *recv2, *out_wire, *back2_wire, *ret1, *back1_wire; /* wire rows */
     int32_t *meta1_out, *meta1, *ids1, *meta2_out, *meta2;
     float *expert_out;   /* (recv.pairs, d) */
     const float **row_at; /* (rows2) where each row D2 brought is, decoded */
@@ -83,6 +93,7 @@ typedef struct moe_hier_wave {
 typedef struct {
     const moe_ep *ep;
     bool blocking;                /* wait for each all-to-all as soon as it is posted */
+    bool reduced;                 /* --combine reduced: sums go back, at the rank and the relay */
     bool timing;                  /* moe_ep_hier_time_alltoalls: the bytes were counted */
     int W, nodes, R, node, local; /* local: this rank's index in its node */
     int S;                        /* stride of a wave's counts: max(nodes, R) */
@@ -142,6 +153,17 @@ static void *grow(const hier_forward *f, moe_buffer *b, size_t bytes, const char
     return p;
 }
 
+/* values (rows, d) as --combine-dtype's wire rows: in a wave's buffer
+ * `which`, or (fp32, whose wire rows are the values) values themselves. */
+static uint8_t *encode(const hier_forward *f, int w, int which, const float *values, moe_index rows)
+{
+    if (f->out_wire.dtype == MOE_DTYPE_FP32)
+        return (uint8_t *)values;
+    uint8_t *wire = fit(f, w, which, f->out_wire.bytes * (size_t)rows, "outputs on the wire");
+    moe_wire_encode(&f->out_wire, values, NULL, rows, wire);
+    return wire;
+}
+
 /* Post a wave's next all-to-all: displacements from its counts, the bytes
  * it puts on its tier, the MPI calls, the link model's arrival. */
 static void post(hier_forward *f, int w, int hop)
@@ -175,7 +197,7 @@ static void post(hier_forward *f, int w, int hop)
         to[0] = h->recv2, to[1] = h->meta2;
     } else if (hop == C2 || hop == C1) {
         from[0] = hop == C2 ? h->out_wire : h->ret1;
-        to[0] = hop == C2 ? h->back2 : h->back1;
+        to[0] = hop == C2 ? h->back2_wire : h->back1_wire;
         type[0] = f->types.combine;
         n = 1;
     }
@@ -305,22 +327,23 @@ static void wave_experts(hier_forward *f, int w)
     float *scratch = grow(f, &ep->work->scratch, sizeof(float) * (size_t)(most * 2 * ep->cfg->ffn),
                                 "expert activations");
     h->expert_out = fit(f, w, MOE_HIER_EXPERT_OUT, sizeof(float) * (size_t)(h->recv.pairs * d), "expert outputs");
+    float *sums = f->reduced ? fit(f, w, MOE_HIER_SUMS, sizeof(float) * (size_t)(h->rows2 * d), "sums per (token, rank)")
+                             : NULL;
     f->clock.wave = w;
     f->clock.mark = MPI_Wtime();
-    moe_pipeline_experts(ep, &h->recv, h->row_at, h->meta2, h->expert_out, NULL, expert_in, scratch,
+    moe_pipeline_experts(ep, &h->recv, h->row_at, h->meta2, h->expert_out, sums, expert_in, scratch,
                          &f->clock);
-    h->out_wire = (uint8_t *)h->expert_out;
-    if (f->out_wire.dtype != MOE_DTYPE_FP32) {
-        h->out_wire = fit(f, w, MOE_HIER_OUT_WIRE, f->out_wire.bytes * (size_t)h->recv.pairs,
-                          "expert outputs on the wire");
-        moe_wire_encode(&f->out_wire, h->expert_out, NULL, h->recv.pairs, h->out_wire);
-    }
+    const float *back = f->reduced ? sums : h->expert_out;
+    h->back2 = f->reduced ? h->rows2 : h->recv.pairs;
+    h->out_wire = encode(f, w, MOE_HIER_OUT_WIRE, back, h->back2);
     int *send = counts(f, h, C2, SEND), *recv = counts(f, h, C2, RECV);
+    const int *got = counts(f, h, D2, RECV);
     for (int q = 0; q < R; q++) {
-        send[q] = (int)h->recv.source_pairs[q];
-        recv[q] = (int)h->p2.pair_count[q];
+        send[q] = f->reduced ? got[q] : (int)h->recv.source_pairs[q];
+        recv[q] = (int)(f->reduced ? h->p2.row_count[q] : h->p2.pair_count[q]);
     }
-    h->back2 = fit(f, w, MOE_HIER_BACK2, f->out_wire.bytes * (size_t)h->p2.pair_offset[R], "outputs at the relay");
+    const moe_index at_relay = f->reduced ? h->p2.row_offset[R] : h->p2.pair_offset[R];
+    h->back2_wire = fit(f, w, MOE_HIER_BACK2, f->out_wire.bytes * (size_t)at_relay, "outputs at the relay");
     post(f, w, C2);
 }
 
@@ -332,26 +355,48 @@ static void relay_combine(hier_forward *f, int w)
     const int k = (int)f->ep->cfg->topk, R = f->R;
     const size_t out_row = f->out_wire.bytes;
     hier_wave *h = &f->hw[w];
-    h->pairs1 = 0;
-    for (moe_index n = 0; n < h->rows1 * k; n++)
-        h->pairs1 += f->in_node.expert_rank[h->ids1[n]] < R;
-    h->ret1 = fit(f, w, MOE_HIER_RET1, out_row * (size_t)h->pairs1, "outputs for home");
     int *send = counts(f, h, C1, SEND), *recv = counts(f, h, C1, RECV);
     const int *relayed = counts(f, h, D1, RECV);
-    moe_index at = 0, i = 0;
-    for (int m = 0; m < f->nodes; m++) {
-        send[m] = 0;
-        for (int n = 0; n < relayed[m]; n++, i++)
-            for (int s = 0; s < k; s++)
-                if (f->in_node.expert_rank[h->ids1[i * k + s]] < R) {
-                    memcpy(h->ret1 + (size_t)at++ * out_row,
-                           h->back2 + (size_t)h->p2.slot_pair[i * k + s] * out_row, out_row);
-                    send[m]++;
-                }
+    if (f->reduced) { /* one row per (token, node): its ranks' sums, ascending local index */
+        const moe_index d = f->ep->cfg->hidden;
+        const bool narrow = f->out_wire.dtype != MOE_DTYPE_FP32;
+        const float *sums = moe_ep_wire_values(
+            &f->out_wire, h->back2_wire, h->p2.row_offset[R],
+            narrow ? fit(f, w, MOE_HIER_BACK2_VALUES, sizeof(float) * (size_t)(h->p2.row_offset[R] * d), "decoded sums")
+                   : NULL);
+        float *node_sums = fit(f, w, MOE_HIER_NODE_SUMS, sizeof(float) * (size_t)(h->rows1 * d), "sums per (token, node)");
+        memset(node_sums, 0, sizeof(float) * (size_t)(h->rows1 * d));
+        for (moe_index j = 0; j < h->p2.row_offset[R]; j++) { /* by rank of the node, then row */
+            float *to = node_sums + h->p2.row_token[j] * d;
+            for (moe_index c = 0; c < d; c++)
+                to[c] += sums[j * d + c];
+        }
+        moe_precision_combine(f->ep->cfg->combine_dtype, node_sums, h->rows1 * d);
+        h->back1 = h->rows1;
+        h->ret1 = encode(f, w, MOE_HIER_RET1, node_sums, h->back1);
+        for (int m = 0; m < f->nodes; m++)
+            send[m] = relayed[m];
+    } else { /* per relayed row, the outputs of its slots on this node, in slot order */
+        h->back1 = 0;
+        for (moe_index n = 0; n < h->rows1 * k; n++)
+            h->back1 += f->in_node.expert_rank[h->ids1[n]] < R;
+        h->ret1 = fit(f, w, MOE_HIER_RET1, out_row * (size_t)h->back1, "outputs for home");
+        moe_index at = 0, i = 0;
+        for (int m = 0; m < f->nodes; m++) {
+            send[m] = 0;
+            for (int n = 0; n < relayed[m]; n++, i++)
+                for (int s = 0; s < k; s++)
+                    if (f->in_node.expert_rank[h->ids1[i * k + s]] < R) {
+                        memcpy(h->ret1 + (size_t)at++ * out_row,
+                               h->back2_wire + (size_t)h->p2.slot_pair[i * k + s] * out_row, out_row);
+                        send[m]++;
+                    }
+        }
     }
     for (int n = 0; n < f->nodes; n++)
-        recv[n] = (int)h->p1.pair_count[n];
-    h->back1 = fit(f, w, MOE_HIER_BACK1, out_row * (size_t)h->p1.pair_offset[f->nodes], "outputs back home");
+        recv[n] = (int)(f->reduced ? h->p1.row_count[n] : h->p1.pair_count[n]);
+    const moe_index home = f->reduced ? h->p1.row_offset[f->nodes] : h->p1.pair_offset[f->nodes];
+    h->back1_wire = fit(f, w, MOE_HIER_BACK1, out_row * (size_t)home, "outputs back home");
     post(f, w, C1);
 }
 
@@ -412,7 +457,7 @@ static void hier_figures(hier_forward *f, const moe_schedule *sched, moe_forward
                                    MOE_EVENT_COMBINE};
     for (int w = 0; w < f->W; w++) {
         hier_wave *h = &f->hw[w];
-        const moe_index sent[HOPS] = {h->p1.row_offset[f->nodes], h->out2, h->recv.pairs, h->pairs1};
+        const moe_index sent[HOPS] = {h->p1.row_offset[f->nodes], h->out2, h->back2, h->back1};
         for (int hop = 0; hop < HOPS; hop++) {
             const moe_comm_op *o = &f->progress.ops[w * HOPS + hop];
             if (sched)
@@ -445,17 +490,27 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
     const float **slot_rows = grow(f, &ep->work->slot_rows, sizeof(float *) * (size_t)(T * k),
                                          "the reduce table");
     const bool narrow = f->out_wire.dtype != MOE_DTYPE_FP32;
+    const moe_send_plan **plans = moe_xmalloc(sizeof(moe_send_plan *) * (size_t)f->W);
+    const float **from = moe_xmalloc(sizeof(float *) * (size_t)(f->W * f->nodes));
     for (int w = 0; w < f->W; w++) {
         hier_wave *h = &f->hw[w];
-        const moe_index rows = h->p1.pair_offset[f->nodes];
+        const moe_index rows = f->reduced ? h->p1.row_offset[f->nodes] : h->p1.pair_offset[f->nodes];
         const float *back = moe_ep_wire_values(
-            &f->out_wire, h->back1, rows,
+            &f->out_wire, h->back1_wire, rows,
             narrow ? fit(f, w, MOE_HIER_BACK, sizeof(float) * (size_t)(rows * d), "decoded outputs") : NULL);
-        for (moe_index n = 0; n < T * k; n++)
+        plans[w] = &h->p1;
+        for (int n = 0; n < f->nodes; n++) /* --combine reduced: a row per (token, node) */
+            from[w * f->nodes + n] = back + h->p1.row_offset[n] * d;
+        for (moe_index n = 0; n < T * k && !f->reduced; n++)
             if (h->p1.slot_pair[n] >= 0)
                 slot_rows[n] = back + h->p1.slot_pair[n] * d;
     }
-    moe_ep_reduce(ep, slot_rows, weights, y);
+    if (f->reduced) /* ascending node order, whatever wave */
+        moe_ep_reduce_rows(ep, plans, from, f->W, y);
+    else
+        moe_ep_reduce(ep, slot_rows, weights, y);
+    free(from);
+    free(plans);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
     const size_t block = MOE_SHARED_ROW_BLOCK;
     float *scratch = grow(f, &ep->work->scratch, sizeof(float) * block * 2 * (size_t)ep->cfg->ffn,
@@ -526,7 +581,8 @@ int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float
     const moe_comm *c = &ep->comm;
     const int G = c->ranks, R = ep->link.ranks_per_node, E = (int)cfg->experts;
     MOE_ASSERT(G % R == 0); /* moe_config_validate */
-    hier_forward f = {.ep = ep, .blocking = sched == NULL, .W = sched ? sched->waves : 1,
+    hier_forward f = {.ep = ep, .blocking = sched == NULL,
+                      .reduced = cfg->combine == MOE_COMBINE_REDUCED, .W = sched ? sched->waves : 1,
                       .nodes = G / R, .R = R, .node = c->rank / R, .local = c->rank % R};
     f.S = f.nodes > R ? f.nodes : R;
     memset(stats, 0, sizeof *stats);
@@ -608,7 +664,7 @@ double moe_ep_hier_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
     const struct moe_ep_workspace *work = ep->work;
     const int W = work->hier_last_waves, R = ep->link.ranks_per_node;
     MOE_ASSERT(work->hier_last != NULL);
-    hier_forward f = {.ep = ep, .timing = true, .W = W, .nodes = ep->comm.ranks / R, .R = R,
+    hier_forward f = {.ep = ep, .timing = true, .reduced = ep->cfg->combine == MOE_COMBINE_REDUCED, .W = W, .nodes = ep->comm.ranks / R, .R = R,
                       .node = ep->comm.rank / R, .local = ep->comm.rank % R, .hw = work->hier_last};
     f.S = f.nodes > R ? f.nodes : R;
     moe_ep_types_create(ep, &f.types);

@@ -680,8 +680,6 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     if (cfg->combine == MOE_COMBINE_REDUCED && cfg->dump[0])
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dump writes the per-pair combine (golden.md): drop --combine reduced");
-    if (cfg->combine == MOE_COMBINE_REDUCED && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
-        return moe_fail(st, MOE_EXIT_USAGE, "--combine reduced runs with --dispatch flat");
     if (cfg->combine == MOE_COMBINE_REDUCED && cfg->wave_by == MOE_WAVE_BY_EXPERTS)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--combine reduced needs waves of tokens (a token's rows in one wave, its sum "

@@ -58,14 +58,15 @@ static void weights_f64(const moe_config *cfg, float *w1, float *w2, moe_index d
     to_f64(w2, d * f, w2_64);
 }
 
-/* --combine reduced: y += the partial sums of one rank's experts, rounded
- * as the EP path rounds them (one bf16 step of allowance each). */
-static void flush(const moe_config *cfg, double *y, double *allow, double *partial, moe_index n)
+/* --combine reduced: to += the partial sums of one rank's experts (or, with
+ * the two-stage dispatch, of one node's ranks), rounded as the EP path
+ * rounds them (one bf16 step of allowance each). */
+static void flush(const moe_config *cfg, double *to, double *allow, double *partial, moe_index n)
 {
     const bool bf16 = cfg->combine_dtype == MOE_DTYPE_BF16;
     for (moe_index m = 0; m < n; m++) {
         const double v = partial[m];
-        y[m] += bf16 ? (double)moe_round_bf16((float)v) : v;
+        to[m] += bf16 ? (double)moe_round_bf16((float)v) : v;
         if (bf16 && allow)
             allow[m] += moe_bf16_step(v);
         partial[m] = 0.0;
@@ -92,6 +93,10 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
     /* A reduced combine rounds the sum of each rank's experts instead. */
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
     double *partial = reduced ? moe_xcalloc((size_t)(T * d), sizeof(double)) : NULL;
+    /* The two-stage dispatch reduces again at each node's relay. */
+    const bool by_node = reduced && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL;
+    const int R = cfg->ranks_per_node > 0 ? (int)cfg->ranks_per_node : ranks;
+    double *node_partial = by_node ? moe_xcalloc((size_t)(T * d), sizeof(double)) : NULL;
     moe_placement placement = {0};
     if (reduced)
         moe_placement_init(&placement, E, ranks);
@@ -114,11 +119,15 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
         for (moe_index i = 0; i < T; i++)
             for (moe_index j = 0; gate[i] != 0.0 && j < d; j++) /* unselected: exactly zero */
                 partial[i * d + j] += gate[i] * out[i * d + j];
-        if (e == E - 1 || placement.expert_rank[e + 1] != placement.expert_rank[e])
-            flush(cfg, y, allow, partial, T * d);
+        const int rank = placement.expert_rank[e];
+        if (e == E - 1 || placement.expert_rank[e + 1] != rank)
+            flush(cfg, by_node ? node_partial : y, allow, partial, T * d);
+        if (by_node && (e == E - 1 || placement.expert_rank[e + 1] / R != rank / R))
+            flush(cfg, y, allow, node_partial, T * d);
     }
     if (reduced)
         moe_placement_free(&placement);
+    free(node_partial);
     free(partial);
     if (x_dispatched != x)
         to_f64(x, T * d, x64);

@@ -114,7 +114,10 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
                 100.0 * (s->rows_sent - s->rows_one_wave) / s->rows_one_wave);
     fprintf(out, "          combine  %s (%s from other ranks)", moe_format_bytes(s->bytes_combined, b1, sizeof b1),
             moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg), b2, sizeof b2));
-    if (two_stage)
+    if (two_stage && cfg->combine == MOE_COMBINE_REDUCED)
+        fprintf(out, ": one row per (token, rank) back to its relay, whose sums go home as one row "
+                     "per (token, node) (--combine reduced)\n");
+    else if (two_stage)
         fprintf(out, ": one row per (token, expert) pair back to its relay, and from the relay "
                      "home\n");
     else if (cfg->combine == MOE_COMBINE_REDUCED)
@@ -362,8 +365,9 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                 cfg->dispatch_dtype == MOE_DTYPE_FP8 ? ")" : "",
                 dtype_names[cfg->combine_dtype], s->quant_max_abs, s->quant_max_rel_rms);
     if (s->ref_compared)
-        fprintf(out, "          vs the blocking reference path: %s (%.0f values differ, max |diff| "
+        fprintf(out, "          vs the blocking %s: %s (%.0f values differ, max |diff| "
                      "%.3e; %s)\n",
+                s->ref_two_stage ? "two-stage path (its sums, not the flat path's)" : "reference path",
                 s->ref_differ == 0.0 ? "bitwise identical" : "differs", s->ref_differ,
                 s->ref_max_diff,
                 s->ref_bitwise_expected ? "bitwise expected"

@@ -139,7 +139,12 @@ static int sweep_waves(const moe_comm *world, const moe_config *cfg, const moe_p
     moe_ep_generate_tokens(&ep, x);
     route(&ep, home, T, (moe_index)world->rank * T, x, opt, ids, weights);
     moe_forward_stats stats;
-    failures += moe_ep_forward_ref(&ep, x, ids, weights, y_ref, &stats, NULL, &st) != 0;
+    /* The two-stage dispatch with a reduced combine sums at the relay too:
+     * its waves match its own blocking run, not the flat path's sums. */
+    const bool two_stage_sums = cfg->combine == MOE_COMBINE_REDUCED &&
+                                cfg->dispatch == MOE_DISPATCH_HIERARCHICAL;
+    failures += (two_stage_sums ? moe_ep_forward_hier(&ep, x, ids, weights, y_ref, &stats, &st)
+                                : moe_ep_forward_ref(&ep, x, ids, weights, y_ref, &stats, NULL, &st)) != 0;
     char list[256];
     snprintf(list, sizeof list, "%s", opt->sweep);
     for (char *save = NULL, *item = strtok_r(list, ",", &save); item; item = strtok_r(NULL, ",", &save))
