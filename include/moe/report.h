@@ -35,6 +35,7 @@ typedef struct {
     moe_spread pairs_received;    /* (row, expert) pairs computed per rank */
     double rows_sent, rows_sent_remote;    /* summed over ranks, one forward */
     double rows_one_wave;                  /* the rows one wave sends (full per-rank dedup) */
+    double tier_bytes[2];                  /* sent over each tier, all ranks (stats.h) */
     double rows_inter, rows_intra;         /* --dispatch hierarchical: stage-1 rows between
                                               nodes, stage-2 rows within them, all ranks */
     moe_node_rows node_rows;               /* what each dispatch puts on each tier, all ranks */

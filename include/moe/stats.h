@@ -75,6 +75,9 @@ typedef struct {
     double done;                 /* MPI_Wtime when y was complete (before any measuring pass) */
     double bytes_dispatched;     /* payload + ids sent, self included */
     double bytes_combined;       /* expert outputs sent back, self included */
+    double tier_bytes[2];        /* the wave paths: bytes sent to other ranks over each tier
+                                    (link.h: intra-node, inter-node), dispatch and combine, as
+                                    the link model charges them */
     /* The wave pipeline only: */
     int waves;                   /* W, 0 on the blocking path */
     int wave_kind;               /* enum moe_wave_kind */

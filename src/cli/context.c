@@ -140,6 +140,8 @@ static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_for
     s->rows_sent_remote = moe_comm_sum(c, (double)f->rows_sent_remote);
     s->pairs_back_remote = moe_comm_sum(c, (double)f->pairs_back_remote);
     s->bytes_dispatched = moe_comm_sum(c, f->bytes_dispatched);
+    for (int t = 0; t < 2; t++)
+        s->tier_bytes[t] = moe_comm_sum(c, f->tier_bytes[t]);
     s->rows_inter = moe_comm_sum(c, (double)f->rows_inter);
     s->rows_intra = moe_comm_sum(c, (double)f->rows_intra);
     s->bytes_combined = moe_comm_sum(c, f->bytes_combined);

@@ -466,6 +466,8 @@ static void hier_figures(hier_forward *f, const moe_schedule *sched, moe_forward
                                         between_nodes(hop) ? MOE_TIER_INTER : MOE_TIER_INTRA,
                                         (double)sent[hop] * (hop < C2 ? row_bytes : out_bytes), sent[hop]);
             stats->seconds[hop < C2 ? MOE_STAGE_DISPATCH : MOE_STAGE_COMBINE] += o->completed - o->posted;
+            for (int t = 0; t < MOE_TIERS; t++)
+                stats->tier_bytes[t] += h->bytes[hop][1][t];
         }
         stats->rows_inter += remote(f, h, D1, SEND);
         stats->rows_intra += remote(f, h, D2, SEND);

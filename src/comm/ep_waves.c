@@ -396,6 +396,8 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
         stats->pairs_back_remote += s->back_in;
         stats->bytes_dispatched += (double)s->rows_out * row_bytes;
         stats->bytes_combined += (double)s->out_rows * out_bytes;
+        for (int t = 0; t < MOE_TIERS; t++)
+            stats->tier_bytes[t] += s->dispatch_bytes[1][t] + s->combine_bytes[1][t];
     }
     moe_progress_free(&progress);
     stats->seconds[MOE_STAGE_EXPERTS] = clock.compute;

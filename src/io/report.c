@@ -180,6 +180,10 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
                     s->rows_inter, s->rows_inter / tokens, s->rows_intra, flat_rows,
                     flat_rows / tokens, s->rows_inter > 0 ? 100.0 * (flat_rows / s->rows_inter - 1.0) : 0.0);
         }
+        if (s->tier_bytes[0] + s->tier_bytes[1] > 0)
+            fprintf(out, "          on the links, as the link model charges them (dispatch and combine, "
+                         "all ranks): intra-node %.0f B, inter-node %.0f B\n",
+                    s->tier_bytes[0], s->tier_bytes[1]);
     }
     /* The seeds' arithmetic, with the wire rows (wire.h) in place of d x 4 B. */
     const moe_wire in = moe_wire_dispatch(cfg), back = moe_wire_combine(cfg);
