@@ -100,8 +100,11 @@ typedef struct {
     float *recv_x;       /* (rows, d) as received, after --dispatch-dtype */
     int32_t *recv_token; /* (rows) global token id of each */
     moe_index pairs;     /* (row, expert) pairs computed */
-    float *out;          /* (pairs, d) expert outputs as sent back, after --combine-dtype */
+    float *out;          /* (pairs, d) expert outputs: as sent back, after --combine-dtype,
+                            or with --combine reduced in fp32, before they are summed */
     int32_t *pair;       /* (pairs, 2) global token id and expert id of each */
+    float *sums;         /* --combine reduced: (rows, d) per received row, its pairs' sum as
+                            sent back, after --combine-dtype; NULL otherwise */
 } moe_ep_capture;
 
 void moe_ep_capture_free(moe_ep_capture *capture);

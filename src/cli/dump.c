@@ -194,9 +194,10 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     moe_comm_gather_bytes(c, truth, sizeof(double) * (size_t)(T * d), all_truth);
     if (allow)
         moe_comm_gather_bytes(c, allow, sizeof(double) * (size_t)(T * d), all_allow);
-    void *recv_x = NULL, *recv_token = NULL, *out = NULL, *pair = NULL;
-    size_t *sizes[4];
-    for (int n = 0; n < 4; n++)
+    void *recv_x = NULL, *recv_token = NULL, *out = NULL, *pair = NULL, *sums = NULL;
+    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+    size_t *sizes[5];
+    for (int n = 0; n < 5; n++)
         sizes[n] = root ? moe_xcalloc((size_t)G, sizeof(size_t)) : NULL;
     rc = moe_comm_gatherv_bytes(c, cap.recv_x, sizeof(float) * (size_t)(cap.rows * d), &recv_x, sizes[0], st);
     if (!rc)
@@ -205,6 +206,8 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         rc = moe_comm_gatherv_bytes(c, cap.out, sizeof(float) * (size_t)(cap.pairs * d), &out, sizes[2], st);
     if (!rc)
         rc = moe_comm_gatherv_bytes(c, cap.pair, sizeof(int32_t) * (size_t)(2 * cap.pairs), &pair, sizes[3], st);
+    if (!rc && reduced)
+        rc = moe_comm_gatherv_bytes(c, cap.sums, sizeof(float) * (size_t)(cap.rows * d), &sums, sizes[4], st);
 
     /* 3. Every rank still well (an injected fault stands for a failure
      * here)? Then rank 0 lays out the set and writes it. */
@@ -261,7 +264,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         add(&l, "layout.send_counts", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.send_counts, 2, G, G, 0);
         /* per rank: received rows, expert outputs */
         char name[MOE_ST_NAME_MAX];
-        size_t at[4] = {0, 0, 0, 0};
+        size_t at[5] = {0, 0, 0, 0, 0};
         for (int r = 0; r < G; r++) {
             const int64_t rows = (int64_t)(sizes[1][r] / sizeof(int32_t));
             const int64_t pairs = (int64_t)(sizes[3][r] / (2 * sizeof(int32_t)));
@@ -272,10 +275,16 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
             snprintf(name, sizeof name, "experts.rank%d.out", r);
             moe_golden_tensor *g = add(&l, name, MOE_ST_F32, MOE_GOLDEN_EXPERTS, MOE_RULE_TOLERANCE, (char *)out + at[2], 2, pairs, d, 0);
             tolerate(g, u * (d + f));
-            g->bf16_step = bf16_combine; /* each value was rounded to bf16 once */
+            g->bf16_step = bf16_combine && !reduced; /* each value was rounded to bf16 once */
             snprintf(name, sizeof name, "experts.rank%d.pair", r);
             add(&l, name, MOE_ST_I32, MOE_GOLDEN_EXPERTS, MOE_RULE_EXACT, (char *)pair + at[3], 2, pairs, 2, 0);
-            for (int n = 0; n < 4; n++)
+            if (reduced) { /* per received row, its pairs summed in slot order, as sent back */
+                snprintf(name, sizeof name, "experts.rank%d.sum", r);
+                g = add(&l, name, MOE_ST_F32, MOE_GOLDEN_EXPERTS, MOE_RULE_TOLERANCE, (char *)sums + at[4], 2, rows, d, 0);
+                tolerate(g, u * (d + f + k));
+                g->bf16_step = bf16_combine;
+            }
+            for (int n = 0; n < 5; n++)
                 at[n] += sizes[n][r];
         }
         /* output: --check's contract, per element (truth.h) */
@@ -303,8 +312,9 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         free(tokens);
         free(l.items);
     }
-    for (int n = 0; n < 4; n++)
+    for (int n = 0; n < 5; n++)
         free(sizes[n]);
+    free(sums);
     free(pair);
     free(out);
     free(recv_token);

@@ -23,6 +23,7 @@ void moe_ep_capture_free(moe_ep_capture *capture)
     free(capture->recv_token);
     free(capture->out);
     free(capture->pair);
+    free(capture->sums);
     memset(capture, 0, sizeof *capture);
 }
 
@@ -62,7 +63,7 @@ typedef struct {
     moe_recv_plan recv;
     uint8_t *send_rows, *recv_rows;    /* wire rows: (rows out), (rows_in) */
     float *recv_decoded, *recv_values; /* (rows_in, d): decoded, or recv_rows itself (fp32) */
-    int32_t *send_meta, *recv_meta;    /* (rows out, 2k + 1), (rows_in, 2k + 1) */
+    int32_t *send_meta, *recv_meta;    /* (rows out, MOE_META_WORDS(k)), (rows_in, ...) */
     float *expert_in, *scratch;        /* the largest expert batch's rows and activations */
     float *expert_out;                 /* (pairs received, d) */
     uint8_t *out_wire;                 /* what travels back: expert_out or the sums, as the wire has them */
@@ -284,8 +285,14 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         ref_experts(ep, &f, stats, capture);
     /* A rank that failed in its experts (an injected fault stands for it)
      * stops every rank here, before the combine. */
-    if (moe_ep_agreed(c, "experts", &local))
+    if (moe_ep_agreed(c, "experts", &local)) {
         ref_combine(ep, &f, stats);
+        if (capture && f.sums) { /* the sums as they travelled */
+            const size_t bytes = sizeof(float) * (size_t)(f.rows_in * ep->cfg->hidden);
+            capture->sums = moe_xmalloc(bytes + 1);
+            memcpy(capture->sums, f.sums, bytes);
+        }
+    }
     if (moe_ep_agreed(c, "combine", &local))
         ref_reduce(ep, &f, x, weights, y, stats);
 

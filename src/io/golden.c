@@ -674,7 +674,9 @@ static uint8_t *tied_rows(verify_run *v, const char *name, int64_t rows)
             skip[i] = v->tied[i];
         return skip;
     }
-    if (sscanf(name, "dispatch.rank%d.", &r) == 1) {
+    int used = -1;
+    const bool sums = sscanf(name, "experts.rank%d.sum%n", &r, &used) == 1 && used == (int)strlen(name);
+    if (sscanf(name, "dispatch.rank%d.", &r) == 1 || sums) { /* a sum's rows are the received rows */
         snprintf(golden_name, sizeof golden_name, "dispatch.rank%d.token", r);
         snprintf(file, sizeof file, "dispatch.safetensors");
     } else if (sscanf(name, "experts.rank%d.", &r) == 1) {
@@ -969,7 +971,8 @@ static bool expected_shape(const verify_run *v, const char *name, int64_t d, int
                  {"layout.send_counts", 'G', 'G'}, {"output.y", 'N', 'd'},
                  {"output.truth", 'N', 'd'},       {"output.allow", 'N', 'd'}};
     const char *rank_tensor[][2] = {{"dispatch.rank%d.x%n", "rd"}, {"dispatch.rank%d.token%n", "r"},
-                                    {"experts.rank%d.out%n", "rd"}, {"experts.rank%d.pair%n", "r2"}};
+                                    {"experts.rank%d.out%n", "rd"}, {"experts.rank%d.pair%n", "r2"},
+                                    {"experts.rank%d.sum%n", "rd"}};
     char rows = 0, cols = 0;
     for (size_t n = 0; n < sizeof table / sizeof table[0]; n++)
         if (!strcmp(name, table[n].name))

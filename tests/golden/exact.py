@@ -9,7 +9,8 @@ A port's view of the contract in docs/golden.md. Experts: the fixed-order
 GEMM (k ascending, each product rounded to fp32 and then added, no fused
 multiply-add), silu with the exp that include/moe/experts.h specifies step
 by step, the gate weight multiplied into the activation when the set applies
-it there, and the combine rounding. Truth: the same in fp64, with the GEMM
+it there, the combine rounding, and with --combine reduced the sums each rank
+sends back. Truth: the same in fp64, with the GEMM
 of moe_dgemm_nt_exact (include/moe/gemm.h) and the exp of
 include/moe/exp.h, every expert on every token, summed in expert order.
 Every operation below is one IEEE operation, as in C. Exit 0 when every
@@ -23,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
-from recompute import bf16  # noqa: E402
+from recompute import bf16, expert_ranks, reduced_sum  # noqa: E402
 
 F = np.float32
 
@@ -102,7 +103,11 @@ def truth_exact(files, config):
     ids, weights = files["router.topk_ids"], files["router.topk_weights"]
     combine_bf16 = config["combine-dtype"] == "bf16"
     before_l2 = config["weight-at"] == "activation"
+    reduced = config.get("combine", "pairs") == "reduced"
+    ranks = int(config["ranks"])
+    rank_of = expert_ranks(files["experts.w1"].shape[0], ranks)
     y = np.zeros_like(x)
+    partials = {}  # --combine reduced: per rank, its experts' terms in expert order
     for e in range(files["experts.w1"].shape[0]):
         g = np.zeros(x.shape[0])
         for s in range(ids.shape[1]):
@@ -110,6 +115,10 @@ def truth_exact(files, config):
         out = ffn_fp64(xq, files["experts.w1"][e], files["experts.w2"][e])
         rows = np.nonzero(g != 0.0)[0]
         v, gr = out[rows], g[rows][:, None]
+        if reduced:
+            partial = partials.setdefault(int(rank_of[e]), np.zeros_like(x))
+            partial[rows] = partial[rows] + gr * v
+            continue
         if not combine_bf16:
             term = gr * v
         elif before_l2:
@@ -117,9 +126,30 @@ def truth_exact(files, config):
         else:
             term = gr * bf16(v).astype(np.float64)
         y[rows] = y[rows] + term
+    if reduced:
+        y = y + reduced_sum(ranks, partials, combine_bf16)
     for s in range(files["shared.w1"].shape[0] if "shared.w1" in files else 0):
         y = y + ffn_fp64(x, files["shared.w1"][s], files["shared.w2"][s])
     return y
+
+
+def reduced_rows(files, r, before_l2, combine_bf16):
+    """experts.rank{r}.sum from experts.rank{r}.out: per received row, its
+    pairs in slot order, each times its gate weight unless the weight was
+    applied before L2, summed in fp32 from zero, then rounded to the combine
+    dtype (src/comm/ep.c, moe_ep_reduce_at_source)."""
+    ids, weights = files["router.topk_ids"], files["router.topk_weights"]
+    tokens = files["dispatch.rank%d.token" % r]
+    pairs, out = files["experts.rank%d.pair" % r], files["experts.rank%d.out" % r]
+    at = {(int(t), int(e)): p for p, (t, e) in enumerate(pairs.tolist())}
+    sums = np.zeros((tokens.shape[0], out.shape[1]), dtype=F)
+    for row, t in enumerate(tokens.tolist()):
+        for s in range(ids.shape[1]):
+            p = at.get((t, int(ids[t, s])))
+            if p is not None:
+                term = out[p] if before_l2 else weights[t, s] * out[p]
+                sums[row] = sums[row] + term
+    return bf16(sums) if combine_bf16 else sums
 
 
 def main(golden):
@@ -144,6 +174,7 @@ def main(golden):
     f = w2t.shape[1]
     before_l2 = config["weight-at"] == "activation"
     combine_bf16 = config["combine-dtype"] == "bf16"
+    reduced = config.get("combine", "pairs") == "reduced"  # outputs summed before they travel
     with np.errstate(over="ignore"):
         checked = differ = 0
         for r in range(int(config["ranks"])):
@@ -160,9 +191,14 @@ def main(golden):
                     slot = np.argmax(ids[tokens] == e, axis=1)
                     act = act * weights[tokens, slot][:, None]
                 y = gemm_exact(act, w2t[e])
-                if combine_bf16:
+                if combine_bf16 and not reduced:
                     y = bf16(y)
                 same = y.view(np.uint32) == out[at].view(np.uint32)
+                checked += same.size
+                differ += int((~same).sum())
+            if reduced:  # each received row's pairs, summed in slot order, as sent back
+                sums = reduced_rows(files, r, before_l2, combine_bf16)
+                same = sums.view(np.uint32) == files["experts.rank%d.sum" % r].view(np.uint32)
                 checked += same.size
                 differ += int((~same).sum())
     ok = differ == 0 and truth_differ == 0

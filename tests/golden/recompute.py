@@ -24,6 +24,22 @@ def bf16(values):
     return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
 
 
+def expert_ranks(experts, ranks):
+    """The rank of each expert: contiguous blocks, the first E % G ranks
+    one more (include/moe/layout.h)."""
+    base, extra = divmod(experts, ranks)
+    return np.repeat(np.arange(ranks), [base + (r < extra) for r in range(ranks)])
+
+
+def reduced_sum(ranks, partials, combine_bf16):
+    """--combine reduced: each rank's sum rounded as it travels, summed home."""
+    y = 0.0
+    for r in range(ranks):
+        if r in partials:
+            y = y + (bf16(partials[r]).astype(np.float64) if combine_bf16 else partials[r])
+    return y
+
+
 def ffn(x, w1, w2):
     h = x @ w1.T.astype(np.float64)
     f = w1.shape[0] // 2
@@ -49,18 +65,27 @@ def main(golden):
         xq[files["dispatch.rank%d.token" % r]] = files["dispatch.rank%d.x" % r]
     combine_bf16 = config["combine-dtype"] == "bf16"
     before_l2 = config["weight-at"] == "activation"
+    reduced = config.get("combine", "pairs") == "reduced"
+    rank_of = expert_ranks(files["experts.w1"].shape[0], ranks)
     y = np.zeros_like(x)
+    partials = {}  # --combine reduced: per rank, its experts' sum (rounded when it travels)
     for e in range(files["experts.w1"].shape[0]):
         rows, slots = np.nonzero(ids == e)
         if rows.size == 0:
             continue
         out = ffn(xq[rows], files["experts.w1"][e], files["experts.w2"][e])
         g = weights[rows, slots][:, None]
+        if reduced:
+            partial = partials.setdefault(int(rank_of[e]), np.zeros_like(x))
+            np.add.at(partial, rows, g * out)
+            continue
         if combine_bf16:
             term = bf16(g * out) if before_l2 else g * bf16(out)
         else:
             term = g * out
         np.add.at(y, rows, term)
+    if reduced:
+        y = y + reduced_sum(ranks, partials, combine_bf16)
     for s in range(files["shared.w1"].shape[0] if "shared.w1" in files else 0):
         y += ffn(x, files["shared.w1"][s], files["shared.w2"][s])
     ref = files["output.y"].astype(np.float64)
