@@ -94,27 +94,42 @@ void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int3
                          moe_index tokens, int topk, const moe_waves *waves, int wave);
 void moe_send_plan_free(moe_send_plan *plan);
 
-/* What travels with each dispatched row besides its d values: the token's
- * top-k ids, its k gate weights as fp32 bits (the receiver needs them when
- * the weight is applied before L2), and its global token id (the payload
- * identifies itself, as DeepEP's tests do). */
-#define MOE_META_WORDS(topk) (2 * (topk) + 1)
+/* What travels with each dispatched row besides its d values, each in the
+ * smallest type that holds it: the token's top-k ids as int16 (two to a
+ * word; E <= MOE_META_MAX_EXPERTS), its k gate weights as fp32 bits (the
+ * receiver weights the outputs it sums, or the activation before L2), and
+ * its global token id as int32 (the payload identifies itself, as DeepEP's
+ * tests do): ceil(k/2) + k + 1 int32 words. */
+#define MOE_META_MAX_EXPERTS 32767
+#define MOE_META_ID_WORDS(topk) (((topk) + 1) / 2)
+#define MOE_META_WORDS(topk) (MOE_META_ID_WORDS(topk) + (topk) + 1)
 
 /* The bytes rows put on the wire: wire.h. */
 
-/* meta (rows, 2k + 1) for the tokens row_token[0 .. rows-1] of ids/weights
- * (T, k), whose global ids start at first_token. */
+/* meta (rows, MOE_META_WORDS(k)) for the tokens row_token[0 .. rows-1] of
+ * ids/weights (T, k), whose global ids start at first_token. */
 void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe_index *row_token,
                    moe_index rows, moe_index first_token, int32_t *meta);
 
+/* The expert id of slot s in a row's meta. */
+static inline int32_t moe_meta_id(const int32_t *row_meta, int slot)
+{
+    int16_t id;
+    __builtin_memcpy(&id, (const char *)row_meta + 2 * slot, sizeof id);
+    return id;
+}
+
 /* The global token id in a row's meta. */
-static inline int32_t moe_meta_token(const int32_t *row_meta, int topk) { return row_meta[2 * topk]; }
+static inline int32_t moe_meta_token(const int32_t *row_meta, int topk)
+{
+    return row_meta[MOE_META_ID_WORDS(topk) + topk];
+}
 
 /* The gate weight of slot s in a row's meta. */
 static inline float moe_meta_weight(const int32_t *row_meta, int topk, int slot)
 {
     float w;
-    __builtin_memcpy(&w, &row_meta[topk + slot], sizeof w);
+    __builtin_memcpy(&w, &row_meta[MOE_META_ID_WORDS(topk) + slot], sizeof w);
     return w;
 }
 

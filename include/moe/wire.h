@@ -3,8 +3,8 @@
  * all-to-all anchor and `moe-ep plan` count.
  *
  * A dispatched row is its d values as --dispatch-dtype, then its meta (the
- * top-k ids, gate weights and token id, MOE_META_WORDS(k) int32 words, sent
- * as a second message of the same rows):
+ * top-k ids as int16, gate weights and token id, MOE_META_WORDS(k) int32
+ * words, layout.h), sent as a second message of the same rows:
  *   fp32  4d bytes
  *   bf16  2d bytes (the top half of each fp32, rounded to nearest even)
  *   fp8   d E4M3 bytes, then ceil(d/128) scales: fp32 (4 bytes each), or

@@ -285,7 +285,8 @@ static void relay_dispatch(hier_forward *f, int w)
     hier_wave *h = &f->hw[w];
     h->ids1 = fit(f, w, MOE_HIER_IDS1, sizeof(int32_t) * (size_t)(h->rows1 * k), "relayed top-k ids");
     for (moe_index i = 0; i < h->rows1; i++)
-        memcpy(h->ids1 + i * k, h->meta1 + i * words, sizeof(int32_t) * (size_t)k);
+        for (int s = 0; s < k; s++)
+            h->ids1[i * k + s] = moe_meta_id(h->meta1 + i * words, s);
     moe_send_plan_build(&h->p2, &f->in_node, h->ids1, h->rows1, k, NULL, 0);
     h->out2 = h->p2.row_offset[R];
     int *send2 = counts(f, h, D2, SEND);

@@ -171,7 +171,7 @@ void moe_ep_pack(const moe_ep *ep, const float *x, const int32_t *ids, const flo
 
 /* Stage experts, for local expert l: gather the rows recv assigns it from
  * where row_at (received rows) says each received row is, run the SwiGLU
- * FFN (with the gate weight from recv_meta (rows, 2k + 1) applied before L2
+ * FFN (with the gate weight from recv_meta (rows, MOE_META_WORDS(k)) applied before L2
  * when cfg->weight_at says so), round as --combine-dtype says, scatter the
  * outputs into expert_out (pairs, d). work holds (n, d + 1) floats, scratch
  * (n, 2f). The expert's rows arrive in ascending global token order

@@ -55,7 +55,7 @@ typedef struct moe_wave_state {
     float *sums;                     /* --combine reduced: (rows_in, d) one per (token, rank); else NULL */
     uint8_t *out_wire, *back;        /* expert_out as it travels (or itself, fp32); wire rows back */
     float *back_values;              /* back decoded, or back itself (fp32) */
-    int32_t *send_meta, *recv_meta;  /* (rows, 2k + 1), all rows */
+    int32_t *send_meta, *recv_meta;  /* (rows, MOE_META_WORDS(k)), all rows */
     const float **row_at;            /* (rows_in) where each received row is */
     const float **from;              /* (G) where the pairs back from each rank start */
     double dispatch_bytes[2][MOE_TIERS]; /* over the links: [in, out][tier] */

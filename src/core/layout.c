@@ -187,7 +187,7 @@ void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
     for (int source = 0; source < G; source++)
         for (moe_index n = 0; n < rows_from[source]; n++, row++)
             for (int s = 0; s < topk; s++) {
-                int local = local_slot(p, rank, meta_in[row * MOE_META_WORDS(topk) + s], waves, wave);
+                int local = local_slot(p, rank, moe_meta_id(meta_in + row * MOE_META_WORDS(topk), s), waves, wave);
                 if (local >= 0) {
                     plan->expert_offset[local + 1]++;
                     plan->source_pairs[source]++;
@@ -209,7 +209,7 @@ void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
     moe_index pair = 0;
     for (row = 0; row < rows; row++)
         for (int s = 0; s < topk; s++) {
-            int local = local_slot(p, rank, meta_in[row * MOE_META_WORDS(topk) + s], waves, wave);
+            int local = local_slot(p, rank, moe_meta_id(meta_in + row * MOE_META_WORDS(topk), s), waves, wave);
             if (local >= 0) {
                 plan->expert_row[next[local]] = row;
                 plan->expert_slot[next[local]] = s;
@@ -250,11 +250,18 @@ void moe_gather_row_ptrs(const float *const *row_at, moe_index width, const moe_
 void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe_index *row_token,
                    moe_index rows, moe_index first_token, int32_t *meta)
 {
+    const int id_words = MOE_META_ID_WORDS(topk);
     for (moe_index n = 0; n < rows; n++) {
         int32_t *out = meta + n * MOE_META_WORDS(topk);
-        memcpy(out, ids + row_token[n] * topk, sizeof(int32_t) * (size_t)topk);
-        memcpy(out + topk, weights + row_token[n] * topk, sizeof(float) * (size_t)topk);
-        out[2 * topk] = (int32_t)(first_token + row_token[n]);
+        out[id_words - 1] = 0; /* the unused half of an odd k's last id word */
+        for (int s = 0; s < topk; s++) {
+            const int32_t e = ids[row_token[n] * topk + s];
+            MOE_ASSERT(e >= 0 && e <= MOE_META_MAX_EXPERTS); /* --experts is at most 4096 */
+            const int16_t id = (int16_t)e;
+            memcpy((char *)out + 2 * s, &id, sizeof id);
+        }
+        memcpy(out + id_words, weights + row_token[n] * topk, sizeof(float) * (size_t)topk);
+        out[id_words + topk] = (int32_t)(first_token + row_token[n]);
     }
 }
 

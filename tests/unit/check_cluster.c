@@ -71,7 +71,8 @@ START_TEST(traffic_and_pipeline)
     /* tokens x top-k x d x bytes per value */
     ck_assert_double_eq(p.dispatch_bytes, 4096.0 * 8 * 7168 * 1);
     ck_assert_double_eq(p.combine_bytes, 4096.0 * 8 * 7168 * 2);
-    ck_assert_double_eq(p.dispatch_wire_bytes, 4096.0 * 8 * (7168 + 56 * 4 + 17 * 4)); /* wire.h */
+    /* wire.h: values, 56 fp32 scales, meta of 8 int16 ids, 8 fp32 weights, an int32 token */
+    ck_assert_double_eq(p.dispatch_wire_bytes, 4096.0 * 8 * (7168 + 56 * 4 + 8 * 2 + 8 * 4 + 4));
     ck_assert_double_eq(p.combine_wire_bytes, p.combine_bytes);
     ck_assert_double_eq(p.step_training_bytes, 2 * 58 * (p.dispatch_wire_bytes + p.combine_wire_bytes));
     ck_assert_double_eq_tol(p.remote_fraction, 7.0 / 8.0, 1e-12);

@@ -99,7 +99,7 @@ static void round_trip_wave(const moe_placement *p, const int32_t *ids, const fl
                 moe_index row = plan.expert_row[m], pair = plan.expert_pair[m];
                 /* the pair's slot names this expert and carries its weight */
                 const int32_t *meta = recv_meta + row * MOE_META_WORDS(k);
-                ck_assert_int_eq(meta[plan.expert_slot[m]], p->first_expert[q] + l);
+                ck_assert_int_eq(moe_meta_id(meta, plan.expert_slot[m]), p->first_expert[q] + l);
                 ck_assert_float_eq(moe_meta_weight(meta, k, plan.expert_slot[m]),
                                    recv[row * WIDTH] * 16.0f + (float)plan.expert_slot[m]);
                 out[pair * WIDTH] = recv[row * WIDTH];
