@@ -1,10 +1,20 @@
 /* truth.h — the dense fp64 ground truth and the comparison against it.
  *
- * The truth applies every expert to every token in fp64, multiplies
- * by the token's gate weight for that expert (zero when not selected), sums
- * over experts in ascending id, then adds the shared experts. No placement,
- * no permutation, no all-to-all: it shares only data generation and routing
- * with the EP path. Pure: no MPI; the comm layer reduces the statistics.
+ * The truth is the dense sum: every expert applied to every token in fp64,
+ * multiplied by the token's gate weight for that expert (zero when not
+ * selected), summed over experts in ascending id, then the shared experts
+ * added. No placement, no permutation, no all-to-all: it shares only data
+ * generation and routing with the EP path. Pure: no MPI; the comm layer
+ * reduces the statistics.
+ *
+ * A term whose gate is zero is exactly zero when the expert's output is
+ * finite, so moe_truth_forward evaluates each expert only on the tokens
+ * that selected it (and generates only the experts some token selected):
+ * the same bits. An output is non-finite only where the token's row is (the
+ * inputs and weights are finite and --init-scale is bounded far below fp64
+ * overflow), and every token has a selected expert on that row, so the
+ * truth is non-finite in exactly the rows the literal sum is
+ * (moe_truth_forward_literal, which tests compare it with).
  */
 #ifndef MOE_TRUTH_H
 #define MOE_TRUTH_H
@@ -35,6 +45,12 @@
 void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                        const float *x_dispatched, const int32_t *ids, const float *weights,
                        moe_index tokens, int ranks, double *y, double *allow);
+
+/* The same, literally: every expert on every token, its zero-gate terms
+ * 0 * output added (E/k times the work). */
+void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                               const float *x_dispatched, const int32_t *ids, const float *weights,
+                               moe_index tokens, int ranks, double *y, double *allow);
 
 /* Tolerance of the EP output against the truth: |got - ref| <= abs + rel*|ref|. */
 typedef struct {

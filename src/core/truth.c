@@ -18,32 +18,31 @@ static void to_f64(const float *src, moe_index n, double *dst)
 }
 
 
-/* y (T, d) += scale (T) * out (T, d), with a NULL scale meaning 1 for every
- * token; rows with a zero scale are skipped (unselected experts add exactly
- * zero). With --combine-dtype bf16 each term is rounded as the EP path
- * rounds it: the output (weight after) or the weighted output (weight
- * before L2), and allow gets one bf16 step of the term. */
+/* y (T, d) += scale[m] * out[m] into row row[m] of y, for m < rows: the
+ * terms of one expert on the tokens it is evaluated on. With
+ * --combine-dtype bf16 each term is rounded as the EP path rounds it: the
+ * output (weight after) or the weighted output (weight before L2), and
+ * allow gets one bf16 step of the term. */
 static void accumulate(const moe_config *cfg, double *y, double *allow, const double *out,
-                       const double *scale, moe_index tokens, moe_index hidden)
+                       const double *scale, const moe_index *row, moe_index rows, moe_index hidden)
 {
     const bool bf16 = cfg->combine_dtype == MOE_DTYPE_BF16;
-    const bool before_l2 = scale && cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION;
+    const bool before_l2 = cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION;
 #pragma omp parallel for schedule(static)
-    for (moe_index i = 0; i < tokens; i++) {
-        const double g = scale ? scale[i] : 1.0;
-        if (g == 0.0)
-            continue;
+    for (moe_index m = 0; m < rows; m++) {
+        const double g = scale[m];
+        double *yi = y + row[m] * hidden, *ai = allow ? allow + row[m] * hidden : NULL;
         for (moe_index j = 0; j < hidden; j++) {
-            double v = out[i * hidden + j], term;
+            double v = out[m * hidden + j], term;
             if (!bf16)
                 term = g * v;
             else if (before_l2)
                 term = moe_round_bf16((float)(g * v));
             else
                 term = g * (double)moe_round_bf16((float)v);
-            y[i * hidden + j] += term;
-            if (bf16 && allow)
-                allow[i * hidden + j] += fabs(before_l2 ? 1.0 : g) * moe_bf16_step(before_l2 ? g * v : v);
+            yi[j] += term;
+            if (bf16 && ai)
+                ai[j] += fabs(before_l2 ? 1.0 : g) * moe_bf16_step(before_l2 ? g * v : v);
         }
     }
 }
@@ -73,9 +72,11 @@ static void flush(const moe_config *cfg, double *to, double *allow, double *part
     }
 }
 
-void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
-                       const float *x_dispatched, const int32_t *ids, const float *weights,
-                       moe_index tokens, int ranks, double *y, double *allow)
+/* The truth, evaluating each expert on the tokens that selected it, or
+ * (literal) on every token, its unselected terms 0 * out added. */
+static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                          const float *x_dispatched, const int32_t *ids, const float *weights,
+                          moe_index tokens, int ranks, bool literal, double *y, double *allow)
 {
     const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
     const int E = (int)cfg->experts, k = (int)cfg->topk;
@@ -84,9 +85,11 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
     double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
     double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
     double *x64 = moe_xmalloc(sizeof(double) * (size_t)(T * d));     /* (T, d) */
+    double *xe = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);  /* (n, d) expert e's tokens */
     double *out = moe_xmalloc(sizeof(double) * (size_t)(T * d));     /* (T, d) */
     double *scratch = moe_xmalloc(sizeof(double) * (size_t)(T * 3 * f));
-    double *gate = moe_xmalloc(sizeof(double) * (size_t)T);          /* (T) column e of the dense gate */
+    double *gate = moe_xmalloc(sizeof(double) * (size_t)T + 1);      /* (n) their gate weights for e */
+    moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1); /* (n) and which tokens */
 
     to_f64(x_dispatched, T * d, x64);
     memset(y, 0, sizeof(double) * (size_t)(T * d));
@@ -103,22 +106,31 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
     if (allow)
         memset(allow, 0, sizeof(double) * (size_t)(T * d));
     for (int e = 0; e < E; e++) {
+        moe_index n = 0;
         for (moe_index i = 0; i < T; i++) {
-            gate[i] = 0.0;
+            double g = 0.0;
             for (int s = 0; s < k; s++)
                 if (ids[i * k + s] == e)
-                    gate[i] = weights[i * k + s];
+                    g = weights[i * k + s];
+            if (g != 0.0 || literal) {
+                row[n] = i;
+                gate[n++] = g;
+            }
         }
-        moe_expert_generate(cfg->seed, e, d, f, w1, w2);
-        weights_f64(cfg, w1, w2, d, f, w1_64, w2_64);
-        moe_expert_forward_f64(gemm, w1_64, w2_64, x64, T, d, f, scratch, out);
-        if (!reduced) {
-            accumulate(cfg, y, allow, out, gate, T, d);
+        if (n > 0) { /* an expert no token selected adds nothing: not even its weights */
+            moe_expert_generate(cfg->seed, e, d, f, w1, w2);
+            weights_f64(cfg, w1, w2, d, f, w1_64, w2_64);
+            for (moe_index m = 0; m < n; m++)
+                memcpy(xe + m * d, x64 + row[m] * d, sizeof(double) * (size_t)d);
+            moe_expert_forward_f64(gemm, w1_64, w2_64, xe, n, d, f, scratch, out);
+            if (!reduced)
+                accumulate(cfg, y, allow, out, gate, row, n, d);
+            for (moe_index m = 0; reduced && m < n; m++)
+                for (moe_index j = 0; j < d; j++)
+                    partial[row[m] * d + j] += gate[m] * out[m * d + j];
+        }
+        if (!reduced)
             continue;
-        }
-        for (moe_index i = 0; i < T; i++)
-            for (moe_index j = 0; gate[i] != 0.0 && j < d; j++) /* unselected: exactly zero */
-                partial[i * d + j] += gate[i] * out[i * d + j];
         const int rank = placement.expert_rank[e];
         if (e == E - 1 || placement.expert_rank[e + 1] != rank)
             flush(cfg, by_node ? node_partial : y, allow, partial, T * d);
@@ -139,14 +151,30 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
         for (moe_index n = 0; n < T * d; n++)
             y[n] += out[n];
     }
+    free(row);
     free(gate);
     free(scratch);
     free(out);
+    free(xe);
     free(x64);
     free(w2_64);
     free(w1_64);
     free(w2);
     free(w1);
+}
+
+void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                       const float *x_dispatched, const int32_t *ids, const float *weights,
+                       moe_index tokens, int ranks, double *y, double *allow)
+{
+    truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, false, y, allow);
+}
+
+void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                               const float *x_dispatched, const int32_t *ids, const float *weights,
+                               moe_index tokens, int ranks, double *y, double *allow)
+{
+    truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, true, y, allow);
 }
 
 moe_tolerance moe_tolerance_for(const moe_config *cfg, double ref_rms)

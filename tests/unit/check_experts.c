@@ -357,6 +357,63 @@ START_TEST(forbidden_blas_stops_the_process)
 }
 END_TEST
 
+/* The truth evaluates each expert on the tokens that selected it: the same
+ * bits as the literal dense sum (every expert on every token, zero-gate
+ * terms added), values and allowance, for both combines and bf16; and with
+ * a non-finite token row, non-finite in exactly the rows the literal sum is.
+ * _i: 0 pairs, 1 reduced (on 3 ranks), 2 reduced bf16 weighted before L2. */
+START_TEST(truth_on_selected_tokens_is_the_dense_sum)
+{
+    moe_config cfg;
+    moe_config_defaults(&cfg);
+    cfg.tokens = 24, cfg.hidden = 16, cfg.ffn = 8, cfg.experts = 7, cfg.topk = 2;
+    cfg.shared_experts = 1;
+    cfg.combine = _i == 0 ? MOE_COMBINE_PAIRS : MOE_COMBINE_REDUCED;
+    cfg.combine_dtype = _i == 2 ? MOE_DTYPE_BF16 : MOE_DTYPE_FP32;
+    cfg.weight_at = _i == 2 ? MOE_WEIGHT_AT_ACTIVATION : MOE_WEIGHT_AT_OUTPUT;
+    const moe_index T = cfg.tokens, d = cfg.hidden, k = cfg.topk;
+    float *x = malloc(sizeof(float) * (size_t)(T * d));
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * k));
+    float *weights = malloc(sizeof(float) * (size_t)(T * k));
+    double *y[2], *allow[2];
+    for (int n = 0; n < 2; n++) {
+        y[n] = malloc(sizeof(double) * (size_t)(T * d));
+        allow[n] = malloc(sizeof(double) * (size_t)(T * d));
+    }
+    moe_synth_tokens(cfg.seed, 0, T, d, 1.0f, MOE_INPUT_UNIFORM, x);
+    for (moe_index i = 0; i < T; i++) /* experts 5 and 6 never selected */
+        for (int s = 0; s < (int)k; s++) {
+            ids[i * k + s] = (int32_t)((i + 2 * s) % 5);
+            weights[i * k + s] = 0.25f + 0.5f * (float)s;
+        }
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1)
+            x[5 * d + 3] = INFINITY;
+        moe_truth_forward(&cfg, MOE_TRUTH_EXACT, x, x, ids, weights, T, 3, y[0], allow[0]);
+        moe_truth_forward_literal(&cfg, MOE_TRUTH_EXACT, x, x, ids, weights, T, 3, y[1], allow[1]);
+        for (moe_index m = 0; m < T * d; m++) {
+            const bool row5 = m / d == 5;
+            if (pass == 0 || !row5) {
+                ck_assert_msg(!memcmp(&y[0][m], &y[1][m], sizeof(double)), "y[%lld]: %a vs %a",
+                              (long long)m, y[0][m], y[1][m]);
+                ck_assert(!memcmp(&allow[0][m], &allow[1][m], sizeof(double)));
+                ck_assert(isfinite(y[0][m]));
+            } else {
+                ck_assert_msg(!isfinite(y[0][m]) && !isfinite(y[1][m]), "row 5 [%lld]: %g vs %g",
+                              (long long)(m % d), y[0][m], y[1][m]);
+            }
+        }
+    }
+    for (int n = 0; n < 2; n++) {
+        free(y[n]);
+        free(allow[n]);
+    }
+    free(weights);
+    free(ids);
+    free(x);
+}
+END_TEST
+
 Suite *make_experts_suite(void)
 {
     Suite *s = suite_create("experts");
@@ -373,6 +430,7 @@ Suite *make_experts_suite(void)
     tcase_add_test(tc, exact_dgemm_is_the_scalar_loop);
     tcase_add_test(tc, exp_fp64_is_within_2_ulp_and_handles_the_edges);
     tcase_add_test_raise_signal(tc, forbidden_blas_stops_the_process, SIGABRT);
+    tcase_add_loop_test(tc, truth_on_selected_tokens_is_the_dense_sum, 0, 3);
     suite_add_tcase(s, tc);
     return s;
 }
