@@ -25,10 +25,8 @@ moe_schedule moe_schedule_default(const moe_ep *ep)
     return (moe_schedule){
         .waves = (int)cfg->waves_list[0],
         .lookahead = (int)cfg->lookahead,
-        /* a reduced combine sums a token's pairs on a rank in one wave; the
-         * two-stage dispatch runs waves of tokens (ep_hier.c) */
-        .wave_by = cfg->combine == MOE_COMBINE_REDUCED || cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
-                       ? MOE_WAVE_BY_TOKENS : cfg->wave_by,
+        /* the two-stage dispatch runs waves of tokens (ep_hier.c) */
+        .wave_by = cfg->dispatch == MOE_DISPATCH_HIERARCHICAL ? MOE_WAVE_BY_TOKENS : cfg->wave_by,
         .progress = moe_progress_granted(&ep->comm, (enum moe_progress_kind)cfg->progress),
         .link = true,
         .trace = NULL,
@@ -251,48 +249,68 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
     moe_scatter_rows(out, d, recv->expert_pair + first, n, expert_out);
 }
 
+void moe_ep_sum_slots(const moe_ep *ep, const int32_t *row_meta, const float *const *out, float *sum)
+{
+    const moe_index d = ep->cfg->hidden;
+    const int k = (int)ep->cfg->topk;
+    const bool weighted = ep->cfg->weight_at == MOE_WEIGHT_AT_OUTPUT;
+    memset(sum, 0, sizeof(float) * (size_t)d);
+    for (int s = 0; s < k; s++) {
+        if (!out[s])
+            continue;
+        const float w = weighted ? moe_meta_weight(row_meta, k, s) : 1.0f;
+        for (moe_index j = 0; j < d; j++)
+            sum[j] += w * out[s][j];
+    }
+}
+
 void moe_ep_reduce_at_source(const moe_ep *ep, const moe_recv_plan *recv, const int32_t *recv_meta,
                              const float *expert_out, float *sums)
 {
     const moe_index d = ep->cfg->hidden;
     const int k = (int)ep->cfg->topk;
-    const bool weighted = ep->cfg->weight_at == MOE_WEIGHT_AT_OUTPUT;
-    moe_index *pair_row = moe_xmalloc(sizeof(moe_index) * (size_t)recv->pairs + 1);
-    int *pair_slot = moe_xmalloc(sizeof(int) * (size_t)recv->pairs + 1);
-    for (moe_index m = 0; m < recv->pairs; m++) {
-        pair_row[recv->expert_pair[m]] = recv->expert_row[m];
-        pair_slot[recv->expert_pair[m]] = recv->expert_slot[m];
-    }
-    memset(sums, 0, sizeof(float) * (size_t)(recv->rows * d));
-    /* A row's pairs are consecutive, in slot order (layout.h). */
-    for (moe_index p = 0; p < recv->pairs; p++) {
-        const moe_index row = pair_row[p];
-        const float w = weighted ? moe_meta_weight(recv_meta + row * MOE_META_WORDS(k), k, pair_slot[p]) : 1.0f;
-        float *sum = sums + row * d;
-        const float *out = expert_out + p * d;
-        for (moe_index j = 0; j < d; j++)
-            sum[j] += w * out[j];
-    }
+    const float **slot_out = moe_xcalloc((size_t)(recv->rows * k) + 1, sizeof(float *)); /* (rows, k) */
+    for (moe_index m = 0; m < recv->pairs; m++)
+        slot_out[recv->expert_row[m] * k + recv->expert_slot[m]] = expert_out + recv->expert_pair[m] * d;
+    for (moe_index row = 0; row < recv->rows; row++)
+        moe_ep_sum_slots(ep, recv_meta + row * MOE_META_WORDS(k), slot_out + row * k, sums + row * d);
     moe_precision_combine(ep->cfg->combine_dtype, sums, recv->rows * d);
-    free(pair_slot);
-    free(pair_row);
+    free(slot_out);
 }
 
-void moe_ep_reduce_rows(const moe_ep *ep, const moe_send_plan *const *plans, const float *const *from,
-                        int count, float *y)
+void moe_ep_reduce_rows(const moe_ep *ep, const moe_placement *to, const int32_t *ids,
+                        const moe_waves *waves, const float *const *from, int count, float *y)
 {
-    const moe_index d = ep->cfg->hidden;
-    memset(y, 0, sizeof(float) * (size_t)(ep->cfg->tokens * d));
-    for (int n = 0; n < count; n++) { /* destinations in ascending rank order within each plan */
-        const moe_send_plan *plan = plans[n];
-        for (int r = 0; r < plan->ranks; r++)
-            for (moe_index j = plan->row_offset[r]; j < plan->row_offset[r + 1]; j++) {
-                float *yt = y + plan->row_token[j] * d;
-                const float *row = from[n * plan->ranks + r] + (j - plan->row_offset[r]) * d;
-                for (moe_index c = 0; c < d; c++)
-                    yt[c] += row[c];
+    const moe_index d = ep->cfg->hidden, T = ep->cfg->tokens;
+    const int k = (int)ep->cfg->topk, D = to->ranks;
+    moe_index *cursor = moe_xcalloc((size_t)(count * D), sizeof(moe_index));
+    int dest[k > 0 ? k : 1], wave[k > 0 ? k : 1];
+    memset(y, 0, sizeof(float) * (size_t)(T * d));
+    for (moe_index i = 0; i < T; i++) {
+        int n = 0; /* the token's destinations, ascending, each with its last wave */
+        for (int s = 0; s < k; s++) {
+            const int e = ids[i * k + s], r = to->expert_rank[e];
+            const int v = waves ? moe_wave_of(waves, i, e) : 0;
+            int at = 0;
+            while (at < n && dest[at] < r)
+                at++;
+            if (at < n && dest[at] == r) {
+                wave[at] = v > wave[at] ? v : wave[at];
+                continue;
             }
+            memmove(dest + at + 1, dest + at, sizeof(int) * (size_t)(n - at));
+            memmove(wave + at + 1, wave + at, sizeof(int) * (size_t)(n - at));
+            dest[at] = r, wave[at] = v, n++;
+        }
+        float *yi = y + i * d;
+        for (int m = 0; m < n; m++) {
+            const int slot = wave[m] * D + dest[m];
+            const float *row = from[slot] + cursor[slot]++ * d;
+            for (moe_index c = 0; c < d; c++)
+                yi[c] += row[c];
+        }
     }
+    free(cursor);
 }
 
 void moe_ep_reduce(const moe_ep *ep, const float *const *slot_rows, const float *weights,

@@ -102,6 +102,7 @@ typedef struct {
     moe_placement by_node;        /* expert → node */
     moe_placement in_node;        /* expert → rank in this node, R when elsewhere */
     moe_waves waves;
+    const int32_t *ids;           /* (T, k) this rank's tokens' experts */
     hier_wave *hw;                /* (W) */
     moe_index *rows_from;         /* (G) rows D2 brought from each rank of the node */
     moe_progress progress;        /* op w·HOPS + hop */
@@ -493,7 +494,6 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
     const float **slot_rows = grow(f, &ep->work->slot_rows, sizeof(float *) * (size_t)(T * k),
                                          "the reduce table");
     const bool narrow = f->out_wire.dtype != MOE_DTYPE_FP32;
-    const moe_send_plan **plans = moe_xmalloc(sizeof(moe_send_plan *) * (size_t)f->W);
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)(f->W * f->nodes));
     for (int w = 0; w < f->W; w++) {
         hier_wave *h = &f->hw[w];
@@ -501,7 +501,6 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
         const float *back = moe_ep_wire_values(
             &f->out_wire, h->back1_wire, rows,
             narrow ? fit(f, w, MOE_HIER_BACK, sizeof(float) * (size_t)(rows * d), "decoded outputs") : NULL);
-        plans[w] = &h->p1;
         for (int n = 0; n < f->nodes; n++) /* --combine reduced: a row per (token, node) */
             from[w * f->nodes + n] = back + h->p1.row_offset[n] * d;
         for (moe_index n = 0; n < T * k && !f->reduced; n++)
@@ -509,11 +508,10 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
                 slot_rows[n] = back + h->p1.slot_pair[n] * d;
     }
     if (f->reduced) /* ascending node order, whatever wave */
-        moe_ep_reduce_rows(ep, plans, from, f->W, y);
+        moe_ep_reduce_rows(ep, &f->by_node, f->ids, &f->waves, from, f->W, y);
     else
         moe_ep_reduce(ep, slot_rows, weights, y);
     free(from);
-    free(plans);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
     const size_t block = MOE_SHARED_ROW_BLOCK;
     float *scratch = grow(f, &ep->work->scratch, sizeof(float) * block * 2 * (size_t)ep->cfg->ffn,
@@ -588,6 +586,7 @@ int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float
                       .reduced = cfg->combine == MOE_COMBINE_REDUCED, .W = sched ? sched->waves : 1,
                       .nodes = G / R, .R = R, .node = c->rank / R, .local = c->rank % R};
     f.S = f.nodes > R ? f.nodes : R;
+    f.ids = ids;
     memset(stats, 0, sizeof *stats);
     stats->waves = sched ? f.W : 0;
     stats->wave_kind = MOE_WAVES_TOKEN_CHUNKS;

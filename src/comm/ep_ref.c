@@ -207,8 +207,8 @@ static void ref_combine(const moe_ep *ep, ref_forward *f, moe_forward_stats *sta
 
 /* Stage reduce and shared: y from the outputs that came back, then the
  * shared experts on top. */
-static void ref_reduce(const moe_ep *ep, ref_forward *f, const float *x, const float *weights,
-                       float *y, moe_forward_stats *stats)
+static void ref_reduce(const moe_ep *ep, ref_forward *f, const float *x, const int32_t *ids,
+                       const float *weights, float *y, moe_forward_stats *stats)
 {
     const int G = ep->comm.ranks;
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
@@ -221,8 +221,7 @@ static void ref_reduce(const moe_ep *ep, ref_forward *f, const float *x, const f
     for (int r = 0; r < G; r++)
         from[r] = back + offset[r] * d;
     if (reduced) {
-        const moe_send_plan *plans[1] = {&f->send};
-        moe_ep_reduce_rows(ep, plans, from, 1, y);
+        moe_ep_reduce_rows(ep, &ep->placement, ids, NULL, from, 1, y);
     } else {
         moe_combine_locate(&f->send, from, d, slot_rows);
         moe_ep_reduce(ep, slot_rows, weights, y);
@@ -294,7 +293,7 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
         }
     }
     if (moe_ep_agreed(c, "combine", &local))
-        ref_reduce(ep, &f, x, weights, y, stats);
+        ref_reduce(ep, &f, x, ids, weights, y, stats);
 
     ref_free(&f);
     if (local.code)

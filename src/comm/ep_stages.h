@@ -38,7 +38,7 @@
 enum { MOE_WAVE_SEND_ROWS, MOE_WAVE_SEND_META, MOE_WAVE_RECV_ROWS, MOE_WAVE_RECV_META,
        MOE_WAVE_EXPERT_OUT, MOE_WAVE_BACK, MOE_WAVE_ROW_AT,
        MOE_WAVE_RECV_VALUES, MOE_WAVE_OUT_WIRE, MOE_WAVE_BACK_VALUES, /* bf16/fp8 on the wire */
-       MOE_WAVE_SUMS, /* --combine reduced */
+       MOE_WAVE_SUMS, MOE_WAVE_SLOT_PAIR, /* --combine reduced */
        MOE_WAVE_BUFFERS };
 
 /* The same for a wave of the two-stage dispatch (ep_hier.c). */
@@ -181,21 +181,28 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
                    const float *const *row_at, const int32_t *recv_meta, float *work,
                    float *scratch, float *expert_out, const moe_ffn_hooks *hooks);
 
+/* sum (d) = a row's pair outputs out[s] (d each; NULL for a slot whose
+ * expert is elsewhere) in slot order, each times its gate weight from the
+ * row's meta when the weight is applied after L2, in fp32 from zero: what
+ * one row of a reduced combine carries, before its rounding. */
+void moe_ep_sum_slots(const moe_ep *ep, const int32_t *row_meta, const float *const *out, float *sum);
+
 /* Stage combine, at the source (--combine reduced): sums (recv->rows, d) =
- * per received row, the sum of its pairs' outputs in slot order (each
- * times its gate weight when the weight is applied after L2), in fp32,
- * then rounded to --combine-dtype: one row per (token, rank) goes back. */
+ * per received row, moe_ep_sum_slots of its pairs in expert_out, rounded to
+ * --combine-dtype: one row per (token, rank) goes back. For rows whose
+ * pairs all ran together (one wave). */
 void moe_ep_reduce_at_source(const moe_ep *ep, const moe_recv_plan *recv, const int32_t *recv_meta,
                              const float *expert_out, float *sums);
 
-/* Stage reduce of a reduced combine: y (T, d) = for each token, the sum of
- * the rows its destinations sent back, over plans (count of them, one per
- * wave) and, within each, destinations in ascending rank order. from[n *
- * ranks + r] is where plan n's rows back from rank r start. A token's rows
- * are all in one plan with waves of tokens, so the order, and the bits, do
- * not depend on W. */
-void moe_ep_reduce_rows(const moe_ep *ep, const moe_send_plan *const *plans, const float *const *from,
-                        int count, float *y);
+/* Stage reduce of a reduced combine: y (T, d) = for each token i, the sum of
+ * the rows its destinations sent back (destinations as `to` places the
+ * experts: ranks, or nodes for the two-stage dispatch), in ascending
+ * destination order. The row from destination r arrives in the last wave
+ * (of `count`, waves NULL: one) holding one of the token's experts on r,
+ * among the rows from r of that wave in ascending token order; from[w * D +
+ * r] is where they start. The order, and the bits, do not depend on W. */
+void moe_ep_reduce_rows(const moe_ep *ep, const moe_placement *to, const int32_t *ids,
+                        const moe_waves *waves, const float *const *from, int count, float *y);
 
 /* Rows of the work buffers the experts stage needs for recv: its largest
  * expert batch, and at least a shared-expert block (the shared stage reuses

@@ -52,7 +52,10 @@ typedef struct moe_wave_state {
     uint8_t *send_rows, *recv_rows;  /* wire rows (wire.h) */
     float *recv_values;              /* recv_rows decoded, or recv_rows itself (fp32) */
     float *expert_out;               /* (pairs_in, d) */
-    float *sums;                     /* --combine reduced: (rows_in, d) one per (token, rank); else NULL */
+    float *sums;                     /* --combine reduced: (out_rows, d) one per (token, rank) whose
+                                        last wave here this is; else NULL */
+    int32_t *slot_pair;              /* --combine reduced: (rows_in, k) the pair of each (row, slot), -1 */
+    moe_index *closing_from;         /* --combine reduced: (G) rows from each source that close here */
     uint8_t *out_wire, *back;        /* expert_out as it travels (or itself, fp32); wire rows back */
     float *back_values;              /* back decoded, or back itself (fp32) */
     int32_t *send_meta, *recv_meta;  /* (rows, MOE_META_WORDS(k)), all rows */
@@ -189,6 +192,7 @@ static void free_waves(wave_state *waves, int W)
         free(ws->rows_from);
         free(ws->counts);
         free(ws->from);
+        free(ws->closing_from);
     }
     free(waves);
 }
@@ -199,6 +203,39 @@ void moe_ep_forget_waves(struct moe_ep_workspace *work)
         free_waves(work->last, work->last_waves);
     work->last = NULL;
     work->last_waves = 0;
+}
+
+/* The last wave of a token on a rank: the largest wave of its experts
+ * there; -1 when it has none there. */
+static int last_wave(const moe_placement *p, const moe_waves *waves, const int32_t *ids, int k,
+                     moe_index token, int rank)
+{
+    int last = -1;
+    for (int s = 0; s < k; s++) {
+        const int e = ids[token * k + s];
+        if (p->expert_rank[e] == rank && moe_wave_of(waves, token, e) > last)
+            last = moe_wave_of(waves, token, e);
+    }
+    return last;
+}
+
+/* (W, G): the rows a reduced combine brings back to this rank from each
+ * rank in each wave: one per (token, rank), in the token's last wave there. */
+static moe_index *last_waves(const moe_placement *p, const moe_waves *waves, const int32_t *ids,
+                             moe_index T, int k)
+{
+    const int G = p->ranks;
+    moe_index *rows = moe_xcalloc((size_t)(waves->waves * G), sizeof(moe_index));
+    for (moe_index i = 0; i < T; i++)
+        for (int s = 0; s < k; s++) { /* once per rank: at its first slot there */
+            const int r = p->expert_rank[ids[i * k + s]];
+            bool first = true;
+            for (int q = 0; q < s; q++)
+                first = first && p->expert_rank[ids[i * k + q]] != r;
+            if (first)
+                rows[last_wave(p, waves, ids, k, i, r) * G + r]++;
+        }
+    return rows;
 }
 
 /* Stage plan, for every wave at once: each wave's rows per destination, one
@@ -239,6 +276,8 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
 
     struct moe_ep_workspace *work = ep->work;
     moe_ep_fit_slots(&work->wave, &work->waves, W, MOE_WAVE_BUFFERS);
+    moe_index *closing = cfg->combine == MOE_COMBINE_REDUCED
+                             ? last_waves(&ep->placement, &f->waves, ids, T, k) : NULL;
     moe_index most = MOE_SHARED_ROW_BLOCK; /* rows of the largest expert batch, for scratch */
     const double row_bytes = moe_dispatch_row_bytes(cfg);
     for (int w = 0; w < W; w++) {
@@ -266,19 +305,24 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
         moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
         remote_counts(s->send.row_count, G, me, COUNTS(s, R_SEND, G), COUNTS(s, R_SEND_AT, G));
         remote_counts(s->rows_from, G, me, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G));
-        /* Back: a row per pair, or with a reduced combine per row sent. */
+        /* Back: a row per pair, or with a reduced combine a row per (token,
+         * rank) in the last wave that holds one of its experts there. */
         const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-        const moe_index *back_count = reduced ? s->send.row_count : s->send.pair_count;
+        const moe_index *back_count = reduced ? closing + w * G : s->send.pair_count;
         remote_counts(back_count, G, me, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
         const moe_index own_rows = s->rows_from[me];
         moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
         const size_t row = sizeof(float) * (size_t)d, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
         const size_t wire_in = f->dispatch_wire.bytes, wire_out = f->combine_wire.bytes;
         const moe_index remote_in = s->rows_in - own_rows;
-        const moe_index back = (reduced ? s->send.row_offset[G] : s->send.pair_offset[G]) - back_count[me];
+        moe_index back = -back_count[me];
+        for (int r = 0; r < G; r++)
+            back += back_count[r];
         s->back_in = back;
         s->out_rows = reduced ? s->rows_in : s->pairs_in;
         s->sums = reduced ? moe_buffer_fit(&b[MOE_WAVE_SUMS], row * (size_t)s->rows_in, "sums", me, local) : NULL;
+        s->slot_pair = reduced ? moe_buffer_fit(&b[MOE_WAVE_SLOT_PAIR], sizeof(int32_t) * (size_t)(s->rows_in * k), "the pairs of each row", me, local) : NULL;
+        s->closing_from = reduced ? moe_xcalloc((size_t)G, sizeof(moe_index)) : NULL;
         s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], wire_in * (size_t)(s->rows_out - s->send.row_count[me]), "dispatch rows", me, local);
         s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", me, local);
         s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], wire_in * (size_t)remote_in, "received rows", me, local);
@@ -300,6 +344,7 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
     f->slot_rows = moe_buffer_fit(&work->slot_rows, sizeof(float *) * (size_t)(T * k), "the reduce table", me, local);
     if (cfg->dispatch_dtype != MOE_DTYPE_FP32)
         f->x_scratch = moe_buffer_fit(&work->x_scratch, sizeof(float) * (size_t)(T * d), "the quantised tokens", me, local);
+    free(closing);
     free(counts_in);
     free(counts_out);
 }
@@ -315,6 +360,8 @@ static void waves_pack(const moe_ep *ep, const moe_schedule *sched, const float 
                     f->ws[w].send_meta);
 }
 
+static void close_rows(const moe_ep *ep, const waves_forward *f, int w);
+
 /* Stage plan, receive side of wave w (once its dispatch has arrived): which
  * received row visits which local expert, the combine counts, and where
  * each received row is. */
@@ -325,15 +372,108 @@ static void wave_plan_receive(const moe_ep *ep, const waves_forward *f, int w)
     moe_recv_plan_build(&s->recv, &ep->placement, me, s->recv_meta, s->rows_in,
                         (int)ep->cfg->topk, s->rows_from, &f->waves, w);
     MOE_ASSERT(s->recv.pairs == s->pairs_in);
-    const bool reduced = s->sums != NULL; /* each row received goes back summed */
-    moe_to_counts(reduced ? s->rows_from : s->recv.source_pairs, G, COUNTS(s, C_SEND, G),
+    const bool reduced = s->sums != NULL; /* rows go back summed, in their last wave here */
+    if (reduced)
+        close_rows(ep, f, w);
+    moe_to_counts(reduced ? s->closing_from : s->recv.source_pairs, G, COUNTS(s, C_SEND, G),
                   COUNTS(s, C_SEND_AT, G));
     COUNTS(s, C_SEND, G)[me] = 0;
     moe_ep_wire_values(&f->dispatch_wire, s->recv_rows, s->rows_in - s->rows_from[me], s->recv_values);
     row_table(s, G, me, ep->cfg->hidden, f->x_dispatch);
-    link_bytes(ep, reduced ? s->send.row_count : s->send.pair_count,
-               reduced ? s->rows_from : s->recv.source_pairs, moe_combine_row_bytes(ep->cfg),
-               s->combine_bytes);
+    moe_index *in = moe_xmalloc(sizeof(moe_index) * (size_t)G);
+    for (int r = 0; r < G; r++)
+        in[r] = COUNTS(s, C_RECV, G)[r];
+    link_bytes(ep, in, reduced ? s->closing_from : s->recv.source_pairs,
+               moe_combine_row_bytes(ep->cfg), s->combine_bytes);
+    free(in);
+}
+
+/* The waves of a received row's slots on this rank (wave[s], -1 for a slot
+ * whose expert is elsewhere; wave may be NULL) and the last of them: the
+ * wave whose combine takes the row's sum back. source: its home rank. */
+static int row_waves(const moe_ep *ep, const waves_forward *f, const int32_t *meta, int source,
+                     int *wave)
+{
+    const int k = (int)ep->cfg->topk;
+    const moe_index token = moe_meta_token(meta, k) - (moe_index)source * ep->cfg->tokens;
+    int last = -1;
+    for (int slot = 0; slot < k; slot++) {
+        const int e = moe_meta_id(meta, slot);
+        const int v = ep->placement.expert_rank[e] == ep->comm.rank ? moe_wave_of(&f->waves, token, e) : -1;
+        if (wave)
+            wave[slot] = v;
+        last = v > last ? v : last;
+    }
+    return last;
+}
+
+/* The received row of wave w holding global token `token`: rows arrive in
+ * ascending global token order (layout.h). -1: none. */
+static moe_index find_row(const wave_state *s, int k, int32_t token)
+{
+    moe_index lo = 0, hi = s->rows_in;
+    while (lo < hi) {
+        const moe_index mid = lo + (hi - lo) / 2;
+        if (moe_meta_token(s->recv_meta + mid * MOE_META_WORDS(k), k) < token)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < s->rows_in && moe_meta_token(s->recv_meta + lo * MOE_META_WORDS(k), k) == token ? lo : -1;
+}
+
+/* --combine reduced, receive side of wave w: each (row, slot)'s pair, and
+ * which rows close here (their token's last wave on this rank is w: they go
+ * back summed in this wave's combine), per source. */
+static void close_rows(const moe_ep *ep, const waves_forward *f, int w)
+{
+    const int k = (int)ep->cfg->topk, G = ep->comm.ranks;
+    wave_state *s = &f->ws[w];
+    for (moe_index n = 0; n < s->rows_in * k; n++)
+        s->slot_pair[n] = -1;
+    for (moe_index m = 0; m < s->recv.pairs; m++)
+        s->slot_pair[s->recv.expert_row[m] * k + s->recv.expert_slot[m]] = (int32_t)s->recv.expert_pair[m];
+    s->out_rows = 0;
+    moe_index row = 0;
+    for (int r = 0; r < G; r++) {
+        s->closing_from[r] = 0;
+        for (moe_index j = 0; j < s->rows_from[r]; j++, row++)
+            s->closing_from[r] += row_waves(ep, f, s->recv_meta + row * MOE_META_WORDS(k), r, NULL) == w;
+        s->out_rows += s->closing_from[r];
+    }
+}
+
+/* --combine reduced, after wave w's experts: the sums of the rows that close
+ * here, each over its token's pairs on this rank from every wave so far, in
+ * slot order (moe_ep_sum_slots: the bits of the one-wave sum), rounded. */
+static void wave_sums(const moe_ep *ep, const waves_forward *f, int w)
+{
+    const int k = (int)ep->cfg->topk;
+    const moe_index d = ep->cfg->hidden;
+    const wave_state *s = &f->ws[w];
+    const float *out[k > 0 ? k : 1];
+    moe_index closed = 0;
+    for (moe_index row = 0, source = 0, j = 0; row < s->rows_in; row++, j++) {
+        while (j >= s->rows_from[source])
+            source++, j = 0;
+        const int32_t *meta = s->recv_meta + row * MOE_META_WORDS(k);
+        const int32_t token = moe_meta_token(meta, k);
+        int wave[k > 0 ? k : 1];
+        if (row_waves(ep, f, meta, (int)source, wave) != w)
+            continue; /* goes back in a later wave */
+        for (int slot = 0; slot < k; slot++) {
+            out[slot] = NULL;
+            if (wave[slot] < 0)
+                continue;
+            const wave_state *at = &f->ws[wave[slot]];
+            const moe_index there = wave[slot] == w ? row : find_row(at, k, token);
+            MOE_ASSERT(there >= 0 && at->slot_pair[there * k + slot] >= 0);
+            out[slot] = at->expert_out + (moe_index)at->slot_pair[there * k + slot] * d;
+        }
+        moe_ep_sum_slots(ep, meta, out, s->sums + closed++ * d);
+    }
+    MOE_ASSERT(closed == s->out_rows);
+    moe_precision_combine(ep->cfg->combine_dtype, s->sums, closed * d);
 }
 
 /* Stages dispatch, experts and combine of every wave, overlapped as the
@@ -364,7 +504,13 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
         clock.mark = MPI_Wtime();
         wave_plan_receive(ep, f, w);
         moe_pipeline_experts(ep, &ws[w].recv, ws[w].row_at, ws[w].recv_meta, ws[w].expert_out,
-                             ws[w].sums, f->expert_in, f->scratch, &clock);
+                             NULL, f->expert_in, f->scratch, &clock);
+        if (ws[w].sums) { /* --combine reduced: the rows whose last wave this is */
+            wave_sums(ep, f, w);
+            const double now = MPI_Wtime();
+            clock.compute += now - clock.mark;
+            clock.mark = now;
+        }
         moe_pipeline_fail_here(c, "experts");
         wave_combine(&ws[w], &progress, W + w, G, &f->types, &f->combine_wire, c->comm, link, &links);
         moe_pipeline_fail_here(c, "combine");
@@ -409,14 +555,14 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
 /* Stages reduce and shared: y in slot order, whatever wave each slot came
  * back in, then the shared experts on top. */
 static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forward *f,
-                         const float *x, const float *weights, float *y, moe_forward_stats *stats)
+                         const float *x, const int32_t *ids, const float *weights, float *y,
+                         moe_forward_stats *stats)
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
     const moe_index d = ep->cfg->hidden;
     const double t = MPI_Wtime();
     const int W = sched->waves;
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
-    const moe_send_plan **plans = moe_xmalloc(sizeof(moe_send_plan *) * (size_t)W);
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)(W * G));
     for (int w = 0; w < W; w++) {
         wave_state *s = &f->ws[w];
@@ -425,16 +571,14 @@ static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forw
         for (int r = 0; r < G; r++)
             s->from[r] = from[w * G + r] = r == me ? own + (moe_index)COUNTS(s, C_SEND_AT, G)[me] * d
                                                    : s->back_values + (moe_index)COUNTS(s, C_RECV_AT, G)[r] * d;
-        plans[w] = &s->send;
         if (!reduced)
             moe_combine_locate(&s->send, s->from, d, f->slot_rows);
     }
     if (reduced)
-        moe_ep_reduce_rows(ep, plans, from, W, y);
+        moe_ep_reduce_rows(ep, &ep->placement, ids, &f->waves, from, W, y);
     else
         moe_ep_reduce(ep, f->slot_rows, weights, y);
     free(from);
-    free(plans);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
     moe_ep_shared(ep, x, y, f->scratch, f->expert_in, stats);
 }
@@ -462,7 +606,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
         waves_pack(ep, sched, x, ids, weights, &f);
         stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
         waves_pipeline(ep, sched, &f, stats);
-        waves_reduce(ep, sched, &f, x, weights, y, stats);
+        waves_reduce(ep, sched, &f, x, ids, weights, y, stats);
         ep->work->last = f.ws; /* for moe_ep_time_alltoalls */
         ep->work->last_waves = sched->waves;
     } else {

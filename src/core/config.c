@@ -120,7 +120,7 @@ static const flag_spec flags[] = {
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
     {"wave-by", FLAG_CHOICE, FIELD(wave_by), 0, 0, NULL, wave_by_choices, "auto", "waves as groups of expert slots (auto: when every rank has >= W experts) or chunks of tokens (keep the dedup)", RUN},
     {"dispatch", FLAG_CHOICE, FIELD(dispatch), 0, 0, NULL, dispatch_choices, "flat", "one all-to-all over all ranks, or two stages: once per node between nodes, then within each (needs --blocking; nodes of --ranks-per-node)", RUN},
-    {"combine", FLAG_CHOICE, FIELD(combine), 0, 0, NULL, combine_choices, "reduced", "per (token, rank) its experts' weighted outputs summed at the source (DeepEP; waves of tokens), or every (token, expert) output", RUN},
+    {"combine", FLAG_CHOICE, FIELD(combine), 0, 0, NULL, combine_choices, "reduced", "per (token, rank) its experts' weighted outputs summed at the source (DeepEP), or every (token, expert) output", RUN},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
@@ -681,11 +681,6 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dump writes the flat dispatch's sums per (token, rank) (golden.md); the "
                         "two-stage dispatch sums per node too: add --combine pairs or --dispatch flat");
-    if (cfg->combine == MOE_COMBINE_REDUCED && cfg->wave_by == MOE_WAVE_BY_EXPERTS)
-        return moe_fail(st, MOE_EXIT_USAGE,
-                        "--combine reduced (the default) needs waves of tokens (a token's rows in one "
-                        "wave, its sum in one order whatever W): drop --wave-by experts, or add "
-                        "--combine pairs");
     if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL && ranks % R != 0)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dispatch hierarchical needs nodes of equal size: --ranks-per-node must "

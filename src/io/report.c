@@ -123,7 +123,7 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
     else if (cfg->combine == MOE_COMBINE_REDUCED)
         fprintf(out, ": %.0f rows, one per (token, rank), each rank's pairs summed before they "
                      "travel (--combine reduced; the pairs would be %.0f)\n",
-                s->rows_sent, pairs);
+                s->bytes_combined / moe_combine_row_bytes(cfg), pairs);
     else
         fprintf(out, ": one row per (token, expert) pair (--combine reduced sends %.0f, one per "
                      "(token, rank))\n", s->rows_one_wave > 0 ? s->rows_one_wave : s->rows_sent);
