@@ -325,9 +325,9 @@ static void wave_experts(hier_forward *f, int w)
         h->row_at[m] = values + m * d;
     const moe_index most = moe_ep_largest_batch(&h->recv);
     float *expert_in = grow(f, &ep->work->expert_in,
-                                  sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows");
+                            sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows");
     float *scratch = grow(f, &ep->work->scratch, sizeof(float) * (size_t)(most * 2 * ep->cfg->ffn),
-                                "expert activations");
+                          "expert activations");
     h->expert_out = fit(f, w, MOE_HIER_EXPERT_OUT, sizeof(float) * (size_t)(h->recv.pairs * d), "expert outputs");
     float *sums = f->reduced ? fit(f, w, MOE_HIER_SUMS, sizeof(float) * (size_t)(h->rows2 * d), "sums per (token, rank)")
                              : NULL;
@@ -483,8 +483,9 @@ static void hier_figures(hier_forward *f, const moe_schedule *sched, moe_forward
     stats->bytes_dispatched = (double)stats->rows_sent * row_bytes;
 }
 
-/* Stages reduce and shared: y in slot order, whatever wave each slot came
- * back in, then the shared experts on top. */
+/* Stages reduce and shared: y in slot order (with a reduced combine, in
+ * node order), whatever wave each row came back in, then the shared
+ * experts on top. */
 static void hier_reduce(hier_forward *f, const float *x, const float *weights, float *y,
                         moe_forward_stats *stats)
 {
@@ -492,7 +493,7 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
     const moe_index T = ep->cfg->tokens, k = ep->cfg->topk, d = ep->cfg->hidden;
     const double t = MPI_Wtime();
     const float **slot_rows = grow(f, &ep->work->slot_rows, sizeof(float *) * (size_t)(T * k),
-                                         "the reduce table");
+                                   "the reduce table");
     const bool narrow = f->out_wire.dtype != MOE_DTYPE_FP32;
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)(f->W * f->nodes));
     for (int w = 0; w < f->W; w++) {
