@@ -119,7 +119,7 @@ static const flag_spec flags[] = {
     {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", NULL, "4", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
     {"wave-by", FLAG_CHOICE, FIELD(wave_by), 0, 0, NULL, wave_by_choices, "auto", "waves as groups of expert slots (auto: when every rank has >= W experts) or chunks of tokens (keep the dedup)", RUN},
-    {"dispatch", FLAG_CHOICE, FIELD(dispatch), 0, 0, NULL, dispatch_choices, "flat", "one all-to-all over all ranks, or two stages: once per node between nodes, then within each (needs --blocking; nodes of --ranks-per-node)", RUN},
+    {"dispatch", FLAG_CHOICE, FIELD(dispatch), 0, 0, NULL, dispatch_choices, "flat", "one all-to-all over all ranks, or two stages: once per node between nodes, then within each (waves of tokens; nodes of --ranks-per-node)", RUN},
     {"combine", FLAG_CHOICE, FIELD(combine), 0, 0, NULL, combine_choices, "reduced", "per (token, rank) its experts' weighted outputs summed at the source (DeepEP), or every (token, expert) output", RUN},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
