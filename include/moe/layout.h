@@ -171,6 +171,13 @@ void moe_scatter_rows(const float *src, moe_index width, const moe_index *index,
 void moe_rows_per_destination(const moe_placement *p, const int32_t *ids, moe_index tokens,
                               int topk, const moe_waves *waves, double *rows);
 
+/* The distinct ranks p places token `token`'s k experts (ids (T, k)) on, in
+ * ascending order, into dest, each with the last wave (of waves; NULL: 0)
+ * holding one of the token's experts there, into last. Returns how many
+ * (at most k). */
+int moe_token_destinations(const moe_placement *p, const moe_waves *waves, const int32_t *ids,
+                           int topk, moe_index token, int *dest, int *last);
+
 /* hist (nodes + 1) += the number of tokens of ids (T, k) whose experts sit on
  * exactly n distinct virtual nodes of ranks_per_node ranks. */
 void moe_nodes_per_token(const moe_placement *p, const int32_t *ids, moe_index tokens, int topk,

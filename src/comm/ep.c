@@ -287,21 +287,7 @@ void moe_ep_reduce_rows(const moe_ep *ep, const moe_placement *to, const int32_t
     int dest[k > 0 ? k : 1], wave[k > 0 ? k : 1];
     memset(y, 0, sizeof(float) * (size_t)(T * d));
     for (moe_index i = 0; i < T; i++) {
-        int n = 0; /* the token's destinations, ascending, each with its last wave */
-        for (int s = 0; s < k; s++) {
-            const int e = ids[i * k + s], r = to->expert_rank[e];
-            const int v = waves ? moe_wave_of(waves, i, e) : 0;
-            int at = 0;
-            while (at < n && dest[at] < r)
-                at++;
-            if (at < n && dest[at] == r) {
-                wave[at] = v > wave[at] ? v : wave[at];
-                continue;
-            }
-            memmove(dest + at + 1, dest + at, sizeof(int) * (size_t)(n - at));
-            memmove(wave + at + 1, wave + at, sizeof(int) * (size_t)(n - at));
-            dest[at] = r, wave[at] = v, n++;
-        }
+        const int n = moe_token_destinations(to, waves, ids, k, i, dest, wave);
         float *yi = y + i * d;
         for (int m = 0; m < n; m++) {
             const int slot = wave[m] * D + dest[m];

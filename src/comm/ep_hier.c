@@ -230,22 +230,15 @@ static void hier_plan(hier_forward *f, const int32_t *ids)
     const moe_index T = ep->cfg->tokens;
     int *out = moe_xcalloc((size_t)(G * W * 2), sizeof(int));
     int *in = moe_xmalloc(sizeof(int) * (size_t)(G * W * 2));
-    moe_index *seen = moe_xmalloc(sizeof(moe_index) * (size_t)G); /* last token counted per rank */
-    for (int r = 0; r < G; r++)
-        seen[r] = -1;
+    int dest[k > 0 ? k : 1], last[k > 0 ? k : 1];
     for (int w = 0; w < W; w++) {
         hier_wave *h = &f->hw[w];
         moe_send_plan_build(&h->p1, &f->by_node, ids, T, k, &f->waves, w);
         for (int n = 0; n < f->nodes; n++)
             out[((n * R + f->local) * W + w) * 2] = (int)h->p1.row_count[n];
         for (moe_index i = moe_wave_first_token(&f->waves, w); i < moe_wave_first_token(&f->waves, w + 1); i++)
-            for (int s = 0; s < k; s++) {
-                const int r = ep->placement.expert_rank[ids[i * k + s]];
-                if (seen[r] != i) {
-                    seen[r] = i;
-                    out[(r * W + w) * 2 + 1]++;
-                }
-            }
+            for (int n = moe_token_destinations(&ep->placement, NULL, ids, k, i, dest, last) - 1; n >= 0; n--)
+                out[(dest[n] * W + w) * 2 + 1]++;
     }
     MOE_MPI(MPI_Alltoall(out, 2 * W, MPI_INT, in, 2 * W, MPI_INT, c->comm));
     const size_t row = f->in_wire.bytes, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
@@ -272,7 +265,6 @@ static void hier_plan(hier_forward *f, const int32_t *ids)
         h->recv2 = fit(f, w, MOE_HIER_RECV2, row * (size_t)h->rows2, "received rows");
         h->meta2 = fit(f, w, MOE_HIER_META2, meta * (size_t)h->rows2, "received ids");
     }
-    free(seen);
     free(in);
     free(out);
 }

@@ -75,6 +75,7 @@ typedef struct {
     float *expert_in, *scratch;       /* the largest expert batch's rows and activations */
     const float **slot_rows;          /* (T, k) the reduce table */
     float *x_scratch;                 /* (T, d) the quantised tokens, or NULL */
+    moe_index *closing;               /* --combine reduced: (W, G) rows back from each rank per wave */
     const float *x_dispatch;          /* (T, d) the tokens as dispatched */
 } waves_forward;
 
@@ -205,20 +206,6 @@ void moe_ep_forget_waves(struct moe_ep_workspace *work)
     work->last_waves = 0;
 }
 
-/* The last wave of a token on a rank: the largest wave of its experts
- * there; -1 when it has none there. */
-static int last_wave(const moe_placement *p, const moe_waves *waves, const int32_t *ids, int k,
-                     moe_index token, int rank)
-{
-    int last = -1;
-    for (int s = 0; s < k; s++) {
-        const int e = ids[token * k + s];
-        if (p->expert_rank[e] == rank && moe_wave_of(waves, token, e) > last)
-            last = moe_wave_of(waves, token, e);
-    }
-    return last;
-}
-
 /* (W, G): the rows a reduced combine brings back to this rank from each
  * rank in each wave: one per (token, rank), in the token's last wave there. */
 static moe_index *last_waves(const moe_placement *p, const moe_waves *waves, const int32_t *ids,
@@ -226,15 +213,10 @@ static moe_index *last_waves(const moe_placement *p, const moe_waves *waves, con
 {
     const int G = p->ranks;
     moe_index *rows = moe_xcalloc((size_t)(waves->waves * G), sizeof(moe_index));
+    int dest[k > 0 ? k : 1], last[k > 0 ? k : 1];
     for (moe_index i = 0; i < T; i++)
-        for (int s = 0; s < k; s++) { /* once per rank: at its first slot there */
-            const int r = p->expert_rank[ids[i * k + s]];
-            bool first = true;
-            for (int q = 0; q < s; q++)
-                first = first && p->expert_rank[ids[i * k + q]] != r;
-            if (first)
-                rows[last_wave(p, waves, ids, k, i, r) * G + r]++;
-        }
+        for (int n = moe_token_destinations(p, waves, ids, k, i, dest, last) - 1; n >= 0; n--)
+            rows[last[n] * G + dest[n]]++;
     return rows;
 }
 
@@ -276,8 +258,8 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
 
     struct moe_ep_workspace *work = ep->work;
     moe_ep_fit_slots(&work->wave, &work->waves, W, MOE_WAVE_BUFFERS);
-    moe_index *closing = cfg->combine == MOE_COMBINE_REDUCED
-                             ? last_waves(&ep->placement, &f->waves, ids, T, k) : NULL;
+    f->closing = cfg->combine == MOE_COMBINE_REDUCED
+                     ? last_waves(&ep->placement, &f->waves, ids, T, k) : NULL;
     moe_index most = MOE_SHARED_ROW_BLOCK; /* rows of the largest expert batch, for scratch */
     const double row_bytes = moe_dispatch_row_bytes(cfg);
     for (int w = 0; w < W; w++) {
@@ -308,7 +290,7 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
         /* Back: a row per pair, or with a reduced combine a row per (token,
          * rank) in the last wave that holds one of its experts there. */
         const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-        const moe_index *back_count = reduced ? closing + w * G : s->send.pair_count;
+        const moe_index *back_count = reduced ? f->closing + w * G : s->send.pair_count;
         remote_counts(back_count, G, me, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
         const moe_index own_rows = s->rows_from[me];
         moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
@@ -344,7 +326,6 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
     f->slot_rows = moe_buffer_fit(&work->slot_rows, sizeof(float *) * (size_t)(T * k), "the reduce table", me, local);
     if (cfg->dispatch_dtype != MOE_DTYPE_FP32)
         f->x_scratch = moe_buffer_fit(&work->x_scratch, sizeof(float) * (size_t)(T * d), "the quantised tokens", me, local);
-    free(closing);
     free(counts_in);
     free(counts_out);
 }
@@ -380,12 +361,9 @@ static void wave_plan_receive(const moe_ep *ep, const waves_forward *f, int w)
     COUNTS(s, C_SEND, G)[me] = 0;
     moe_ep_wire_values(&f->dispatch_wire, s->recv_rows, s->rows_in - s->rows_from[me], s->recv_values);
     row_table(s, G, me, ep->cfg->hidden, f->x_dispatch);
-    moe_index *in = moe_xmalloc(sizeof(moe_index) * (size_t)G);
-    for (int r = 0; r < G; r++)
-        in[r] = COUNTS(s, C_RECV, G)[r];
-    link_bytes(ep, in, reduced ? s->closing_from : s->recv.source_pairs,
-               moe_combine_row_bytes(ep->cfg), s->combine_bytes);
-    free(in);
+    link_bytes(ep, reduced ? f->closing + w * G : s->send.pair_count,
+               reduced ? s->closing_from : s->recv.source_pairs, moe_combine_row_bytes(ep->cfg),
+               s->combine_bytes);
 }
 
 /* The waves of a received row's slots on this rank (wave[s], -1 for a slot
@@ -613,6 +591,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
         free_waves(f.ws, sched->waves);
         *st = local;
     }
+    free(f.closing);
     moe_waves_free(&f.waves);
     moe_ep_types_free(&f.types);
     return local.code;

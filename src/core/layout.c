@@ -287,6 +287,27 @@ void moe_rows_per_destination(const moe_placement *p, const int32_t *ids, moe_in
     }
 }
 
+int moe_token_destinations(const moe_placement *p, const moe_waves *waves, const int32_t *ids,
+                           int topk, moe_index token, int *dest, int *last)
+{
+    int n = 0;
+    for (int s = 0; s < topk; s++) { /* insertion into the sorted list */
+        const int e = ids[token * topk + s], r = p->expert_rank[e];
+        const int v = waves ? moe_wave_of(waves, token, e) : 0;
+        int at = 0;
+        while (at < n && dest[at] < r)
+            at++;
+        if (at < n && dest[at] == r) {
+            last[at] = v > last[at] ? v : last[at];
+            continue;
+        }
+        memmove(dest + at + 1, dest + at, sizeof(int) * (size_t)(n - at));
+        memmove(last + at + 1, last + at, sizeof(int) * (size_t)(n - at));
+        dest[at] = r, last[at] = v, n++;
+    }
+    return n;
+}
+
 void moe_nodes_per_token(const moe_placement *p, const int32_t *ids, moe_index tokens, int topk,
                          int ranks_per_node, double *hist)
 {
