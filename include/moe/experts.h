@@ -40,6 +40,11 @@ typedef struct {
     const float *w2t; /* (f, d) = W2^T */
 } moe_expert_weights;
 
+/* C (M, N) = A (M, K) * Bt, the operand (K, N) in the layout of gemm
+ * (moe_sgemm_nn, moe_sgemm_exact or moe_sgemm_packed). */
+void moe_expert_gemm(enum moe_gemm_kind gemm, moe_index M, moe_index N, moe_index K,
+                     const float *A, moe_index lda, const float *Bt, float *C, moe_index ldc);
+
 /* Floats one expert's W1^T and W2^T take in the layout of `gemm`. */
 moe_index moe_expert_w1_floats(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn);
 moe_index moe_expert_w2_floats(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn);

@@ -25,6 +25,7 @@
 #include "moe/config.h"
 #include "moe/dims.h"
 #include "moe/experts.h"
+#include "moe/router.h"
 
 /* y (T, d) = dense MoE output for tokens routed to ids/weights (T, k), its
  * GEMMs as `gemm` says (MOE_TRUTH_EXACT: the same bytes on every machine,
@@ -51,6 +52,27 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
 void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                                const float *x_dispatched, const int32_t *ids, const float *weights,
                                moe_index tokens, int ranks, double *y, double *allow);
+
+/* The backward's truth (backward.h), fp64, every expert evaluated on the
+ * tokens that selected it (a zero gate passes a zero gradient), weights
+ * rounded to --dtype as the EP path holds them. For `tokens` tokens x, dy
+ * (T, d) routed by ids/weights (T, k) from logits (T, E) (router r, gate
+ * (E, d)): dx (T, d) (routed experts, then the router through the gate,
+ * then the shared experts), this share of the gate's gradient dgate_w (E, d)
+ * and of the shared experts' dshared_w1 (S, 2f, d) and dshared_w2 (S, d, f)
+ * (sums over these tokens; the comm layer adds the ranks' shares). */
+void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *r,
+                               enum moe_truth_gemm gemm, const float *gate, const float *x,
+                               const int32_t *ids, const float *weights, const float *logits,
+                               const float *dy, moe_index tokens, double *dx, double *dgate_w,
+                               double *dshared_w1, double *dshared_w2);
+
+/* dw1 (2f, d) and dw2 (d, f) of routed expert e over `tokens` tokens x, dy
+ * (T, d) routed by ids/weights (T, k): the whole gradient when they are
+ * every token of the layer. */
+void moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
+                               const float *x, const float *dy, const int32_t *ids,
+                               const float *weights, moe_index tokens, double *dw1, double *dw2);
 
 /* Tolerance of the EP output against the truth: |got - ref| <= abs + rel*|ref|. */
 typedef struct {

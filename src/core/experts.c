@@ -11,57 +11,12 @@
 #include "moe/gemm.h"
 #include "moe/rng.h"
 
-/* e^x in fp32 on 8 lanes, as moe_exp_fp32 specifies (experts.h): every step
- * is one IEEE single-precision operation per lane, so the bits do not depend
- * on the machine or the vector width. */
-typedef float lanes8 __attribute__((vector_size(32)));
-/* The helpers below pass 8-lane vectors by value. They are always inlined:
- * a call from the avx2 clone to a helper compiled for the default target
- * would pass the vectors in a different way than the helper expects. */
-#pragma GCC diagnostic ignored "-Wpsabi"
-#define LANES_INLINE static inline __attribute__((always_inline))
-typedef float lanes8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t ints8 __attribute__((vector_size(32)));
-
-LANES_INLINE lanes8 select8(ints8 mask, lanes8 yes, lanes8 no)
-{
-    return (lanes8)((mask & (ints8)yes) | (~mask & (ints8)no));
-}
-
-LANES_INLINE lanes8 exp8(lanes8 x)
-{
-    const float hi = 88.7228317f, lo = -87.3365402f; /* e^x finite and normal between */
-    const float shifter = 12582912.0f;                 /* 1.5 * 2^23 */
-    const ints8 over = x > hi, under = x < lo;
-    lanes8 xc = select8(over, (lanes8){0} + hi, x);
-    xc = select8(under, (lanes8){0} + lo, xc);
-    const lanes8 t = xc * 1.44269504f + shifter; /* round(xc / ln 2) in the low bits */
-    const lanes8 n = t - shifter;
-    const ints8 k = (ints8)t - 0x4b400000; /* n as an integer */
-    const lanes8 r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-    lanes8 p = (lanes8){0} + 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const ints8 k1 = k / 2, k2 = k - k1; /* 2^k = 2^k1 * 2^k2, each normal */
-    const lanes8 e = p * (lanes8)((k1 + 127) << 23) * (lanes8)((k2 + 127) << 23);
-    return select8(over, (lanes8){0} + INFINITY, select8(under, (lanes8){0}, e));
-}
+#include "lanes8.h"
 
 float moe_exp_fp32(float x)
 {
     const lanes8 v = {x};
     return exp8(v)[0];
-}
-
-/* act (n) = silu(gate) * up on 8 lanes. */
-LANES_INLINE lanes8 swiglu8(lanes8 gate, lanes8 up)
-{
-    return gate / (1.0f + exp8(-gate)) * up;
 }
 
 /* The activation in place: row n of h (rows, 2f) becomes [silu(gate) * up,
@@ -111,9 +66,8 @@ const char *moe_gemm_label(enum moe_gemm_kind gemm)
     return packed;
 }
 
-/* C (M, N) = A (M, K) * the weight operand Bt, (K, N) in the layout of gemm. */
-static void gemm_rows(enum moe_gemm_kind gemm, moe_index M, moe_index N, moe_index K,
-                      const float *A, moe_index lda, const float *Bt, float *C, moe_index ldc)
+void moe_expert_gemm(enum moe_gemm_kind gemm, moe_index M, moe_index N, moe_index K,
+                     const float *A, moe_index lda, const float *Bt, float *C, moe_index ldc)
 {
     switch (gemm) {
     case MOE_GEMM_BLAS: moe_sgemm_nn(M, N, K, A, lda, Bt, N, C, ldc); return;
@@ -134,11 +88,11 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
     for (moe_index first = 0; first < rows; first += chunk) {
         const moe_index n = rows - first < chunk ? rows - first : chunk;
         float *h = scratch + first * 2 * ffn;
-        gemm_rows(gemm, n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, h, 2 * ffn);
+        moe_expert_gemm(gemm, n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, h, 2 * ffn);
         after(hooks, MOE_FFN_L1);
         swiglu(h, n, ffn, act_scale ? act_scale + first : NULL);
         after(hooks, MOE_FFN_ACTIVATION);
-        gemm_rows(gemm, n, hidden, ffn, h, 2 * ffn, w->w2t, y + first * hidden, hidden);
+        moe_expert_gemm(gemm, n, hidden, ffn, h, 2 * ffn, w->w2t, y + first * hidden, hidden);
         after(hooks, MOE_FFN_L2);
     }
 }

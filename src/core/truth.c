@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/backward.h"
 #include "moe/common.h"
 #include "moe/experts.h"
 #include "moe/layout.h"
@@ -55,6 +56,19 @@ static void weights_f64(const moe_config *cfg, float *w1, float *w2, moe_index d
     moe_precision_weights(cfg->param_dtype, w2, d * f);
     to_f64(w1, 2 * f * d, w1_64);
     to_f64(w2, d * f, w2_64);
+}
+
+/* Routed expert n (or shared expert n) generated, rounded to --dtype, in
+ * fp64 (w1, w2 are the fp32 scratch). */
+static void generated_f64(const moe_config *cfg, bool shared, int n, float *w1, float *w2,
+                          double *w1_64, double *w2_64)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn;
+    if (shared)
+        moe_shared_expert_generate(cfg->seed, n, d, f, w1, w2);
+    else
+        moe_expert_generate(cfg->seed, n, d, f, w1, w2);
+    weights_f64(cfg, w1, w2, d, f, w1_64, w2_64);
 }
 
 /* --combine reduced: to += the partial sums of one rank's experts (or, with
@@ -118,8 +132,7 @@ static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const
             }
         }
         if (n > 0) { /* an expert no token selected adds nothing: not even its weights */
-            moe_expert_generate(cfg->seed, e, d, f, w1, w2);
-            weights_f64(cfg, w1, w2, d, f, w1_64, w2_64);
+            generated_f64(cfg, false, e, w1, w2, w1_64, w2_64);
             for (moe_index m = 0; m < n; m++)
                 memcpy(xe + m * d, x64 + row[m] * d, sizeof(double) * (size_t)d);
             moe_expert_forward_f64(gemm, w1_64, w2_64, xe, n, d, f, scratch, out);
@@ -144,8 +157,7 @@ static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const
     if (x_dispatched != x)
         to_f64(x, T * d, x64);
     for (int s = 0; s < (int)cfg->shared_experts; s++) {
-        moe_shared_expert_generate(cfg->seed, s, d, f, w1, w2);
-        weights_f64(cfg, w1, w2, d, f, w1_64, w2_64);
+        generated_f64(cfg, true, s, w1, w2, w1_64, w2_64);
         moe_expert_forward_f64(gemm, w1_64, w2_64, x64, T, d, f, scratch, out);
         /* shared experts run at home: no combine, no rounding */
         for (moe_index n = 0; n < T * d; n++)
@@ -229,4 +241,122 @@ void moe_compare(const float *got, const double *ref, const double *allow, moe_i
             stats->worst = m;
         }
     }
+}
+
+/* The tokens that selected expert e: row (n) their indices, gate (n) their
+ * weights for it. Returns n. */
+static moe_index expert_rows(int e, const int32_t *ids, const float *weights, moe_index tokens,
+                             int k, moe_index *row, double *gate)
+{
+    moe_index n = 0;
+    for (moe_index i = 0; i < tokens; i++)
+        for (int s = 0; s < k; s++)
+            if (ids[i * k + s] == e) {
+                row[n] = i;
+                gate[n++] = weights[i * k + s];
+            }
+    return n;
+}
+
+/* rows (n, d) of src (T, d) in fp64. */
+static void gather_f64(const float *src, const moe_index *row, moe_index n, moe_index d, double *dst)
+{
+    for (moe_index m = 0; m < n; m++)
+        for (moe_index j = 0; j < d; j++)
+            dst[m * d + j] = src[row[m] * d + j];
+}
+
+void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
+                               enum moe_truth_gemm gemm, const float *gate, const float *x,
+                               const int32_t *ids, const float *weights, const float *logits,
+                               const float *dy, moe_index tokens, double *dx, double *dgate_w,
+                               double *dshared_w1, double *dshared_w2)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
+    const int E = (int)cfg->experts, k = (int)cfg->topk;
+    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));
+    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
+    double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
+    double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
+    double *xe = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
+    double *dye = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
+    double *dxe = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
+    double *gate_e = moe_xmalloc(sizeof(double) * (size_t)T + 1);
+    double *dg = moe_xmalloc(sizeof(double) * (size_t)T + 1);
+    moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1);
+    double *dweights = moe_xcalloc((size_t)(T * k) + 1, sizeof(double)); /* (T, k) */
+    double *dlogits = moe_xmalloc(sizeof(double) * (size_t)(T * E) + 1);  /* (T, E) */
+    memset(dx, 0, sizeof(double) * (size_t)(T * d));
+    for (int e = 0; e < E; e++) { /* routed experts, on the tokens that selected them */
+        const moe_index n = expert_rows(e, ids, weights, T, k, row, gate_e);
+        if (n == 0)
+            continue;
+        generated_f64(cfg, false, e, w1, w2, w1_64, w2_64);
+        gather_f64(x, row, n, d, xe);
+        gather_f64(dy, row, n, d, dye);
+        moe_expert_backward_f64(gemm, w1_64, w2_64, xe, dye, gate_e, cfg->weight_at, n, d, f,
+                                dxe, dg, NULL, NULL);
+        for (moe_index m = 0; m < n; m++) {
+            for (moe_index j = 0; j < d; j++)
+                dx[row[m] * d + j] += dxe[m * d + j];
+            for (int s = 0; s < k; s++)
+                if (ids[row[m] * k + s] == e)
+                    dweights[row[m] * k + s] = dg[m];
+        }
+    }
+    for (moe_index m = 0; m < T * E; m++)
+        dlogits[m] = logits[m];
+    moe_router_backward(router, dlogits, ids, dweights, T, dlogits);
+    memset(dgate_w, 0, sizeof(double) * (size_t)(E * d));
+    moe_gate_backward(dlogits, gate, x, T, d, E, dx, dgate_w);
+    to_f64(x, T * d, xe);
+    to_f64(dy, T * d, dye);
+    for (int s = 0; s < (int)cfg->shared_experts; s++) {
+        generated_f64(cfg, true, s, w1, w2, w1_64, w2_64);
+        moe_expert_backward_f64(gemm, w1_64, w2_64, xe, dye, NULL, cfg->weight_at, T, d, f, dxe,
+                                NULL, dshared_w1 + s * 2 * f * d, dshared_w2 + s * d * f);
+        for (moe_index m = 0; m < T * d; m++)
+            dx[m] += dxe[m];
+    }
+    free(dlogits);
+    free(dweights);
+    free(row);
+    free(dg);
+    free(gate_e);
+    free(dxe);
+    free(dye);
+    free(xe);
+    free(w2_64);
+    free(w1_64);
+    free(w2);
+    free(w1);
+}
+
+void moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
+                               const float *x, const float *dy, const int32_t *ids,
+                               const float *weights, moe_index tokens, double *dw1, double *dw2)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
+    moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1);
+    double *gate = moe_xmalloc(sizeof(double) * (size_t)T + 1);
+    const moe_index n = expert_rows(e, ids, weights, T, (int)cfg->topk, row, gate);
+    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));
+    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
+    double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
+    double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
+    double *xe = moe_xmalloc(sizeof(double) * (size_t)(n * d) + 1);
+    double *dye = moe_xmalloc(sizeof(double) * (size_t)(n * d) + 1);
+    generated_f64(cfg, false, e, w1, w2, w1_64, w2_64);
+    gather_f64(x, row, n, d, xe);
+    gather_f64(dy, row, n, d, dye);
+    moe_expert_backward_f64(gemm, w1_64, w2_64, xe, dye, gate, cfg->weight_at, n, d, f, NULL, NULL,
+                            dw1, dw2);
+    free(dye);
+    free(xe);
+    free(w2_64);
+    free(w1_64);
+    free(w2);
+    free(w1);
+    free(gate);
+    free(row);
 }

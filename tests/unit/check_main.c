@@ -10,6 +10,7 @@ int main(void)
     srunner_add_suite(runner, make_router_suite());
     srunner_add_suite(runner, make_layout_suite());
     srunner_add_suite(runner, make_experts_suite());
+    srunner_add_suite(runner, make_backward_suite());
     srunner_add_suite(runner, make_link_suite());
     srunner_add_suite(runner, make_cluster_suite());
     srunner_add_suite(runner, make_quant_suite());

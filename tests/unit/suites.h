@@ -9,6 +9,7 @@ Suite *make_config_suite(void);
 Suite *make_router_suite(void);
 Suite *make_layout_suite(void);
 Suite *make_experts_suite(void);
+Suite *make_backward_suite(void);
 Suite *make_link_suite(void);
 Suite *make_cluster_suite(void);
 Suite *make_quant_suite(void);

@@ -1,0 +1,341 @@
+/* backward.c — gradients of the SwiGLU expert and of the router (see
+ * backward.h). */
+#include "moe/backward.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/common.h"
+#include "moe/config.h"
+#include "moe/exp.h"
+#include "moe/gemm.h"
+
+#include "lanes8.h"
+
+moe_index moe_expert_grad_w1_floats(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn)
+{
+    return gemm == MOE_GEMM_PACKED ? moe_sgemm_packed_floats(2 * ffn, hidden) : 2 * ffn * hidden;
+}
+
+moe_index moe_expert_grad_w2_floats(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn)
+{
+    return gemm == MOE_GEMM_PACKED ? moe_sgemm_packed_floats(hidden, ffn) : hidden * ffn;
+}
+
+/* dst = src (K, N) as the operand Bt (K, N) of gemm: itself, or for packed
+ * its transpose (N, K) packed into panels. */
+static void operand(enum moe_gemm_kind gemm, moe_index K, moe_index N, const float *src, float *dst)
+{
+    if (gemm != MOE_GEMM_PACKED) {
+        memcpy(dst, src, sizeof(float) * (size_t)(K * N));
+        return;
+    }
+    float *t = moe_xmalloc(sizeof(float) * (size_t)(K * N) + 1); /* (N, K) */
+    moe_transpose(K, N, src, t);
+    moe_sgemm_pack(N, K, t, dst);
+    free(t);
+}
+
+void moe_expert_grad_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn,
+                            const float *w1, const float *w2, float *w1g, float *w2g)
+{
+    operand(gemm, 2 * ffn, hidden, w1, w1g);
+    operand(gemm, hidden, ffn, w2, w2g);
+}
+
+/* The SwiGLU's backward, in place, on n rows: h (n, 2f) holds [gate, up] on
+ * entry; da (n, f) the gradient of the activation. On return h holds dH =
+ * [dA * up * silu'(gate), dA * silu(gate)] and act (n, f), when not NULL,
+ * the activation silu(gate) * up with the forward's bits (scaled by
+ * scale[n] when scale is given, as the forward scales it). Every step one
+ * fp32 operation per lane: the bits do not depend on the vector width. */
+__attribute__((target_clones("avx2", "default")))
+static void swiglu_backward(float *h, const float *da, moe_index n, moe_index ffn, float *act,
+                            const float *scale)
+{
+#pragma omp parallel for schedule(static)
+    for (moe_index r = 0; r < n; r++) {
+        float *gate = h + r * 2 * ffn, *up = gate + ffn;
+        const float *d = da + r * ffn;
+        for (moe_index c0 = 0; c0 < ffn; c0 += 8) {
+            const int w = ffn - c0 < 8 ? (int)(ffn - c0) : 8;
+            lanes8 g = {0}, u = {0}, dv = {0};
+            for (int i = 0; i < w; i++) {
+                g[i] = gate[c0 + i];
+                u[i] = up[c0 + i];
+                dv[i] = d[c0 + i];
+            }
+            const lanes8 silu = g / (1.0f + exp8(-g));
+            const lanes8 sig = 1.0f / (1.0f + exp8(-g));
+            const lanes8 a = silu * u;
+            const lanes8 dgate = dv * u * (sig + silu * (1.0f - sig));
+            const lanes8 dup = dv * silu;
+            for (int i = 0; i < w; i++) {
+                if (act)
+                    act[r * ffn + c0 + i] = scale ? a[i] * scale[r] : a[i];
+                gate[c0 + i] = dgate[i];
+                up[c0 + i] = dup[i];
+            }
+        }
+    }
+}
+
+/* sum over j ascending of a[j] * b[j] in fp64, rounded once. */
+static float dot(const float *a, const float *b, moe_index n)
+{
+    double sum = 0.0;
+    for (moe_index j = 0; j < n; j++)
+        sum += (double)a[j] * (double)b[j];
+    return (float)sum;
+}
+
+void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_grad_weights *bw,
+                              enum moe_gemm_kind gemm, const float *x, const float *dy,
+                              const float *gate, const float *out, int weight_at, moe_index n,
+                              moe_index hidden, moe_index ffn, float *work, float *dx,
+                              float *dgate)
+{
+    if (n == 0)
+        return;
+    const moe_index d = hidden, f = ffn;
+    const bool at_activation = gate && weight_at == MOE_WEIGHT_AT_ACTIVATION;
+    float *dO = work, *dH = work + n * d, *act = dH + n * 2 * f; /* (n, d), (n, 2f), (n, f) */
+    float *h = moe_xmalloc(sizeof(float) * (size_t)(n * 2 * f)); /* (n, 2f) */
+    float *da = moe_xmalloc(sizeof(float) * (size_t)(n * f));    /* (n, f) */
+    moe_expert_gemm(gemm, n, 2 * f, d, x, d, fw->w1t, h, 2 * f); /* recomputed */
+    if (gate && !at_activation) {
+        float *o = (float *)out;
+        if (!out) { /* o = a W2^T, the forward's output, recomputed */
+            o = moe_xmalloc(sizeof(float) * (size_t)(n * d));
+            float *a = moe_xmalloc(sizeof(float) * (size_t)(n * 2 * f));
+            memcpy(a, h, sizeof(float) * (size_t)(n * 2 * f));
+            float *zero = moe_xcalloc((size_t)(n * f), sizeof(float));
+            swiglu_backward(a, zero, n, f, act, NULL);
+            moe_expert_gemm(gemm, n, d, f, act, f, fw->w2t, o, d);
+            free(zero);
+            free(a);
+        }
+        for (moe_index r = 0; r < n; r++) {
+            dgate[r] = dot(dy + r * d, o + r * d, d);
+            for (moe_index j = 0; j < d; j++)
+                dO[r * d + j] = gate[r] * dy[r * d + j];
+        }
+        if (o != out)
+            free(o);
+    } else {
+        memcpy(dO, dy, sizeof(float) * (size_t)(n * d));
+    }
+    moe_expert_gemm(gemm, n, f, d, dO, d, bw->w2, da, f); /* dA' = dO W2 */
+    if (at_activation) {
+        /* the activation unscaled, for dg = <dA', a>; then dA = g dA' */
+        memcpy(dH, h, sizeof(float) * (size_t)(n * 2 * f));
+        float *zero = moe_xcalloc((size_t)(n * f), sizeof(float));
+        swiglu_backward(dH, zero, n, f, act, NULL);
+        free(zero);
+        for (moe_index r = 0; r < n; r++) {
+            dgate[r] = dot(da + r * f, act + r * f, f);
+            for (moe_index c = 0; c < f; c++)
+                da[r * f + c] *= gate[r];
+        }
+    }
+    memcpy(dH, h, sizeof(float) * (size_t)(n * 2 * f));
+    swiglu_backward(dH, da, n, f, act, at_activation ? gate : NULL); /* act = a' */
+    moe_expert_gemm(gemm, n, d, 2 * f, dH, 2 * f, bw->w1, dx, d); /* dx = dH W1 */
+    free(da);
+    free(h);
+}
+
+void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, moe_index n,
+                                 moe_index hidden, moe_index ffn, const float *work, float *dw1,
+                                 float *dw2)
+{
+    const moe_index d = hidden, f = ffn;
+    if (n == 0) {
+        memset(dw1, 0, sizeof(float) * (size_t)(2 * f * d));
+        memset(dw2, 0, sizeof(float) * (size_t)(d * f));
+        return;
+    }
+    const float *dO = work, *dH = work + n * d, *act = dH + n * 2 * f;
+    /* A operands transposed, (out, rows); B operands (rows, in) in gemm's layout */
+    const moe_index most = d > 2 * f ? d : 2 * f;
+    float *at = moe_xmalloc(sizeof(float) * (size_t)(most * n));
+    const moe_index b_floats = gemm == MOE_GEMM_PACKED ? moe_sgemm_packed_floats(n, most) : n * most;
+    float *b = moe_xmalloc(sizeof(float) * (size_t)b_floats);
+    moe_transpose(n, d, dO, at); /* dO^T (d, n) */
+    operand(gemm, n, f, act, b);
+    moe_expert_gemm(gemm, d, f, n, at, n, b, dw2, f);
+    moe_transpose(n, 2 * f, dH, at); /* dH^T (2f, n) */
+    operand(gemm, n, d, x, b);
+    moe_expert_gemm(gemm, 2 * f, d, n, at, n, b, dw1, d);
+    free(b);
+    free(at);
+}
+
+/* dst (cols, rows) = src (rows, cols)^T, fp64. */
+static void transpose_f64(moe_index rows, moe_index cols, const double *src, double *dst)
+{
+    for (moe_index r = 0; r < rows; r++)
+        for (moe_index c = 0; c < cols; c++)
+            dst[c * rows + r] = src[r * cols + c];
+}
+
+void moe_expert_backward_f64(enum moe_truth_gemm gemm, const double *w1, const double *w2,
+                             const double *x, const double *dy, const double *gate, int weight_at,
+                             moe_index n, moe_index hidden, moe_index ffn, double *dx,
+                             double *dgate, double *dw1, double *dw2)
+{
+    const moe_index d = hidden, f = ffn;
+    void (*product)(moe_index, moe_index, moe_index, const double *, moe_index, const double *,
+                    moe_index, double *, moe_index) =
+        gemm == MOE_TRUTH_EXACT ? moe_dgemm_nt_exact : moe_dgemm_nt;
+    if (n == 0) {
+        if (dw1)
+            memset(dw1, 0, sizeof(double) * (size_t)(2 * f * d));
+        if (dw2)
+            memset(dw2, 0, sizeof(double) * (size_t)(d * f));
+        return;
+    }
+    const bool at_activation = gate && weight_at == MOE_WEIGHT_AT_ACTIVATION;
+    const moe_index most = d > 2 * f ? d : 2 * f;
+    double *h = moe_xmalloc(sizeof(double) * (size_t)(n * 2 * f));  /* (n, 2f), then dH */
+    double *a = moe_xmalloc(sizeof(double) * (size_t)(n * f));      /* (n, f): a' */
+    double *da = moe_xmalloc(sizeof(double) * (size_t)(n * f));     /* (n, f) */
+    double *dO = moe_xmalloc(sizeof(double) * (size_t)(n * d));     /* (n, d), also o */
+    double *t1 = moe_xmalloc(sizeof(double) * (size_t)(most * n));  /* transposes */
+    double *t2 = moe_xmalloc(sizeof(double) * (size_t)(most * most > most * n ? most * most : most * n));
+    product(n, 2 * f, d, x, d, w1, d, h, 2 * f);
+    for (moe_index m = 0; m < n * f; m++) {
+        const double g = h[(m / f) * 2 * f + m % f], u = h[(m / f) * 2 * f + f + m % f];
+        a[m] = g / (1.0 + moe_exp_fp64(-g)) * u;
+    }
+    if (gate && !at_activation) {
+        product(n, d, f, a, f, w2, f, dO, d); /* o = a W2^T */
+        for (moe_index r = 0; r < n; r++) {
+            double sum = 0.0;
+            for (moe_index j = 0; j < d; j++)
+                sum += dy[r * d + j] * dO[r * d + j];
+            if (dgate)
+                dgate[r] = sum;
+            for (moe_index j = 0; j < d; j++)
+                dO[r * d + j] = gate[r] * dy[r * d + j];
+        }
+    } else {
+        memcpy(dO, dy, sizeof(double) * (size_t)(n * d));
+    }
+    transpose_f64(d, f, w2, t2); /* W2^T (f, d): dA = dO W2 */
+    product(n, f, d, dO, d, t2, d, da, f);
+    if (at_activation)
+        for (moe_index r = 0; r < n; r++) {
+            double sum = 0.0;
+            for (moe_index c = 0; c < f; c++)
+                sum += da[r * f + c] * a[r * f + c];
+            if (dgate)
+                dgate[r] = sum;
+            for (moe_index c = 0; c < f; c++) {
+                da[r * f + c] *= gate[r];
+                a[r * f + c] *= gate[r]; /* a' */
+            }
+        }
+    for (moe_index m = 0; m < n * f; m++) {
+        double *g = h + (m / f) * 2 * f + m % f, *u = g + f;
+        const double s = 1.0 / (1.0 + moe_exp_fp64(-*g)), silu = *g * s;
+        const double dgv = da[m] * *u * (s + silu * (1.0 - s)), duv = da[m] * silu;
+        *g = dgv;
+        *u = duv;
+    }
+    if (dx) {
+        transpose_f64(2 * f, d, w1, t2); /* W1^T (d, 2f): dx = dH W1 */
+        product(n, d, 2 * f, h, 2 * f, t2, 2 * f, dx, d);
+    }
+    if (dw2) {
+        transpose_f64(n, d, dO, t1); /* dO^T (d, n) */
+        transpose_f64(n, f, a, t2);  /* a'^T (f, n) */
+        product(d, f, n, t1, n, t2, n, dw2, f);
+    }
+    if (dw1) {
+        transpose_f64(n, 2 * f, h, t1); /* dH^T (2f, n) */
+        double *xt = moe_xmalloc(sizeof(double) * (size_t)(d * n));
+        transpose_f64(n, d, x, xt);
+        product(2 * f, d, n, t1, n, xt, n, dw1, d);
+        free(xt);
+    }
+    free(t2);
+    free(t1);
+    free(dO);
+    free(da);
+    free(a);
+    free(h);
+}
+
+void moe_router_backward(const moe_router *r, const double *logits, const int32_t *ids,
+                         const double *dweights, moe_index tokens, double *dlogits)
+{
+    const int E = r->experts, k = r->topk;
+    const bool sigmoid = r->kind == MOE_ROUTER_DEEPSEEK_V3 && r->bias;
+    const bool normalize = r->normalize || sigmoid;
+    const double c = (double)r->route_scale;
+#pragma omp parallel for schedule(static)
+    for (moe_index i = 0; i < tokens; i++) {
+        double p[4096], dp[4096]; /* E <= 4096 (the --experts bound) */
+        const double *logit = logits + i * E;
+        double *dl = dlogits + i * E;
+        double max = -INFINITY;
+        for (int e = 0; e < E; e++) {
+            p[e] = logit[e] + (r->skew ? (double)r->skew[e] : 0.0);
+            max = p[e] > max ? p[e] : max;
+            dp[e] = 0.0;
+        }
+        if (sigmoid) {
+            for (int e = 0; e < E; e++)
+                p[e] = 1.0 / (1.0 + moe_exp_fp64(-p[e]));
+        } else {
+            double sum = 0.0;
+            for (int e = 0; e < E; e++)
+                sum += (p[e] = moe_exp_fp64(p[e] - max));
+            for (int e = 0; e < E; e++)
+                p[e] /= sum;
+        }
+        const int32_t *id = ids + i * k;
+        const double *dw = dweights + i * k;
+        double S = 0.0, weighted = 0.0;
+        for (int s = 0; s < k; s++) {
+            S += p[id[s]];
+            weighted += dw[s] * p[id[s]];
+        }
+        for (int s = 0; s < k; s++)
+            dp[id[s]] += normalize ? c * (dw[s] / S - weighted / (S * S)) : c * dw[s];
+        if (sigmoid) {
+            for (int e = 0; e < E; e++)
+                dl[e] = dp[e] * p[e] * (1.0 - p[e]);
+        } else {
+            double mean = 0.0;
+            for (int e = 0; e < E; e++)
+                mean += p[e] * dp[e];
+            for (int e = 0; e < E; e++)
+                dl[e] = p[e] * (dp[e] - mean);
+        }
+    }
+}
+
+void moe_gate_backward(const double *dlogits, const float *gate, const float *x, moe_index tokens,
+                       moe_index hidden, int experts, double *dx, double *dgate_w)
+{
+    const moe_index d = hidden, E = experts;
+    if (dx)
+#pragma omp parallel for schedule(static)
+        for (moe_index i = 0; i < tokens; i++)
+            for (moe_index e = 0; e < E; e++) {
+                const double g = dlogits[i * E + e];
+                for (moe_index j = 0; j < d; j++)
+                    dx[i * d + j] += g * (double)gate[e * d + j];
+            }
+    if (dgate_w)
+#pragma omp parallel for schedule(static)
+        for (moe_index e = 0; e < E; e++)
+            for (moe_index i = 0; i < tokens; i++) {
+                const double g = dlogits[i * E + e];
+                for (moe_index j = 0; j < d; j++)
+                    dgate_w[e * d + j] += g * (double)x[i * d + j];
+            }
+}
