@@ -97,11 +97,17 @@ double moe_comm_min(const moe_comm *c, double v);
 double moe_comm_sum(const moe_comm *c, double v);
 /* Element-wise sum of v (n) over ranks, in place on every rank. */
 void moe_comm_sum_array(const moe_comm *c, double *v, int n);
+/* v (n) = the sum of every rank's v in rank order (0 + v_0 + v_1 + ...), the
+ * same bits on every rank and in every run with the same G (MPI_Allreduce
+ * promises neither); chunks of v travel by MPI_Allgather. */
+void moe_comm_sum_ordered(const moe_comm *c, double *v, moe_index n);
 /* all (G, n) on rank 0 = every rank's v (n); all is ignored elsewhere. */
 void moe_comm_gather_doubles(const moe_comm *c, const double *v, int n, double *all);
 /* all on rank 0 = every rank's `bytes` bytes of mine, in rank order (all is
  * ignored elsewhere). Collective. */
 void moe_comm_gather_bytes(const moe_comm *c, const void *mine, size_t bytes, void *all);
+/* The same on every rank (MPI_Allgather). */
+void moe_comm_allgather_bytes(const moe_comm *c, const void *mine, size_t bytes, void *all);
 /* The same with a size per rank: rank 0 receives a malloc'd *all and the
  * sizes (G), NULL elsewhere. Returns MOE_EXIT_RUNTIME on every rank when a
  * size passes what one MPI count can say (2 GiB). Collective. */

@@ -30,6 +30,12 @@ typedef struct {
     float *y;                /* (T, d) */
     uint64_t y_digest;       /* of the first timed forward's output */
     double *per_iter;        /* (iters, columns) per-forward maxima over ranks */
+    /* --backward */
+    float *dy;               /* (T, d) the upstream gradient (rng.h, MOE_TENSOR_GRAD_OUTPUT) */
+    moe_ep_grads grads;      /* this rank's gradients of the last step */
+    moe_backward_stats last_bwd; /* this rank's figures of the last backward */
+    uint64_t grads_digest;   /* of the first step's gradients */
+    double *per_iter_bwd;    /* (iters, columns) per-step maxima over ranks */
     moe_trace trace;         /* the last forward's events (schedule.trace points here) */
     double last_expert_seconds; /* this rank's, in the last forward */
     moe_forward_stats last;  /* this rank's figures of the last forward */
@@ -46,7 +52,8 @@ void moe_context_close(moe_run_context *ctx);
 
 /* iters forwards on the path the configuration asks for (the wave pipeline
  * under ctx->schedule, or the blocking reference path with --blocking),
- * each from an aligned start (barrier): route, then the layer. Fills the
+ * each from an aligned start (barrier): route, then the layer; with
+ * --backward each a training step (moe_ep_backward_ref). Fills the
  * summary's times (median over the forwards of the max over ranks), traffic
  * and run-to-run identity. Collective. */
 int moe_context_timed_forwards(moe_run_context *ctx, int iters);

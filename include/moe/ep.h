@@ -49,6 +49,10 @@ typedef struct moe_ep_s {
     float *shared_w1;  /* (S, ...) */
     float *shared_w2;  /* (S, ...) */
     float *gate;       /* (E, d) */
+    /* With --backward: the weights as the backward's data GEMMs take them
+     * (backward.h, moe_expert_grad_layout); NULL without. */
+    float *w1g, *w2g;               /* (EL, ...) */
+    float *shared_w1g, *shared_w2g; /* (S, ...) */
     float *bias;       /* (E) deepseek-v3 correction bias, NULL without */
     float *skew;       /* (E) --skew logit bias, NULL without */
     int32_t *replay_ids;   /* (T, k) --routing: this rank's ids, replacing the router's; NULL: none */
@@ -117,6 +121,36 @@ void moe_ep_capture_free(moe_ep_capture *capture);
 int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
                        const float *weights, float *y, moe_forward_stats *stats,
                        moe_ep_capture *capture, moe_status *st);
+
+/* One rank's gradients of the layer (moe_ep_backward_ref). */
+typedef struct {
+    float *dx;         /* (T, d) this rank's tokens */
+    float *dw1, *dw2;  /* (EL, 2f, d), (EL, d, f) this rank's routed experts, over every token */
+    float *dshared_w1; /* (S, 2f, d) the shared experts', over every rank's tokens */
+    float *dshared_w2; /* (S, d, f) */
+    float *dgate;      /* (E, d) the gate weight's, over every rank's tokens */
+} moe_ep_grads;
+
+/* Allocated for ep (moe_xmalloc: a failure ends the job with exit 3). */
+void moe_ep_grads_init(const moe_ep *ep, moe_ep_grads *g);
+void moe_ep_grads_free(moe_ep_grads *g);
+
+/* One training step of the layer on the blocking reference path: the
+ * forward of moe_ep_forward_ref (y, fwd), keeping its plan, received rows
+ * and expert outputs, then the backward for the upstream gradient dy (T,
+ * d) as its mirror image (ep_backward.c): dy rows go out along the
+ * dispatch's plan (one per token and rank), each rank's experts compute dx
+ * per pair, dL/dweight and their dW (rows in global token order), dx goes
+ * home as the combine came (summed per row at the source with --combine
+ * reduced, per pair with pairs) with dL/dweight per pair, and the home rank
+ * adds its shared experts' dx and the router's (through logits (T, E) of
+ * moe_ep_route). The replicated weights' gradients (shared experts, gate)
+ * are summed over ranks in rank order (moe_comm_sum_ordered). Needs fp32
+ * on the wire and the router's own routing (moe_config_validate says so).
+ * Collective; returns as moe_ep_forward_ref does. */
+int moe_ep_backward_ref(const moe_ep *ep, const float *x, const float *logits, const int32_t *ids,
+                        const float *weights, const float *dy, float *y, moe_ep_grads *g,
+                        moe_forward_stats *fwd, moe_backward_stats *bwd, moe_status *st);
 
 /* The same layer with the two-stage dispatch and combine of
  * --dispatch hierarchical (ep_hier.c): each token crosses to another node

@@ -25,6 +25,21 @@ typedef struct {
     double rows_sent; /* dispatched rows, all ranks */
 } moe_curve_point;
 
+/* The gradient tensors --backward --check compares with the fp64 truth. */
+enum { MOE_GRAD_DX, MOE_GRAD_DW1, MOE_GRAD_DW2, MOE_GRAD_SHARED_W1, MOE_GRAD_SHARED_W2,
+       MOE_GRAD_GATE, MOE_GRAD_TENSORS };
+extern const char *const moe_grad_names[MOE_GRAD_TENSORS];
+
+/* One gradient tensor against its truth, over every rank's part. */
+typedef struct {
+    bool checked;
+    double length;       /* the accumulation length its tolerance counts (truth.h) */
+    double rms;          /* of the truth (per expert for dW: the largest) */
+    double max_abs;      /* max |got - truth| */
+    double max_used;     /* max |got - truth| / (abs + rel |truth|); <= 1 passes */
+    bool nonfinite;
+} moe_grad_check;
+
 typedef struct {
     const moe_config *cfg;
     const moe_link *link;
@@ -68,6 +83,14 @@ typedef struct {
     double memory_estimate;          /* moe_config_memory_per_rank: what was checked up front */
     bool quantised;
     double quant_max_abs, quant_max_rel_rms; /* max |y - y_fp32|, and over rms(y_fp32) */
+    /* --backward */
+    bool backward;
+    double bwd_seconds[MOE_BWD_STAGES]; /* median over steps of the max over ranks */
+    double step_seconds;                /* the same for forward + backward */
+    double bwd_bytes_combine, bwd_bytes_dispatch; /* summed over ranks, one step */
+    double dgrad_flops, wgrad_flops;    /* the routed experts', summed over ranks */
+    bool grads_identical;               /* every step gave the same gradient bits */
+    moe_grad_check grad_check[MOE_GRAD_TENSORS]; /* --check */
     /* --check */
     bool checked;
     bool iterations_identical; /* every iteration gave the same bits */

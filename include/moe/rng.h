@@ -28,6 +28,7 @@ enum moe_tensor {
     MOE_TENSOR_BIAS = 7,      /* deepseek-v3 correction bias (E), entity 0 */
     MOE_TENSOR_TOKEN_SCALE = 8, /* --input-dist activations: a token's binade, index = global id */
     MOE_TENSOR_CHANNEL = 9,   /* --input-dist activations: outlier channels, index = j */
+    MOE_TENSOR_GRAD_OUTPUT = 10, /* dy (G*T, d) of --backward, entity 0, row = global token id */
 };
 
 /* The fp32 value of element `index` of (tensor, entity): uniform in

@@ -87,4 +87,26 @@ typedef struct {
     double test_seconds;         /* inside MPI_Test */
 } moe_forward_stats;
 
+/* The stages of one backward on the blocking path, in order. */
+enum moe_bwd_stage {
+    MOE_BWD_COMBINE,  /* combine backward: dy rows to the experts' ranks (MPI_Alltoallv) */
+    MOE_BWD_DGRAD,    /* experts: dx per pair and dL/dweight (the backward's B) */
+    MOE_BWD_WGRAD,    /* experts: dW1, dW2 (the backward's W: no communication) */
+    MOE_BWD_DISPATCH, /* dispatch backward: dx rows and dL/dweight home (MPI_Alltoallv) */
+    MOE_BWD_REDUCE,   /* dx of each token from the rows that came home */
+    MOE_BWD_SHARED,   /* the shared experts' dx and dW */
+    MOE_BWD_ROUTER,   /* through the router and the gate: dx, dW_g */
+    MOE_BWD_ALLREDUCE, /* the replicated weights' gradients summed over ranks */
+    MOE_BWD_STAGES
+};
+
+extern const char *const moe_bwd_stage_names[MOE_BWD_STAGES];
+
+typedef struct {
+    double seconds[MOE_BWD_STAGES];
+    double bytes_combine;  /* combine backward: dy rows sent, self included */
+    double bytes_dispatch; /* dispatch backward: dx rows and per-pair dL/dweight sent */
+    double dgrad_flops, wgrad_flops; /* sgemm FLOPs of the routed experts' B and W */
+} moe_backward_stats;
+
 #endif

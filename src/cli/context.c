@@ -12,6 +12,7 @@
 #include "moe/files.h"
 #include "moe/gemm.h"
 #include "moe/golden.h"
+#include "moe/rng.h"
 #include "moe/routing.h"
 
 /* Every output path can be written, and no two name the same place (nor a
@@ -192,11 +193,71 @@ static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
     s->test_seconds = m[COL_TEST];
 }
 
+/* --backward: per step, each rank's backward stages and the step's time
+ * (origin to the gradients complete), reduced with max over ranks. */
+enum { BWD_STEP = MOE_BWD_STAGES, BWD_COLS };
+
+static uint64_t grads_digest(const moe_run_context *ctx)
+{
+    const moe_config *cfg = &ctx->cfg;
+    const moe_ep_grads *g = &ctx->grads;
+    const size_t d = (size_t)cfg->hidden, f = (size_t)cfg->ffn, EL = (size_t)ctx->ep.local_experts,
+                 S = (size_t)cfg->shared_experts;
+    const struct {
+        const float *v;
+        size_t n;
+    } parts[] = {{g->dx, (size_t)cfg->tokens * d}, {g->dw1, EL * 2 * f * d}, {g->dw2, EL * d * f},
+                 {g->dshared_w1, S * 2 * f * d}, {g->dshared_w2, S * d * f},
+                 {g->dgate, (size_t)cfg->experts * d}};
+    uint64_t digest = 0;
+    for (size_t p = 0; p < sizeof parts / sizeof parts[0]; p++)
+        digest = digest * 1000003u ^ moe_digest64(parts[p].v, sizeof(float) * parts[p].n);
+    return digest;
+}
+
+static void backward_row(moe_run_context *ctx, int it, double origin, bool *identical)
+{
+    double *row = ctx->per_iter_bwd + (size_t)it * BWD_COLS;
+    memcpy(row, ctx->last_bwd.seconds, sizeof ctx->last_bwd.seconds);
+    row[BWD_STEP] = moe_comm_time() - origin;
+    moe_comm_max_array(ctx->comm, row, BWD_COLS);
+    const uint64_t digest = grads_digest(ctx);
+    if (it == 0)
+        ctx->grads_digest = digest;
+    else if (digest != ctx->grads_digest)
+        *identical = false;
+}
+
+static void summarize_backward(moe_run_context *ctx, int iters, bool identical)
+{
+    const moe_comm *c = ctx->comm;
+    moe_run_summary *s = &ctx->summary;
+    double column[iters];
+    for (int n = 0; n < BWD_COLS; n++) {
+        for (int it = 0; it < iters; it++)
+            column[it] = ctx->per_iter_bwd[(size_t)it * BWD_COLS + n];
+        const double m = moe_median(column, iters);
+        if (n == BWD_STEP)
+            s->step_seconds = m;
+        else
+            s->bwd_seconds[n] = m;
+    }
+    s->backward = true;
+    s->bwd_bytes_combine = moe_comm_sum(c, ctx->last_bwd.bytes_combine);
+    s->bwd_bytes_dispatch = moe_comm_sum(c, ctx->last_bwd.bytes_dispatch);
+    s->dgrad_flops = moe_comm_sum(c, ctx->last_bwd.dgrad_flops);
+    s->wgrad_flops = moe_comm_sum(c, ctx->last_bwd.wgrad_flops);
+    s->grads_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
+}
+
 static int forward(moe_run_context *ctx, double origin)
 {
     if (ctx->cfg.blocking && ctx->cfg.dispatch == MOE_DISPATCH_HIERARCHICAL)
         return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
                                    &ctx->status);
+    if (ctx->cfg.backward)
+        return moe_ep_backward_ref(&ctx->ep, ctx->x, ctx->logits, ctx->ids, ctx->weights, ctx->dy,
+                                   ctx->y, &ctx->grads, &ctx->last, &ctx->last_bwd, &ctx->status);
     if (ctx->cfg.blocking)
         return moe_ep_forward_ref(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
                                   NULL, &ctx->status);
@@ -212,9 +273,11 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     const moe_index n = ctx->cfg.tokens * ctx->cfg.hidden;
     const bool progress = c->rank == 0 && iters > 1 && isatty(STDERR_FILENO);
     moe_run_summary *s = &ctx->summary;
-    bool identical = true;
+    bool identical = true, grads_identical = true;
     int rc = MOE_EXIT_OK;
     free(ctx->per_iter);
+    free(ctx->per_iter_bwd);
+    ctx->per_iter_bwd = moe_xmalloc(sizeof(double) * (size_t)(iters * BWD_COLS));
     ctx->per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * COLS));
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
         moe_trace_clear(&ctx->trace);
@@ -234,6 +297,8 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
             ctx->y_digest = digest;
         else if (digest != ctx->y_digest)
             identical = false;
+        if (ctx->cfg.backward && rc == MOE_EXIT_OK)
+            backward_row(ctx, it, origin, &grads_identical);
         if (progress)
             fprintf(stderr, "\rmoe-ep: W=%d forward %d/%d", ctx->schedule.waves, it + 1, iters);
     }
@@ -248,6 +313,8 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     s->wave_kind = ctx->last.wave_kind;
     s->progress = ctx->schedule.progress;
     s->iterations_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
+    if (ctx->cfg.backward)
+        summarize_backward(ctx, iters, grads_identical);
     return MOE_EXIT_OK;
 }
 
@@ -297,12 +364,21 @@ static void buffers_init(moe_run_context *ctx)
     ctx->ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
     ctx->weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
     ctx->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    if (cfg->backward) {
+        ctx->dy = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+        moe_synth_fill(cfg->seed, MOE_TENSOR_GRAD_OUTPUT, 0, (uint64_t)ctx->comm->rank * (uint64_t)(T * d),
+                       T * d, 1.0f, ctx->dy);
+        moe_ep_grads_init(&ctx->ep, &ctx->grads);
+    }
 }
 
 void moe_context_close(moe_run_context *ctx)
 {
     moe_trace_free(&ctx->trace);
     free(ctx->per_iter);
+    free(ctx->per_iter_bwd);
+    free(ctx->dy);
+    moe_ep_grads_free(&ctx->grads);
     free(ctx->y);
     free(ctx->weights);
     free(ctx->ids);

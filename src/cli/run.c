@@ -79,6 +79,113 @@ static void check_against_truth(moe_run_context *ctx)
     free(truth);
 }
 
+/* One gradient tensor got (n) against its truth (n): the tolerance is that
+ * of moe_tolerance_for with `length` in place of the forward's, over the
+ * rms of the truth (of every rank's part when distributed, which makes
+ * this collective; else of this rank's tensor alone). Folds the result into
+ * check (maxima; moe_grad_checks_reduce takes them over ranks). */
+static void grad_compare(const moe_comm *c, const float *got, const double *truth, moe_index n,
+                         bool distributed, double length, moe_grad_check *check)
+{
+    double squares = moe_sum_squares(truth, n), count = (double)n;
+    if (distributed) {
+        squares = moe_comm_sum(c, squares);
+        count = moe_comm_sum(c, count);
+    }
+    const double rms = count > 0 ? sqrt(squares / count) : 0.0;
+    const double rel = 0x1p-24 * length;
+    const moe_tolerance tol = {rel * rms, rel};
+    moe_compare_stats st;
+    moe_compare(got, truth, NULL, n, tol, &st);
+    check->checked = true;
+    check->length = length;
+    check->rms = fmax(check->rms, rms);
+    check->max_abs = fmax(check->max_abs, st.max_abs);
+    check->max_used = fmax(check->max_used, st.max_used);
+    check->nonfinite = check->nonfinite || st.first_nonfinite >= 0;
+}
+
+/* --backward --check: every gradient tensor against the fp64 truth
+ * (truth.h). Each tolerance counts the fp32 accumulation lengths its values
+ * went through, one rounding per step at most (as moe_tolerance_for): the
+ * chains every backward value depends on, 2d + 2f + k + S + 8 (h recomputed
+ * over d, dA = dO W2 over d, the SwiGLU's derivative and the gate's
+ * products, 8 steps at most, dx = dH W1 over 2f, dx summed over k routed
+ * and S shared experts), plus, for a weight gradient, the rows its wgrad
+ * GEMM sums in fp32 (the expert's tokens; a shared expert's, the rank's T,
+ * ranks then added in fp64). The gate's gradient is summed in fp64.
+ * Collective. */
+static void check_backward(moe_run_context *ctx)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_config *cfg = &ctx->cfg;
+    const moe_ep *ep = &ctx->ep;
+    moe_run_summary *s = &ctx->summary;
+    const moe_ep_grads *g = &ctx->grads;
+    const int G = c->ranks, k = (int)cfg->topk;
+    const moe_index T = cfg->tokens, d = cfg->hidden, ff = cfg->ffn, E = cfg->experts;
+    const moe_index S = cfg->shared_experts, N = (moe_index)G * T;
+    const double base = (double)(2 * d + 2 * ff + k + S + 8);
+    moe_grad_check *checks = s->grad_check;
+    memset(checks, 0, sizeof(moe_grad_check) * MOE_GRAD_TENSORS);
+
+    double *dx = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    double *dgate = moe_xmalloc(sizeof(double) * (size_t)(E * d));
+    double *dw1 = moe_xmalloc(sizeof(double) * (size_t)((S > 1 ? S : 1) * 2 * ff * d));
+    double *dw2 = moe_xmalloc(sizeof(double) * (size_t)((S > 1 ? S : 1) * d * ff));
+    moe_truth_backward_tokens(cfg, &ep->router, MOE_TRUTH_BLAS, ep->gate, ctx->x, ctx->ids,
+                              ctx->weights, ctx->logits, ctx->dy, T, dx, dgate, dw1, dw2);
+    grad_compare(c, g->dx, dx, T * d, true, base, &checks[MOE_GRAD_DX]);
+    moe_comm_sum_ordered(c, dgate, E * d);
+    grad_compare(c, g->dgate, dgate, E * d, false, base, &checks[MOE_GRAD_GATE]);
+    if (S > 0) {
+        moe_comm_sum_ordered(c, dw1, S * 2 * ff * d);
+        moe_comm_sum_ordered(c, dw2, S * d * ff);
+        for (moe_index sh = 0; sh < S; sh++) {
+            grad_compare(c, g->dshared_w1 + sh * 2 * ff * d, dw1 + sh * 2 * ff * d, 2 * ff * d,
+                         false, base + (double)T, &checks[MOE_GRAD_SHARED_W1]);
+            grad_compare(c, g->dshared_w2 + sh * d * ff, dw2 + sh * d * ff, d * ff, false,
+                         base + (double)T, &checks[MOE_GRAD_SHARED_W2]);
+        }
+    }
+    /* The routed experts' dW need every token of the layer. */
+    float *x_all = moe_xmalloc(sizeof(float) * (size_t)(N * d));
+    float *dy_all = moe_xmalloc(sizeof(float) * (size_t)(N * d));
+    float *w_all = moe_xmalloc(sizeof(float) * (size_t)(N * k));
+    int32_t *ids_all = moe_xmalloc(sizeof(int32_t) * (size_t)(N * k));
+    moe_comm_allgather_bytes(c, ctx->x, sizeof(float) * (size_t)(T * d), x_all);
+    moe_comm_allgather_bytes(c, ctx->dy, sizeof(float) * (size_t)(T * d), dy_all);
+    moe_comm_allgather_bytes(c, ctx->weights, sizeof(float) * (size_t)(T * k), w_all);
+    moe_comm_allgather_bytes(c, ctx->ids, sizeof(int32_t) * (size_t)(T * k), ids_all);
+    for (int l = 0; l < ep->local_experts; l++) {
+        const int e = ep->first_expert + l;
+        double rows = 0;
+        for (moe_index m = 0; m < N * k; m++)
+            rows += ids_all[m] == e;
+        moe_truth_backward_expert(cfg, MOE_TRUTH_BLAS, e, x_all, dy_all, ids_all, w_all, N, dw1, dw2);
+        grad_compare(c, g->dw1 + l * 2 * ff * d, dw1, 2 * ff * d, false, base + rows,
+                     &checks[MOE_GRAD_DW1]);
+        grad_compare(c, g->dw2 + l * d * ff, dw2, d * ff, false, base + rows, &checks[MOE_GRAD_DW2]);
+    }
+    for (int t = 0; t < MOE_GRAD_TENSORS; t++) {
+        moe_grad_check *check = &checks[t];
+        check->checked = moe_comm_max(c, check->checked) > 0;
+        check->length = moe_comm_max(c, check->length);
+        check->rms = moe_comm_max(c, check->rms);
+        check->max_abs = moe_comm_max(c, check->max_abs);
+        check->max_used = moe_comm_max(c, check->max_used);
+        check->nonfinite = moe_comm_max(c, check->nonfinite) > 0;
+    }
+    free(ids_all);
+    free(w_all);
+    free(dy_all);
+    free(x_all);
+    free(dw2);
+    free(dw1);
+    free(dgate);
+    free(dx);
+}
+
 /* The wave pipeline against the blocking reference path on the same ranks:
  * bitwise expected unless blas GEMMs run on token-chunk waves. */
 static int compare_with_reference(moe_run_context *ctx)
@@ -285,6 +392,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         rc = collect_pictures(&ctx, &pics);
     if (rc == MOE_EXIT_OK && cfg->check) {
         check_against_truth(&ctx);
+        if (cfg->backward)
+            check_backward(&ctx);
         if (!cfg->blocking)
             rc = compare_with_reference(&ctx);
     }

@@ -304,6 +304,23 @@ void moe_comm_sum_array(const moe_comm *c, double *v, int n)
     MOE_MPI(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, c->comm));
 }
 
+void moe_comm_sum_ordered(const moe_comm *c, double *v, moe_index n)
+{
+    const moe_index chunk = (moe_index)1 << 16;
+    double *all = moe_xmalloc(sizeof(double) * (size_t)(chunk * c->ranks));
+    for (moe_index first = 0; first < n; first += chunk) {
+        const int m = (int)(n - first < chunk ? n - first : chunk);
+        MOE_MPI(MPI_Allgather(v + first, m, MPI_DOUBLE, all, m, MPI_DOUBLE, c->comm));
+        for (int j = 0; j < m; j++) {
+            double sum = 0.0;
+            for (int r = 0; r < c->ranks; r++)
+                sum += all[(moe_index)r * m + j];
+            v[first + j] = sum;
+        }
+    }
+    free(all);
+}
+
 void moe_comm_gather_doubles(const moe_comm *c, const double *v, int n, double *all)
 {
     MOE_MPI(MPI_Gather(v, n, MPI_DOUBLE, all, n, MPI_DOUBLE, 0, c->comm));
@@ -313,6 +330,12 @@ void moe_comm_gather_bytes(const moe_comm *c, const void *mine, size_t bytes, vo
 {
     MOE_ASSERT(bytes <= (size_t)INT_MAX);
     MOE_MPI(MPI_Gather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, 0, c->comm));
+}
+
+void moe_comm_allgather_bytes(const moe_comm *c, const void *mine, size_t bytes, void *all)
+{
+    MOE_ASSERT(bytes <= (size_t)INT_MAX);
+    MOE_MPI(MPI_Allgather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, c->comm));
 }
 
 int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, void **all,

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/backward.h"
 #include "moe/experts.h"
 #include "moe/progress.h"
 #include "moe/quant.h"
@@ -17,6 +18,11 @@
 
 const char *const moe_stage_names[MOE_STAGES] = {
     "route", "plan", "dispatch", "experts", "combine", "reduce", "shared",
+};
+
+const char *const moe_bwd_stage_names[MOE_BWD_STAGES] = {
+    "combine backward", "experts dgrad", "experts wgrad", "dispatch backward",
+    "reduce", "shared", "router", "allreduce",
 };
 
 moe_schedule moe_schedule_default(const moe_ep *ep)
@@ -94,6 +100,14 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     ep->shared_w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
     ep->shared_w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
     ep->gate = moe_try_malloc(sizeof(float) * (size_t)(cfg->experts * d), "the gate", comm->rank, &local);
+    const size_t g1_size = (size_t)moe_expert_grad_w1_floats(ep->gemm, d, f);
+    const size_t g2_size = (size_t)moe_expert_grad_w2_floats(ep->gemm, d, f);
+    if (cfg->backward) {
+        ep->w1g = moe_try_malloc(sizeof(float) * g1_size * (size_t)ep->local_experts + 1, "expert W1 (backward)", comm->rank, &local);
+        ep->w2g = moe_try_malloc(sizeof(float) * g2_size * (size_t)ep->local_experts + 1, "expert W2 (backward)", comm->rank, &local);
+        ep->shared_w1g = moe_try_malloc(sizeof(float) * g1_size * (size_t)S + 1, "shared W1 (backward)", comm->rank, &local);
+        ep->shared_w2g = moe_try_malloc(sizeof(float) * g2_size * (size_t)S + 1, "shared W2 (backward)", comm->rank, &local);
+    }
     ep->work = moe_xcalloc(1, sizeof *ep->work);
     moe_fault_here(comm, "generate", &local);
     if (moe_comm_agree(comm, &local)) {
@@ -114,6 +128,12 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
         moe_precision_weights(cfg->param_dtype, w1, 2 * f * d);
         moe_precision_weights(cfg->param_dtype, w2, d * f);
         moe_expert_layout(ep->gemm, d, f, w1, w2, dst1, dst2);
+        if (cfg->backward) {
+            const size_t at = (size_t)(shared ? n - ep->local_experts : n);
+            moe_expert_grad_layout(ep->gemm, d, f, w1, w2,
+                                   (shared ? ep->shared_w1g : ep->w1g) + at * g1_size,
+                                   (shared ? ep->shared_w2g : ep->w2g) + at * g2_size);
+        }
     }
     free(w2);
     free(w1);
@@ -143,6 +163,10 @@ void moe_ep_free(moe_ep *ep)
     free(ep->shared_w1);
     free(ep->shared_w2);
     free(ep->gate);
+    free(ep->w1g);
+    free(ep->w2g);
+    free(ep->shared_w1g);
+    free(ep->shared_w2g);
     free(ep->bias);
     free(ep->skew);
     free(ep->replay_ids);
@@ -163,6 +187,7 @@ void moe_ep_free(moe_ep *ep)
         ep->work = NULL;
     }
     ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = ep->bias = ep->skew = NULL;
+    ep->w1g = ep->w2g = ep->shared_w1g = ep->shared_w2g = NULL;
     ep->replay_ids = NULL;
     ep->replay_weights = NULL;
 }
@@ -190,11 +215,20 @@ void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores
 }
 
 
-static moe_expert_weights weights_at(const moe_ep *ep, const float *w1, const float *w2, int n)
+moe_expert_weights moe_ep_weights(const moe_ep *ep, bool shared, int n)
 {
     const size_t size1 = (size_t)moe_expert_w1_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
     const size_t size2 = (size_t)moe_expert_w2_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
-    return (moe_expert_weights){w1 + (size_t)n * size1, w2 + (size_t)n * size2};
+    return (moe_expert_weights){(shared ? ep->shared_w1 : ep->w1) + (size_t)n * size1,
+                                (shared ? ep->shared_w2 : ep->w2) + (size_t)n * size2};
+}
+
+moe_expert_grad_weights moe_ep_grad_weights(const moe_ep *ep, bool shared, int n)
+{
+    const size_t size1 = (size_t)moe_expert_grad_w1_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
+    const size_t size2 = (size_t)moe_expert_grad_w2_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
+    return (moe_expert_grad_weights){(shared ? ep->shared_w1g : ep->w1g) + (size_t)n * size1,
+                                     (shared ? ep->shared_w2g : ep->w2g) + (size_t)n * size2};
 }
 
 const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch)
@@ -234,7 +268,7 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
     const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
     if (n == 0)
         return;
-    const moe_expert_weights w = weights_at(ep, ep->w1, ep->w2, l);
+    const moe_expert_weights w = moe_ep_weights(ep, false, l);
     float *in = work, *out = work, *scale = NULL; /* (n, d): the rows, then their outputs; (n) */
     if (ep->cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION) {
         scale = work + n * d;
@@ -313,7 +347,7 @@ void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, f
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
     const double start = MPI_Wtime();
     for (int s = 0; s < (int)ep->cfg->shared_experts; s++) {
-        const moe_expert_weights w = weights_at(ep, ep->shared_w1, ep->shared_w2, s);
+        const moe_expert_weights w = moe_ep_weights(ep, true, s);
         for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
             moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
             moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch, out, NULL, NULL);

@@ -50,32 +50,10 @@ static void capture_rank(const moe_recv_plan *recv, const float *recv_rows,
         }
 }
 
-/* One reference forward's plan and buffers on this rank. */
-typedef struct {
-    moe_ep_types types;                /* a row, its meta, an output, as they travel */
-    moe_wire dispatch_wire, combine_wire;
-    int *counts;                       /* (4, G): the four arrays below */
-    int *send_counts, *send_at;        /* (G) rows to each rank, and where they start */
-    int *recv_counts, *recv_at;        /* (G) rows from each rank, and where they land */
-    moe_index *rows_from;              /* (G) rows received from each rank */
-    moe_index rows_in;
-    moe_send_plan send;
-    moe_recv_plan recv;
-    uint8_t *send_rows, *recv_rows;    /* wire rows: (rows out), (rows_in) */
-    float *recv_decoded, *recv_values; /* (rows_in, d): decoded, or recv_rows itself (fp32) */
-    int32_t *send_meta, *recv_meta;    /* (rows out, MOE_META_WORDS(k)), (rows_in, ...) */
-    float *expert_in, *scratch;        /* the largest expert batch's rows and activations */
-    float *expert_out;                 /* (pairs received, d) */
-    uint8_t *out_wire;                 /* what travels back: expert_out or the sums, as the wire has them */
-    float *sums;                       /* --combine reduced: (rows_in, d) one row per (token, rank) */
-    uint8_t *back;                     /* (pairs sent) wire rows: the outputs of this rank's tokens */
-    float *back_decoded;               /* (pairs sent, d) decoded, unless fp32 */
-} ref_forward;
-
 /* Stage plan, send side: the rows each destination gets (deduplicated), one
  * count exchange (MPI_Alltoall) for the rows each source sends here, and
  * buffers sized for both. Allocation failures are recorded in local. */
-static void ref_plan(const moe_ep *ep, const int32_t *ids, ref_forward *f,
+static void ref_plan(const moe_ep *ep, const int32_t *ids, moe_ref_forward *f,
                      moe_forward_stats *stats, moe_status *local)
 {
     const moe_config *cfg = ep->cfg;
@@ -110,7 +88,7 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, ref_forward *f,
 
 /* Stage dispatch: every packed row once to its destination, with its ids
  * (two blocking MPI_Alltoallv). */
-static void ref_dispatch(const moe_ep *ep, ref_forward *f, moe_forward_stats *stats)
+static void ref_dispatch(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats)
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
     moe_comm_count_posted(f->send_counts, G, me, f->types.dispatch);
@@ -129,7 +107,7 @@ static void ref_dispatch(const moe_ep *ep, ref_forward *f, moe_forward_stats *st
 
 /* Stage plan, receive side: which received row visits which local expert
  * (from the ids that came with the rows), and the experts' buffers. */
-static void ref_plan_receive(const moe_ep *ep, ref_forward *f, moe_forward_stats *stats,
+static void ref_plan_receive(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats,
                              moe_status *local)
 {
     const moe_index d = ep->cfg->hidden, f_size = ep->cfg->ffn;
@@ -154,7 +132,7 @@ static void ref_plan_receive(const moe_ep *ep, ref_forward *f, moe_forward_stats
 }
 
 /* Stage experts: one FFN call per local expert, rows in global token order. */
-static void ref_experts(const moe_ep *ep, ref_forward *f, moe_forward_stats *stats,
+static void ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats,
                         moe_ep_capture *capture)
 {
     const moe_index d = ep->cfg->hidden;
@@ -179,7 +157,7 @@ static void ref_experts(const moe_ep *ep, ref_forward *f, moe_forward_stats *sta
 
 /* Stage combine: every expert output back to its row's home rank (one
  * blocking MPI_Alltoallv). */
-static void ref_combine(const moe_ep *ep, ref_forward *f, moe_forward_stats *stats)
+static void ref_combine(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats)
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
     const double t = MPI_Wtime();
@@ -207,7 +185,7 @@ static void ref_combine(const moe_ep *ep, ref_forward *f, moe_forward_stats *sta
 
 /* Stage reduce and shared: y from the outputs that came back, then the
  * shared experts on top. */
-static void ref_reduce(const moe_ep *ep, ref_forward *f, const float *x, const int32_t *ids,
+static void ref_reduce(const moe_ep *ep, moe_ref_forward *f, const float *x, const int32_t *ids,
                        const float *weights, float *y, moe_forward_stats *stats)
 {
     const int G = ep->comm.ranks;
@@ -232,7 +210,7 @@ static void ref_reduce(const moe_ep *ep, ref_forward *f, const float *x, const i
     moe_ep_shared(ep, x, y, f->scratch, f->expert_in, stats);
 }
 
-static void ref_free(ref_forward *f)
+void moe_ep_ref_free(moe_ref_forward *f)
 {
     free(f->scratch);
     free(f->expert_in);
@@ -254,49 +232,57 @@ static void ref_free(ref_forward *f)
     moe_ep_types_free(&f->types);
 }
 
+int moe_ep_ref_run(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                   float *y, moe_forward_stats *stats, moe_ep_capture *capture,
+                   moe_ref_forward *f, moe_status *st)
+{
+    const moe_comm *c = &ep->comm;
+    const int G = c->ranks;
+    *f = (moe_ref_forward){.counts = moe_xmalloc(sizeof(int) * (size_t)(4 * G)),
+                           .rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G)};
+    f->send_counts = f->counts;
+    f->send_at = f->counts + G;
+    f->recv_counts = f->counts + 2 * G;
+    f->recv_at = f->counts + 3 * G;
+    moe_ep_types_create(ep, &f->types);
+    f->dispatch_wire = moe_wire_dispatch(ep->cfg);
+    f->combine_wire = moe_wire_combine(ep->cfg);
+    moe_status local = {0};
+    memset(stats, 0, sizeof *stats);
+
+    ref_plan(ep, ids, f, stats, &local);
+    if (moe_ep_agreed(c, "plan", &local)) {
+        const double t = MPI_Wtime();
+        moe_ep_pack(ep, x, ids, weights, &f->send, -1, f->send_rows, f->send_meta);
+        ref_dispatch(ep, f, stats);
+        stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
+        ref_plan_receive(ep, f, stats, &local);
+    }
+    if (moe_ep_agreed(c, "dispatch", &local))
+        ref_experts(ep, f, stats, capture);
+    /* A rank that failed in its experts (an injected fault stands for it)
+     * stops every rank here, before the combine. */
+    if (moe_ep_agreed(c, "experts", &local)) {
+        ref_combine(ep, f, stats);
+        if (capture && f->sums) { /* the sums as they travelled */
+            const size_t bytes = sizeof(float) * (size_t)(f->rows_in * ep->cfg->hidden);
+            capture->sums = moe_xmalloc(bytes + 1);
+            memcpy(capture->sums, f->sums, bytes);
+        }
+    }
+    if (moe_ep_agreed(c, "combine", &local))
+        ref_reduce(ep, f, x, ids, weights, y, stats);
+    if (local.code)
+        *st = local;
+    return local.code;
+}
+
 int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
                        const float *weights, float *y, moe_forward_stats *stats,
                        moe_ep_capture *capture, moe_status *st)
 {
-    const moe_comm *c = &ep->comm;
-    const int G = c->ranks;
-    ref_forward f = {.counts = moe_xmalloc(sizeof(int) * (size_t)(4 * G)),
-                     .rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G)};
-    f.send_counts = f.counts;
-    f.send_at = f.counts + G;
-    f.recv_counts = f.counts + 2 * G;
-    f.recv_at = f.counts + 3 * G;
-    moe_ep_types_create(ep, &f.types);
-    f.dispatch_wire = moe_wire_dispatch(ep->cfg);
-    f.combine_wire = moe_wire_combine(ep->cfg);
-    moe_status local = {0};
-    memset(stats, 0, sizeof *stats);
-
-    ref_plan(ep, ids, &f, stats, &local);
-    if (moe_ep_agreed(c, "plan", &local)) {
-        const double t = MPI_Wtime();
-        moe_ep_pack(ep, x, ids, weights, &f.send, -1, f.send_rows, f.send_meta);
-        ref_dispatch(ep, &f, stats);
-        stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
-        ref_plan_receive(ep, &f, stats, &local);
-    }
-    if (moe_ep_agreed(c, "dispatch", &local))
-        ref_experts(ep, &f, stats, capture);
-    /* A rank that failed in its experts (an injected fault stands for it)
-     * stops every rank here, before the combine. */
-    if (moe_ep_agreed(c, "experts", &local)) {
-        ref_combine(ep, &f, stats);
-        if (capture && f.sums) { /* the sums as they travelled */
-            const size_t bytes = sizeof(float) * (size_t)(f.rows_in * ep->cfg->hidden);
-            capture->sums = moe_xmalloc(bytes + 1);
-            memcpy(capture->sums, f.sums, bytes);
-        }
-    }
-    if (moe_ep_agreed(c, "combine", &local))
-        ref_reduce(ep, &f, x, ids, weights, y, stats);
-
-    ref_free(&f);
-    if (local.code)
-        *st = local;
-    return local.code;
+    moe_ref_forward f;
+    const int rc = moe_ep_ref_run(ep, x, ids, weights, y, stats, capture, &f, st);
+    moe_ep_ref_free(&f);
+    return rc;
 }

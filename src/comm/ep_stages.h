@@ -20,6 +20,7 @@
 #ifndef MOE_EP_STAGES_H
 #define MOE_EP_STAGES_H
 
+#include "moe/backward.h"
 #include "moe/ep.h"
 #include "moe/progress.h"
 #include "moe/wire.h"
@@ -204,6 +205,12 @@ void moe_ep_reduce_at_source(const moe_ep *ep, const moe_recv_plan *recv, const 
 void moe_ep_reduce_rows(const moe_ep *ep, const moe_placement *to, const int32_t *ids,
                         const moe_waves *waves, const float *const *from, int count, float *y);
 
+/* Local routed expert n's weights (shared: shared expert n's) as the
+ * forward's GEMMs take them, and as the backward's data GEMMs do (with
+ * --backward). */
+moe_expert_weights moe_ep_weights(const moe_ep *ep, bool shared, int n);
+moe_expert_grad_weights moe_ep_grad_weights(const moe_ep *ep, bool shared, int n);
+
 /* Rows of the work buffers the experts stage needs for recv: its largest
  * expert batch, and at least a shared-expert block (the shared stage reuses
  * them). */
@@ -228,5 +235,36 @@ void moe_ep_reduce(const moe_ep *ep, const float *const *slot_rows, const float 
  * (64, d). Records its time and the forward's end (y complete) in stats. */
 void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out,
                    moe_forward_stats *stats);
+
+/* One reference forward's plan and buffers on this rank (ep_ref.c): what
+ * the blocking backward (ep_backward.c) reads as the forward's saved state. */
+typedef struct {
+    moe_ep_types types;                /* a row, its meta, an output, as they travel */
+    moe_wire dispatch_wire, combine_wire;
+    int *counts;                       /* (4, G): the four arrays below */
+    int *send_counts, *send_at;        /* (G) rows to each rank, and where they start */
+    int *recv_counts, *recv_at;        /* (G) rows from each rank, and where they land */
+    moe_index *rows_from;              /* (G) rows received from each rank */
+    moe_index rows_in;
+    moe_send_plan send;
+    moe_recv_plan recv;
+    uint8_t *send_rows, *recv_rows;    /* wire rows: (rows out), (rows_in) */
+    float *recv_decoded, *recv_values; /* (rows_in, d): decoded, or recv_rows itself (fp32) */
+    int32_t *send_meta, *recv_meta;    /* (rows out, MOE_META_WORDS(k)), (rows_in, ...) */
+    float *expert_in, *scratch;        /* the largest expert batch's rows and activations */
+    float *expert_out;                 /* (pairs received, d) */
+    uint8_t *out_wire;                 /* what travels back: expert_out or the sums, as the wire has them */
+    float *sums;                       /* --combine reduced: (rows_in, d) one row per (token, rank) */
+    uint8_t *back;                     /* (pairs sent) wire rows: the outputs of this rank's tokens */
+    float *back_decoded;               /* (pairs sent, d) decoded, unless fp32 */
+} moe_ref_forward;
+
+/* The blocking reference forward (moe_ep_forward_ref) keeping its plan and
+ * buffers in *f, which the caller frees with moe_ep_ref_free whatever the
+ * result. Collective. */
+int moe_ep_ref_run(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                   float *y, moe_forward_stats *stats, moe_ep_capture *capture,
+                   moe_ref_forward *f, moe_status *st);
+void moe_ep_ref_free(moe_ref_forward *f);
 
 #endif

@@ -124,6 +124,7 @@ static const flag_spec flags[] = {
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
+    {"backward", FLAG_BOOL, FIELD(backward), 0, 0, NULL, NULL, "false", "a training step: the forward, then the gradients for a synthetic dy (docs/backward.md); needs --blocking", RUN},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, NULL, "false", "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
     {"routing", FLAG_TEXT, FIELD(routing), 0, 0, "FILE", NULL, "", "replay top-k ids and weights from FILE.safetensors instead of the router (docs/golden.md)", RUN},
     {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", NULL, "", "write the golden set of this run (docs/golden.md)", RUN},
@@ -623,6 +624,32 @@ static int validate_router(const moe_config *cfg, moe_status *st)
     return moe_skew_parse(cfg->skew, (int)E, skew, st);
 }
 
+/* --backward runs on the blocking reference path, in fp32 on the wire,
+ * through the router's own weights (ep.h, moe_ep_backward_ref). */
+static int validate_backward(const moe_config *cfg, moe_status *st)
+{
+    if (!cfg->blocking)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--backward runs on the blocking reference path: add --blocking");
+    if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--backward mirrors the flat dispatch: --dispatch must be flat, got hierarchical");
+    if (cfg->dispatch_dtype != MOE_DTYPE_FP32 || cfg->combine_dtype != MOE_DTYPE_FP32)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--backward moves fp32 rows both ways: --dispatch-dtype and --combine-dtype "
+                        "must be fp32, got %s and %s",
+                        moe_config_choice_name("dispatch-dtype", cfg->dispatch_dtype),
+                        moe_config_choice_name("combine-dtype", cfg->combine_dtype));
+    if (cfg->routing[0])
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--backward differentiates the router's weights: replayed ones (--routing) "
+                        "have no router behind them");
+    if (cfg->dump[0])
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--dump writes the forward's golden set: drop --backward or --dump");
+    return MOE_EXIT_OK;
+}
+
 int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
 {
     if (cfg->topk > cfg->experts)
@@ -685,6 +712,8 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dispatch hierarchical needs nodes of equal size: --ranks-per-node must "
                         "divide the %d ranks, got %lld", ranks, (long long)R);
+    if (cfg->backward && validate_backward(cfg, st))
+        return st->code;
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))
         return st->code;
@@ -743,6 +772,21 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
     bytes += W * (T * k * 8.0 + G * (64.0 + 8.0 * (1.0 + EL)));
     if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */
         bytes += T * (3.0 * d + 3.0 * f + 1.0) * 8.0 + 2.0 * T * d * 8.0 + 3.0 * f * d * 12.0 + T * d * 4.0;
+    if (cfg->backward) {
+        /* The weights laid out for the backward, the gradients (routed,
+         * shared, gate, dx) and dy; the step's buffers: dy received, dx per
+         * pair and back home, an expert batch's rows and backward work
+         * (x, dy, outputs, dx, dO, dH, a'), the wgrad operands, the shared
+         * experts' work on T rows, the fp64 sums over ranks, the router's
+         * fp64 gradient. */
+        bytes += 2.0 * (EL + S) * expert_bytes + E * d * 4.0 + 2.0 * T * d * 4.0;
+        bytes += 3.0 * T * k * d * 4.0 + T * k * (4.0 * d + d + 3.0 * f) * 4.0 +
+                 2.0 * T * k * (d + 2.0 * f) * 4.0 + T * (2.0 * d + 3.0 * f) * 4.0 + T * d * 4.0;
+        bytes += fmax(E * d, S * 2.0 * f * d) * 8.0 + (65536.0 * G) * 8.0 + T * (E + d) * 8.0;
+        if (cfg->check) /* every token's x, dy, ids and weights; the fp64 truth of the gradients */
+            bytes += N * (2.0 * d + 2.0 * k) * 4.0 + T * d * 8.0 * 4.0 + E * d * 8.0 +
+                     fmax(S, 1.0) * expert_bytes * 2.0 + N * (d * 8.0 * 3.0);
+    }
     if (cfg->dump[0]) /* rank 0 gathers the set: per token, per pair, the rows */
         bytes += N * (3.0 * E * 4.0 + k * 8.0 + d * (4.0 + 8.0 + 8.0 + 4.0 + 8.0) + G) +
                  2.0 * N * k * d * 4.0 + 2.0 * T * k * (d * 4.0 + 8.0) + 3.0 * f * d * 4.0 * 2.0;

@@ -23,12 +23,61 @@ static void print_spread(FILE *out, const char *what, moe_spread s)
             s.min, s.mean, s.max, s.mean > 0 ? s.max / s.mean : 0.0);
 }
 
+const char *const moe_grad_names[MOE_GRAD_TENSORS] = {
+    "dx", "dW1 routed", "dW2 routed", "dW1 shared", "dW2 shared", "dW_g gate",
+};
+
 bool moe_report_check_passed(const moe_run_summary *s)
 {
     const bool reference_ok =
         !s->ref_compared || !s->ref_bitwise_expected || s->ref_differ == 0.0;
+    bool grads_ok = !s->backward || s->grads_identical;
+    for (int t = 0; t < MOE_GRAD_TENSORS; t++)
+        if (s->grad_check[t].checked)
+            grads_ok = grads_ok && !s->grad_check[t].nonfinite && s->grad_check[t].max_used <= 1.0;
     return s->checked && !s->nonfinite && s->cmp.max_used <= 1.0 && s->iterations_identical &&
-           reference_ok;
+           reference_ok && grads_ok;
+}
+
+/* --backward: the step's stages, its GEMM work and the four all-to-alls. */
+static void print_backward(FILE *out, const moe_run_summary *s)
+{
+    char b1[32], b2[32], b3[32], b4[32], b5[32];
+    fprintf(out, "backward  the forward's mirror on the blocking path: dy rows out along the "
+                 "dispatch's plan, dx rows (%s) and dL/dweight per pair home along the combine's\n",
+            s->cfg->combine == MOE_COMBINE_REDUCED ? "summed per token and rank at the source"
+                                                   : "one per pair");
+    fprintf(out, "          ms per step, max over ranks, median of %lld: forward %.2f, step %.2f;",
+            (long long)s->cfg->iters, 1e3 * s->layer_seconds, 1e3 * s->step_seconds);
+    for (int n = 0; n < MOE_BWD_STAGES; n++)
+        fprintf(out, "%s %s %.2f", n ? " ·" : "", moe_bwd_stage_names[n], 1e3 * s->bwd_seconds[n]);
+    fprintf(out, "\n          routed expert GEMMs, all ranks: forward %.3g GFLOP, dgrad %.3g "
+                 "(h recomputed), wgrad %.3g\n",
+            1e-9 * s->expert_flops, 1e-9 * s->dgrad_flops, 1e-9 * s->wgrad_flops);
+    fprintf(out, "          the four all-to-alls of a step, all ranks: dispatch %s, combine %s, "
+                 "combine backward %s (dy rows), dispatch backward %s (dx rows, dL/dweight); "
+                 "in all %s · gradients bitwise identical across steps: %s\n",
+            moe_format_bytes(s->bytes_dispatched, b1, sizeof b1),
+            moe_format_bytes(s->bytes_combined, b2, sizeof b2),
+            moe_format_bytes(s->bwd_bytes_combine, b3, sizeof b3),
+            moe_format_bytes(s->bwd_bytes_dispatch, b4, sizeof b4),
+            moe_format_bytes(s->bytes_dispatched + s->bytes_combined +
+                                 s->bwd_bytes_combine + s->bwd_bytes_dispatch, b5, sizeof b5),
+            s->grads_identical ? "yes" : "NO");
+}
+
+/* --backward --check: one line per gradient tensor. */
+static void print_grad_checks(FILE *out, const moe_run_summary *s)
+{
+    for (int t = 0; t < MOE_GRAD_TENSORS; t++) {
+        const moe_grad_check *g = &s->grad_check[t];
+        if (!g->checked)
+            continue;
+        fprintf(out, "%s %-11s rms(truth) %.3e · max |diff| %.3e · tol %.0f u x (rms + |truth|) · "
+                     "used %.1f%%%s\n",
+                t == 0 ? "gradient " : "         ", moe_grad_names[t], g->rms, g->max_abs,
+                g->length, 100.0 * g->max_used, g->nonfinite ? " · NON-FINITE" : "");
+    }
 }
 
 static const char *const progress_names[] = {"poll", "thread"};
@@ -251,6 +300,8 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
 
     print_routing(out, s);
     print_traffic(out, s);
+    if (s->backward)
+        print_backward(out, s);
 
     fprintf(out, "time      ms per forward, max over ranks, median of %lld iters%s\n",
             (long long)cfg->iters,
@@ -376,6 +427,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                 s->ref_max_diff,
                 s->ref_bitwise_expected ? "bitwise expected"
                                         : "token-chunk waves with blas: within tolerance expected");
+    print_grad_checks(out, s);
     fprintf(out, "check: %s max_abs=%.3e max_rel=%.3e tol=%.3e+%.3e*|ref|%s used=%.1f%%\n",
             moe_report_check_passed(s) ? "PASS" : "FAIL", s->cmp.max_abs, s->cmp.max_rel,
             s->tol.abs, s->tol.rel,

@@ -1,0 +1,191 @@
+/* ep_backward_test.c — the EP backward on G ranks against itself run again
+ * and against the same layer on one rank.
+ *
+ * Run under mpirun by tests/mpi/mpi-case. Takes `moe-ep run` flags (with
+ * --blocking --backward) plus
+ *   --np1 bitwise|tolerance   how this rank's dx must match the one-rank dx
+ * and checks, on every rank:
+ *   1. a second step gives the same bits (every gradient tensor);
+ *   2. dx of this rank's tokens against every rank's computing the whole
+ *      layer (G*T tokens) alone on MPI_COMM_SELF: bitwise with --np1
+ *      bitwise (--combine pairs: the home rank sums per pair in slot order,
+ *      whatever ranks hold the experts), else within the truth's tolerance
+ *      (--combine reduced sums per rank first);
+ *   3. the routed experts' dW1 and dW2 against the one-rank ones: bitwise
+ *      with --gemm packed or exact, at any G and either combine (an
+ *      expert's rows reach its wgrad in global token order);
+ *   4. the replicated weights' gradients (shared experts, gate): the same
+ *      on every rank, and within tolerance of the one-rank ones (per-rank
+ *      sums added in rank order: not bitwise across G; the gate's are
+ *      summed in fp64, within 1e-6).
+ * Exit 0 when every check holds, 1 otherwise.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/ep.h"
+#include "moe/rng.h"
+
+/* One training step of cfg on c: the rank's tokens routed, the synthetic
+ * dy, moe_ep_backward_ref into g (allocated here). */
+static int step(const moe_comm *c, const moe_config *cfg, moe_ep *ep, moe_ep_grads *g)
+{
+    const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
+    moe_status st = {0};
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *dy = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    moe_ep_generate_tokens(ep, x);
+    moe_synth_fill(cfg->seed, MOE_TENSOR_GRAD_OUTPUT, 0, (uint64_t)c->rank * (uint64_t)(T * d),
+                   T * d, 1.0f, dy);
+    moe_ep_route(ep, x, logits, scores, ids, weights);
+    moe_forward_stats fwd;
+    moe_backward_stats bwd;
+    moe_ep_grads_init(ep, g);
+    const int rc = moe_ep_backward_ref(ep, x, logits, ids, weights, dy, y, g, &fwd, &bwd, &st);
+    if (rc)
+        fprintf(stderr, "ep_backward_test: %s\n", st.message);
+    free(weights);
+    free(ids);
+    free(scores);
+    free(logits);
+    free(y);
+    free(dy);
+    free(x);
+    return rc;
+}
+
+/* Compare n values; bitwise, or within rel of rms(want) + |want|. */
+static int compare(const char *what, int rank, const float *got, const float *want, moe_index n,
+                   bool bitwise, double rel)
+{
+    double squares = 0.0, worst = 0.0;
+    moe_index differ = 0;
+    for (moe_index m = 0; m < n; m++)
+        squares += (double)want[m] * want[m];
+    const double rms = n > 0 ? sqrt(squares / (double)n) : 0.0;
+    for (moe_index m = 0; m < n; m++) {
+        differ += memcmp(&got[m], &want[m], sizeof(float)) != 0;
+        const double diff = fabs((double)got[m] - want[m]);
+        const double used = diff / (rel * (rms + fabs(want[m])));
+        worst = used > worst || diff != diff ? used : worst;
+    }
+    const bool ok = bitwise ? differ == 0 : worst <= 1.0;
+    if (!ok || rank == 0)
+        printf("rank %d %-30s %s (%lld of %lld differ%s; worst %.1f%% of %.0e relative)\n", rank,
+               what, ok ? "ok" : "FAIL", (long long)differ, (long long)n,
+               bitwise ? ", bitwise expected" : "", 100.0 * worst, rel);
+    return !ok;
+}
+
+int main(int argc, char **argv)
+{
+    moe_comm world;
+    moe_comm_init(&argc, &argv, &world);
+    bool np1_bitwise = true;
+    char **rest = malloc(sizeof(char *) * (size_t)argc);
+    int n_rest = 0, failures = 0;
+    for (int n = 1; n < argc; n++) {
+        if (!strcmp(argv[n], "--np1") && n + 1 < argc)
+            np1_bitwise = !strcmp(argv[++n], "bitwise");
+        else
+            rest[n_rest++] = argv[n];
+    }
+    moe_config cfg;
+    moe_status st = {0};
+    moe_config_defaults(&cfg);
+    if (moe_config_parse(&cfg, MOE_CMD_RUN, n_rest, rest, &st) ||
+        moe_config_validate(&cfg, world.ranks, &st)) {
+        if (world.rank == 0)
+            fprintf(stderr, "ep_backward_test: %s\n", st.message);
+        moe_comm_finalize();
+        return 2;
+    }
+    const int G = world.ranks, r = world.rank;
+    const moe_index T = cfg.tokens, d = cfg.hidden, f = cfg.ffn, E = cfg.experts;
+    const moe_index S = cfg.shared_experts;
+    const bool rows_independent = cfg.gemm != MOE_GEMM_BLAS;
+    moe_ep ep;
+    if (moe_ep_init(&ep, &cfg, &world, &st)) {
+        fprintf(stderr, "ep_backward_test: %s\n", st.message);
+        return 1;
+    }
+    moe_ep_grads g, again;
+    failures += step(&world, &cfg, &ep, &g) != 0;
+    failures += step(&world, &cfg, &ep, &again) != 0;
+    const moe_index EL = ep.local_experts;
+    const struct {
+        const char *name;
+        const float *a, *b;
+        moe_index n;
+    } tensors[] = {{"dx", g.dx, again.dx, T * d},
+                   {"routed dW1", g.dw1, again.dw1, EL * 2 * f * d},
+                   {"routed dW2", g.dw2, again.dw2, EL * d * f},
+                   {"shared dW1", g.dshared_w1, again.dshared_w1, S * 2 * f * d},
+                   {"shared dW2", g.dshared_w2, again.dshared_w2, S * d * f},
+                   {"gate dW_g", g.dgate, again.dgate, E * d}};
+    for (size_t t = 0; t < sizeof tensors / sizeof tensors[0]; t++) {
+        char what[64];
+        snprintf(what, sizeof what, "%s, second step", tensors[t].name);
+        failures += compare(what, r, tensors[t].b, tensors[t].a, tensors[t].n, true, 0.0);
+    }
+
+    /* The replicated gradients are the same bits on every rank. */
+    float *rank0 = moe_xmalloc(sizeof(float) * (size_t)(E * d + S * 3 * f * d) + 1);
+    memcpy(rank0, g.dgate, sizeof(float) * (size_t)(E * d));
+    memcpy(rank0 + E * d, g.dshared_w1, sizeof(float) * (size_t)(S * 2 * f * d));
+    memcpy(rank0 + E * d + S * 2 * f * d, g.dshared_w2, sizeof(float) * (size_t)(S * d * f));
+    moe_comm_bcast(&world, rank0, (int)(sizeof(float) * (size_t)(E * d + S * 3 * f * d)), 0);
+    failures += compare("gate dW_g, rank 0's", r, g.dgate, rank0, E * d, true, 0.0);
+    failures += compare("shared dW1, rank 0's", r, g.dshared_w1, rank0 + E * d, S * 2 * f * d, true, 0.0);
+    failures += compare("shared dW2, rank 0's", r, g.dshared_w2, rank0 + E * d + S * 2 * f * d,
+                        S * d * f, true, 0.0);
+
+    /* The whole layer on this rank alone. */
+    moe_comm self;
+    moe_comm_attach(&self, MPI_COMM_SELF);
+    moe_config one = cfg;
+    one.tokens = (int64_t)G * T;
+    moe_ep ep1;
+    if (moe_ep_init(&ep1, &one, &self, &st)) {
+        fprintf(stderr, "ep_backward_test: %s\n", st.message);
+        return 1;
+    }
+    moe_ep_grads g1;
+    failures += step(&self, &one, &ep1, &g1) != 0;
+    failures += compare("dx, one rank's", r, g.dx, g1.dx + (moe_index)r * T * d, T * d, np1_bitwise,
+                        0x1p-24 * (double)(2 * d + 2 * f + cfg.topk + S + 8));
+    const moe_index first = ep.first_expert;
+    failures += compare("routed dW1, one rank's", r, g.dw1, g1.dw1 + first * 2 * f * d,
+                        EL * 2 * f * d, rows_independent, 1e-6);
+    failures += compare("routed dW2, one rank's", r, g.dw2, g1.dw2 + first * d * f, EL * d * f,
+                        rows_independent, 1e-6);
+    /* A shared expert's dW: fp32 sums over each rank's T rows, then over
+     * ranks, against one sum over G*T rows: the truth's tolerance for it. */
+    const double shared_rel = 0x1p-24 * (double)(G * T + 2 * d + 2 * f + cfg.topk + S + 8);
+    failures += compare("shared dW1, one rank's", r, g.dshared_w1, g1.dshared_w1, S * 2 * f * d,
+                        G == 1, shared_rel);
+    failures += compare("shared dW2, one rank's", r, g.dshared_w2, g1.dshared_w2, S * d * f,
+                        G == 1, shared_rel);
+    failures += compare("gate dW_g, one rank's", r, g.dgate, g1.dgate, E * d, G == 1, 1e-6);
+
+    moe_ep_grads_free(&g1);
+    moe_ep_free(&ep1);
+    free(rank0);
+    moe_ep_grads_free(&again);
+    moe_ep_grads_free(&g);
+    moe_ep_free(&ep);
+    free(rest);
+    failures = (int)moe_comm_sum(&world, failures);
+    if (r == 0)
+        printf("ep_backward_test: %s\n", failures ? "FAIL" : "ok");
+    moe_comm_finalize();
+    return failures ? 1 : 0;
+}
