@@ -35,7 +35,7 @@ typedef struct {
     double inter_copies;        /* copies of a token over the inter-node link, on average */
     double intra_copies;        /* copies of a token over NVLink, on average */
     double step_forward_bytes;  /* (dispatch + combine) x MoE layers */
-    double step_training_bytes; /* forward and backward: twice that */
+    double step_training_bytes; /* and the backward's (wire.h, moe_backward_pair_bytes) */
     /* time per GPU per MoE layer, forward */
     double compute_seconds;     /* 6 T k d f / FLOP/s */
     double comm_seconds;        /* max(IB bytes / inter bw, NVLink bytes / intra bw) */

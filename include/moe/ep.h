@@ -135,6 +135,11 @@ typedef struct {
 void moe_ep_grads_init(const moe_ep *ep, moe_ep_grads *g);
 void moe_ep_grads_free(moe_ep_grads *g);
 
+/* g's tensors in a fixed order (dx, dW1, dW2, shared dW1, shared dW2, the
+ * gate's): their values and lengths into v and n (MOE_EP_GRAD_TENSORS). */
+#define MOE_EP_GRAD_TENSORS 6
+void moe_ep_grads_tensors(const moe_ep *ep, const moe_ep_grads *g, const float **v, moe_index *n);
+
 /* One training step of the layer on the blocking reference path: the
  * forward of moe_ep_forward_ref (y, fwd), keeping its plan, received rows
  * and expert outputs, then the backward for the upstream gradient dy (T,
@@ -151,6 +156,20 @@ void moe_ep_grads_free(moe_ep_grads *g);
 int moe_ep_backward_ref(const moe_ep *ep, const float *x, const float *logits, const int32_t *ids,
                         const float *weights, const float *dy, float *y, moe_ep_grads *g,
                         moe_forward_stats *fwd, moe_backward_stats *bwd, moe_status *st);
+
+/* The same step with the backward's two all-to-alls nonblocking, driven as
+ * sched->progress says (sched NULL: moe_ep_backward_ref): the combine
+ * backward in flight while the shared experts compute their gradients, the
+ * dispatch backward while the routed experts compute their weight
+ * gradients (the zero-bubble split of a backward into B, which the
+ * communication needs, and W, which it does not). The same computations in
+ * the same order: the same bits as moe_ep_backward_ref. The forward is the
+ * blocking reference (the backward reads its saved state). A buffer of the
+ * backward that cannot be allocated ends the job with exit 3. */
+int moe_ep_backward_step(const moe_ep *ep, const moe_schedule *sched, const float *x,
+                         const float *logits, const int32_t *ids, const float *weights,
+                         const float *dy, float *y, moe_ep_grads *g, moe_forward_stats *fwd,
+                         moe_backward_stats *bwd, moe_status *st);
 
 /* The same layer with the two-stage dispatch and combine of
  * --dispatch hierarchical (ep_hier.c): each token crosses to another node

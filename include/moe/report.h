@@ -90,6 +90,10 @@ typedef struct {
     double bwd_bytes_combine, bwd_bytes_dispatch; /* summed over ranks, one step */
     double dgrad_flops, wgrad_flops;    /* the routed experts', summed over ranks */
     bool grads_identical;               /* every step gave the same gradient bits */
+    bool bwd_overlapped;                /* the backward's all-to-alls ran in flight */
+    double bwd_in_flight[2];            /* combine, dispatch backward: posted .. complete, last step */
+    bool bwd_ref_compared;              /* --check: against the blocking backward */
+    double bwd_ref_differ;              /* gradient values that differ from it */
     moe_grad_check grad_check[MOE_GRAD_TENSORS]; /* --check */
     /* --check */
     bool checked;

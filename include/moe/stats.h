@@ -87,7 +87,9 @@ typedef struct {
     double test_seconds;         /* inside MPI_Test */
 } moe_forward_stats;
 
-/* The stages of one backward on the blocking path, in order. */
+/* The stages of one backward, in order. With the all-to-alls in flight, a
+ * communication stage's seconds are those the computing thread spent
+ * posting and waiting for it. */
 enum moe_bwd_stage {
     MOE_BWD_COMBINE,  /* combine backward: dy rows to the experts' ranks (MPI_Alltoallv) */
     MOE_BWD_DGRAD,    /* experts: dx per pair and dL/dweight (the backward's B) */
@@ -106,7 +108,11 @@ typedef struct {
     double seconds[MOE_BWD_STAGES];
     double bytes_combine;  /* combine backward: dy rows sent, self included */
     double bytes_dispatch; /* dispatch backward: dx rows and per-pair dL/dweight sent */
+    double bytes_remote;   /* of both, those sent to other ranks */
     double dgrad_flops, wgrad_flops; /* sgemm FLOPs of the routed experts' B and W */
+    /* With the all-to-alls in flight (moe_ep_backward_step with a schedule): */
+    double in_flight[2];   /* combine backward, dispatch backward: posted .. complete */
+    double test_seconds;   /* inside MPI_Test */
 } moe_backward_stats;
 
 #endif

@@ -50,4 +50,14 @@ void moe_wire_decode(const moe_wire *w, const uint8_t *in, moe_index rows, float
 double moe_dispatch_row_bytes(const moe_config *cfg);
 double moe_combine_row_bytes(const moe_config *cfg);
 
+/* Bytes one (token, expert) pair puts on the wire in a backward (the
+ * forward's mirror, docs/backward.md): its dy row out as the dispatch's
+ * values (--dispatch-dtype, with its scales, without the meta the experts
+ * kept), its dx row home as --combine-dtype (as DeepSeek-V3 sends the
+ * gradient before the down-projection in FP8, the backward combine in
+ * BF16), and its dL/dweight, one fp32. The
+ * deduplicated backward sends one dy row per (token, rank), as the dispatch
+ * sends x, and with --combine reduced one dx row per (token, rank) too. */
+double moe_backward_pair_bytes(const moe_config *cfg);
+
 #endif

@@ -199,19 +199,12 @@ enum { BWD_STEP = MOE_BWD_STAGES, BWD_COLS };
 
 static uint64_t grads_digest(const moe_run_context *ctx)
 {
-    const moe_config *cfg = &ctx->cfg;
-    const moe_ep_grads *g = &ctx->grads;
-    const size_t d = (size_t)cfg->hidden, f = (size_t)cfg->ffn, EL = (size_t)ctx->ep.local_experts,
-                 S = (size_t)cfg->shared_experts;
-    const struct {
-        const float *v;
-        size_t n;
-    } parts[] = {{g->dx, (size_t)cfg->tokens * d}, {g->dw1, EL * 2 * f * d}, {g->dw2, EL * d * f},
-                 {g->dshared_w1, S * 2 * f * d}, {g->dshared_w2, S * d * f},
-                 {g->dgate, (size_t)cfg->experts * d}};
+    const float *v[MOE_EP_GRAD_TENSORS];
+    moe_index n[MOE_EP_GRAD_TENSORS];
+    moe_ep_grads_tensors(&ctx->ep, &ctx->grads, v, n);
     uint64_t digest = 0;
-    for (size_t p = 0; p < sizeof parts / sizeof parts[0]; p++)
-        digest = digest * 1000003u ^ moe_digest64(parts[p].v, sizeof(float) * parts[p].n);
+    for (int t = 0; t < MOE_EP_GRAD_TENSORS; t++)
+        digest = digest * 1000003u ^ moe_digest64(v[t], sizeof(float) * (size_t)n[t]);
     return digest;
 }
 
@@ -248,6 +241,9 @@ static void summarize_backward(moe_run_context *ctx, int iters, bool identical)
     s->dgrad_flops = moe_comm_sum(c, ctx->last_bwd.dgrad_flops);
     s->wgrad_flops = moe_comm_sum(c, ctx->last_bwd.wgrad_flops);
     s->grads_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
+    s->bwd_overlapped = !ctx->cfg.blocking;
+    for (int op = 0; op < 2; op++)
+        s->bwd_in_flight[op] = moe_comm_max(c, ctx->last_bwd.in_flight[op]);
 }
 
 static int forward(moe_run_context *ctx, double origin)
@@ -256,8 +252,9 @@ static int forward(moe_run_context *ctx, double origin)
         return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
                                    &ctx->status);
     if (ctx->cfg.backward)
-        return moe_ep_backward_ref(&ctx->ep, ctx->x, ctx->logits, ctx->ids, ctx->weights, ctx->dy,
-                                   ctx->y, &ctx->grads, &ctx->last, &ctx->last_bwd, &ctx->status);
+        return moe_ep_backward_step(&ctx->ep, ctx->cfg.blocking ? NULL : &ctx->schedule, ctx->x,
+                                    ctx->logits, ctx->ids, ctx->weights, ctx->dy, ctx->y,
+                                    &ctx->grads, &ctx->last, &ctx->last_bwd, &ctx->status);
     if (ctx->cfg.blocking)
         return moe_ep_forward_ref(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
                                   NULL, &ctx->status);
@@ -320,7 +317,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
 
 void moe_context_time_alltoalls(moe_run_context *ctx, int iters)
 {
-    if (ctx->cfg.blocking)
+    if (ctx->cfg.blocking || ctx->cfg.backward)
         return;
     double seconds[iters];
     for (int it = 0; it < iters; it++)

@@ -220,6 +220,35 @@ static int compare_with_reference(moe_run_context *ctx)
     return rc;
 }
 
+/* --backward with its all-to-alls in flight against the blocking backward
+ * on the same ranks: the same computations in the same order, bitwise. */
+static int compare_backward_with_reference(moe_run_context *ctx)
+{
+    const moe_ep *ep = &ctx->ep;
+    moe_run_summary *s = &ctx->summary;
+    const moe_index n = ep->cfg->tokens * ep->cfg->hidden;
+    float *y = moe_xmalloc(sizeof(float) * (size_t)n);
+    moe_ep_grads ref;
+    moe_ep_grads_init(ep, &ref);
+    moe_forward_stats fwd;
+    moe_backward_stats bwd;
+    const int rc = moe_ep_backward_ref(ep, ctx->x, ctx->logits, ctx->ids, ctx->weights, ctx->dy,
+                                       y, &ref, &fwd, &bwd, &ctx->status);
+    double differ = 0.0;
+    const float *got[MOE_EP_GRAD_TENSORS], *want[MOE_EP_GRAD_TENSORS];
+    moe_index count[MOE_EP_GRAD_TENSORS];
+    moe_ep_grads_tensors(ep, &ctx->grads, got, count);
+    moe_ep_grads_tensors(ep, &ref, want, count);
+    for (int t = 0; rc == MOE_EXIT_OK && t < MOE_EP_GRAD_TENSORS; t++)
+        for (moe_index m = 0; m < count[t]; m++)
+            differ += memcmp(&got[t][m], &want[t][m], sizeof(float)) != 0;
+    s->bwd_ref_compared = rc == MOE_EXIT_OK;
+    s->bwd_ref_differ = moe_comm_sum(ctx->comm, differ);
+    moe_ep_grads_free(&ref);
+    free(y);
+    return rc;
+}
+
 /* --trace and --timeline: the first wave count's last forward from every
  * rank and, with --compare-serial, the same forward at W = 1, gathered on
  * rank 0 until they are written. */
@@ -396,6 +425,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
             check_backward(&ctx);
         if (!cfg->blocking)
             rc = compare_with_reference(&ctx);
+        if (rc == MOE_EXIT_OK && cfg->backward && !cfg->blocking)
+            rc = compare_backward_with_reference(&ctx);
     }
     if (rc == MOE_EXIT_OK && cfg->dump[0]) {
         const double t = moe_comm_time();
@@ -408,7 +439,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     const moe_schedule first_schedule = ctx.schedule;
     moe_curve_point curve[MOE_MAX_WAVE_RUNS];
     int points = 0;
-    for (int n = 0; rc == MOE_EXIT_OK && !cfg->blocking && n < cfg->waves_count; n++) {
+    for (int n = 0; rc == MOE_EXIT_OK && !cfg->blocking && !cfg->backward && n < cfg->waves_count; n++) {
         if (n > 0) {
             ctx.schedule.waves = (int)cfg->waves_list[n];
             rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);

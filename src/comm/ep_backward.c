@@ -16,6 +16,7 @@
 #include "moe/backward.h"
 #include "moe/ep.h"
 #include "moe/gemm.h"
+#include "moe/progress.h"
 #include "ep_stages.h"
 
 void moe_ep_grads_init(const moe_ep *ep, moe_ep_grads *g)
@@ -31,6 +32,18 @@ void moe_ep_grads_init(const moe_ep *ep, moe_ep_grads *g)
     g->dgate = moe_xmalloc(sizeof(float) * (size_t)cfg->experts * d + 1);
 }
 
+void moe_ep_grads_tensors(const moe_ep *ep, const moe_ep_grads *g, const float **v, moe_index *n)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index d = cfg->hidden, f = cfg->ffn, EL = ep->local_experts, S = cfg->shared_experts;
+    const float *values[MOE_EP_GRAD_TENSORS] = {g->dx, g->dw1, g->dw2, g->dshared_w1,
+                                                g->dshared_w2, g->dgate};
+    const moe_index sizes[MOE_EP_GRAD_TENSORS] = {cfg->tokens * d, EL * 2 * f * d, EL * d * f,
+                                                  S * 2 * f * d, S * d * f, cfg->experts * d};
+    memcpy(v, values, sizeof values);
+    memcpy(n, sizes, sizeof sizes);
+}
+
 void moe_ep_grads_free(moe_ep_grads *g)
 {
     free(g->dx);
@@ -42,37 +55,111 @@ void moe_ep_grads_free(moe_ep_grads *g)
     memset(g, 0, sizeof *g);
 }
 
+/* One backward's buffers, and how its two all-to-alls run: blocking (each
+ * waited for when posted), or in flight behind the computation that needs
+ * none of their data (the shared experts behind the combine backward, the
+ * routed experts' weight gradients behind the dispatch backward). */
+enum { OP_COMBINE, OP_DISPATCH, OPS };            /* the operations of a backward */
+enum { C_DY, C_DX, C_DG, COUNT_SETS };            /* their count arrays */
+enum { SEND, SEND_AT, RECV, RECV_AT, COUNT_ARRAYS };
+
+typedef struct {
+    moe_progress *progress; /* NULL: blocking */
+    int *counts;            /* (COUNT_SETS, COUNT_ARRAYS, G), kept until the operation completes */
+    MPI_Datatype row;       /* d fp32 values */
+    float *send_dy;         /* (rows out, d) this rank's dy rows in dispatch order */
+    float *dy_in;           /* (rows in, d) as the forward received x */
+    float *work;            /* (pairs, d + 3f) each pair's dO, dH, a', grouped by expert */
+    float *pair_dx;         /* (pairs, d) in the combine's pair order */
+    float *pair_dg;         /* (pairs) dL/dweight */
+    float *sums;            /* --combine reduced: (rows in, d) */
+    float *back;            /* (rows or pairs sent out, d) dx come home */
+    float *dg_back;         /* (pairs sent out) */
+    float *shared_dx;       /* (T, d) the shared experts' dx */
+} bwd_run;
+
+static int *counts(bwd_run *b, int set, int array, int G)
+{
+    return b->counts + ((size_t)set * COUNT_ARRAYS + (size_t)array) * (size_t)G;
+}
+
+/* Post (or, blocking, run) the all-to-all of request `request` of op,
+ * counts of set `set` laid out from send_rows (G) and recv_rows (G);
+ * launched() then puts the op in flight. */
+static void exchange(const moe_ep *ep, bwd_run *b, int op, int request, int set,
+                     const moe_index *send_rows, const moe_index *recv_rows, const void *send,
+                     void *recv, MPI_Datatype type)
+{
+    const int G = ep->comm.ranks;
+    int *sc = counts(b, set, SEND, G), *sa = counts(b, set, SEND_AT, G);
+    int *rc = counts(b, set, RECV, G), *ra = counts(b, set, RECV_AT, G);
+    moe_to_counts(send_rows, G, sc, sa);
+    moe_to_counts(recv_rows, G, rc, ra);
+    moe_comm_count_posted(sc, G, ep->comm.rank, type);
+    if (!b->progress) {
+        MOE_MPI(MPI_Alltoallv(send, sc, sa, type, recv, rc, ra, type, ep->comm.comm));
+        return;
+    }
+    moe_progress_lock(b->progress);
+    MOE_MPI(MPI_Ialltoallv(send, sc, sa, type, recv, rc, ra, type, ep->comm.comm,
+                           &b->progress->ops[op].requests[request]));
+    moe_progress_unlock(b->progress);
+}
+
+/* op's `requests` requests are posted: from now on it is in flight. */
+static void launched(bwd_run *b, int op, int requests)
+{
+    if (!b->progress)
+        return;
+    moe_progress_lock(b->progress);
+    b->progress->ops[op].count = requests;
+    const double now = MPI_Wtime();
+    moe_progress_track(b->progress, op, now, now);
+    moe_progress_unlock(b->progress);
+}
+
+/* Until op has completed (nothing when blocking); its time into `stage`. */
+static void finish(bwd_run *b, int op, moe_backward_stats *stats, int stage)
+{
+    if (!b->progress)
+        return;
+    const double t = MPI_Wtime();
+    moe_progress_wait(b->progress, op);
+    const moe_comm_op *o = &b->progress->ops[op];
+    stats->seconds[stage] += MPI_Wtime() - t;
+    stats->in_flight[op] = o->completed - o->posted;
+}
+
+/* Between pieces of computation: the operations in flight move. */
+static void poll(bwd_run *b)
+{
+    if (b->progress)
+        moe_progress_poll(b->progress);
+}
+
 /* Stage combine backward: the dy rows of this rank's tokens to the ranks
  * holding their experts, one per (token, rank) as the dispatch sent x, into
- * dy_in (rows received, d) in the order the forward received x. */
-static void combine_backward(const moe_ep *ep, moe_ref_forward *f, const float *dy, float *dy_in,
-                             moe_backward_stats *stats)
+ * dy_in in the order the forward received x. */
+static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, const float *dy,
+                             bwd_run *b, moe_backward_stats *stats)
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
     const moe_index d = ep->cfg->hidden, rows_out = f->send.row_offset[G];
     const double t = MPI_Wtime();
-    float *send = moe_xmalloc(sizeof(float) * (size_t)(rows_out * d) + 1);
-    moe_gather_rows(dy, d, f->send.row_token, rows_out, send);
-    moe_to_counts(f->send.row_count, G, f->send_counts, f->send_at);
-    moe_to_counts(f->rows_from, G, f->recv_counts, f->recv_at);
-    MPI_Datatype row;
-    MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &row));
-    MOE_MPI(MPI_Type_commit(&row));
-    moe_comm_count_posted(f->send_counts, G, me, row);
-    MOE_MPI(MPI_Alltoallv(send, f->send_counts, f->send_at, row, dy_in, f->recv_counts, f->recv_at,
-                          row, ep->comm.comm));
-    MOE_MPI(MPI_Type_free(&row));
-    free(send);
+    moe_gather_rows(dy, d, f->send.row_token, rows_out, b->send_dy);
+    exchange(ep, b, OP_COMBINE, 0, C_DY, f->send.row_count, f->rows_from, b->send_dy, b->dy_in,
+             b->row);
+    launched(b, OP_COMBINE, 1);
     stats->bytes_combine = (double)rows_out * (double)d * sizeof(float);
-    stats->seconds[MOE_BWD_COMBINE] = MPI_Wtime() - t;
+    stats->bytes_remote += (double)(rows_out - f->send.row_count[me]) * (double)d * sizeof(float);
+    stats->seconds[MOE_BWD_COMBINE] += MPI_Wtime() - t;
 }
 
-/* Stage experts backward, for every local expert on its rows in global token
- * order: dx per pair into pair_dx (pairs, d) and dL/dweight into pair_dg
- * (pairs), both in the combine's pair order; then the expert's dW. */
-static void experts_backward(const moe_ep *ep, const moe_ref_forward *f, const float *dy_in,
-                             float *pair_dx, float *pair_dg, moe_ep_grads *g,
-                             moe_backward_stats *stats)
+/* Stage experts, the data gradient, for every local expert on its rows in
+ * global token order: dx per pair into pair_dx and dL/dweight into pair_dg
+ * (the combine's pair order), and each pair's dO, dH, a' into work. */
+static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b,
+                          moe_backward_stats *stats)
 {
     const moe_config *cfg = ep->cfg;
     const moe_index d = cfg->hidden, ff = cfg->ffn;
@@ -85,14 +172,13 @@ static void experts_backward(const moe_ep *ep, const moe_ref_forward *f, const f
     float *dx = moe_xmalloc(sizeof(float) * (size_t)(most * d));
     float *gate = moe_xmalloc(sizeof(float) * (size_t)most);
     float *dg = moe_xmalloc(sizeof(float) * (size_t)most);
-    float *work = moe_xmalloc(sizeof(float) * (size_t)moe_expert_grad_work_floats(most, d, ff));
+    const double t = MPI_Wtime();
+    moe_gemm_reset_flops();
     for (int l = 0; l < ep->local_experts; l++) {
         const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
         const moe_index *row = recv->expert_row + first, *pair = recv->expert_pair + first;
-        double t = MPI_Wtime();
-        moe_gemm_reset_flops();
         moe_gather_rows(f->recv_values, d, row, n, x);
-        moe_gather_rows(dy_in, d, row, n, dy);
+        moe_gather_rows(b->dy_in, d, row, n, dy);
         moe_gather_rows(f->expert_out, d, pair, n, out);
         for (moe_index m = 0; m < n; m++)
             gate[m] = moe_meta_weight(f->recv_meta + row[m] * MOE_META_WORDS(k), k,
@@ -100,19 +186,13 @@ static void experts_backward(const moe_ep *ep, const moe_ref_forward *f, const f
         const moe_expert_weights fw = moe_ep_weights(ep, false, l);
         const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, false, l);
         moe_expert_backward_data(&fw, &bw, ep->gemm, x, dy, gate, out, cfg->weight_at, n, d, ff,
-                                 work, dx, dg);
-        moe_scatter_rows(dx, d, pair, n, pair_dx);
-        moe_scatter_rows(dg, 1, pair, n, pair_dg);
-        stats->dgrad_flops += moe_gemm_sflops();
-        stats->seconds[MOE_BWD_DGRAD] += MPI_Wtime() - t;
-        t = MPI_Wtime();
-        moe_gemm_reset_flops();
-        moe_expert_backward_weights(ep->gemm, x, n, d, ff, work, g->dw1 + l * 2 * ff * d,
-                                    g->dw2 + l * d * ff);
-        stats->wgrad_flops += moe_gemm_sflops();
-        stats->seconds[MOE_BWD_WGRAD] += MPI_Wtime() - t;
+                                 b->work + first * (d + 3 * ff), dx, dg);
+        moe_scatter_rows(dx, d, pair, n, b->pair_dx);
+        moe_scatter_rows(dg, 1, pair, n, b->pair_dg);
+        poll(b);
     }
-    free(work);
+    stats->dgrad_flops = moe_gemm_sflops();
+    stats->seconds[MOE_BWD_DGRAD] += MPI_Wtime() - t;
     free(dg);
     free(gate);
     free(dx);
@@ -121,103 +201,137 @@ static void experts_backward(const moe_ep *ep, const moe_ref_forward *f, const f
     free(x);
 }
 
+/* Stage experts, the weight gradient: each local expert's dW1, dW2 from its
+ * rows (in global token order) and their work. */
+static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, moe_ep_grads *g,
+                          moe_backward_stats *stats)
+{
+    const moe_index d = ep->cfg->hidden, ff = ep->cfg->ffn;
+    const moe_recv_plan *recv = &f->recv;
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(moe_ep_largest_batch(recv) * d));
+    const double t = MPI_Wtime();
+    moe_gemm_reset_flops();
+    for (int l = 0; l < ep->local_experts; l++) {
+        const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
+        moe_gather_rows(f->recv_values, d, recv->expert_row + first, n, x);
+        moe_expert_backward_weights(ep->gemm, x, n, d, ff, b->work + first * (d + 3 * ff),
+                                    g->dw1 + l * 2 * ff * d, g->dw2 + l * d * ff);
+        poll(b);
+    }
+    stats->wgrad_flops = moe_gemm_sflops();
+    stats->seconds[MOE_BWD_WGRAD] += MPI_Wtime() - t;
+    free(x);
+}
+
 /* Stage dispatch backward: dx home as the forward's combine came (reduced:
  * one row per received row, its pairs' dx summed in slot order from zero;
- * pairs: one per pair), and dL/dweight per pair; back (rows or pairs sent
- * out, d) and dg_back (pairs sent out) receive them. */
-static void dispatch_backward(const moe_ep *ep, moe_ref_forward *f, const float *pair_dx,
-                              const float *pair_dg, float *back, float *dg_back,
+ * pairs: one per pair), and dL/dweight per pair. */
+static void dispatch_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b,
                               moe_backward_stats *stats)
 {
-    const int G = ep->comm.ranks, me = ep->comm.rank, k = (int)ep->cfg->topk;
+    const int me = ep->comm.rank, k = (int)ep->cfg->topk;
     const moe_index d = ep->cfg->hidden;
     const moe_recv_plan *recv = &f->recv;
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
     const double t = MPI_Wtime();
-    float *sums = NULL;
     if (reduced) {
-        sums = moe_xcalloc((size_t)(recv->rows * d) + 1, sizeof(float));
+        memset(b->sums, 0, sizeof(float) * (size_t)(recv->rows * d));
         const float **slot = moe_xcalloc((size_t)(recv->rows * k) + 1, sizeof(float *));
         for (moe_index m = 0; m < recv->pairs; m++)
-            slot[recv->expert_row[m] * k + recv->expert_slot[m]] = pair_dx + recv->expert_pair[m] * d;
+            slot[recv->expert_row[m] * k + recv->expert_slot[m]] = b->pair_dx + recv->expert_pair[m] * d;
         for (moe_index r = 0; r < recv->rows; r++)
             for (int s = 0; s < k; s++)
                 for (moe_index j = 0; slot[r * k + s] && j < d; j++)
-                    sums[r * d + j] += slot[r * k + s][j];
+                    b->sums[r * d + j] += slot[r * k + s][j];
         free(slot);
-        moe_to_counts(f->rows_from, G, f->send_counts, f->send_at);
-        moe_to_counts(f->send.row_count, G, f->recv_counts, f->recv_at);
+        exchange(ep, b, OP_DISPATCH, 0, C_DX, f->rows_from, f->send.row_count, b->sums, b->back,
+                 b->row);
     } else {
-        moe_to_counts(recv->source_pairs, G, f->send_counts, f->send_at);
-        moe_to_counts(f->send.pair_count, G, f->recv_counts, f->recv_at);
+        exchange(ep, b, OP_DISPATCH, 0, C_DX, recv->source_pairs, f->send.pair_count, b->pair_dx,
+                 b->back, b->row);
     }
-    MPI_Datatype row;
-    MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &row));
-    MOE_MPI(MPI_Type_commit(&row));
-    moe_comm_count_posted(f->send_counts, G, me, row);
-    MOE_MPI(MPI_Alltoallv(reduced ? sums : pair_dx, f->send_counts, f->send_at, row, back,
-                          f->recv_counts, f->recv_at, row, ep->comm.comm));
-    MOE_MPI(MPI_Type_free(&row));
+    exchange(ep, b, OP_DISPATCH, 1, C_DG, recv->source_pairs, f->send.pair_count, b->pair_dg,
+             b->dg_back, MPI_FLOAT);
+    launched(b, OP_DISPATCH, 2);
     const moe_index rows_back = reduced ? recv->rows : recv->pairs;
-    free(sums);
-    moe_to_counts(recv->source_pairs, G, f->send_counts, f->send_at);
-    moe_to_counts(f->send.pair_count, G, f->recv_counts, f->recv_at);
-    moe_comm_count_posted(f->send_counts, G, me, MPI_FLOAT);
-    MOE_MPI(MPI_Alltoallv(pair_dg, f->send_counts, f->send_at, MPI_FLOAT, dg_back, f->recv_counts,
-                          f->recv_at, MPI_FLOAT, ep->comm.comm));
+    const moe_index own_rows = reduced ? f->rows_from[me] : recv->source_pairs[me];
     stats->bytes_dispatch = ((double)rows_back * (double)d + (double)recv->pairs) * sizeof(float);
-    stats->seconds[MOE_BWD_DISPATCH] = MPI_Wtime() - t;
+    stats->bytes_remote += ((double)(rows_back - own_rows) * (double)d +
+                            (double)(recv->pairs - recv->source_pairs[me])) * sizeof(float);
+    stats->seconds[MOE_BWD_DISPATCH] += MPI_Wtime() - t;
 }
 
-/* Stages reduce and shared at home: dx (T, d) = the rows that came home (in
- * ascending destination, or slot, order), then each shared expert's dx;
- * dweights (T, k) = dL/dweight of each slot. The shared experts' dW (this
- * rank's tokens) into g. */
-static void home_backward(const moe_ep *ep, const moe_ref_forward *f, const float *x,
-                          const int32_t *ids, const float *dy, const float *back,
-                          const float *dg_back, double *dweights, moe_ep_grads *g,
-                          moe_backward_stats *stats)
+/* Stage shared: each shared expert's dx (into shared_dx, summed in
+ * expert order) and dW over this rank's tokens. The data gradient runs in
+ * blocks of MOE_SHARED_ROW_BLOCK tokens (a row's dx depends on its row only
+ * with packed and exact), between which the operations in flight move. */
+static void shared_backward(const moe_ep *ep, const float *x, const float *dy, bwd_run *b,
+                            moe_ep_grads *g, moe_backward_stats *stats)
 {
     const moe_config *cfg = ep->cfg;
-    const int G = ep->comm.ranks, k = (int)cfg->topk;
     const moe_index T = cfg->tokens, d = cfg->hidden, ff = cfg->ffn;
-    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-    double t = MPI_Wtime();
-    const float **from = moe_xmalloc(sizeof(float *) * (size_t)G);
-    const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * k) + 1);
-    for (int r = 0; r < G; r++)
-        from[r] = back + (reduced ? f->send.row_offset[r] : f->send.pair_offset[r]) * d;
-    if (reduced) {
-        moe_ep_reduce_rows(ep, &ep->placement, ids, NULL, from, 1, g->dx);
-    } else {
-        moe_combine_locate(&f->send, from, d, slot_rows);
-        moe_combine_reduce(slot_rows, NULL, T, k, d, g->dx);
-    }
-    for (int r = 0; r < G; r++)
-        from[r] = dg_back + f->send.pair_offset[r];
-    moe_combine_locate(&f->send, from, 1, slot_rows);
-    for (moe_index n = 0; n < T * k; n++)
-        dweights[n] = *slot_rows[n];
-    free(slot_rows);
-    free(from);
-    stats->seconds[MOE_BWD_REDUCE] = MPI_Wtime() - t;
-
-    t = MPI_Wtime();
-    float *dxs = moe_xmalloc(sizeof(float) * (size_t)(T * d) + 1);
+    const double t = MPI_Wtime();
+    float *dx = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * d));
     float *work = moe_xmalloc(sizeof(float) * (size_t)moe_expert_grad_work_floats(T, d, ff) + 1);
+    memset(b->shared_dx, 0, sizeof(float) * (size_t)(T * d));
     for (int s = 0; s < (int)cfg->shared_experts; s++) {
         const moe_expert_weights fw = moe_ep_weights(ep, true, s);
         const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, true, s);
-        moe_expert_backward_data(&fw, &bw, ep->gemm, x, dy, NULL, NULL, cfg->weight_at, T, d, ff,
-                                 work, dxs, NULL);
-        for (moe_index n = 0; n < T * d; n++)
-            g->dx[n] += dxs[n];
+        /* the whole batch's work, laid out as one call would lay it out */
+        float *dO = work, *dH = work + T * d, *act = dH + T * 2 * ff;
+        for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
+            const moe_index n = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
+            float *block = moe_xmalloc(sizeof(float) * (size_t)moe_expert_grad_work_floats(n, d, ff));
+            moe_expert_backward_data(&fw, &bw, ep->gemm, x + first * d, dy + first * d, NULL, NULL,
+                                     cfg->weight_at, n, d, ff, block, dx, NULL);
+            memcpy(dO + first * d, block, sizeof(float) * (size_t)(n * d));
+            memcpy(dH + first * 2 * ff, block + n * d, sizeof(float) * (size_t)(n * 2 * ff));
+            memcpy(act + first * ff, block + n * (d + 2 * ff), sizeof(float) * (size_t)(n * ff));
+            free(block);
+            for (moe_index m = 0; m < n * d; m++)
+                b->shared_dx[first * d + m] += dx[m];
+            poll(b);
+        }
         moe_expert_backward_weights(ep->gemm, x, T, d, ff, work, g->dshared_w1 + s * 2 * ff * d,
                                     g->dshared_w2 + s * d * ff);
+        poll(b);
     }
     free(work);
-    free(dxs);
-    stats->seconds[MOE_BWD_SHARED] = MPI_Wtime() - t;
+    free(dx);
+    stats->seconds[MOE_BWD_SHARED] += MPI_Wtime() - t;
+}
+
+/* Stage reduce at home: dx (T, d) = the rows that came home (ascending
+ * destination, or slot, order), then the shared experts' dx; dweights (T,
+ * k) = dL/dweight of each slot. */
+static void reduce_home(const moe_ep *ep, const moe_ref_forward *f, const int32_t *ids,
+                        const bwd_run *b, double *dweights, float *dx, moe_backward_stats *stats)
+{
+    const moe_config *cfg = ep->cfg;
+    const int G = ep->comm.ranks, k = (int)cfg->topk;
+    const moe_index T = cfg->tokens, d = cfg->hidden;
+    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+    const double t = MPI_Wtime();
+    const float **from = moe_xmalloc(sizeof(float *) * (size_t)G);
+    const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * k) + 1);
+    for (int r = 0; r < G; r++)
+        from[r] = b->back + (reduced ? f->send.row_offset[r] : f->send.pair_offset[r]) * d;
+    if (reduced) {
+        moe_ep_reduce_rows(ep, &ep->placement, ids, NULL, from, 1, dx);
+    } else {
+        moe_combine_locate(&f->send, from, d, slot_rows);
+        moe_combine_reduce(slot_rows, NULL, T, k, d, dx);
+    }
+    for (int r = 0; r < G; r++)
+        from[r] = b->dg_back + f->send.pair_offset[r];
+    moe_combine_locate(&f->send, from, 1, slot_rows);
+    for (moe_index n = 0; n < T * k; n++)
+        dweights[n] = *slot_rows[n];
+    for (moe_index n = 0; n < T * d; n++)
+        dx[n] += b->shared_dx[n];
+    free(slot_rows);
+    free(from);
+    stats->seconds[MOE_BWD_REDUCE] += MPI_Wtime() - t;
 }
 
 /* Stage router: dx += the router's share, rounded once from fp64; dW_g
@@ -254,38 +368,54 @@ static void sum_over_ranks(const moe_comm *c, float *v, double *partial, moe_ind
         v[m] = (float)partial[m];
 }
 
-int moe_ep_backward_ref(const moe_ep *ep, const float *x, const float *logits, const int32_t *ids,
-                        const float *weights, const float *dy, float *y, moe_ep_grads *g,
-                        moe_forward_stats *fwd, moe_backward_stats *bwd, moe_status *st)
+/* The backward after a kept forward f, blocking (sched NULL) or with its
+ * all-to-alls in flight as sched->progress drives them. */
+static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_forward *f,
+                     const float *x, const float *logits, const int32_t *ids, const float *dy,
+                     moe_ep_grads *g, moe_backward_stats *bwd)
 {
     const moe_config *cfg = ep->cfg;
     const moe_comm *c = &ep->comm;
     const int G = c->ranks, k = (int)cfg->topk;
     const moe_index T = cfg->tokens, d = cfg->hidden, ff = cfg->ffn, E = cfg->experts;
     const moe_index S = cfg->shared_experts;
-    memset(bwd, 0, sizeof *bwd);
-    moe_ref_forward f;
-    int rc = moe_ep_ref_run(ep, x, ids, weights, y, fwd, NULL, &f, st);
-    if (rc) {
-        moe_ep_ref_free(&f);
-        return rc;
-    }
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-    const moe_index pairs_out = f.send.pair_offset[G];
-    const moe_index back_rows = reduced ? f.send.row_offset[G] : pairs_out;
-    float *dy_in = moe_xmalloc(sizeof(float) * (size_t)(f.rows_in * d) + 1);
-    float *pair_dx = moe_xmalloc(sizeof(float) * (size_t)(f.recv.pairs * d) + 1);
-    float *pair_dg = moe_xmalloc(sizeof(float) * (size_t)f.recv.pairs + 1);
-    float *back = moe_xmalloc(sizeof(float) * (size_t)(back_rows * d) + 1);
-    float *dg_back = moe_xmalloc(sizeof(float) * (size_t)pairs_out + 1);
+    const moe_index pairs = f->recv.pairs, pairs_out = f->send.pair_offset[G];
+    moe_progress progress;
+    bwd_run b = {.progress = sched ? &progress : NULL};
+    if (sched)
+        moe_progress_init(&progress, sched->progress, OPS);
+    b.counts = moe_xmalloc(sizeof(int) * (size_t)(COUNT_SETS * COUNT_ARRAYS * G));
+    MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &b.row));
+    MOE_MPI(MPI_Type_commit(&b.row));
+    b.send_dy = moe_xmalloc(sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
+    b.dy_in = moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1);
+    b.work = moe_xmalloc(sizeof(float) * (size_t)moe_expert_grad_work_floats(pairs, d, ff) + 1);
+    b.pair_dx = moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1);
+    b.pair_dg = moe_xmalloc(sizeof(float) * (size_t)pairs + 1);
+    b.sums = reduced ? moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1) : NULL;
+    b.back = moe_xmalloc(sizeof(float) * (size_t)((reduced ? f->send.row_offset[G] : pairs_out) * d) + 1);
+    b.dg_back = moe_xmalloc(sizeof(float) * (size_t)pairs_out + 1);
+    b.shared_dx = moe_xmalloc(sizeof(float) * (size_t)(T * d) + 1);
     double *dweights = moe_xmalloc(sizeof(double) * (size_t)(T * k) + 1);
     const moe_index most = E * d > S * 2 * ff * d ? E * d : S * 2 * ff * d;
     double *partial = moe_xmalloc(sizeof(double) * (size_t)most);
 
-    combine_backward(ep, &f, dy, dy_in, bwd);
-    experts_backward(ep, &f, dy_in, pair_dx, pair_dg, g, bwd);
-    dispatch_backward(ep, &f, pair_dx, pair_dg, back, dg_back, bwd);
-    home_backward(ep, &f, x, ids, dy, back, dg_back, dweights, g, bwd);
+    /* The same sequence on both paths: what overlaps is what has no use for
+     * the data in flight. */
+    combine_backward(ep, f, dy, &b, bwd);
+    shared_backward(ep, x, dy, &b, g, bwd); /* behind the combine backward */
+    finish(&b, OP_COMBINE, bwd, MOE_BWD_COMBINE);
+    experts_dgrad(ep, f, &b, bwd);
+    dispatch_backward(ep, f, &b, bwd);
+    experts_wgrad(ep, f, &b, g, bwd); /* behind the dispatch backward */
+    finish(&b, OP_DISPATCH, bwd, MOE_BWD_DISPATCH);
+    if (sched) {
+        moe_progress_stop(&progress);
+        bwd->test_seconds = progress.test_seconds;
+        moe_progress_free(&progress);
+    }
+    reduce_home(ep, f, ids, &b, dweights, g->dx, bwd);
     router_backward(ep, x, logits, ids, dweights, g->dx, partial, bwd);
 
     const double t = MPI_Wtime();
@@ -298,11 +428,36 @@ int moe_ep_backward_ref(const moe_ep *ep, const float *x, const float *logits, c
 
     free(partial);
     free(dweights);
-    free(dg_back);
-    free(back);
-    free(pair_dg);
-    free(pair_dx);
-    free(dy_in);
+    free(b.shared_dx);
+    free(b.dg_back);
+    free(b.back);
+    free(b.sums);
+    free(b.pair_dg);
+    free(b.pair_dx);
+    free(b.work);
+    free(b.dy_in);
+    free(b.send_dy);
+    MOE_MPI(MPI_Type_free(&b.row));
+    free(b.counts);
+}
+
+int moe_ep_backward_step(const moe_ep *ep, const moe_schedule *sched, const float *x,
+                         const float *logits, const int32_t *ids, const float *weights,
+                         const float *dy, float *y, moe_ep_grads *g, moe_forward_stats *fwd,
+                         moe_backward_stats *bwd, moe_status *st)
+{
+    memset(bwd, 0, sizeof *bwd);
+    moe_ref_forward f;
+    const int rc = moe_ep_ref_run(ep, x, ids, weights, y, fwd, NULL, &f, st);
+    if (rc == MOE_EXIT_OK)
+        backward(ep, sched, &f, x, logits, ids, dy, g, bwd);
     moe_ep_ref_free(&f);
-    return MOE_EXIT_OK;
+    return rc;
+}
+
+int moe_ep_backward_ref(const moe_ep *ep, const float *x, const float *logits, const int32_t *ids,
+                        const float *weights, const float *dy, float *y, moe_ep_grads *g,
+                        moe_forward_stats *fwd, moe_backward_stats *bwd, moe_status *st)
+{
+    return moe_ep_backward_step(ep, NULL, x, logits, ids, weights, dy, y, g, fwd, bwd, st);
 }

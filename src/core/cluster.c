@@ -138,7 +138,8 @@ void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
     p->dispatch_wire_bytes = T * k * moe_dispatch_row_bytes(cfg);
     p->combine_wire_bytes = T * k * moe_combine_row_bytes(cfg);
     p->step_forward_bytes = (p->dispatch_wire_bytes + p->combine_wire_bytes) * (double)cfg->moe_layers;
-    p->step_training_bytes = 2.0 * p->step_forward_bytes;
+    p->step_training_bytes =
+        p->step_forward_bytes + T * k * moe_backward_pair_bytes(cfg) * (double)cfg->moe_layers;
 
     const double flops = cfg->tflops * 1e12, intra = cfg->intra_bw * 1e9, inter = cfg->inter_bw * 1e9;
     p->compute_seconds = flops > 0 ? 6.0 * T * k * d * f / flops : 0.0;

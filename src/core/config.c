@@ -36,6 +36,7 @@ enum flag_kind {
 /* bench takes every flag of run (it runs the same layer) and its own. */
 enum {
     RUN = 1 << MOE_CMD_RUN | 1 << MOE_CMD_BENCH,
+    RUN_ONLY = 1 << MOE_CMD_RUN, /* a training step: bench times forwards */
     PLAN = 1 << MOE_CMD_PLAN,
     BENCH = 1 << MOE_CMD_BENCH,
     BOTH = RUN | PLAN
@@ -124,7 +125,7 @@ static const flag_spec flags[] = {
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
-    {"backward", FLAG_BOOL, FIELD(backward), 0, 0, NULL, NULL, "false", "a training step: the forward, then the gradients for a synthetic dy (docs/backward.md); needs --blocking", RUN},
+    {"backward", FLAG_BOOL, FIELD(backward), 0, 0, NULL, NULL, "false", "a training step: the blocking forward, then the gradients for a synthetic dy, its all-to-alls in flight behind the weight gradients (blocking with --blocking; docs/backward.md)", RUN_ONLY},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, NULL, "false", "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
     {"routing", FLAG_TEXT, FIELD(routing), 0, 0, "FILE", NULL, "", "replay top-k ids and weights from FILE.safetensors instead of the router (docs/golden.md)", RUN},
     {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", NULL, "", "write the golden set of this run (docs/golden.md)", RUN},
@@ -624,13 +625,18 @@ static int validate_router(const moe_config *cfg, moe_status *st)
     return moe_skew_parse(cfg->skew, (int)E, skew, st);
 }
 
-/* --backward runs on the blocking reference path, in fp32 on the wire,
- * through the router's own weights (ep.h, moe_ep_backward_ref). */
+/* --backward: the blocking forward, its mirror in fp32 on the wire, through
+ * the router's own weights (ep.h, moe_ep_backward_step). */
 static int validate_backward(const moe_config *cfg, moe_status *st)
 {
-    if (!cfg->blocking)
+    if (cfg->trace[0] || cfg->timeline[0])
         return moe_fail(st, MOE_EXIT_USAGE,
-                        "--backward runs on the blocking reference path: add --blocking");
+                        "--trace and --timeline draw the forward's wave pipeline, and --backward "
+                        "runs the blocking forward: drop one of them");
+    if (cfg->link[0])
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--link models the forward's waves; the backward's all-to-alls are not "
+                        "modelled: drop --link or --backward");
     if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--backward mirrors the flat dispatch: --dispatch must be flat, got hierarchical");

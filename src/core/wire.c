@@ -111,3 +111,8 @@ double moe_dispatch_row_bytes(const moe_config *cfg)
 }
 
 double moe_combine_row_bytes(const moe_config *cfg) { return (double)moe_wire_combine(cfg).bytes; }
+
+double moe_backward_pair_bytes(const moe_config *cfg)
+{
+    return (double)moe_wire_dispatch(cfg).bytes + (double)moe_wire_combine(cfg).bytes + sizeof(float);
+}

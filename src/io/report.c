@@ -32,6 +32,7 @@ bool moe_report_check_passed(const moe_run_summary *s)
     const bool reference_ok =
         !s->ref_compared || !s->ref_bitwise_expected || s->ref_differ == 0.0;
     bool grads_ok = !s->backward || s->grads_identical;
+    grads_ok = grads_ok && (!s->bwd_ref_compared || s->bwd_ref_differ == 0.0);
     for (int t = 0; t < MOE_GRAD_TENSORS; t++)
         if (s->grad_check[t].checked)
             grads_ok = grads_ok && !s->grad_check[t].nonfinite && s->grad_check[t].max_used <= 1.0;
@@ -43,14 +44,21 @@ bool moe_report_check_passed(const moe_run_summary *s)
 static void print_backward(FILE *out, const moe_run_summary *s)
 {
     char b1[32], b2[32], b3[32], b4[32], b5[32];
-    fprintf(out, "backward  the forward's mirror on the blocking path: dy rows out along the "
-                 "dispatch's plan, dx rows (%s) and dL/dweight per pair home along the combine's\n",
+    fprintf(out, "backward  the forward's mirror: dy rows out along the dispatch's plan, dx rows "
+                 "(%s) and dL/dweight per pair home along the combine's; %s\n",
             s->cfg->combine == MOE_COMBINE_REDUCED ? "summed per token and rank at the source"
-                                                   : "one per pair");
+                                                   : "one per pair",
+            s->bwd_overlapped ? "in flight behind the shared experts and the weight gradients"
+                              : "blocking");
     fprintf(out, "          ms per step, max over ranks, median of %lld: forward %.2f, step %.2f;",
             (long long)s->cfg->iters, 1e3 * s->layer_seconds, 1e3 * s->step_seconds);
     for (int n = 0; n < MOE_BWD_STAGES; n++)
         fprintf(out, "%s %s %.2f", n ? " ·" : "", moe_bwd_stage_names[n], 1e3 * s->bwd_seconds[n]);
+    if (s->bwd_overlapped)
+        fprintf(out, "\n          in flight (posted .. complete, max over ranks): combine backward "
+                     "%.2f ms, dispatch backward %.2f ms; the stage times above are what the "
+                     "computing thread spent posting and waiting",
+                1e3 * s->bwd_in_flight[0], 1e3 * s->bwd_in_flight[1]);
     fprintf(out, "\n          routed expert GEMMs, all ranks: forward %.3g GFLOP, dgrad %.3g "
                  "(h recomputed), wgrad %.3g\n",
             1e-9 * s->expert_flops, 1e-9 * s->dgrad_flops, 1e-9 * s->wgrad_flops);
@@ -249,7 +257,8 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
             G * T, k, moe_dispatch_row_bytes(cfg), what, MOE_META_WORDS((int)k),
             moe_format_bytes(there, b1, sizeof b1), (double)back.bytes,
             back.dtype == MOE_DTYPE_BF16 ? "bf16" : "fp32", moe_format_bytes(home, b2, sizeof b2),
-            moe_format_bytes(there + home, b3, sizeof b3), moe_format_bytes(2 * (there + home), b4, sizeof b4));
+            moe_format_bytes(there + home, b3, sizeof b3),
+            moe_format_bytes(there + home + G * T * k * moe_backward_pair_bytes(cfg), b4, sizeof b4));
 }
 
 void moe_report_print_machine(FILE *out, const moe_run_summary *s)
@@ -428,6 +437,10 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                 s->ref_bitwise_expected ? "bitwise expected"
                                         : "token-chunk waves with blas: within tolerance expected");
     print_grad_checks(out, s);
+    if (s->bwd_ref_compared)
+        fprintf(out, "          backward vs the blocking backward: %s (%.0f gradient values "
+                     "differ; bitwise expected)\n",
+                s->bwd_ref_differ == 0.0 ? "bitwise identical" : "differs", s->bwd_ref_differ);
     fprintf(out, "check: %s max_abs=%.3e max_rel=%.3e tol=%.3e+%.3e*|ref|%s used=%.1f%%\n",
             moe_report_check_passed(s) ? "PASS" : "FAIL", s->cmp.max_abs, s->cmp.max_rel,
             s->tol.abs, s->tol.rel,

@@ -5,7 +5,11 @@
  * --blocking --backward) plus
  *   --np1 bitwise|tolerance   how this rank's dx must match the one-rank dx
  * and checks, on every rank:
- *   1. a second step gives the same bits (every gradient tensor);
+ *   0. the bytes posted to MPI for other ranks in a step are those its
+ *      figures report (forward and backward);
+ *   1. a second step gives the same bits (every gradient tensor), and so
+ *      does the backward with its all-to-alls in flight (moe_ep_backward_step,
+ *      poll and thread progress);
  *   2. dx of this rank's tokens against every rank's computing the whole
  *      layer (G*T tokens) alone on MPI_COMM_SELF: bitwise with --np1
  *      bitwise (--combine pairs: the home rank sums per pair in slot order,
@@ -27,11 +31,16 @@
 #include <string.h>
 
 #include "moe/ep.h"
+#include "moe/progress.h"
 #include "moe/rng.h"
+#include "moe/wire.h"
 
 /* One training step of cfg on c: the rank's tokens routed, the synthetic
  * dy, moe_ep_backward_ref into g (allocated here). */
-static int step(const moe_comm *c, const moe_config *cfg, moe_ep *ep, moe_ep_grads *g)
+static double remote_reported; /* the last step's bytes to other ranks, as its stats say */
+
+static int step(const moe_comm *c, const moe_config *cfg, moe_ep *ep, const moe_schedule *sched,
+                moe_ep_grads *g)
 {
     const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
     moe_status st = {0};
@@ -49,9 +58,11 @@ static int step(const moe_comm *c, const moe_config *cfg, moe_ep *ep, moe_ep_gra
     moe_forward_stats fwd;
     moe_backward_stats bwd;
     moe_ep_grads_init(ep, g);
-    const int rc = moe_ep_backward_ref(ep, x, logits, ids, weights, dy, y, g, &fwd, &bwd, &st);
+    const int rc = moe_ep_backward_step(ep, sched, x, logits, ids, weights, dy, y, g, &fwd, &bwd, &st);
     if (rc)
         fprintf(stderr, "ep_backward_test: %s\n", st.message);
+    remote_reported = (double)fwd.rows_sent_remote * moe_dispatch_row_bytes(cfg) +
+                      (double)fwd.pairs_back_remote * moe_combine_row_bytes(cfg) + bwd.bytes_remote;
     free(weights);
     free(ids);
     free(scores);
@@ -118,8 +129,17 @@ int main(int argc, char **argv)
         return 1;
     }
     moe_ep_grads g, again;
-    failures += step(&world, &cfg, &ep, &g) != 0;
-    failures += step(&world, &cfg, &ep, &again) != 0;
+    const double posted_before = moe_comm_posted_bytes();
+    failures += step(&world, &cfg, &ep, NULL, &g) != 0;
+    { /* the bytes MPI was asked to move to other ranks are the ones reported */
+        const double posted = moe_comm_sum(&world, moe_comm_posted_bytes() - posted_before);
+        const double reported = moe_comm_sum(&world, remote_reported);
+        if (r == 0)
+            printf("wire: %.0f bytes posted to other ranks in a step, %.0f reported: %s\n", posted,
+                   reported, posted == reported ? "ok" : "FAIL");
+        failures += posted != reported;
+    }
+    failures += step(&world, &cfg, &ep, NULL, &again) != 0;
     const moe_index EL = ep.local_experts;
     const struct {
         const char *name;
@@ -135,6 +155,26 @@ int main(int argc, char **argv)
         char what[64];
         snprintf(what, sizeof what, "%s, second step", tensors[t].name);
         failures += compare(what, r, tensors[t].b, tensors[t].a, tensors[t].n, true, 0.0);
+    }
+
+    /* The backward with its all-to-alls in flight, both progress modes:
+     * the blocking backward's bits. */
+    for (int kind = MOE_PROGRESS_POLL; kind <= MOE_PROGRESS_THREAD; kind++) {
+        moe_schedule sched = moe_schedule_default(&ep);
+        sched.progress = moe_progress_granted(&world, (enum moe_progress_kind)kind);
+        moe_ep_grads overlapped;
+        failures += step(&world, &cfg, &ep, &sched, &overlapped) != 0;
+        const float *got[MOE_EP_GRAD_TENSORS], *want[MOE_EP_GRAD_TENSORS];
+        moe_index n[MOE_EP_GRAD_TENSORS];
+        moe_ep_grads_tensors(&ep, &overlapped, got, n);
+        moe_ep_grads_tensors(&ep, &g, want, n);
+        for (int t = 0; t < MOE_EP_GRAD_TENSORS; t++) {
+            char what[64];
+            snprintf(what, sizeof what, "%s, in flight (%s)", tensors[t].name,
+                     sched.progress == MOE_PROGRESS_THREAD ? "thread" : "poll");
+            failures += compare(what, r, got[t], want[t], n[t], true, 0.0);
+        }
+        moe_ep_grads_free(&overlapped);
     }
 
     /* The replicated gradients are the same bits on every rank. */
@@ -159,7 +199,7 @@ int main(int argc, char **argv)
         return 1;
     }
     moe_ep_grads g1;
-    failures += step(&self, &one, &ep1, &g1) != 0;
+    failures += step(&self, &one, &ep1, NULL, &g1) != 0;
     failures += compare("dx, one rank's", r, g.dx, g1.dx + (moe_index)r * T * d, T * d, np1_bitwise,
                         0x1p-24 * (double)(2 * d + 2 * f + cfg.topk + S + 8));
     const moe_index first = ep.first_expert;

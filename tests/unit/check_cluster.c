@@ -3,6 +3,7 @@
 
 #include "moe/cluster.h"
 #include "moe/router.h"
+#include "moe/wire.h"
 #include "suites.h"
 
 /* The deepseek-v3 preset and the H800 cluster, set by hand. */
@@ -74,7 +75,11 @@ START_TEST(traffic_and_pipeline)
     /* wire.h: values, 56 fp32 scales, meta of 8 int16 ids, 8 fp32 weights, an int32 token */
     ck_assert_double_eq(p.dispatch_wire_bytes, 4096.0 * 8 * (7168 + 56 * 4 + 8 * 2 + 8 * 4 + 4));
     ck_assert_double_eq(p.combine_wire_bytes, p.combine_bytes);
-    ck_assert_double_eq(p.step_training_bytes, 2 * 58 * (p.dispatch_wire_bytes + p.combine_wire_bytes));
+    /* the backward per pair (wire.h): dy as the dispatch's values and scales, dx as the
+     * combine's, one fp32 dL/dweight */
+    ck_assert_double_eq(p.step_training_bytes,
+                        58 * (p.dispatch_wire_bytes + p.combine_wire_bytes +
+                              4096.0 * 8 * ((7168 + 56 * 4) + 7168 * 2 + 4)));
     ck_assert_double_eq_tol(p.remote_fraction, 7.0 / 8.0, 1e-12);
     /* k = 8 experts in M = 4 kept groups of 32 (one group per node): the
      * router reaches at most 4 nodes, nearly always all 4 */
@@ -120,7 +125,9 @@ START_TEST(plan_invariants_hold_over_a_sweep)
                 if (cfg.groups > 1 && p.ep_nodes > 1)
                     ck_assert(p.nodes_reached <= (double)cfg.topk_groups);
                 ck_assert(p.inter_copies <= p.nodes_reached || cfg.groups == 1);
-                ck_assert(p.step_training_bytes == 2 * p.step_forward_bytes);
+                ck_assert(p.step_training_bytes ==
+                          p.step_forward_bytes + (double)cfg.moe_layers * (double)cfg.tokens *
+                                                     (double)cfg.topk * moe_backward_pair_bytes(&cfg));
                 checked++;
             }
     ck_assert_int_eq(checked, 80);
