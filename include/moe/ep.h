@@ -87,6 +87,10 @@ void moe_ep_free(moe_ep *ep);
 /* x (T, d) = this rank's tokens, global ids rank*T + i. */
 void moe_ep_generate_tokens(const moe_ep *ep, float *x);
 
+/* dy (T, d) = the upstream gradient of this rank's tokens for --backward
+ * (rng.h, MOE_TENSOR_GRAD_OUTPUT: uniform in [-1, 1), row = global id). */
+void moe_ep_generate_grad_output(const moe_ep *ep, float *dy);
+
 /* Stage route. x (T, d) → ids (T, k), weights (T, k); logits and scores
  * (T, E) kept for inspection. A token's routing depends on its row only
  * (fixed-order fp64 gate, specified exp): the same bits at any G. With
@@ -156,6 +160,25 @@ void moe_ep_grads_tensors(const moe_ep *ep, const moe_ep_grads *g, const float *
 int moe_ep_backward_ref(const moe_ep *ep, const float *x, const float *logits, const int32_t *ids,
                         const float *weights, const float *dy, float *y, moe_ep_grads *g,
                         moe_forward_stats *fwd, moe_backward_stats *bwd, moe_status *st);
+
+/* What a blocking backward saw on this rank, for --dump (owned copies;
+ * rows and pairs in the order of the forward's moe_ep_capture). */
+typedef struct {
+    moe_index rows, pairs;
+    float *dy;      /* (rows, d) the dy rows received (combine backward) */
+    float *dx;      /* (pairs, d) dx of each pair */
+    float *dweight; /* (pairs) dL/dweight of each pair */
+    float *sums;    /* --combine reduced: (rows, d) per row, its pairs' dx summed as sent home */
+} moe_ep_bwd_capture;
+
+void moe_ep_bwd_capture_free(moe_ep_bwd_capture *capture);
+
+/* moe_ep_backward_ref, capturing the forward (fwd_capture) and the
+ * backward (bwd_capture) on this rank. */
+int moe_ep_backward_capture(const moe_ep *ep, const float *x, const float *logits,
+                            const int32_t *ids, const float *weights, const float *dy, float *y,
+                            moe_ep_grads *g, moe_ep_capture *fwd_capture,
+                            moe_ep_bwd_capture *bwd_capture, moe_status *st);
 
 /* The same step with the backward's two all-to-alls nonblocking, driven as
  * sched->progress says (sched NULL: moe_ep_backward_ref): the combine

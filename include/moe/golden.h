@@ -18,7 +18,7 @@
 /* The stages, in pipeline order; a tensor's file is "<stage>.safetensors". */
 enum moe_stage_file {
     MOE_GOLDEN_INPUTS, MOE_GOLDEN_ROUTER, MOE_GOLDEN_LAYOUT, MOE_GOLDEN_DISPATCH,
-    MOE_GOLDEN_EXPERTS, MOE_GOLDEN_OUTPUT, MOE_GOLDEN_STAGES
+    MOE_GOLDEN_EXPERTS, MOE_GOLDEN_OUTPUT, MOE_GOLDEN_BACKWARD, MOE_GOLDEN_STAGES
 };
 extern const char *const moe_golden_stage_names[MOE_GOLDEN_STAGES];
 

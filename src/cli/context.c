@@ -12,7 +12,6 @@
 #include "moe/files.h"
 #include "moe/gemm.h"
 #include "moe/golden.h"
-#include "moe/rng.h"
 #include "moe/routing.h"
 
 /* Every output path can be written, and no two name the same place (nor a
@@ -363,8 +362,7 @@ static void buffers_init(moe_run_context *ctx)
     ctx->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     if (cfg->backward) {
         ctx->dy = moe_xmalloc(sizeof(float) * (size_t)(T * d));
-        moe_synth_fill(cfg->seed, MOE_TENSOR_GRAD_OUTPUT, 0, (uint64_t)ctx->comm->rank * (uint64_t)(T * d),
-                       T * d, 1.0f, ctx->dy);
+        moe_ep_generate_grad_output(&ctx->ep, ctx->dy);
         moe_ep_grads_init(&ctx->ep, &ctx->grads);
     }
 }

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/check.h"
 #include "moe/cli.h"
 #include "moe/ep.h"
 #include "moe/gemm.h"
@@ -149,6 +150,187 @@ static void layout_counts_free(layout_counts *lc)
     free(lc->in_rank);
 }
 
+/* --dump --backward: this rank's share of the backward stages, then what
+ * rank 0 gathers of them. */
+typedef struct {
+    moe_ep_bwd_capture cap; /* this rank's received dy rows, dx and dL/dweight per pair */
+    moe_ep_grads g;         /* this rank's gradients */
+    double *dx_truth;       /* (T, d) */
+    double *dw1_truth, *dw2_truth;             /* (EL, 2f, d), (EL, d, f) */
+    double *dgate_truth;                       /* (E, d) over every rank's tokens */
+    double *dshared_w1_truth, *dshared_w2_truth; /* (S, ...) likewise */
+    double most_rows;       /* the most rows one expert's wgrad sums */
+    /* rank 0: gathered, rank order (per-rank ones) or token and expert order */
+    void *dy, *dx, *dweight, *sums; /* per rank, concatenated */
+    size_t *sizes[4];
+    float *all_dx, *all_dw1, *all_dw2;
+    double *all_dx_truth, *all_dw1_truth, *all_dw2_truth;
+    float *grad_output; /* (N, d) regenerated */
+} backward_share;
+
+static void backward_share_free(backward_share *b)
+{
+    moe_ep_bwd_capture_free(&b->cap);
+    if (b->g.dx)
+        moe_ep_grads_free(&b->g);
+    void *owned[] = {b->dx_truth, b->dw1_truth, b->dw2_truth, b->dgate_truth, b->dshared_w1_truth,
+                     b->dshared_w2_truth, b->dy, b->dx, b->dweight, b->sums, b->all_dx, b->all_dw1,
+                     b->all_dw2, b->all_dx_truth, b->all_dw1_truth, b->all_dw2_truth,
+                     b->grad_output, b->sizes[0], b->sizes[1], b->sizes[2], b->sizes[3]};
+    for (size_t n = 0; n < sizeof owned / sizeof owned[0]; n++)
+        free(owned[n]);
+    memset(b, 0, sizeof *b);
+}
+
+/* A blocking training step with both captures, and the fixed-order truth
+ * of every gradient (truth.h). Collective. */
+static int backward_step(const moe_comm *c, const moe_ep *ep, const float *x, const int32_t *ids,
+                         const float *weights, const float *logits, float *y, moe_ep_capture *cap,
+                         backward_share *b, moe_status *st)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn, E = cfg->experts;
+    const moe_index S = cfg->shared_experts, EL = ep->local_experts, N = (moe_index)c->ranks * T;
+    const int k = (int)cfg->topk;
+    float *dy = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    moe_ep_generate_grad_output(ep, dy);
+    moe_ep_grads_init(ep, &b->g);
+    const int rc = moe_ep_backward_capture(ep, x, logits, ids, weights, dy, y, &b->g, cap, &b->cap, st);
+    if (rc) {
+        free(dy);
+        return rc;
+    }
+    b->dx_truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    b->dgate_truth = moe_xmalloc(sizeof(double) * (size_t)(E * d));
+    b->dshared_w1_truth = moe_xmalloc(sizeof(double) * (size_t)(S * 2 * f * d) + 1);
+    b->dshared_w2_truth = moe_xmalloc(sizeof(double) * (size_t)(S * d * f) + 1);
+    moe_truth_backward_tokens(cfg, &ep->router, MOE_TRUTH_EXACT, ep->gate, x, ids, weights, logits,
+                              dy, T, b->dx_truth, b->dgate_truth, b->dshared_w1_truth,
+                              b->dshared_w2_truth);
+    moe_comm_sum_ordered(c, b->dgate_truth, E * d);
+    moe_comm_sum_ordered(c, b->dshared_w1_truth, S * 2 * f * d);
+    moe_comm_sum_ordered(c, b->dshared_w2_truth, S * d * f);
+    moe_layer_tokens all;
+    moe_gather_layer_tokens(c, cfg, x, dy, ids, weights, &all);
+    b->dw1_truth = moe_xmalloc(sizeof(double) * (size_t)(EL * 2 * f * d) + 1);
+    b->dw2_truth = moe_xmalloc(sizeof(double) * (size_t)(EL * d * f) + 1);
+    for (int l = 0; l < ep->local_experts; l++)
+        moe_truth_backward_expert(cfg, MOE_TRUTH_EXACT, ep->first_expert + l, all.x, all.dy,
+                                  all.ids, all.weights, N, b->dw1_truth + l * 2 * f * d,
+                                  b->dw2_truth + l * d * f);
+    double rows[E > 0 ? E : 1];
+    memset(rows, 0, sizeof rows);
+    for (moe_index m = 0; m < N * k; m++)
+        rows[all.ids[m]] += 1.0;
+    for (int e = 0; e < (int)E; e++)
+        b->most_rows = fmax(b->most_rows, rows[e]);
+    moe_layer_tokens_free(&all);
+    free(dy);
+    return MOE_EXIT_OK;
+}
+
+/* Rank 0 gathers every rank's backward share. Collective. */
+static int gather_backward(const moe_comm *c, const moe_ep *ep, backward_share *b, moe_status *st)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn, EL = ep->local_experts;
+    const bool root = c->rank == 0;
+    const moe_index N = (moe_index)c->ranks * T;
+    for (int n = 0; n < 4; n++)
+        b->sizes[n] = root ? moe_xcalloc((size_t)c->ranks, sizeof(size_t)) : NULL;
+    const moe_ep_bwd_capture *cap = &b->cap;
+    int rc = moe_comm_gatherv_bytes(c, cap->dy, sizeof(float) * (size_t)(cap->rows * d), &b->dy, b->sizes[0], st);
+    if (!rc)
+        rc = moe_comm_gatherv_bytes(c, cap->dx, sizeof(float) * (size_t)(cap->pairs * d), &b->dx, b->sizes[1], st);
+    if (!rc)
+        rc = moe_comm_gatherv_bytes(c, cap->dweight, sizeof(float) * (size_t)cap->pairs, &b->dweight, b->sizes[2], st);
+    if (!rc && cap->sums)
+        rc = moe_comm_gatherv_bytes(c, cap->sums, sizeof(float) * (size_t)(cap->rows * d), &b->sums, b->sizes[3], st);
+    /* the routed experts' gradients, in expert order: ranks hold consecutive experts */
+    void *parts[4] = {NULL, NULL, NULL, NULL};
+    const void *mine[4] = {b->g.dw1, b->g.dw2, b->dw1_truth, b->dw2_truth};
+    const size_t bytes[4] = {sizeof(float) * (size_t)(EL * 2 * f * d), sizeof(float) * (size_t)(EL * d * f),
+                             sizeof(double) * (size_t)(EL * 2 * f * d), sizeof(double) * (size_t)(EL * d * f)};
+    size_t *ignored = root ? moe_xcalloc((size_t)c->ranks, sizeof(size_t)) : NULL;
+    for (int n = 0; n < 4 && !rc; n++)
+        rc = moe_comm_gatherv_bytes(c, mine[n], bytes[n], &parts[n], ignored, st);
+    free(ignored);
+    b->all_dw1 = parts[0];
+    b->all_dw2 = parts[1];
+    b->all_dw1_truth = parts[2];
+    b->all_dw2_truth = parts[3];
+    b->all_dx = root ? moe_xmalloc(sizeof(float) * (size_t)(N * d)) : NULL;
+    b->all_dx_truth = root ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
+    moe_comm_gather_bytes(c, b->g.dx, sizeof(float) * (size_t)(T * d), b->all_dx);
+    moe_comm_gather_bytes(c, b->dx_truth, sizeof(double) * (size_t)(T * d), b->all_dx_truth);
+    if (root) {
+        b->grad_output = moe_xmalloc(sizeof(float) * (size_t)(N * d));
+        moe_synth_fill(cfg->seed, MOE_TENSOR_GRAD_OUTPUT, 0, 0, N * d, 1.0f, b->grad_output);
+    }
+    return rc;
+}
+
+/* A gradient and its truth, the same tolerance on both (docs/backward.md):
+ * rel = u * length over the rms of the truth. */
+static void add_gradient(tensor_list *l, const char *name, const float *v, const double *truth,
+                         int ndim, int64_t d0, int64_t d1, int64_t d2, double length)
+{
+    char truth_name[MOE_ST_NAME_MAX];
+    snprintf(truth_name, sizeof truth_name, "%s.truth", name);
+    const int iv = l->count, it = l->count + 1; /* add() may move the list */
+    add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, v, ndim, d0, d1, d2);
+    add(l, truth_name, MOE_ST_F64, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, truth, ndim, d0, d1, d2);
+    const int64_t n = d0 * (ndim > 1 ? d1 : 1) * (ndim > 2 ? d2 : 1);
+    double squares = 0.0;
+    for (int64_t m = 0; m < n; m++)
+        squares += truth[m] * truth[m];
+    const double rel = UNIT_ROUNDOFF * length, rms = n ? sqrt(squares / (double)n) : 0.0;
+    l->items[iv].rel = l->items[it].rel = rel;
+    l->items[iv].abs = l->items[it].abs = rel * rms;
+}
+
+/* The backward stage's tensors (docs/golden.md), on rank 0. */
+static void add_backward(tensor_list *l, const moe_ep *ep, int G, const backward_share *b)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn, E = cfg->experts;
+    const moe_index S = cfg->shared_experts, k = cfg->topk, N = (moe_index)G * T;
+    const double u = UNIT_ROUNDOFF;
+    /* the fp32 chains of docs/backward.md: h over d, dA over d, dH, dx over 2f */
+    const double pair_length = (double)(2 * d + 2 * f + 8);
+    const double base = pair_length + (double)(k + S);
+    add(l, "backward.dy", MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_EXACT, b->grad_output, 2, N, d, 0);
+    char name[MOE_ST_NAME_MAX];
+    size_t at[4] = {0, 0, 0, 0};
+    for (int r = 0; r < G; r++) {
+        const int64_t rows = (int64_t)(b->sizes[0][r] / (sizeof(float) * (size_t)d));
+        const int64_t pairs = (int64_t)(b->sizes[2][r] / sizeof(float));
+        snprintf(name, sizeof name, "backward.rank%d.dy", r);
+        add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_EXACT, (char *)b->dy + at[0], 2, rows, d, 0);
+        snprintf(name, sizeof name, "backward.rank%d.dx", r);
+        tolerate(add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, (char *)b->dx + at[1], 2, pairs, d, 0),
+                 u * pair_length);
+        snprintf(name, sizeof name, "backward.rank%d.dweight", r);
+        tolerate(add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, (char *)b->dweight + at[2], 1, pairs, 0, 0),
+                 u * pair_length);
+        if (b->sums) {
+            snprintf(name, sizeof name, "backward.rank%d.dx_sum", r);
+            tolerate(add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, (char *)b->sums + at[3], 2, rows, d, 0),
+                     u * (pair_length + (double)k));
+        }
+        for (int n = 0; n < 4; n++)
+            at[n] += b->sizes[n][r];
+    }
+    add_gradient(l, "backward.dx", b->all_dx, b->all_dx_truth, 2, N, d, 0, base);
+    add_gradient(l, "backward.experts.dw1", b->all_dw1, b->all_dw1_truth, 3, E, 2 * f, d, base + b->most_rows);
+    add_gradient(l, "backward.experts.dw2", b->all_dw2, b->all_dw2_truth, 3, E, d, f, base + b->most_rows);
+    if (S > 0) {
+        add_gradient(l, "backward.shared.dw1", b->g.dshared_w1, b->dshared_w1_truth, 3, S, 2 * f, d, base + (double)T);
+        add_gradient(l, "backward.shared.dw2", b->g.dshared_w2, b->dshared_w2_truth, 3, S, d, f, base + (double)T);
+    }
+    add_gradient(l, "backward.gate.dw", b->g.dgate, b->dgate_truth, 2, E, d, 0, base);
+}
+
 static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const int32_t *ids,
                     const float *weights, const float *logits, const float *scores, double *bytes,
                     moe_status *st)
@@ -166,8 +348,11 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     double *allow = bf16_combine ? moe_xmalloc(sizeof(double) * (size_t)(T * d)) : NULL; /* (T, d) */
     moe_ep_capture cap = {0};
     moe_forward_stats stats;
-    int rc = moe_ep_forward_ref(ep, x, ids, weights, y, &stats, &cap, st);
+    backward_share bwd = {0};
+    int rc = cfg->backward ? backward_step(c, ep, x, ids, weights, logits, y, &cap, &bwd, st)
+                           : moe_ep_forward_ref(ep, x, ids, weights, y, &stats, &cap, st);
     if (rc) {
+        backward_share_free(&bwd);
         free(allow);
         free(truth);
         free(x_scratch);
@@ -208,6 +393,8 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         rc = moe_comm_gatherv_bytes(c, cap.pair, sizeof(int32_t) * (size_t)(2 * cap.pairs), &pair, sizes[3], st);
     if (!rc && reduced)
         rc = moe_comm_gatherv_bytes(c, cap.sums, sizeof(float) * (size_t)(cap.rows * d), &sums, sizes[4], st);
+    if (!rc && cfg->backward)
+        rc = gather_backward(c, ep, &bwd, st);
 
     /* 3. Every rank still well (an injected fault stands for a failure
      * here)? Then rank 0 lays out the set and writes it. */
@@ -299,6 +486,9 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
         l.items[it].abs = l.items[iy].abs;
         l.items[iy].allow = l.items[it].allow = all_allow ? "output.allow" : NULL;
 
+        if (cfg->backward)
+            add_backward(&l, ep, G, &bwd);
+
         json_t *config_object = json_object();
         moe_config_describe(cfg, MOE_CMD_RUN, emit_config, config_object);
         json_object_set_new(config_object, "ranks", json_sprintf("%d", G));
@@ -327,6 +517,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     free(all_scores);
     free(all_logits);
     moe_ep_capture_free(&cap);
+    backward_share_free(&bwd);
     free(allow);
     free(truth);
     free(x_scratch);

@@ -149,20 +149,15 @@ static void check_backward(moe_run_context *ctx)
         }
     }
     /* The routed experts' dW need every token of the layer. */
-    float *x_all = moe_xmalloc(sizeof(float) * (size_t)(N * d));
-    float *dy_all = moe_xmalloc(sizeof(float) * (size_t)(N * d));
-    float *w_all = moe_xmalloc(sizeof(float) * (size_t)(N * k));
-    int32_t *ids_all = moe_xmalloc(sizeof(int32_t) * (size_t)(N * k));
-    moe_comm_allgather_bytes(c, ctx->x, sizeof(float) * (size_t)(T * d), x_all);
-    moe_comm_allgather_bytes(c, ctx->dy, sizeof(float) * (size_t)(T * d), dy_all);
-    moe_comm_allgather_bytes(c, ctx->weights, sizeof(float) * (size_t)(T * k), w_all);
-    moe_comm_allgather_bytes(c, ctx->ids, sizeof(int32_t) * (size_t)(T * k), ids_all);
+    moe_layer_tokens all;
+    moe_gather_layer_tokens(c, cfg, ctx->x, ctx->dy, ctx->ids, ctx->weights, &all);
     for (int l = 0; l < ep->local_experts; l++) {
         const int e = ep->first_expert + l;
         double rows = 0;
         for (moe_index m = 0; m < N * k; m++)
-            rows += ids_all[m] == e;
-        moe_truth_backward_expert(cfg, MOE_TRUTH_BLAS, e, x_all, dy_all, ids_all, w_all, N, dw1, dw2);
+            rows += all.ids[m] == e;
+        moe_truth_backward_expert(cfg, MOE_TRUTH_BLAS, e, all.x, all.dy, all.ids, all.weights, N,
+                                  dw1, dw2);
         grad_compare(c, g->dw1 + l * 2 * ff * d, dw1, 2 * ff * d, false, base + rows,
                      &checks[MOE_GRAD_DW1]);
         grad_compare(c, g->dw2 + l * d * ff, dw2, d * ff, false, base + rows, &checks[MOE_GRAD_DW2]);
@@ -176,10 +171,7 @@ static void check_backward(moe_run_context *ctx)
         check->max_used = moe_comm_max(c, check->max_used);
         check->nonfinite = moe_comm_max(c, check->nonfinite) > 0;
     }
-    free(ids_all);
-    free(w_all);
-    free(dy_all);
-    free(x_all);
+    moe_layer_tokens_free(&all);
     free(dw2);
     free(dw1);
     free(dgate);

@@ -2,6 +2,7 @@
 #include "moe/check.h"
 
 #include <math.h>
+#include <stdlib.h>
 
 void moe_check_collective(const moe_comm *c, const moe_config *cfg, const float *y,
                           const double *truth, const double *allow, moe_run_summary *s)
@@ -33,4 +34,28 @@ void moe_check_collective(const moe_comm *c, const moe_config *cfg, const float 
     s->worst_token = where[0];
     s->worst_column = where[1];
     s->checked = true;
+}
+
+void moe_gather_layer_tokens(const moe_comm *c, const moe_config *cfg, const float *x,
+                             const float *dy, const int32_t *ids, const float *weights,
+                             moe_layer_tokens *all)
+{
+    const size_t T = (size_t)cfg->tokens, d = (size_t)cfg->hidden, k = (size_t)cfg->topk;
+    const size_t N = (size_t)c->ranks * T;
+    all->x = moe_xmalloc(sizeof(float) * N * d);
+    all->dy = moe_xmalloc(sizeof(float) * N * d);
+    all->weights = moe_xmalloc(sizeof(float) * N * k);
+    all->ids = moe_xmalloc(sizeof(int32_t) * N * k);
+    moe_comm_allgather_bytes(c, x, sizeof(float) * T * d, all->x);
+    moe_comm_allgather_bytes(c, dy, sizeof(float) * T * d, all->dy);
+    moe_comm_allgather_bytes(c, weights, sizeof(float) * T * k, all->weights);
+    moe_comm_allgather_bytes(c, ids, sizeof(int32_t) * T * k, all->ids);
+}
+
+void moe_layer_tokens_free(moe_layer_tokens *all)
+{
+    free(all->x);
+    free(all->dy);
+    free(all->weights);
+    free(all->ids);
 }

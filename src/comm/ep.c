@@ -201,6 +201,13 @@ void moe_ep_generate_tokens(const moe_ep *ep, float *x)
     moe_precision_weights(ep->cfg->param_dtype, x, T * d);
 }
 
+void moe_ep_generate_grad_output(const moe_ep *ep, float *dy)
+{
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
+    moe_synth_fill(ep->cfg->seed, MOE_TENSOR_GRAD_OUTPUT, 0, (uint64_t)ep->comm.rank * (uint64_t)(T * d),
+                   T * d, 1.0f, dy);
+}
+
 void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
                   float *weights)
 {

@@ -368,11 +368,39 @@ static void sum_over_ranks(const moe_comm *c, float *v, double *partial, moe_ind
         v[m] = (float)partial[m];
 }
 
+static float *copy_floats(const float *v, moe_index n)
+{
+    float *c = moe_xmalloc(sizeof(float) * (size_t)n + 1);
+    memcpy(c, v, sizeof(float) * (size_t)n);
+    return c;
+}
+
+static void capture_backward(const moe_ref_forward *f, const bwd_run *b, moe_index d,
+                             moe_ep_bwd_capture *cap)
+{
+    cap->rows = f->rows_in;
+    cap->pairs = f->recv.pairs;
+    cap->dy = copy_floats(b->dy_in, cap->rows * d);
+    cap->dx = copy_floats(b->pair_dx, cap->pairs * d);
+    cap->dweight = copy_floats(b->pair_dg, cap->pairs);
+    cap->sums = b->sums ? copy_floats(b->sums, cap->rows * d) : NULL;
+}
+
+void moe_ep_bwd_capture_free(moe_ep_bwd_capture *capture)
+{
+    free(capture->dy);
+    free(capture->dx);
+    free(capture->dweight);
+    free(capture->sums);
+    memset(capture, 0, sizeof *capture);
+}
+
 /* The backward after a kept forward f, blocking (sched NULL) or with its
- * all-to-alls in flight as sched->progress drives them. */
+ * all-to-alls in flight as sched->progress drives them; cap, when not
+ * NULL, receives what this rank saw. */
 static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_forward *f,
                      const float *x, const float *logits, const int32_t *ids, const float *dy,
-                     moe_ep_grads *g, moe_backward_stats *bwd)
+                     moe_ep_grads *g, moe_backward_stats *bwd, moe_ep_bwd_capture *cap)
 {
     const moe_config *cfg = ep->cfg;
     const moe_comm *c = &ep->comm;
@@ -415,6 +443,8 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
         bwd->test_seconds = progress.test_seconds;
         moe_progress_free(&progress);
     }
+    if (cap)
+        capture_backward(f, &b, d, cap);
     reduce_home(ep, f, ids, &b, dweights, g->dx, bwd);
     router_backward(ep, x, logits, ids, dweights, g->dx, partial, bwd);
 
@@ -441,23 +471,43 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     free(b.counts);
 }
 
+/* A training step: the kept blocking forward, then the backward. */
+static int step(const moe_ep *ep, const moe_schedule *sched, const float *x, const float *logits,
+                const int32_t *ids, const float *weights, const float *dy, float *y,
+                moe_ep_grads *g, moe_forward_stats *fwd, moe_backward_stats *bwd,
+                moe_ep_capture *fwd_capture, moe_ep_bwd_capture *bwd_capture, moe_status *st)
+{
+    memset(bwd, 0, sizeof *bwd);
+    moe_ref_forward f;
+    const int rc = moe_ep_ref_run(ep, x, ids, weights, y, fwd, fwd_capture, &f, st);
+    if (rc == MOE_EXIT_OK)
+        backward(ep, sched, &f, x, logits, ids, dy, g, bwd, bwd_capture);
+    moe_ep_ref_free(&f);
+    return rc;
+}
+
 int moe_ep_backward_step(const moe_ep *ep, const moe_schedule *sched, const float *x,
                          const float *logits, const int32_t *ids, const float *weights,
                          const float *dy, float *y, moe_ep_grads *g, moe_forward_stats *fwd,
                          moe_backward_stats *bwd, moe_status *st)
 {
-    memset(bwd, 0, sizeof *bwd);
-    moe_ref_forward f;
-    const int rc = moe_ep_ref_run(ep, x, ids, weights, y, fwd, NULL, &f, st);
-    if (rc == MOE_EXIT_OK)
-        backward(ep, sched, &f, x, logits, ids, dy, g, bwd);
-    moe_ep_ref_free(&f);
-    return rc;
+    return step(ep, sched, x, logits, ids, weights, dy, y, g, fwd, bwd, NULL, NULL, st);
 }
 
 int moe_ep_backward_ref(const moe_ep *ep, const float *x, const float *logits, const int32_t *ids,
                         const float *weights, const float *dy, float *y, moe_ep_grads *g,
                         moe_forward_stats *fwd, moe_backward_stats *bwd, moe_status *st)
 {
-    return moe_ep_backward_step(ep, NULL, x, logits, ids, weights, dy, y, g, fwd, bwd, st);
+    return step(ep, NULL, x, logits, ids, weights, dy, y, g, fwd, bwd, NULL, NULL, st);
+}
+
+int moe_ep_backward_capture(const moe_ep *ep, const float *x, const float *logits,
+                            const int32_t *ids, const float *weights, const float *dy, float *y,
+                            moe_ep_grads *g, moe_ep_capture *fwd_capture,
+                            moe_ep_bwd_capture *bwd_capture, moe_status *st)
+{
+    moe_forward_stats fwd;
+    moe_backward_stats bwd;
+    return step(ep, NULL, x, logits, ids, weights, dy, y, g, &fwd, &bwd, fwd_capture, bwd_capture,
+                st);
 }

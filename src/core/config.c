@@ -650,9 +650,6 @@ static int validate_backward(const moe_config *cfg, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--backward differentiates the router's weights: replayed ones (--routing) "
                         "have no router behind them");
-    if (cfg->dump[0])
-        return moe_fail(st, MOE_EXIT_USAGE,
-                        "--dump writes the forward's golden set: drop --backward or --dump");
     return MOE_EXIT_OK;
 }
 
@@ -789,9 +786,12 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
         bytes += 3.0 * T * k * d * 4.0 + T * k * (4.0 * d + d + 3.0 * f) * 4.0 +
                  2.0 * T * k * (d + 2.0 * f) * 4.0 + T * (2.0 * d + 3.0 * f) * 4.0 + T * d * 4.0;
         bytes += fmax(E * d, S * 2.0 * f * d) * 8.0 + (65536.0 * G) * 8.0 + T * (E + d) * 8.0;
-        if (cfg->check) /* every token's x, dy, ids and weights; the fp64 truth of the gradients */
+        if (cfg->check || cfg->dump[0]) /* every token's x, dy, ids and weights; the fp64 truth */
             bytes += N * (2.0 * d + 2.0 * k) * 4.0 + T * d * 8.0 * 4.0 + E * d * 8.0 +
-                     fmax(S, 1.0) * expert_bytes * 2.0 + N * (d * 8.0 * 3.0);
+                     fmax(S, 1.0) * expert_bytes * 2.0 + N * (d * 8.0 * 3.0) +
+                     (cfg->dump[0] ? (EL + S) * expert_bytes * 2.0 : 0.0);
+        if (cfg->dump[0]) /* rank 0 gathers the backward stage: dy, per-pair rows, dx, dW */
+            bytes += N * d * (4.0 + 4.0 + 8.0) + 3.0 * N * k * (d + 1.0) * 4.0 + E * expert_bytes * 3.0;
     }
     if (cfg->dump[0]) /* rank 0 gathers the set: per token, per pair, the rows */
         bytes += N * (3.0 * E * 4.0 + k * 8.0 + d * (4.0 + 8.0 + 8.0 + 4.0 + 8.0) + G) +

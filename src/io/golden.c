@@ -25,7 +25,7 @@
 #include "moe/sha256.h"
 
 const char *const moe_golden_stage_names[MOE_GOLDEN_STAGES] = {
-    "inputs", "router", "layout", "dispatch", "experts", "output",
+    "inputs", "router", "layout", "dispatch", "experts", "output", "backward",
 };
 static const char *const rule_names[] = {"exact", "tolerance", "topk"};
 
@@ -211,7 +211,7 @@ static int swap_in(const char *work, const char *path, moe_status *st)
 /* ---- writing, continued -------------------------------------------------- */
 
 /* The manifest's top, before its files and tensors. */
-static json_t *manifest_head(const char *config_json)
+static json_t *manifest_head(const char *config_json, const moe_golden_tensor *tensors, int n)
 {
     json_error_t error;
     json_t *config = json_loads(config_json, 0, &error);
@@ -222,8 +222,13 @@ static json_t *manifest_head(const char *config_json)
     json_object_set_new(manifest, "moe_ep_version", json_string(PACKAGE_VERSION));
     json_object_set_new(manifest, "config", config);
     json_t *stages = json_array();
-    for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
-        json_array_append_new(stages, json_string(moe_golden_stage_names[s]));
+    for (int s = 0; s < MOE_GOLDEN_STAGES; s++) { /* those the set holds, in pipeline order */
+        bool held = false;
+        for (int i = 0; i < n; i++)
+            held |= (int)tensors[i].stage == s;
+        if (held)
+            json_array_append_new(stages, json_string(moe_golden_stage_names[s]));
+    }
     json_object_set_new(manifest, "stages", stages);
     /* What verify accepts beside the tensors listed: DeepEP's conventions,
      * FP8 rows with their scales (docs/golden.md, "What verify reads"). */
@@ -296,7 +301,7 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
     snprintf(work, sizeof work, "%s.partial.%s.%ld", path, host, (long)getpid());
     if (mkdir(work, 0777) != 0)
         return moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot create '%s': %s", work, strerror(errno));
-    json_t *manifest = manifest_head(config_json);
+    json_t *manifest = manifest_head(config_json, tensors, n);
     int rc = write_files(work, tensors, n, manifest, bytes, st);
     if (rc == MOE_EXIT_OK)
         rc = check_written(work, json_object_get(manifest, "files"), st);

@@ -32,7 +32,6 @@
 
 #include "moe/ep.h"
 #include "moe/progress.h"
-#include "moe/rng.h"
 #include "moe/wire.h"
 
 /* One training step of cfg on c: the rank's tokens routed, the synthetic
@@ -52,8 +51,7 @@ static int step(const moe_comm *c, const moe_config *cfg, moe_ep *ep, const moe_
     int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
     moe_ep_generate_tokens(ep, x);
-    moe_synth_fill(cfg->seed, MOE_TENSOR_GRAD_OUTPUT, 0, (uint64_t)c->rank * (uint64_t)(T * d),
-                   T * d, 1.0f, dy);
+    moe_ep_generate_grad_output(ep, dy);
     moe_ep_route(ep, x, logits, scores, ids, weights);
     moe_forward_stats fwd;
     moe_backward_stats bwd;
