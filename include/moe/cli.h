@@ -19,10 +19,12 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv);
 
 struct moe_ep_s;
 /* run --dump: the golden set of this run into cfg->dump, from this rank's
- * tokens x (T, d), which it routes again. Everything it dumps is computed
+ * tokens x (T, d), which it routes again, and with --backward its upstream
+ * gradient dy (T, d) (NULL without). Everything it dumps is computed
  * with BLAS forbidden (moe_gemm_forbid_blas), so the set is the same bytes
  * on every machine. *bytes receives the set's size on rank 0. Collective. */
-int moe_cli_dump(const moe_comm *c, const struct moe_ep_s *ep, const float *x, double *bytes,
+int moe_cli_dump(const moe_comm *c, const struct moe_ep_s *ep, const float *x, const float *dy,
+                 double *bytes,
                  moe_status *st);
 
 #endif

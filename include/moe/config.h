@@ -65,6 +65,7 @@ typedef struct {
     int input_dist;              /* enum moe_input_dist */
     int64_t gate_ties;           /* gate rows 1..N copy row 0: experts 0..N tie on every token */
     bool backward; /* a training step: forward, then the gradients (moe_ep_backward_ref) */
+    char grad_output[MOE_NAME_MAX]; /* --backward's dy from FILE.safetensors, "" for synthetic */
     bool check; /* compare with the dense fp64 truth */
     char trace[MOE_NAME_MAX];    /* Chrome trace JSON path, "" for none */
     char timeline[MOE_NAME_MAX]; /* SVG timeline path, "" for none */

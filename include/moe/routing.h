@@ -1,5 +1,6 @@
-/* routing.h — routing replay: top-k ids and weights read from a file
- * (`moe-ep run --routing FILE.safetensors`) instead of the synthetic router.
+/* routing.h — inputs replayed from files: top-k ids and weights
+ * (`moe-ep run --routing FILE.safetensors`) instead of the synthetic router,
+ * and the upstream gradient of a training step (`--grad-output`).
  *
  * The file holds router.topk_ids (N, k), any integer dtype, and
  * router.topk_weights (N, k), any real dtype, for all N = G·T tokens in
@@ -21,5 +22,12 @@
  * --routing, the tensor and the first bad row. */
 int moe_routing_load(const char *path, moe_index tokens, int topk, int experts, moe_index first,
                      moe_index count, int32_t *ids, float *weights, moe_status *st);
+
+/* The same for `--grad-output FILE.safetensors`: backward.dy (N, d), any
+ * real dtype, every value finite (a golden set's backward.safetensors is
+ * such a file); rows [first, first + count) into dy (count, d). Returns
+ * MOE_EXIT_OK, or MOE_EXIT_USAGE naming --grad-output and what is wrong. */
+int moe_grad_output_load(const char *path, moe_index tokens, moe_index hidden, moe_index first,
+                         moe_index count, float *dy, moe_status *st);
 
 #endif

@@ -110,6 +110,8 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
     char *text = moe_config_canonical(cfg, command);
     if (cfg->routing[0]) /* the file's contents, not just its name */
         text = append_file_digest(text, "routing-file-digest", cfg->routing);
+    if (cfg->grad_output[0])
+        text = append_file_digest(text, "grad-output-file-digest", cfg->grad_output);
     const int rc = moe_comm_same_config(c, text, st);
     free(text);
     return rc;
@@ -411,6 +413,17 @@ int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command c
     }
     const int threads = moe_comm_threads_for(c, ctx->ep.gemm);
     buffers_init(ctx);
+    if (ctx->cfg.grad_output[0]) { /* every rank reads and checks the whole file: one verdict */
+        const moe_index T = ctx->cfg.tokens;
+        moe_grad_output_load(ctx->cfg.grad_output, (moe_index)c->ranks * T, ctx->cfg.hidden,
+                             (moe_index)c->rank * T, T, ctx->dy, &ctx->status);
+        if (moe_comm_agree(c, &ctx->status)) {
+            moe_comm_print_error(c, &ctx->status);
+            const int code = ctx->status.code;
+            moe_context_close(ctx);
+            return code;
+        }
+    }
     moe_ep_generate_tokens(&ctx->ep, ctx->x);
     ctx->schedule = moe_schedule_default(&ctx->ep);
     ctx->summary = (moe_run_summary){.cfg = &ctx->cfg, .ranks = c->ranks,

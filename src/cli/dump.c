@@ -165,7 +165,8 @@ typedef struct {
     size_t *sizes[4];
     float *all_dx, *all_dw1, *all_dw2;
     double *all_dx_truth, *all_dw1_truth, *all_dw2_truth;
-    float *grad_output; /* (N, d) regenerated */
+    const float *dy_rank; /* (T, d) this rank's dy (not owned) */
+    float *grad_output;   /* (N, d) every rank's, on rank 0 */
 } backward_share;
 
 static void backward_share_free(backward_share *b)
@@ -184,22 +185,18 @@ static void backward_share_free(backward_share *b)
 
 /* A blocking training step with both captures, and the fixed-order truth
  * of every gradient (truth.h). Collective. */
-static int backward_step(const moe_comm *c, const moe_ep *ep, const float *x, const int32_t *ids,
-                         const float *weights, const float *logits, float *y, moe_ep_capture *cap,
-                         backward_share *b, moe_status *st)
+static int backward_step(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
+                         const int32_t *ids, const float *weights, const float *logits, float *y,
+                         moe_ep_capture *cap, backward_share *b, moe_status *st)
 {
     const moe_config *cfg = ep->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn, E = cfg->experts;
     const moe_index S = cfg->shared_experts, EL = ep->local_experts, N = (moe_index)c->ranks * T;
     const int k = (int)cfg->topk;
-    float *dy = moe_xmalloc(sizeof(float) * (size_t)(T * d));
-    moe_ep_generate_grad_output(ep, dy);
     moe_ep_grads_init(ep, &b->g);
     const int rc = moe_ep_backward_capture(ep, x, logits, ids, weights, dy, y, &b->g, cap, &b->cap, st);
-    if (rc) {
-        free(dy);
+    if (rc)
         return rc;
-    }
     b->dx_truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
     b->dgate_truth = moe_xmalloc(sizeof(double) * (size_t)(E * d));
     b->dshared_w1_truth = moe_xmalloc(sizeof(double) * (size_t)(S * 2 * f * d) + 1);
@@ -225,7 +222,7 @@ static int backward_step(const moe_comm *c, const moe_ep *ep, const float *x, co
     for (int e = 0; e < (int)E; e++)
         b->most_rows = fmax(b->most_rows, rows[e]);
     moe_layer_tokens_free(&all);
-    free(dy);
+    b->dy_rank = dy;
     return MOE_EXIT_OK;
 }
 
@@ -263,10 +260,8 @@ static int gather_backward(const moe_comm *c, const moe_ep *ep, backward_share *
     b->all_dx_truth = root ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
     moe_comm_gather_bytes(c, b->g.dx, sizeof(float) * (size_t)(T * d), b->all_dx);
     moe_comm_gather_bytes(c, b->dx_truth, sizeof(double) * (size_t)(T * d), b->all_dx_truth);
-    if (root) {
-        b->grad_output = moe_xmalloc(sizeof(float) * (size_t)(N * d));
-        moe_synth_fill(cfg->seed, MOE_TENSOR_GRAD_OUTPUT, 0, 0, N * d, 1.0f, b->grad_output);
-    }
+    b->grad_output = root ? moe_xmalloc(sizeof(float) * (size_t)(N * d)) : NULL; /* synthetic or --grad-output */
+    moe_comm_gather_bytes(c, b->dy_rank, sizeof(float) * (size_t)(T * d), b->grad_output);
     return rc;
 }
 
@@ -331,7 +326,7 @@ static void add_backward(tensor_list *l, const moe_ep *ep, int G, const backward
     add_gradient(l, "backward.gate.dw", b->g.dgate, b->dgate_truth, 2, E, d, 0, base);
 }
 
-static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const int32_t *ids,
+static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy, const int32_t *ids,
                     const float *weights, const float *logits, const float *scores, double *bytes,
                     moe_status *st)
 {
@@ -349,7 +344,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     moe_ep_capture cap = {0};
     moe_forward_stats stats;
     backward_share bwd = {0};
-    int rc = cfg->backward ? backward_step(c, ep, x, ids, weights, logits, y, &cap, &bwd, st)
+    int rc = cfg->backward ? backward_step(c, ep, x, dy, ids, weights, logits, y, &cap, &bwd, st)
                            : moe_ep_forward_ref(ep, x, ids, weights, y, &stats, &cap, st);
     if (rc) {
         backward_share_free(&bwd);
@@ -529,7 +524,8 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const i
     return local.code;
 }
 
-int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, double *bytes,
+int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
+                 double *bytes,
                  moe_status *st)
 {
     const moe_index T = ep->cfg->tokens, E = ep->cfg->experts, k = ep->cfg->topk;
@@ -539,7 +535,7 @@ int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, double *by
     int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)); /* (T, k) */
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k)); /* (T, k) */
     moe_ep_route(ep, x, logits, scores, ids, weights);
-    const int rc = dump_set(c, ep, x, ids, weights, logits, scores, bytes, st);
+    const int rc = dump_set(c, ep, x, dy, ids, weights, logits, scores, bytes, st);
     free(weights);
     free(ids);
     free(scores);

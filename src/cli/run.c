@@ -422,7 +422,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     }
     if (rc == MOE_EXIT_OK && cfg->dump[0]) {
         const double t = moe_comm_time();
-        rc = moe_cli_dump(c, &ctx.ep, ctx.x, &s->dump_bytes, &ctx.status);
+        rc = moe_cli_dump(c, &ctx.ep, ctx.x, ctx.dy, &s->dump_bytes, &ctx.status);
         s->dump_seconds = moe_comm_time() - t;
     }
     /* The curve: every further wave count of --waves W1,W2,...; the report

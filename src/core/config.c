@@ -126,6 +126,7 @@ static const flag_spec flags[] = {
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
     {"backward", FLAG_BOOL, FIELD(backward), 0, 0, NULL, NULL, "false", "a training step: the blocking forward, then the gradients for a synthetic dy, its all-to-alls in flight behind the weight gradients (blocking with --blocking; docs/backward.md)", RUN_ONLY},
+    {"grad-output", FLAG_TEXT, FIELD(grad_output), 0, 0, "FILE", NULL, "", "--backward's upstream gradient: backward.dy (G*T, d) of FILE.safetensors instead of the synthetic one", RUN_ONLY},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, NULL, "false", "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
     {"routing", FLAG_TEXT, FIELD(routing), 0, 0, "FILE", NULL, "", "replay top-k ids and weights from FILE.safetensors instead of the router (docs/golden.md)", RUN},
     {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", NULL, "", "write the golden set of this run (docs/golden.md)", RUN},
@@ -715,6 +716,8 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dispatch hierarchical needs nodes of equal size: --ranks-per-node must "
                         "divide the %d ranks, got %lld", ranks, (long long)R);
+    if (cfg->grad_output[0] && !cfg->backward)
+        return moe_fail(st, MOE_EXIT_USAGE, "--grad-output is the gradient of a training step: add --backward");
     if (cfg->backward && validate_backward(cfg, st))
         return st->code;
     moe_link link = {.ranks_per_node = 1};

@@ -70,3 +70,42 @@ int moe_routing_load(const char *path, moe_index tokens, int topk, int experts, 
     moe_st_close(&f);
     return rc;
 }
+
+int moe_grad_output_load(const char *path, moe_index tokens, moe_index hidden, moe_index first,
+                         moe_index count, float *dy, moe_status *st)
+{
+    moe_st_file f;
+    if (moe_st_open(path, &f, st)) {
+        char why[MOE_MESSAGE_MAX];
+        snprintf(why, sizeof why, "%s", st->message);
+        return moe_fail(st, MOE_EXIT_USAGE, "--grad-output: %.480s", why);
+    }
+    const moe_st_entry *e = moe_st_find(&f, "backward.dy");
+    int rc = MOE_EXIT_OK;
+    if (!e)
+        rc = moe_fail(st, MOE_EXIT_USAGE, "--grad-output: '%s' has no tensor backward.dy", path);
+    else if (e->ndim != 2 || e->shape[0] != tokens || e->shape[1] != hidden)
+        rc = moe_fail(st, MOE_EXIT_USAGE,
+                      "--grad-output: backward.dy in '%s' must be (%lld, %lld): all ranks' tokens "
+                      "by --hidden",
+                      path, (long long)tokens, (long long)hidden);
+    else if (moe_st_dtype_is_integer(e->dtype))
+        rc = moe_fail(st, MOE_EXIT_USAGE, "--grad-output: backward.dy in '%s' must hold reals, not %s",
+                      path, moe_st_dtype_name(e->dtype));
+    void *data = NULL;
+    if (rc == MOE_EXIT_OK) {
+        data = moe_xmalloc((size_t)(e->end - e->begin) + 1);
+        rc = moe_st_read(&f, e, data, st);
+    }
+    for (moe_index m = 0; rc == MOE_EXIT_OK && m < tokens * hidden; m++) {
+        const double v = moe_st_element(data, e->dtype, m);
+        if (!isfinite(v))
+            rc = moe_fail(st, MOE_EXIT_USAGE, "--grad-output: backward.dy of token %lld column %lld is %g",
+                          (long long)(m / hidden), (long long)(m % hidden), v);
+        else if (m / hidden >= first && m / hidden < first + count)
+            dy[m - first * hidden] = (float)v;
+    }
+    free(data);
+    moe_st_close(&f);
+    return rc;
+}
