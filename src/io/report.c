@@ -59,9 +59,16 @@ static void print_backward(FILE *out, const moe_run_summary *s)
                      "%.2f ms, dispatch backward %.2f ms; the stage times above are what the "
                      "computing thread spent posting and waiting",
                 1e3 * s->bwd_in_flight[0], 1e3 * s->bwd_in_flight[1]);
+    /* Rates per rank: each stage's FLOPs over the ranks, over its time on
+     * the slowest rank. */
+    const double G = s->ranks;
     fprintf(out, "\n          routed expert GEMMs, all ranks: forward %.3g GFLOP, dgrad %.3g "
-                 "(h recomputed), wgrad %.3g\n",
-            1e-9 * s->expert_flops, 1e-9 * s->dgrad_flops, 1e-9 * s->wgrad_flops);
+                 "(h recomputed), wgrad %.3g (K = an expert's rows); per rank %.1f, %.1f and "
+                 "%.1f GFLOP/s\n",
+            1e-9 * s->expert_flops, 1e-9 * s->dgrad_flops, 1e-9 * s->wgrad_flops,
+            s->stage_seconds[MOE_STAGE_EXPERTS] > 0 ? 1e-9 * s->expert_flops / G / s->stage_seconds[MOE_STAGE_EXPERTS] : 0.0,
+            s->bwd_seconds[MOE_BWD_DGRAD] > 0 ? 1e-9 * s->dgrad_flops / G / s->bwd_seconds[MOE_BWD_DGRAD] : 0.0,
+            s->bwd_seconds[MOE_BWD_WGRAD] > 0 ? 1e-9 * s->wgrad_flops / G / s->bwd_seconds[MOE_BWD_WGRAD] : 0.0);
     fprintf(out, "          the four all-to-alls of a step, all ranks: dispatch %s, combine %s, "
                  "combine backward %s (dy rows), dispatch backward %s (dx rows, dL/dweight); "
                  "in all %s · gradients bitwise identical across steps: %s\n",
