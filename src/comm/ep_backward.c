@@ -65,6 +65,9 @@ enum { SEND, SEND_AT, RECV, RECV_AT, COUNT_ARRAYS };
 
 typedef struct {
     moe_progress *progress; /* NULL: blocking */
+    const moe_link *link;   /* the emulated links, or NULL */
+    moe_link_state links;
+    double bytes[OPS][2][MOE_TIERS]; /* each op over the links: [in, out][tier] */
     int *counts;            /* (COUNT_SETS, COUNT_ARRAYS, G), kept until the operation completes */
     MPI_Datatype row;       /* d fp32 values */
     float *send_dy;         /* (rows out, d) this rank's dy rows in dispatch order */
@@ -106,15 +109,16 @@ static void exchange(const moe_ep *ep, bwd_run *b, int op, int request, int set,
     moe_progress_unlock(b->progress);
 }
 
-/* op's `requests` requests are posted: from now on it is in flight. */
-static void launched(bwd_run *b, int op, int requests)
+/* op's `requests` requests are posted: from now on it is in flight, and
+ * under the link model (docs/link-model.md) arrives no sooner than its
+ * bytes take on the emulated links. */
+static void launched(const moe_ep *ep, bwd_run *b, int op, int requests)
 {
     if (!b->progress)
         return;
     moe_progress_lock(b->progress);
     b->progress->ops[op].count = requests;
-    const double now = MPI_Wtime();
-    moe_progress_track(b->progress, op, now, now);
+    moe_pipeline_track(b->progress, op, b->link, &b->links, b->bytes[op], ep->comm.comm);
     moe_progress_unlock(b->progress);
 }
 
@@ -149,7 +153,9 @@ static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, const f
     moe_gather_rows(dy, d, f->send.row_token, rows_out, b->send_dy);
     exchange(ep, b, OP_COMBINE, 0, C_DY, f->send.row_count, f->rows_from, b->send_dy, b->dy_in,
              b->row);
-    launched(b, OP_COMBINE, 1);
+    moe_pipeline_link_bytes(ep, f->rows_from, f->send.row_count, (double)d * sizeof(float),
+                            b->bytes[OP_COMBINE]);
+    launched(ep, b, OP_COMBINE, 1);
     stats->bytes_combine = (double)rows_out * (double)d * sizeof(float);
     stats->bytes_remote += (double)(rows_out - f->send.row_count[me]) * (double)d * sizeof(float);
     stats->seconds[MOE_BWD_COMBINE] += MPI_Wtime() - t;
@@ -252,7 +258,12 @@ static void dispatch_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_ru
     }
     exchange(ep, b, OP_DISPATCH, 1, C_DG, recv->source_pairs, f->send.pair_count, b->pair_dg,
              b->dg_back, MPI_FLOAT);
-    launched(b, OP_DISPATCH, 2);
+    moe_pipeline_link_bytes(ep, reduced ? f->send.row_count : f->send.pair_count,
+                            reduced ? f->rows_from : recv->source_pairs, (double)d * sizeof(float),
+                            b->bytes[OP_DISPATCH]);
+    moe_pipeline_link_bytes(ep, f->send.pair_count, recv->source_pairs, sizeof(float),
+                            b->bytes[OP_DISPATCH]);
+    launched(ep, b, OP_DISPATCH, 2);
     const moe_index rows_back = reduced ? recv->rows : recv->pairs;
     const moe_index own_rows = reduced ? f->rows_from[me] : recv->source_pairs[me];
     stats->bytes_dispatch = ((double)rows_back * (double)d + (double)recv->pairs) * sizeof(float);
@@ -410,7 +421,8 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
     const moe_index pairs = f->recv.pairs, pairs_out = f->send.pair_offset[G];
     moe_progress progress;
-    bwd_run b = {.progress = sched ? &progress : NULL};
+    bwd_run b = {.progress = sched ? &progress : NULL,
+                 .link = sched ? moe_schedule_link(ep, sched) : NULL};
     if (sched)
         moe_progress_init(&progress, sched->progress, OPS);
     b.counts = moe_xmalloc(sizeof(int) * (size_t)(COUNT_SETS * COUNT_ARRAYS * G));

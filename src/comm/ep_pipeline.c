@@ -30,6 +30,18 @@ const moe_link *moe_schedule_link(const moe_ep *ep, const moe_schedule *sched)
     return sched->link ? &ep->link : &no_link;
 }
 
+void moe_pipeline_link_bytes(const moe_ep *ep, const moe_index *in_rows, const moe_index *out_rows,
+                             double row_bytes, double bytes[2][MOE_TIERS])
+{
+    const int me = ep->comm.rank;
+    for (int r = 0; r < ep->comm.ranks; r++)
+        if (r != me) {
+            const int tier = moe_link_tier(&ep->link, me, r);
+            bytes[0][tier] += (double)in_rows[r] * row_bytes;
+            bytes[1][tier] += (double)out_rows[r] * row_bytes;
+        }
+}
+
 void moe_pipeline_track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
                         double bytes[2][MOE_TIERS], MPI_Comm comm)
 {

@@ -118,6 +118,12 @@ void moe_pipeline_after_stage(void *clock, enum moe_ffn_stage stage);
 /* The link model a schedule runs under: ep's, or none. */
 const moe_link *moe_schedule_link(const moe_ep *ep, const moe_schedule *sched);
 
+/* bytes ([in, out][tier]) += what an all-to-all moves over each tier:
+ * in_rows (G) to this rank and out_rows (G) from it, row_bytes each;
+ * messages to self cross no link. */
+void moe_pipeline_link_bytes(const moe_ep *ep, const moe_index *in_rows, const moe_index *out_rows,
+                             double row_bytes, double bytes[2][MOE_TIERS]);
+
 /* Post time and modelled arrival (bytes: [in, out][tier] over this rank's
  * links) of operation op, just posted on comm; a modelled wait past
  * MOE_LINK_WAIT_MAX ends the job (exit 3) rather than holding it for hours. */

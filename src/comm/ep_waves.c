@@ -101,21 +101,6 @@ static void remote_counts(const moe_index *count, int G, int me, int *counts, in
     }
 }
 
-/* The bytes an all-to-all moves over each tier: in_rows (G) to this rank and
- * out_rows (G) from it, row_bytes each; messages to self cross no link. */
-static void link_bytes(const moe_ep *ep, const moe_index *in_rows, const moe_index *out_rows,
-                       double row_bytes, double bytes[2][MOE_TIERS])
-{
-    const int me = ep->comm.rank;
-    memset(bytes, 0, sizeof(double) * 2 * MOE_TIERS);
-    for (int r = 0; r < ep->comm.ranks; r++)
-        if (r != me) {
-            const int tier = moe_link_tier(&ep->link, me, r);
-            bytes[0][tier] += (double)in_rows[r] * row_bytes;
-            bytes[1][tier] += (double)out_rows[r] * row_bytes;
-        }
-}
-
 /* Where each received row of a wave is: other ranks' in recv_rows, this
  * rank's own still in the tokens, in the order it would have sent them. */
 static void row_table(wave_state *s, int G, int me, moe_index d, const float *x_dispatch)
@@ -282,7 +267,8 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
             most = rows > most ? rows : most;
         }
         s->rows_out = s->send.row_offset[G];
-        link_bytes(ep, s->rows_from, s->send.row_count, row_bytes, s->dispatch_bytes);
+        memset(s->dispatch_bytes, 0, sizeof s->dispatch_bytes);
+        moe_pipeline_link_bytes(ep, s->rows_from, s->send.row_count, row_bytes, s->dispatch_bytes);
         moe_to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
         moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
         remote_counts(s->send.row_count, G, me, COUNTS(s, R_SEND, G), COUNTS(s, R_SEND_AT, G));
@@ -361,7 +347,8 @@ static void wave_plan_receive(const moe_ep *ep, const waves_forward *f, int w)
     COUNTS(s, C_SEND, G)[me] = 0;
     moe_ep_wire_values(&f->dispatch_wire, s->recv_rows, s->rows_in - s->rows_from[me], s->recv_values);
     row_table(s, G, me, ep->cfg->hidden, f->x_dispatch);
-    link_bytes(ep, reduced ? f->closing + w * G : s->send.pair_count,
+    memset(s->combine_bytes, 0, sizeof s->combine_bytes);
+    moe_pipeline_link_bytes(ep, reduced ? f->closing + w * G : s->send.pair_count,
                reduced ? s->closing_from : s->recv.source_pairs, moe_combine_row_bytes(ep->cfg),
                s->combine_bytes);
 }

@@ -627,17 +627,13 @@ static int validate_router(const moe_config *cfg, moe_status *st)
 }
 
 /* --backward: the blocking forward, its mirror in fp32 on the wire, through
- * the router's own weights (ep.h, moe_ep_backward_step). */
+ * the router's own weights (ep.h, moe_ep_backward_step); nothing to draw. */
 static int validate_backward(const moe_config *cfg, moe_status *st)
 {
     if (cfg->trace[0] || cfg->timeline[0])
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--trace and --timeline draw the forward's wave pipeline, and --backward "
                         "runs the blocking forward: drop one of them");
-    if (cfg->link[0])
-        return moe_fail(st, MOE_EXIT_USAGE,
-                        "--link models the forward's waves; the backward's all-to-alls are not "
-                        "modelled: drop --link or --backward");
     if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--backward mirrors the flat dispatch: --dispatch must be flat, got hierarchical");
