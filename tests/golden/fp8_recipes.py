@@ -82,8 +82,12 @@ def rows():
 
 
 def main(tool):
+    with tempfile.TemporaryDirectory() as work:
+        return run(tool, work)
+
+
+def run(tool, work):
     data = rows()
-    work = tempfile.mkdtemp()
     path_in, path_out = os.path.join(work, "in.f32"), os.path.join(work, "out")
     data.tofile(path_in)
     blocks = (WIDTH + 127) // 128

@@ -277,8 +277,12 @@ def verify(moe_ep, golden, candidate):
 
 
 def main(moe_ep, sets):
+    with tempfile.TemporaryDirectory() as work:  # the candidates: about 1 GB, removed after
+        return run(moe_ep, sets, work)
+
+
+def run(moe_ep, sets, work):
     failed = 0
-    work = tempfile.mkdtemp()
     print("%-10s %-14s %12s %12s  %s" % ("port", "set", "experts %", "output.y %", "verify"))
     worst, caught_somewhere = {}, {}
     for golden in sets:
