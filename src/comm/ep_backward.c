@@ -1,10 +1,15 @@
-/* ep_backward.c — the blocking reference backward (see ep.h,
- * moe_ep_backward_ref): the forward's stages run in mirror image.
+/* ep_backward.c — the backward of a training step (see ep.h,
+ * moe_ep_backward_ref and moe_ep_backward_step): the forward's stages run
+ * in mirror image, one sequence for the blocking and the nonblocking path.
  *
  *   forward    dispatch (x rows)  experts  combine (outputs)  reduce  shared
  *   backward   combine backward (dy rows, along the dispatch's plan)
- *              → experts dgrad, wgrad → dispatch backward (dx rows and
- *              dL/dweight, along the combine's) → reduce → shared → router
+ *                 in flight: the shared experts' dx and dW
+ *              → experts dgrad → dispatch backward (dx rows and dL/dweight,
+ *              along the combine's)
+ *                 in flight: the routed experts' dW (wgrad)
+ *              → reduce (+ the shared experts' dx) → router → the
+ *              replicated weights' gradients summed over ranks
  *
  * Saved from the forward (moe_ref_forward): its plans and counts, the rows
  * each rank received (x as the experts saw it) with their meta, and the
@@ -98,12 +103,13 @@ static void exchange(const moe_ep *ep, bwd_run *b, int op, int request, int set,
     int *rc = counts(b, set, RECV, G), *ra = counts(b, set, RECV_AT, G);
     moe_to_counts(send_rows, G, sc, sa);
     moe_to_counts(recv_rows, G, rc, ra);
-    moe_comm_count_posted(sc, G, ep->comm.rank, type);
     if (!b->progress) {
+        moe_comm_count_posted(sc, G, ep->comm.rank, type);
         MOE_MPI(MPI_Alltoallv(send, sc, sa, type, recv, rc, ra, type, ep->comm.comm));
         return;
     }
-    moe_progress_lock(b->progress);
+    moe_progress_lock(b->progress); /* every MPI call, with a progress thread running */
+    moe_comm_count_posted(sc, G, ep->comm.rank, type);
     MOE_MPI(MPI_Ialltoallv(send, sc, sa, type, recv, rc, ra, type, ep->comm.comm,
                            &b->progress->ops[op].requests[request]));
     moe_progress_unlock(b->progress);
@@ -423,11 +429,11 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     moe_progress progress;
     bwd_run b = {.progress = sched ? &progress : NULL,
                  .link = sched ? moe_schedule_link(ep, sched) : NULL};
-    if (sched)
-        moe_progress_init(&progress, sched->progress, OPS);
     b.counts = moe_xmalloc(sizeof(int) * (size_t)(COUNT_SETS * COUNT_ARRAYS * G));
     MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &b.row));
     MOE_MPI(MPI_Type_commit(&b.row));
+    if (sched) /* after the MPI calls above: a progress thread may run from here */
+        moe_progress_init(&progress, sched->progress, OPS);
     b.send_dy = moe_xmalloc(sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
     b.dy_in = moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1);
     b.work = moe_xmalloc(sizeof(float) * (size_t)moe_expert_grad_work_floats(pairs, d, ff) + 1);

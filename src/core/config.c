@@ -634,6 +634,10 @@ static int validate_backward(const moe_config *cfg, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--trace and --timeline draw the forward's wave pipeline, and --backward "
                         "runs the blocking forward: drop one of them");
+    if (cfg->waves_count > 1)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--waves W1,W2,... sweeps the forward's wave pipeline, and --backward runs "
+                        "the blocking forward: give one --waves or drop --backward");
     if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--backward mirrors the flat dispatch: --dispatch must be flat, got hierarchical");
