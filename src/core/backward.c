@@ -44,27 +44,27 @@ void moe_expert_grad_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index
     operand(gemm, hidden, ffn, w2, w2g);
 }
 
-/* The SwiGLU's backward, in place, on n rows: h (n, 2f) holds [gate, up] on
- * entry; da (n, f) the gradient of the activation. On return h holds dH =
- * [dA * up * silu'(gate), dA * silu(gate)] and act (n, f), when not NULL,
- * the activation silu(gate) * up with the forward's bits (scaled by
- * scale[n] when scale is given, as the forward scales it). Every step one
- * fp32 operation per lane: the bits do not depend on the vector width. */
+/* The SwiGLU's backward on n rows of h (n, 2f) = [gate, up]: act (n, f),
+ * when not NULL, receives the activation silu(gate) * up with the
+ * forward's bits (times scale[n] when scale is given, as the forward scales
+ * it); with da (n, f), the activation's gradient, dh (n, 2f) receives
+ * [dA * up * silu'(gate), dA * silu(gate)] (da NULL: the activation only).
+ * Every step one fp32 operation per lane: the bits do not depend on the
+ * vector width. */
 __attribute__((target_clones("avx2", "default")))
-static void swiglu_backward(float *h, const float *da, moe_index n, moe_index ffn, float *act,
-                            const float *scale)
+static void swiglu_backward(const float *h, const float *da, moe_index n, moe_index ffn,
+                            float *dh, float *act, const float *scale)
 {
 #pragma omp parallel for schedule(static)
     for (moe_index r = 0; r < n; r++) {
-        float *gate = h + r * 2 * ffn, *up = gate + ffn;
-        const float *d = da + r * ffn;
+        const float *gate = h + r * 2 * ffn, *up = gate + ffn;
         for (moe_index c0 = 0; c0 < ffn; c0 += 8) {
             const int w = ffn - c0 < 8 ? (int)(ffn - c0) : 8;
             lanes8 g = {0}, u = {0}, dv = {0};
             for (int i = 0; i < w; i++) {
                 g[i] = gate[c0 + i];
                 u[i] = up[c0 + i];
-                dv[i] = d[c0 + i];
+                dv[i] = da ? da[r * ffn + c0 + i] : 0.0f;
             }
             const lanes8 silu = g / (1.0f + exp8(-g));
             const lanes8 sig = 1.0f / (1.0f + exp8(-g));
@@ -74,8 +74,10 @@ static void swiglu_backward(float *h, const float *da, moe_index n, moe_index ff
             for (int i = 0; i < w; i++) {
                 if (act)
                     act[r * ffn + c0 + i] = scale ? a[i] * scale[r] : a[i];
-                gate[c0 + i] = dgate[i];
-                up[c0 + i] = dup[i];
+                if (da) {
+                    dh[r * 2 * ffn + c0 + i] = dgate[i];
+                    dh[r * 2 * ffn + ffn + c0 + i] = dup[i];
+                }
             }
         }
     }
@@ -108,13 +110,8 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
         float *o = (float *)out;
         if (!out) { /* o = a W2^T, the forward's output, recomputed */
             o = moe_xmalloc(sizeof(float) * (size_t)(n * d));
-            float *a = moe_xmalloc(sizeof(float) * (size_t)(n * 2 * f));
-            memcpy(a, h, sizeof(float) * (size_t)(n * 2 * f));
-            float *zero = moe_xcalloc((size_t)(n * f), sizeof(float));
-            swiglu_backward(a, zero, n, f, act, NULL);
+            swiglu_backward(h, NULL, n, f, NULL, act, NULL);
             moe_expert_gemm(gemm, n, d, f, act, f, fw->w2t, o, d);
-            free(zero);
-            free(a);
         }
         for (moe_index r = 0; r < n; r++) {
             dgate[r] = dot(dy + r * d, o + r * d, d);
@@ -129,18 +126,14 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
     moe_expert_gemm(gemm, n, f, d, dO, d, bw->w2, da, f); /* dA' = dO W2 */
     if (at_activation) {
         /* the activation unscaled, for dg = <dA', a>; then dA = g dA' */
-        memcpy(dH, h, sizeof(float) * (size_t)(n * 2 * f));
-        float *zero = moe_xcalloc((size_t)(n * f), sizeof(float));
-        swiglu_backward(dH, zero, n, f, act, NULL);
-        free(zero);
+        swiglu_backward(h, NULL, n, f, NULL, act, NULL);
         for (moe_index r = 0; r < n; r++) {
             dgate[r] = dot(da + r * f, act + r * f, f);
             for (moe_index c = 0; c < f; c++)
                 da[r * f + c] *= gate[r];
         }
     }
-    memcpy(dH, h, sizeof(float) * (size_t)(n * 2 * f));
-    swiglu_backward(dH, da, n, f, act, at_activation ? gate : NULL); /* act = a' */
+    swiglu_backward(h, da, n, f, dH, act, at_activation ? gate : NULL); /* act = a' */
     moe_expert_gemm(gemm, n, d, 2 * f, dH, 2 * f, bw->w1, dx, d); /* dx = dH W1 */
     free(da);
     free(h);
