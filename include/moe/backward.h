@@ -47,11 +47,24 @@ moe_index moe_expert_grad_w2_floats(enum moe_gemm_kind gemm, moe_index hidden, m
 void moe_expert_grad_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn,
                             const float *w1, const float *w2, float *w1g, float *w2g);
 
-/* Floats of the work a batch of n rows keeps between its data and weight
- * gradients: dO (n, d), dH (n, 2f), a' (n, f). */
-static inline moe_index moe_expert_grad_work_floats(moe_index n, moe_index hidden, moe_index ffn)
+/* What a batch keeps between its data and weight gradients, row i of each
+ * for row i of the batch: dO (n, d), dH (n, 2f) and a' (n, f). */
+typedef struct {
+    float *dO, *dH, *act;
+} moe_expert_grad_work;
+
+/* Work for n rows (moe_xmalloc, one block; moe_expert_grad_work_free). */
+moe_expert_grad_work moe_expert_grad_work_alloc(moe_index n, moe_index hidden, moe_index ffn);
+void moe_expert_grad_work_free(moe_expert_grad_work *w);
+
+/* The same arrays from row `first` on: a block's or an expert's part of a
+ * larger batch. */
+static inline moe_expert_grad_work moe_expert_grad_work_rows(const moe_expert_grad_work *w,
+                                                             moe_index first, moe_index hidden,
+                                                             moe_index ffn)
 {
-    return n * (hidden + 3 * ffn);
+    return (moe_expert_grad_work){w->dO + first * hidden, w->dH + first * 2 * ffn,
+                                  w->act + first * ffn};
 }
 
 /* The data gradient (the backward's B) of one expert on n rows: dx (n, d)
@@ -65,8 +78,8 @@ static inline moe_index moe_expert_grad_work_floats(moe_index n, moe_index hidde
 void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_grad_weights *bw,
                               enum moe_gemm_kind gemm, const float *x, const float *dy,
                               const float *gate, const float *out, int weight_at, moe_index n,
-                              moe_index hidden, moe_index ffn, float *work, float *dx,
-                              float *dgate);
+                              moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
+                              float *dx, float *dgate);
 
 /* The weight gradient (the backward's W) of the same batch: dw1 (2f, d) =
  * dH^T x and dw2 (d, f) = dO^T a', overwritten. The sum over rows runs in
@@ -75,8 +88,8 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
  * that passes an expert's rows in global token order gets the same bits
  * whichever ranks the rows came from. n = 0 gives zeros. */
 void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, moe_index n,
-                                 moe_index hidden, moe_index ffn, const float *work, float *dw1,
-                                 float *dw2);
+                                 moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
+                                 float *dw1, float *dw2);
 
 /* Both gradients of the fp64 truth: w1 (2f, d), w2 (d, f), x and dy (n, d);
  * gate (n) or NULL as above; dx (n, d), dgate (n) (with a gate), dw1 (2f, d)

@@ -294,7 +294,7 @@ void moe_ep_sum_slots(const moe_ep *ep, const int32_t *row_meta, const float *co
 {
     const moe_index d = ep->cfg->hidden;
     const int k = (int)ep->cfg->topk;
-    const bool weighted = ep->cfg->weight_at == MOE_WEIGHT_AT_OUTPUT;
+    const bool weighted = row_meta && ep->cfg->weight_at == MOE_WEIGHT_AT_OUTPUT;
     memset(sum, 0, sizeof(float) * (size_t)d);
     for (int s = 0; s < k; s++) {
         if (!out[s])
@@ -314,7 +314,8 @@ void moe_ep_reduce_at_source(const moe_ep *ep, const moe_recv_plan *recv, const 
     for (moe_index m = 0; m < recv->pairs; m++)
         slot_out[recv->expert_row[m] * k + recv->expert_slot[m]] = expert_out + recv->expert_pair[m] * d;
     for (moe_index row = 0; row < recv->rows; row++)
-        moe_ep_sum_slots(ep, recv_meta + row * MOE_META_WORDS(k), slot_out + row * k, sums + row * d);
+        moe_ep_sum_slots(ep, recv_meta ? recv_meta + row * MOE_META_WORDS(k) : NULL, slot_out + row * k,
+                         sums + row * d);
     moe_precision_combine(ep->cfg->combine_dtype, sums, recv->rows * d);
     free(slot_out);
 }

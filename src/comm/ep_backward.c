@@ -77,7 +77,7 @@ typedef struct {
     MPI_Datatype row;       /* d fp32 values */
     float *send_dy;         /* (rows out, d) this rank's dy rows in dispatch order */
     float *dy_in;           /* (rows in, d) as the forward received x */
-    float *work;            /* (pairs, d + 3f) each pair's dO, dH, a', grouped by expert */
+    moe_expert_grad_work work; /* (pairs) each pair's dO, dH, a', grouped by expert */
     float *pair_dx;         /* (pairs, d) in the combine's pair order */
     float *pair_dg;         /* (pairs) dL/dweight */
     float *sums;            /* --combine reduced: (rows in, d) */
@@ -197,8 +197,9 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
                                       recv->expert_slot[first + m]);
         const moe_expert_weights fw = moe_ep_weights(ep, false, l);
         const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, false, l);
+        const moe_expert_grad_work work = moe_expert_grad_work_rows(&b->work, first, d, ff);
         moe_expert_backward_data(&fw, &bw, ep->gemm, x, dy, gate, out, cfg->weight_at, n, d, ff,
-                                 b->work + first * (d + 3 * ff), dx, dg);
+                                 &work, dx, dg);
         moe_scatter_rows(dx, d, pair, n, b->pair_dx);
         moe_scatter_rows(dg, 1, pair, n, b->pair_dg);
         poll(b);
@@ -226,8 +227,9 @@ static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     for (int l = 0; l < ep->local_experts; l++) {
         const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
         moe_gather_rows(f->recv_values, d, recv->expert_row + first, n, x);
-        moe_expert_backward_weights(ep->gemm, x, n, d, ff, b->work + first * (d + 3 * ff),
-                                    g->dw1 + l * 2 * ff * d, g->dw2 + l * d * ff);
+        const moe_expert_grad_work work = moe_expert_grad_work_rows(&b->work, first, d, ff);
+        moe_expert_backward_weights(ep->gemm, x, n, d, ff, &work, g->dw1 + l * 2 * ff * d,
+                                    g->dw2 + l * d * ff);
         poll(b);
     }
     stats->wgrad_flops = moe_gemm_sflops();
@@ -241,21 +243,13 @@ static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
 static void dispatch_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b,
                               moe_backward_stats *stats)
 {
-    const int me = ep->comm.rank, k = (int)ep->cfg->topk;
+    const int me = ep->comm.rank;
     const moe_index d = ep->cfg->hidden;
     const moe_recv_plan *recv = &f->recv;
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
     const double t = MPI_Wtime();
-    if (reduced) {
-        memset(b->sums, 0, sizeof(float) * (size_t)(recv->rows * d));
-        const float **slot = moe_xcalloc((size_t)(recv->rows * k) + 1, sizeof(float *));
-        for (moe_index m = 0; m < recv->pairs; m++)
-            slot[recv->expert_row[m] * k + recv->expert_slot[m]] = b->pair_dx + recv->expert_pair[m] * d;
-        for (moe_index r = 0; r < recv->rows; r++)
-            for (int s = 0; s < k; s++)
-                for (moe_index j = 0; slot[r * k + s] && j < d; j++)
-                    b->sums[r * d + j] += slot[r * k + s][j];
-        free(slot);
+    if (reduced) { /* fp32 on the wire: the sums are not rounded */
+        moe_ep_reduce_at_source(ep, recv, NULL, b->pair_dx, b->sums);
         exchange(ep, b, OP_DISPATCH, 0, C_DX, f->rows_from, f->send.row_count, b->sums, b->back,
                  b->row);
     } else {
@@ -289,31 +283,25 @@ static void shared_backward(const moe_ep *ep, const float *x, const float *dy, b
     const moe_index T = cfg->tokens, d = cfg->hidden, ff = cfg->ffn;
     const double t = MPI_Wtime();
     float *dx = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * d));
-    float *work = moe_xmalloc(sizeof(float) * (size_t)moe_expert_grad_work_floats(T, d, ff) + 1);
+    moe_expert_grad_work work = moe_expert_grad_work_alloc(T, d, ff); /* all T rows, for the wgrad */
     memset(b->shared_dx, 0, sizeof(float) * (size_t)(T * d));
     for (int s = 0; s < (int)cfg->shared_experts; s++) {
         const moe_expert_weights fw = moe_ep_weights(ep, true, s);
         const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, true, s);
-        /* the whole batch's work, laid out as one call would lay it out */
-        float *dO = work, *dH = work + T * d, *act = dH + T * 2 * ff;
         for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
             const moe_index n = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
-            float *block = moe_xmalloc(sizeof(float) * (size_t)moe_expert_grad_work_floats(n, d, ff));
+            const moe_expert_grad_work block = moe_expert_grad_work_rows(&work, first, d, ff);
             moe_expert_backward_data(&fw, &bw, ep->gemm, x + first * d, dy + first * d, NULL, NULL,
-                                     cfg->weight_at, n, d, ff, block, dx, NULL);
-            memcpy(dO + first * d, block, sizeof(float) * (size_t)(n * d));
-            memcpy(dH + first * 2 * ff, block + n * d, sizeof(float) * (size_t)(n * 2 * ff));
-            memcpy(act + first * ff, block + n * (d + 2 * ff), sizeof(float) * (size_t)(n * ff));
-            free(block);
+                                     cfg->weight_at, n, d, ff, &block, dx, NULL);
             for (moe_index m = 0; m < n * d; m++)
                 b->shared_dx[first * d + m] += dx[m];
             poll(b);
         }
-        moe_expert_backward_weights(ep->gemm, x, T, d, ff, work, g->dshared_w1 + s * 2 * ff * d,
+        moe_expert_backward_weights(ep->gemm, x, T, d, ff, &work, g->dshared_w1 + s * 2 * ff * d,
                                     g->dshared_w2 + s * d * ff);
         poll(b);
     }
-    free(work);
+    moe_expert_grad_work_free(&work);
     free(dx);
     stats->seconds[MOE_BWD_SHARED] += MPI_Wtime() - t;
 }
@@ -436,7 +424,7 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
         moe_progress_init(&progress, sched->progress, OPS);
     b.send_dy = moe_xmalloc(sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
     b.dy_in = moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1);
-    b.work = moe_xmalloc(sizeof(float) * (size_t)moe_expert_grad_work_floats(pairs, d, ff) + 1);
+    b.work = moe_expert_grad_work_alloc(pairs, d, ff);
     b.pair_dx = moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1);
     b.pair_dg = moe_xmalloc(sizeof(float) * (size_t)pairs + 1);
     b.sums = reduced ? moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1) : NULL;
@@ -482,7 +470,7 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     free(b.sums);
     free(b.pair_dg);
     free(b.pair_dx);
-    free(b.work);
+    moe_expert_grad_work_free(&b.work);
     free(b.dy_in);
     free(b.send_dy);
     MOE_MPI(MPI_Type_free(&b.row));

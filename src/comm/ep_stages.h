@@ -191,13 +191,15 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
 /* sum (d) = a row's pair outputs out[s] (d each; NULL for a slot whose
  * expert is elsewhere) in slot order, each times its gate weight from the
  * row's meta when the weight is applied after L2, in fp32 from zero: what
- * one row of a reduced combine carries, before its rounding. */
+ * one row of a reduced combine carries, before its rounding. row_meta NULL:
+ * no weights (the backward's dx rows). */
 void moe_ep_sum_slots(const moe_ep *ep, const int32_t *row_meta, const float *const *out, float *sum);
 
 /* Stage combine, at the source (--combine reduced): sums (recv->rows, d) =
  * per received row, moe_ep_sum_slots of its pairs in expert_out, rounded to
  * --combine-dtype: one row per (token, rank) goes back. For rows whose
- * pairs all ran together (one wave). */
+ * pairs all ran together (one wave). recv_meta NULL: the rows' plain sums
+ * (the dispatch backward's dx). */
 void moe_ep_reduce_at_source(const moe_ep *ep, const moe_recv_plan *recv, const int32_t *recv_meta,
                              const float *expert_out, float *sums);
 

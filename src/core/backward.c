@@ -44,6 +44,18 @@ void moe_expert_grad_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index
     operand(gemm, hidden, ffn, w2, w2g);
 }
 
+moe_expert_grad_work moe_expert_grad_work_alloc(moe_index n, moe_index hidden, moe_index ffn)
+{
+    float *block = moe_xmalloc(sizeof(float) * (size_t)(n * (hidden + 3 * ffn)) + 1);
+    return (moe_expert_grad_work){block, block + n * hidden, block + n * (hidden + 2 * ffn)};
+}
+
+void moe_expert_grad_work_free(moe_expert_grad_work *w)
+{
+    free(w->dO);
+    w->dO = w->dH = w->act = NULL;
+}
+
 /* The SwiGLU's backward on n rows of h (n, 2f) = [gate, up]: act (n, f),
  * when not NULL, receives the activation silu(gate) * up with the
  * forward's bits (times scale[n] when scale is given, as the forward scales
@@ -95,14 +107,14 @@ static float dot(const float *a, const float *b, moe_index n)
 void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_grad_weights *bw,
                               enum moe_gemm_kind gemm, const float *x, const float *dy,
                               const float *gate, const float *out, int weight_at, moe_index n,
-                              moe_index hidden, moe_index ffn, float *work, float *dx,
-                              float *dgate)
+                              moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
+                              float *dx, float *dgate)
 {
     if (n == 0)
         return;
     const moe_index d = hidden, f = ffn;
     const bool at_activation = gate && weight_at == MOE_WEIGHT_AT_ACTIVATION;
-    float *dO = work, *dH = work + n * d, *act = dH + n * 2 * f; /* (n, d), (n, 2f), (n, f) */
+    float *dO = work->dO, *dH = work->dH, *act = work->act; /* (n, d), (n, 2f), (n, f) */
     float *h = moe_xmalloc(sizeof(float) * (size_t)(n * 2 * f)); /* (n, 2f) */
     float *da = moe_xmalloc(sizeof(float) * (size_t)(n * f));    /* (n, f) */
     moe_expert_gemm(gemm, n, 2 * f, d, x, d, fw->w1t, h, 2 * f); /* recomputed */
@@ -140,8 +152,8 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
 }
 
 void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, moe_index n,
-                                 moe_index hidden, moe_index ffn, const float *work, float *dw1,
-                                 float *dw2)
+                                 moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
+                                 float *dw1, float *dw2)
 {
     const moe_index d = hidden, f = ffn;
     if (n == 0) {
@@ -149,7 +161,7 @@ void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, moe_in
         memset(dw2, 0, sizeof(float) * (size_t)(d * f));
         return;
     }
-    const float *dO = work, *dH = work + n * d, *act = dH + n * 2 * f;
+    const float *dO = work->dO, *dH = work->dH, *act = work->act;
     /* A operands transposed, (out, rows); B operands (rows, in) in gemm's layout */
     const moe_index most = d > 2 * f ? d : 2 * f;
     float *at = moe_xmalloc(sizeof(float) * (size_t)(most * n));

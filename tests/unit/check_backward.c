@@ -298,10 +298,10 @@ START_TEST(fp32_backward_matches_fp64)
     moe_expert_grad_layout(kind, DD, FF, w1, w2, w1g, w2g);
     const moe_expert_weights fw = {w1t, w2t};
     const moe_expert_grad_weights bw = {w1g, w2g};
-    float *work = malloc(sizeof(float) * moe_expert_grad_work_floats(N, DD, FF));
+    moe_expert_grad_work work = moe_expert_grad_work_alloc(N, DD, FF);
     float dx[N * DD], dg[N], dw1[2 * FF * DD], dw2[DD * FF];
-    moe_expert_backward_data(&fw, &bw, kind, x, dy, gate, NULL, weight_at, N, DD, FF, work, dx, dg);
-    moe_expert_backward_weights(kind, x, N, DD, FF, work, dw1, dw2);
+    moe_expert_backward_data(&fw, &bw, kind, x, dy, gate, NULL, weight_at, N, DD, FF, &work, dx, dg);
+    moe_expert_backward_weights(kind, x, N, DD, FF, &work, dw1, dw2);
 
     double w1d[2 * FF * DD], w2d[DD * FF], xd[N * DD], dyd[N * DD], gd[N];
     double dxd[N * DD], dgd[N], dw1d[2 * FF * DD], dw2d[DD * FF];
@@ -331,11 +331,11 @@ START_TEST(fp32_backward_matches_fp64)
     if (moe_gemm_rows_independent(kind)) { /* row 4 alone: the same bits */
         float dx1[DD], dg1[1];
         moe_expert_backward_data(&fw, &bw, kind, x + 4 * DD, dy + 4 * DD, gate + 4, NULL,
-                                 weight_at, 1, DD, FF, work, dx1, dg1);
+                                 weight_at, 1, DD, FF, &work, dx1, dg1);
         ck_assert(memcmp(dx1, dx + 4 * DD, sizeof dx1) == 0);
         ck_assert(memcmp(dg1, dg + 4, sizeof dg1) == 0);
     }
-    free(work);
+    moe_expert_grad_work_free(&work);
     free(w2g);
     free(w1g);
     free(w2t);
