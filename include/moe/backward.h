@@ -118,4 +118,11 @@ void moe_router_backward(const moe_router *r, const double *logits, const int32_
 void moe_gate_backward(const double *dlogits, const float *gate, const float *x, moe_index tokens,
                        moe_index hidden, int experts, double *dx, double *dgate_w);
 
+/* Both for one batch: dlogits of logits (T, E) as moe_router_logits gave
+ * them (fp32), then dx += through the gate and dgate_w = the batch's share
+ * of W_g's gradient (overwritten). The EP path and the truth call this. */
+void moe_router_gate_backward(const moe_router *r, const float *gate, const float *x,
+                              const float *logits, const int32_t *ids, const double *dweights,
+                              moe_index tokens, moe_index hidden, double *dx, double *dgate_w);
+
 #endif

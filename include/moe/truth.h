@@ -87,6 +87,11 @@ typedef struct {
  * made it; its error scales with the terms, which the rms measures. */
 moe_tolerance moe_tolerance_for(const moe_config *cfg, double ref_rms);
 
+/* The same rule for any value that went through fp32 chains of `length`
+ * steps in all: rel = u * length, abs = rel * ref_rms (the backward's
+ * tensors, docs/backward.md). */
+moe_tolerance moe_tolerance_of_length(double length, double ref_rms);
+
 typedef struct {
     double max_abs;          /* max |got - ref| */
     double max_rel;          /* max |got - ref| / max(|ref|, rms floor) */

@@ -276,12 +276,10 @@ static void add_gradient(tensor_list *l, const char *name, const float *v, const
     add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, v, ndim, d0, d1, d2);
     add(l, truth_name, MOE_ST_F64, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, truth, ndim, d0, d1, d2);
     const int64_t n = d0 * (ndim > 1 ? d1 : 1) * (ndim > 2 ? d2 : 1);
-    double squares = 0.0;
-    for (int64_t m = 0; m < n; m++)
-        squares += truth[m] * truth[m];
-    const double rel = UNIT_ROUNDOFF * length, rms = n ? sqrt(squares / (double)n) : 0.0;
-    l->items[iv].rel = l->items[it].rel = rel;
-    l->items[iv].abs = l->items[it].abs = rel * rms;
+    const double rms = n ? sqrt(moe_sum_squares(truth, n) / (double)n) : 0.0;
+    const moe_tolerance tol = moe_tolerance_of_length(length, rms);
+    l->items[iv].rel = l->items[it].rel = tol.rel;
+    l->items[iv].abs = l->items[it].abs = tol.abs;
 }
 
 /* The backward stage's tensors (docs/golden.md), on rank 0. */

@@ -79,8 +79,8 @@ static void check_against_truth(moe_run_context *ctx)
     free(truth);
 }
 
-/* One gradient tensor got (n) against its truth (n): the tolerance is that
- * of moe_tolerance_for with `length` in place of the forward's, over the
+/* One gradient tensor got (n) against its truth (n): the tolerance is
+ * moe_tolerance_of_length (the forward's rule with `length`), over the
  * rms of the truth (of every rank's part when distributed, which makes
  * this collective; else of this rank's tensor alone). Folds the result into
  * check (maxima; moe_grad_checks_reduce takes them over ranks). */
@@ -93,8 +93,7 @@ static void grad_compare(const moe_comm *c, const float *got, const double *trut
         count = moe_comm_sum(c, count);
     }
     const double rms = count > 0 ? sqrt(squares / count) : 0.0;
-    const double rel = 0x1p-24 * length;
-    const moe_tolerance tol = {rel * rms, rel};
+    const moe_tolerance tol = moe_tolerance_of_length(length, rms);
     moe_compare_stats st;
     moe_compare(got, truth, NULL, n, tol, &st);
     check->checked = true;

@@ -345,20 +345,13 @@ static void router_backward(const moe_ep *ep, const float *x, const float *logit
                             const int32_t *ids, const double *dweights, float *dx,
                             double *dgate_w, moe_backward_stats *stats)
 {
-    const moe_config *cfg = ep->cfg;
-    const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts;
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     const double t = MPI_Wtime();
-    double *dlogits = moe_xmalloc(sizeof(double) * (size_t)(T * E) + 1);
     double *dxr = moe_xcalloc((size_t)(T * d) + 1, sizeof(double));
-    for (moe_index n = 0; n < T * E; n++)
-        dlogits[n] = logits[n];
-    moe_router_backward(&ep->router, dlogits, ids, dweights, T, dlogits);
-    memset(dgate_w, 0, sizeof(double) * (size_t)(E * d));
-    moe_gate_backward(dlogits, ep->gate, x, T, d, (int)E, dxr, dgate_w);
+    moe_router_gate_backward(&ep->router, ep->gate, x, logits, ids, dweights, T, d, dxr, dgate_w);
     for (moe_index n = 0; n < T * d; n++)
         dx[n] += (float)dxr[n];
     free(dxr);
-    free(dlogits);
     stats->seconds[MOE_BWD_ROUTER] = MPI_Wtime() - t;
 }
 

@@ -344,3 +344,17 @@ void moe_gate_backward(const double *dlogits, const float *gate, const float *x,
                     dgate_w[e * d + j] += g * (double)x[i * d + j];
             }
 }
+
+void moe_router_gate_backward(const moe_router *r, const float *gate, const float *x,
+                              const float *logits, const int32_t *ids, const double *dweights,
+                              moe_index tokens, moe_index hidden, double *dx, double *dgate_w)
+{
+    const moe_index E = r->experts;
+    double *dlogits = moe_xmalloc(sizeof(double) * (size_t)(tokens * E) + 1);
+    for (moe_index n = 0; n < tokens * E; n++)
+        dlogits[n] = logits[n];
+    moe_router_backward(r, dlogits, ids, dweights, tokens, dlogits);
+    memset(dgate_w, 0, sizeof(double) * (size_t)(E * hidden));
+    moe_gate_backward(dlogits, gate, x, tokens, hidden, r->experts, dx, dgate_w);
+    free(dlogits);
+}

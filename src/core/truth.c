@@ -189,15 +189,19 @@ void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, 
     truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, true, y, allow);
 }
 
-moe_tolerance moe_tolerance_for(const moe_config *cfg, double ref_rms)
+moe_tolerance moe_tolerance_of_length(double length, double ref_rms)
 {
     const double unit_roundoff = 0x1p-24;
-    const double length =
-        (double)(cfg->hidden + cfg->ffn + cfg->topk + cfg->shared_experts);
     moe_tolerance tol;
     tol.rel = unit_roundoff * length;
     tol.abs = tol.rel * ref_rms;
     return tol;
+}
+
+moe_tolerance moe_tolerance_for(const moe_config *cfg, double ref_rms)
+{
+    return moe_tolerance_of_length(
+        (double)(cfg->hidden + cfg->ffn + cfg->topk + cfg->shared_experts), ref_rms);
 }
 
 double moe_sum_squares(const double *ref, moe_index n)
@@ -285,7 +289,6 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
     double *dg = moe_xmalloc(sizeof(double) * (size_t)T + 1);
     moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1);
     double *dweights = moe_xcalloc((size_t)(T * k) + 1, sizeof(double)); /* (T, k) */
-    double *dlogits = moe_xmalloc(sizeof(double) * (size_t)(T * E) + 1);  /* (T, E) */
     memset(dx, 0, sizeof(double) * (size_t)(T * d));
     for (int e = 0; e < E; e++) { /* routed experts, on the tokens that selected them */
         const moe_index n = expert_rows(e, ids, weights, T, k, row, gate_e);
@@ -304,11 +307,7 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
                     dweights[row[m] * k + s] = dg[m];
         }
     }
-    for (moe_index m = 0; m < T * E; m++)
-        dlogits[m] = logits[m];
-    moe_router_backward(router, dlogits, ids, dweights, T, dlogits);
-    memset(dgate_w, 0, sizeof(double) * (size_t)(E * d));
-    moe_gate_backward(dlogits, gate, x, T, d, E, dx, dgate_w);
+    moe_router_gate_backward(router, gate, x, logits, ids, dweights, T, d, dx, dgate_w);
     to_f64(x, T * d, xe);
     to_f64(dy, T * d, dye);
     for (int s = 0; s < (int)cfg->shared_experts; s++) {
@@ -318,7 +317,6 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
         for (moe_index m = 0; m < T * d; m++)
             dx[m] += dxe[m];
     }
-    free(dlogits);
     free(dweights);
     free(row);
     free(dg);
