@@ -275,7 +275,8 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     int rc = MOE_EXIT_OK;
     free(ctx->per_iter);
     free(ctx->per_iter_bwd);
-    ctx->per_iter_bwd = moe_xmalloc(sizeof(double) * (size_t)(iters * BWD_COLS));
+    ctx->per_iter_bwd = ctx->cfg.backward ? moe_xmalloc(sizeof(double) * (size_t)(iters * BWD_COLS))
+                                          : NULL;
     ctx->per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * COLS));
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
         moe_trace_clear(&ctx->trace);

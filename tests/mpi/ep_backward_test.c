@@ -94,6 +94,25 @@ static int compare(const char *what, int rank, const float *got, const float *wa
     return !ok;
 }
 
+/* Every gradient tensor of got has the bits of want's. */
+static int same_bits(const char *when, int rank, const moe_ep *ep, const moe_ep_grads *got,
+                     const moe_ep_grads *want)
+{
+    static const char *const names[MOE_EP_GRAD_TENSORS] = {
+        "dx", "routed dW1", "routed dW2", "shared dW1", "shared dW2", "gate dW_g"};
+    const float *a[MOE_EP_GRAD_TENSORS], *b[MOE_EP_GRAD_TENSORS];
+    moe_index n[MOE_EP_GRAD_TENSORS];
+    moe_ep_grads_tensors(ep, got, a, n);
+    moe_ep_grads_tensors(ep, want, b, n);
+    int failures = 0;
+    for (int t = 0; t < MOE_EP_GRAD_TENSORS; t++) {
+        char what[64];
+        snprintf(what, sizeof what, "%s, %s", names[t], when);
+        failures += compare(what, rank, a[t], b[t], n[t], true, 0.0);
+    }
+    return failures;
+}
+
 int main(int argc, char **argv)
 {
     moe_comm world;
@@ -139,21 +158,7 @@ int main(int argc, char **argv)
     }
     failures += step(&world, &cfg, &ep, NULL, &again) != 0;
     const moe_index EL = ep.local_experts;
-    const struct {
-        const char *name;
-        const float *a, *b;
-        moe_index n;
-    } tensors[] = {{"dx", g.dx, again.dx, T * d},
-                   {"routed dW1", g.dw1, again.dw1, EL * 2 * f * d},
-                   {"routed dW2", g.dw2, again.dw2, EL * d * f},
-                   {"shared dW1", g.dshared_w1, again.dshared_w1, S * 2 * f * d},
-                   {"shared dW2", g.dshared_w2, again.dshared_w2, S * d * f},
-                   {"gate dW_g", g.dgate, again.dgate, E * d}};
-    for (size_t t = 0; t < sizeof tensors / sizeof tensors[0]; t++) {
-        char what[64];
-        snprintf(what, sizeof what, "%s, second step", tensors[t].name);
-        failures += compare(what, r, tensors[t].b, tensors[t].a, tensors[t].n, true, 0.0);
-    }
+    failures += same_bits("second step", r, &ep, &again, &g);
 
     /* The backward with its all-to-alls in flight, both progress modes:
      * the blocking backward's bits. */
@@ -162,16 +167,9 @@ int main(int argc, char **argv)
         sched.progress = moe_progress_granted(&world, (enum moe_progress_kind)kind);
         moe_ep_grads overlapped;
         failures += step(&world, &cfg, &ep, &sched, &overlapped) != 0;
-        const float *got[MOE_EP_GRAD_TENSORS], *want[MOE_EP_GRAD_TENSORS];
-        moe_index n[MOE_EP_GRAD_TENSORS];
-        moe_ep_grads_tensors(&ep, &overlapped, got, n);
-        moe_ep_grads_tensors(&ep, &g, want, n);
-        for (int t = 0; t < MOE_EP_GRAD_TENSORS; t++) {
-            char what[64];
-            snprintf(what, sizeof what, "%s, in flight (%s)", tensors[t].name,
-                     sched.progress == MOE_PROGRESS_THREAD ? "thread" : "poll");
-            failures += compare(what, r, got[t], want[t], n[t], true, 0.0);
-        }
+        failures += same_bits(sched.progress == MOE_PROGRESS_THREAD ? "in flight (thread)"
+                                                                   : "in flight (poll)",
+                              r, &ep, &overlapped, &g);
         moe_ep_grads_free(&overlapped);
     }
 
