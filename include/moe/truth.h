@@ -69,10 +69,11 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *r,
 
 /* dw1 (2f, d) and dw2 (d, f) of routed expert e over `tokens` tokens x, dy
  * (T, d) routed by ids/weights (T, k): the whole gradient when they are
- * every token of the layer. */
-void moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
-                               const float *x, const float *dy, const int32_t *ids,
-                               const float *weights, moe_index tokens, double *dw1, double *dw2);
+ * every token of the layer. Returns the rows summed (the tokens that chose e). */
+moe_index moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
+                                    const float *x, const float *dy, const int32_t *ids,
+                                    const float *weights, moe_index tokens, double *dw1,
+                                    double *dw2);
 
 /* Tolerance of the EP output against the truth: |got - ref| <= abs + rel*|ref|. */
 typedef struct {

@@ -330,9 +330,10 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
     free(w1);
 }
 
-void moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
-                               const float *x, const float *dy, const int32_t *ids,
-                               const float *weights, moe_index tokens, double *dw1, double *dw2)
+moe_index moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
+                                    const float *x, const float *dy, const int32_t *ids,
+                                    const float *weights, moe_index tokens, double *dw1,
+                                    double *dw2)
 {
     const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
     moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1);
@@ -357,4 +358,5 @@ void moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, 
     free(w1);
     free(gate);
     free(row);
+    return n;
 }
