@@ -87,12 +87,14 @@ typedef struct {
     bool backward;
     double bwd_seconds[MOE_BWD_STAGES]; /* median over steps of the max over ranks */
     double step_seconds;                /* the same for forward + backward */
+    double step_min, step_max;          /* over steps */
     double bwd_bytes_combine, bwd_bytes_dispatch; /* summed over ranks, one step */
     double dgrad_flops, wgrad_flops;    /* the routed experts', summed over ranks */
     bool grads_identical;               /* every step gave the same gradient bits */
     bool bwd_overlapped;                /* the backward's all-to-alls ran in flight */
     double bwd_in_flight[2];            /* combine, dispatch backward: posted .. complete, last step */
     bool bwd_ref_compared;              /* --check: against the blocking backward */
+    bool bwd_ref_bitwise_expected;      /* rows independent (packed, exact), or one wave */
     double bwd_ref_differ;              /* gradient values that differ from it */
     moe_grad_check grad_check[MOE_GRAD_TENSORS]; /* --check */
     /* --check */

@@ -3,13 +3,24 @@
  * in mirror image, one sequence for the blocking and the nonblocking path.
  *
  *   forward    dispatch (x rows)  experts  combine (outputs)  reduce  shared
- *   backward   combine backward (dy rows, along the dispatch's plan)
+ *   backward   combine backward of waves 0 .. A-1 (dy rows, along the
+ *              dispatch's plan)
  *                 in flight: the shared experts' dx and dW
- *              → experts dgrad → dispatch backward (dx rows and dL/dweight,
- *              along the combine's)
- *                 in flight: the routed experts' dW (wgrad)
+ *              for each wave w of W (token chunks):
+ *                 combine backward of wave w+A posted; wait for wave w's
+ *                 experts dgrad of wave w (B)   in flight: later combines,
+ *                 dispatch backward of wave w    earlier dispatches
+ *                 (dx rows and dL/dweight, along the combine's)
+ *              experts wgrad, every expert's rows at once (W)
+ *                 in flight: the last dispatches
  *              → reduce (+ the shared experts' dx) → router → the
  *              replicated weights' gradients summed over ranks
+ *
+ * A wave is a chunk of every rank's tokens, so a (token, rank) row and its
+ * pairs travel in one wave, deduplicated as the forward's; the weight
+ * gradients sum each expert's rows of every wave in global token order, in
+ * one pass after the last wave: with packed or exact GEMMs the bits do not
+ * depend on W.
  *
  * Saved from the forward (moe_ref_forward): its plans and counts, the rows
  * each rank received (x as the experts saw it) with their meta, and the
@@ -60,20 +71,35 @@ void moe_ep_grads_free(moe_ep_grads *g)
     memset(g, 0, sizeof *g);
 }
 
-/* One backward's buffers, and how its two all-to-alls run: blocking (each
- * waited for when posted), or in flight behind the computation that needs
- * none of their data (the shared experts behind the combine backward, the
- * routed experts' weight gradients behind the dispatch backward). */
-enum { OP_COMBINE, OP_DISPATCH, OPS };            /* the operations of a backward */
-enum { C_DY, C_DX, C_DG, COUNT_SETS };            /* their count arrays */
+/* One backward's buffers, and how its all-to-alls run. The backward runs in
+ * W waves of token chunks (layout.h: wave w is local tokens [w T/W, (w+1)
+ * T/W) of every rank), so a (token, rank) row and all its pairs fall in one
+ * wave and the per-rank dedup of the forward is kept. Each wave has its
+ * combine backward and its dispatch backward; the buffers keep the
+ * forward's layout, a wave filling its part of every peer's block. The
+ * all-to-alls are blocking (each waited for when posted), or in flight
+ * behind the computation that needs none of their data: the shared experts
+ * and earlier waves' data gradients behind the combine backward, later
+ * waves' data gradients and the routed experts' weight gradients behind the
+ * dispatch backward. */
+enum { C_DY, C_DX, C_DG, COUNT_SETS };            /* a wave's count arrays */
 enum { SEND, SEND_AT, RECV, RECV_AT, COUNT_ARRAYS };
+/* Per wave and peer: rows and pairs of this rank's tokens (home), and of
+ * the rows it received (in), with where they start in the forward's layout. */
+enum { HOME_ROWS, HOME_PAIRS, IN_ROWS, IN_PAIRS, SPLITS };
 
 typedef struct {
     moe_progress *progress; /* NULL: blocking */
     const moe_link *link;   /* the emulated links, or NULL */
     moe_link_state links;
-    double bytes[OPS][2][MOE_TIERS]; /* each op over the links: [in, out][tier] */
-    int *counts;            /* (COUNT_SETS, COUNT_ARRAYS, G), kept until the operation completes */
+    int W, lookahead;
+    moe_waves waves;        /* token chunks */
+    moe_index *split;       /* (SPLITS, W, G) rows or pairs per wave and peer */
+    moe_index *split_at;    /* (SPLITS, W, G) where they start */
+    int *row_wave;          /* (rows in) the wave of each received row */
+    const float **slot_pair_dx; /* --combine reduced: (rows in, k) each slot's pair dx, or NULL */
+    double (*bytes)[2][MOE_TIERS]; /* (2W) each op over the links: [in, out][tier] */
+    int *counts;            /* (2W, COUNT_SETS, COUNT_ARRAYS, G), kept until the operation completes */
     MPI_Datatype row;       /* d fp32 values */
     float *send_dy;         /* (rows out, d) this rank's dy rows in dispatch order */
     float *dy_in;           /* (rows in, d) as the forward received x */
@@ -86,23 +112,116 @@ typedef struct {
     float *shared_dx;       /* (T, d) the shared experts' dx */
 } bwd_run;
 
-static int *counts(bwd_run *b, int set, int array, int G)
+/* The operations: wave w's combine backward, then its dispatch backward. */
+static int op_combine(int w)
 {
-    return b->counts + ((size_t)set * COUNT_ARRAYS + (size_t)array) * (size_t)G;
+    return 2 * w;
+}
+static int op_dispatch(int w)
+{
+    return 2 * w + 1;
 }
 
-/* Post (or, blocking, run) the all-to-all of request `request` of op,
- * counts of set `set` laid out from send_rows (G) and recv_rows (G);
- * launched() then puts the op in flight. */
+static moe_index *split(const bwd_run *b, int kind, int w, int G)
+{
+    return b->split + ((size_t)kind * (size_t)b->W + (size_t)w) * (size_t)G;
+}
+static moe_index *split_at(const bwd_run *b, int kind, int w, int G)
+{
+    return b->split_at + ((size_t)kind * (size_t)b->W + (size_t)w) * (size_t)G;
+}
+
+/* The wave of the source-local token of a received row. */
+static int row_wave_of(const moe_ref_forward *f, const moe_waves *waves, int k, moe_index T,
+                       int source, moe_index row)
+{
+    const moe_index token = moe_meta_token(f->recv_meta + row * MOE_META_WORDS(k), k);
+    return moe_wave_of(waves, token - (moe_index)source * T, 0);
+}
+
+/* Every wave's rows and pairs per peer, where they start (the forward's
+ * blocks, each cut in wave order: the rows and pairs of a peer's block are
+ * in ascending token order), and each received row's wave. */
+static void plan_waves(const moe_ep *ep, const moe_ref_forward *f, const int32_t *ids, bwd_run *b)
+{
+    const int G = ep->comm.ranks, W = b->W, k = (int)ep->cfg->topk;
+    const moe_index T = ep->cfg->tokens;
+    const moe_recv_plan *recv = &f->recv;
+    b->split = moe_xcalloc((size_t)(SPLITS * W * G), sizeof(moe_index));
+    b->split_at = moe_xmalloc(sizeof(moe_index) * (size_t)(SPLITS * W * G));
+    b->row_wave = moe_xmalloc(sizeof(int) * (size_t)f->rows_in + 1);
+    for (int r = 0; r < G; r++)
+        for (moe_index j = f->send.row_offset[r]; j < f->send.row_offset[r + 1]; j++)
+            split(b, HOME_ROWS, moe_wave_of(&b->waves, f->send.row_token[j], 0), G)[r]++;
+    for (moe_index i = 0; i < T; i++)
+        for (int s = 0; s < k; s++)
+            split(b, HOME_PAIRS, moe_wave_of(&b->waves, i, 0), G)[ep->placement.expert_rank[ids[i * k + s]]]++;
+    moe_index *row_pairs = moe_xcalloc((size_t)f->rows_in + 1, sizeof(moe_index));
+    for (moe_index m = 0; m < recv->pairs; m++)
+        row_pairs[recv->expert_row[m]]++;
+    moe_index row = 0;
+    for (int r = 0; r < G; r++)
+        for (moe_index j = 0; j < f->rows_from[r]; j++, row++) {
+            const int w = b->row_wave[row] = row_wave_of(f, &b->waves, k, T, r, row);
+            split(b, IN_ROWS, w, G)[r]++;
+            split(b, IN_PAIRS, w, G)[r] += row_pairs[row];
+        }
+    free(row_pairs);
+    /* Where each block starts in the forward's layout: */
+    moe_index *base = moe_xmalloc(sizeof(moe_index) * (size_t)(SPLITS * G));
+    moe_index in_rows = 0, in_pairs = 0;
+    for (int r = 0; r < G; r++) {
+        base[HOME_ROWS * G + r] = f->send.row_offset[r];
+        base[HOME_PAIRS * G + r] = f->send.pair_offset[r];
+        base[IN_ROWS * G + r] = in_rows;
+        base[IN_PAIRS * G + r] = in_pairs;
+        in_rows += f->rows_from[r];
+        in_pairs += recv->source_pairs[r];
+    }
+    for (int kind = 0; kind < SPLITS; kind++)
+        for (int r = 0; r < G; r++) {
+            moe_index at = base[kind * G + r];
+            for (int w = 0; w < W; w++) {
+                split_at(b, kind, w, G)[r] = at;
+                at += split(b, kind, w, G)[r];
+            }
+        }
+    free(base);
+    if (ep->cfg->combine == MOE_COMBINE_REDUCED) {
+        const moe_index d = ep->cfg->hidden;
+        b->slot_pair_dx = moe_xcalloc((size_t)(f->rows_in * k) + 1, sizeof(float *));
+        for (moe_index m = 0; m < recv->pairs; m++)
+            b->slot_pair_dx[recv->expert_row[m] * k + recv->expert_slot[m]] =
+                b->pair_dx + recv->expert_pair[m] * d;
+    }
+}
+
+static int *counts(bwd_run *b, int op, int set, int array, int G)
+{
+    return b->counts + (((size_t)op * COUNT_SETS + (size_t)set) * COUNT_ARRAYS + (size_t)array) * (size_t)G;
+}
+
+static void to_ints(const moe_index *v, int G, int *out)
+{
+    for (int r = 0; r < G; r++)
+        out[r] = (int)v[r];
+}
+
+/* Post (or, blocking, run) the all-to-all of request `request` of op with
+ * counts of set `set`: send_rows (G) from send_at (G), recv_rows (G) into
+ * recv_at (G); launched() then puts the op in flight. */
 static void exchange(const moe_ep *ep, bwd_run *b, int op, int request, int set,
-                     const moe_index *send_rows, const moe_index *recv_rows, const void *send,
+                     const moe_index *send_rows, const moe_index *send_at,
+                     const moe_index *recv_rows, const moe_index *recv_at, const void *send,
                      void *recv, MPI_Datatype type)
 {
     const int G = ep->comm.ranks;
-    int *sc = counts(b, set, SEND, G), *sa = counts(b, set, SEND_AT, G);
-    int *rc = counts(b, set, RECV, G), *ra = counts(b, set, RECV_AT, G);
-    moe_to_counts(send_rows, G, sc, sa);
-    moe_to_counts(recv_rows, G, rc, ra);
+    int *sc = counts(b, op, set, SEND, G), *sa = counts(b, op, set, SEND_AT, G);
+    int *rc = counts(b, op, set, RECV, G), *ra = counts(b, op, set, RECV_AT, G);
+    to_ints(send_rows, G, sc);
+    to_ints(send_at, G, sa);
+    to_ints(recv_rows, G, rc);
+    to_ints(recv_at, G, ra);
     if (!b->progress) {
         moe_comm_count_posted(sc, G, ep->comm.rank, type);
         MOE_MPI(MPI_Alltoallv(send, sc, sa, type, recv, rc, ra, type, ep->comm.comm));
@@ -135,9 +254,7 @@ static void finish(bwd_run *b, int op, moe_backward_stats *stats, int stage)
         return;
     const double t = MPI_Wtime();
     moe_progress_wait(b->progress, op);
-    const moe_comm_op *o = &b->progress->ops[op];
     stats->seconds[stage] += MPI_Wtime() - t;
-    stats->in_flight[op] = o->completed - o->posted;
 }
 
 /* Between pieces of computation: the operations in flight move. */
@@ -147,30 +264,41 @@ static void poll(bwd_run *b)
         moe_progress_poll(b->progress);
 }
 
-/* Stage combine backward: the dy rows of this rank's tokens to the ranks
- * holding their experts, one per (token, rank) as the dispatch sent x, into
- * dy_in in the order the forward received x. */
-static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, const float *dy,
-                             bwd_run *b, moe_backward_stats *stats)
+/* Stage combine backward of wave w: the dy rows of this rank's tokens in
+ * the wave to the ranks holding their experts, one per (token, rank) as
+ * the dispatch sent x, into dy_in where the forward received x. */
+static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, int w,
+                             moe_backward_stats *stats)
 {
-    const int G = ep->comm.ranks, me = ep->comm.rank;
-    const moe_index d = ep->cfg->hidden, rows_out = f->send.row_offset[G];
+    const int G = ep->comm.ranks, me = ep->comm.rank, op = op_combine(w);
+    const moe_index d = ep->cfg->hidden;
+    const moe_index *out = split(b, HOME_ROWS, w, G), *in = split(b, IN_ROWS, w, G);
     const double t = MPI_Wtime();
-    moe_gather_rows(dy, d, f->send.row_token, rows_out, b->send_dy);
-    exchange(ep, b, OP_COMBINE, 0, C_DY, f->send.row_count, f->rows_from, b->send_dy, b->dy_in,
-             b->row);
-    moe_pipeline_link_bytes(ep, f->rows_from, f->send.row_count, (double)d * sizeof(float),
-                            b->bytes[OP_COMBINE]);
-    launched(ep, b, OP_COMBINE, 1);
-    stats->bytes_combine = (double)rows_out * (double)d * sizeof(float);
-    stats->bytes_remote += (double)(rows_out - f->send.row_count[me]) * (double)d * sizeof(float);
+    exchange(ep, b, op, 0, C_DY, out, split_at(b, HOME_ROWS, w, G), in, split_at(b, IN_ROWS, w, G),
+             b->send_dy, b->dy_in, b->row);
+    moe_pipeline_link_bytes(ep, in, out, (double)d * sizeof(float), b->bytes[op]);
+    launched(ep, b, op, 1);
+    for (int r = 0; r < G; r++) {
+        stats->bytes_combine += (double)out[r] * (double)d * sizeof(float);
+        if (r != me)
+            stats->bytes_remote += (double)out[r] * (double)d * sizeof(float);
+    }
     stats->seconds[MOE_BWD_COMBINE] += MPI_Wtime() - t;
 }
 
-/* Stage experts, the data gradient, for every local expert on its rows in
- * global token order: dx per pair into pair_dx and dL/dweight into pair_dg
- * (the combine's pair order), and each pair's dO, dH, a' into work. */
-static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b,
+/* The selected rows of one expert in one wave, gathered. */
+typedef struct {
+    moe_index *at;  /* (n) position in the expert-ordered pair lists */
+    moe_index *row, *pair;
+    float *x, *dy, *out, *dx, *gate, *dg;
+    moe_expert_grad_work work; /* when the wave has some of the expert's rows only */
+} dgrad_batch;
+
+/* Stage experts, the data gradient of wave w, for every local expert on
+ * its rows of the wave in global token order: dx per pair into pair_dx and
+ * dL/dweight into pair_dg (the combine's pair order), and each pair's dO,
+ * dH, a' into work at the pair's place in its expert's rows. */
+static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, int w,
                           moe_backward_stats *stats)
 {
     const moe_config *cfg = ep->cfg;
@@ -178,44 +306,64 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     const int k = (int)cfg->topk;
     const moe_recv_plan *recv = &f->recv;
     const moe_index most = moe_ep_largest_batch(recv);
-    float *x = moe_xmalloc(sizeof(float) * (size_t)(most * d));
-    float *dy = moe_xmalloc(sizeof(float) * (size_t)(most * d));
-    float *out = moe_xmalloc(sizeof(float) * (size_t)(most * d));
-    float *dx = moe_xmalloc(sizeof(float) * (size_t)(most * d));
-    float *gate = moe_xmalloc(sizeof(float) * (size_t)most);
-    float *dg = moe_xmalloc(sizeof(float) * (size_t)most);
+    dgrad_batch q = {.at = moe_xmalloc(sizeof(moe_index) * (size_t)most * 3)};
+    q.row = q.at + most;
+    q.pair = q.row + most;
+    q.x = moe_xmalloc(sizeof(float) * (size_t)(most * (4 * d + 2)));
+    q.dy = q.x + most * d;
+    q.out = q.dy + most * d;
+    q.dx = q.out + most * d;
+    q.gate = q.dx + most * d;
+    q.dg = q.gate + most;
+    if (b->W > 1)
+        q.work = moe_expert_grad_work_alloc(most, d, ff);
     const double t = MPI_Wtime();
     moe_gemm_reset_flops();
     for (int l = 0; l < ep->local_experts; l++) {
-        const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
-        const moe_index *row = recv->expert_row + first, *pair = recv->expert_pair + first;
-        moe_gather_rows(f->recv_values, d, row, n, x);
-        moe_gather_rows(b->dy_in, d, row, n, dy);
-        moe_gather_rows(f->expert_out, d, pair, n, out);
-        for (moe_index m = 0; m < n; m++)
-            gate[m] = moe_meta_weight(f->recv_meta + row[m] * MOE_META_WORDS(k), k,
-                                      recv->expert_slot[first + m]);
+        const moe_index first = recv->expert_offset[l];
+        moe_index n = 0;
+        for (moe_index m = first; m < recv->expert_offset[l + 1]; m++)
+            if (b->row_wave[recv->expert_row[m]] == w) {
+                q.at[n] = m;
+                q.row[n] = recv->expert_row[m];
+                q.pair[n] = recv->expert_pair[m];
+                q.gate[n] = moe_meta_weight(f->recv_meta + q.row[n] * MOE_META_WORDS(k), k,
+                                            recv->expert_slot[m]);
+                n++;
+            }
+        if (n == 0)
+            continue;
+        moe_gather_rows(f->recv_values, d, q.row, n, q.x);
+        moe_gather_rows(b->dy_in, d, q.row, n, q.dy);
+        moe_gather_rows(f->expert_out, d, q.pair, n, q.out);
+        /* All the expert's rows: its work in place; some: gathered, then
+         * scattered to their places. */
+        const bool whole = n == recv->expert_offset[l + 1] - first;
+        const moe_expert_grad_work work = whole ? moe_expert_grad_work_rows(&b->work, first, d, ff)
+                                                : q.work;
         const moe_expert_weights fw = moe_ep_weights(ep, false, l);
         const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, false, l);
-        const moe_expert_grad_work work = moe_expert_grad_work_rows(&b->work, first, d, ff);
-        moe_expert_backward_data(&fw, &bw, ep->gemm, x, dy, gate, out, cfg->weight_at, n, d, ff,
-                                 &work, dx, dg);
-        moe_scatter_rows(dx, d, pair, n, b->pair_dx);
-        moe_scatter_rows(dg, 1, pair, n, b->pair_dg);
+        moe_expert_backward_data(&fw, &bw, ep->gemm, q.x, q.dy, q.gate, q.out, cfg->weight_at, n,
+                                 d, ff, &work, q.dx, q.dg);
+        if (!whole) {
+            moe_scatter_rows(work.dO, d, q.at, n, b->work.dO);
+            moe_scatter_rows(work.dH, 2 * ff, q.at, n, b->work.dH);
+            moe_scatter_rows(work.act, ff, q.at, n, b->work.act);
+        }
+        moe_scatter_rows(q.dx, d, q.pair, n, b->pair_dx);
+        moe_scatter_rows(q.dg, 1, q.pair, n, b->pair_dg);
         poll(b);
     }
-    stats->dgrad_flops = moe_gemm_sflops();
+    stats->dgrad_flops += moe_gemm_sflops();
     stats->seconds[MOE_BWD_DGRAD] += MPI_Wtime() - t;
-    free(dg);
-    free(gate);
-    free(dx);
-    free(out);
-    free(dy);
-    free(x);
+    if (b->W > 1)
+        moe_expert_grad_work_free(&q.work);
+    free(q.x);
+    free(q.at);
 }
 
-/* Stage experts, the weight gradient: each local expert's dW1, dW2 from its
- * rows (in global token order) and their work. */
+/* Stage experts, the weight gradient: each local expert's dW1, dW2 from all
+ * its rows (in global token order, whatever their waves) and their work. */
 static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, moe_ep_grads *g,
                           moe_backward_stats *stats)
 {
@@ -237,38 +385,37 @@ static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     free(x);
 }
 
-/* Stage dispatch backward: dx home as the forward's combine came (reduced:
- * one row per received row, its pairs' dx summed in slot order from zero;
- * pairs: one per pair), and dL/dweight per pair. */
-static void dispatch_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b,
-                              moe_backward_stats *stats)
+/* Stage dispatch backward of wave w: dx home as the forward's combine came
+ * (reduced: one row per received row, its pairs' dx summed in slot order
+ * from zero; pairs: one per pair), and dL/dweight per pair. */
+static void dispatch_backward(const moe_ep *ep, bwd_run *b, int w, moe_backward_stats *stats)
 {
-    const int me = ep->comm.rank;
+    const int G = ep->comm.ranks, me = ep->comm.rank, k = (int)ep->cfg->topk,
+              op = op_dispatch(w);
     const moe_index d = ep->cfg->hidden;
-    const moe_recv_plan *recv = &f->recv;
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
+    const int out_kind = reduced ? IN_ROWS : IN_PAIRS, back_kind = reduced ? HOME_ROWS : HOME_PAIRS;
+    const moe_index *out = split(b, out_kind, w, G), *out_at = split_at(b, out_kind, w, G);
+    const moe_index *pairs = split(b, IN_PAIRS, w, G);
     const double t = MPI_Wtime();
-    if (reduced) { /* fp32 on the wire: the sums are not rounded */
-        moe_ep_reduce_at_source(ep, recv, NULL, b->pair_dx, b->sums);
-        exchange(ep, b, OP_DISPATCH, 0, C_DX, f->rows_from, f->send.row_count, b->sums, b->back,
-                 b->row);
-    } else {
-        exchange(ep, b, OP_DISPATCH, 0, C_DX, recv->source_pairs, f->send.pair_count, b->pair_dx,
-                 b->back, b->row);
+    if (reduced) /* fp32 on the wire: the sums are not rounded */
+        for (int r = 0; r < G; r++)
+            for (moe_index row = out_at[r]; row < out_at[r] + out[r]; row++)
+                moe_ep_sum_slots(ep, NULL, b->slot_pair_dx + row * k, b->sums + row * d);
+    exchange(ep, b, op, 0, C_DX, out, out_at, split(b, back_kind, w, G),
+             split_at(b, back_kind, w, G), reduced ? b->sums : b->pair_dx, b->back, b->row);
+    exchange(ep, b, op, 1, C_DG, pairs, split_at(b, IN_PAIRS, w, G), split(b, HOME_PAIRS, w, G),
+             split_at(b, HOME_PAIRS, w, G), b->pair_dg, b->dg_back, MPI_FLOAT);
+    moe_pipeline_link_bytes(ep, split(b, back_kind, w, G), out, (double)d * sizeof(float),
+                            b->bytes[op]);
+    moe_pipeline_link_bytes(ep, split(b, HOME_PAIRS, w, G), pairs, sizeof(float), b->bytes[op]);
+    launched(ep, b, op, 2);
+    for (int r = 0; r < G; r++) {
+        const double bytes = ((double)out[r] * (double)d + (double)pairs[r]) * sizeof(float);
+        stats->bytes_dispatch += bytes;
+        if (r != me)
+            stats->bytes_remote += bytes;
     }
-    exchange(ep, b, OP_DISPATCH, 1, C_DG, recv->source_pairs, f->send.pair_count, b->pair_dg,
-             b->dg_back, MPI_FLOAT);
-    moe_pipeline_link_bytes(ep, reduced ? f->send.row_count : f->send.pair_count,
-                            reduced ? f->rows_from : recv->source_pairs, (double)d * sizeof(float),
-                            b->bytes[OP_DISPATCH]);
-    moe_pipeline_link_bytes(ep, f->send.pair_count, recv->source_pairs, sizeof(float),
-                            b->bytes[OP_DISPATCH]);
-    launched(ep, b, OP_DISPATCH, 2);
-    const moe_index rows_back = reduced ? recv->rows : recv->pairs;
-    const moe_index own_rows = reduced ? f->rows_from[me] : recv->source_pairs[me];
-    stats->bytes_dispatch = ((double)rows_back * (double)d + (double)recv->pairs) * sizeof(float);
-    stats->bytes_remote += ((double)(rows_back - own_rows) * (double)d +
-                            (double)(recv->pairs - recv->source_pairs[me])) * sizeof(float);
     stats->seconds[MOE_BWD_DISPATCH] += MPI_Wtime() - t;
 }
 
@@ -407,14 +554,19 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     const moe_index S = cfg->shared_experts;
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
     const moe_index pairs = f->recv.pairs, pairs_out = f->send.pair_offset[G];
+    const int W = sched ? sched->waves : 1, ops = 2 * W;
     moe_progress progress;
     bwd_run b = {.progress = sched ? &progress : NULL,
-                 .link = sched ? moe_schedule_link(ep, sched) : NULL};
-    b.counts = moe_xmalloc(sizeof(int) * (size_t)(COUNT_SETS * COUNT_ARRAYS * G));
+                 .link = sched ? moe_schedule_link(ep, sched) : NULL,
+                 .W = W,
+                 .lookahead = sched && sched->lookahead < W ? sched->lookahead : W};
+    moe_waves_init_by(&b.waves, &ep->placement, W, T, MOE_WAVE_BY_TOKENS);
+    b.counts = moe_xmalloc(sizeof(int) * (size_t)(ops * COUNT_SETS * COUNT_ARRAYS * G));
+    b.bytes = moe_xcalloc((size_t)ops, sizeof *b.bytes);
     MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &b.row));
     MOE_MPI(MPI_Type_commit(&b.row));
     if (sched) /* after the MPI calls above: a progress thread may run from here */
-        moe_progress_init(&progress, sched->progress, OPS);
+        moe_progress_init(&progress, sched->progress, ops);
     b.send_dy = moe_xmalloc(sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
     b.dy_in = moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1);
     b.work = moe_expert_grad_work_alloc(pairs, d, ff);
@@ -427,19 +579,39 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     double *dweights = moe_xmalloc(sizeof(double) * (size_t)(T * k) + 1);
     const moe_index most = E * d > S * 2 * ff * d ? E * d : S * 2 * ff * d;
     double *partial = moe_xmalloc(sizeof(double) * (size_t)most);
+    plan_waves(ep, f, ids, &b);
+    const double t0 = MPI_Wtime();
+    moe_gather_rows(dy, d, f->send.row_token, f->send.row_offset[G], b.send_dy);
+    bwd->seconds[MOE_BWD_COMBINE] += MPI_Wtime() - t0;
 
     /* The same sequence on both paths: what overlaps is what has no use for
-     * the data in flight. */
-    combine_backward(ep, f, dy, &b, bwd);
-    shared_backward(ep, x, dy, &b, g, bwd); /* behind the combine backward */
-    finish(&b, OP_COMBINE, bwd, MOE_BWD_COMBINE);
-    experts_dgrad(ep, f, &b, bwd);
-    dispatch_backward(ep, f, &b, bwd);
-    experts_wgrad(ep, f, &b, g, bwd); /* behind the dispatch backward */
-    finish(&b, OP_DISPATCH, bwd, MOE_BWD_DISPATCH);
+     * the data in flight. Lookahead A: waves 0 .. A-1 on the wire before
+     * anything computes, wave w+A posted as wave w starts. */
+    for (int w = 0; w < b.lookahead; w++)
+        combine_backward(ep, f, &b, w, bwd);
+    shared_backward(ep, x, dy, &b, g, bwd); /* behind the first combines */
+    for (int w = 0; w < W; w++) {
+        if (w + b.lookahead < W)
+            combine_backward(ep, f, &b, w + b.lookahead, bwd);
+        finish(&b, op_combine(w), bwd, MOE_BWD_COMBINE);
+        experts_dgrad(ep, f, &b, w, bwd); /* behind later combines, earlier dispatches */
+        dispatch_backward(ep, &b, w, bwd);
+    }
+    experts_wgrad(ep, f, &b, g, bwd); /* behind the last dispatches */
+    for (int w = 0; w < W; w++)
+        finish(&b, op_dispatch(w), bwd, MOE_BWD_DISPATCH);
     if (sched) {
         moe_progress_stop(&progress);
         bwd->test_seconds = progress.test_seconds;
+        for (int dir = 0; dir < 2; dir++) { /* the first post to the last completion */
+            double first = 0, last = 0;
+            for (int w = 0; w < W; w++) {
+                const moe_comm_op *o = &progress.ops[dir ? op_dispatch(w) : op_combine(w)];
+                first = w == 0 || o->posted < first ? o->posted : first;
+                last = o->completed > last ? o->completed : last;
+            }
+            bwd->in_flight[dir] = last - first;
+        }
         moe_progress_free(&progress);
     }
     if (cap)
@@ -467,7 +639,13 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     free(b.dy_in);
     free(b.send_dy);
     MOE_MPI(MPI_Type_free(&b.row));
+    free(b.slot_pair_dx);
+    free(b.row_wave);
+    free(b.split_at);
+    free(b.split);
+    free(b.bytes);
     free(b.counts);
+    moe_waves_free(&b.waves);
 }
 
 /* A training step: the kept blocking forward, then the backward. */

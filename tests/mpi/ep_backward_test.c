@@ -9,7 +9,8 @@
  *      figures report (forward and backward);
  *   1. a second step gives the same bits (every gradient tensor), and so
  *      does the backward with its all-to-alls in flight (moe_ep_backward_step,
- *      poll and thread progress);
+ *      poll and thread progress), in 1 wave and, with packed or exact
+ *      GEMMs, in 2, 3 and T+1 waves;
  *   2. dx of this rank's tokens against every rank's computing the whole
  *      layer (G*T tokens) alone on MPI_COMM_SELF: bitwise with --np1
  *      bitwise (--combine pairs: the home rank sums per pair in slot order,
@@ -160,18 +161,28 @@ int main(int argc, char **argv)
     const moe_index EL = ep.local_experts;
     failures += same_bits("second step", r, &ep, &again, &g);
 
-    /* The backward with its all-to-alls in flight, both progress modes:
-     * the blocking backward's bits. */
-    for (int kind = MOE_PROGRESS_POLL; kind <= MOE_PROGRESS_THREAD; kind++) {
-        moe_schedule sched = moe_schedule_default(&ep);
-        sched.progress = moe_progress_granted(&world, (enum moe_progress_kind)kind);
-        moe_ep_grads overlapped;
-        failures += step(&world, &cfg, &ep, &sched, &overlapped) != 0;
-        failures += same_bits(sched.progress == MOE_PROGRESS_THREAD ? "in flight (thread)"
-                                                                   : "in flight (poll)",
-                              r, &ep, &overlapped, &g);
-        moe_ep_grads_free(&overlapped);
-    }
+    /* The backward with its all-to-alls in flight, both progress modes, in
+     * W waves of token chunks (with packed or exact GEMMs a row's data
+     * gradient does not depend on the rows beside it, and the weight
+     * gradients sum every expert's rows in one pass: any W), W+1 more than
+     * a rank's tokens (empty waves) and a lookahead of 1 and of W: the
+     * blocking backward's bits. */
+    const int wave_counts[] = {1, 2, 3, (int)T + 1};
+    for (int n = 0; n < (rows_independent ? 4 : 1); n++)
+        for (int kind = MOE_PROGRESS_POLL; kind <= MOE_PROGRESS_THREAD; kind++) {
+            moe_schedule sched = moe_schedule_default(&ep);
+            sched.progress = moe_progress_granted(&world, (enum moe_progress_kind)kind);
+            sched.waves = wave_counts[n];
+            sched.lookahead = kind == MOE_PROGRESS_POLL ? 1 : sched.waves;
+            moe_ep_grads overlapped;
+            char what[64];
+            snprintf(what, sizeof what, "in flight (%s, W = %d, lookahead %d)",
+                     sched.progress == MOE_PROGRESS_THREAD ? "thread" : "poll", sched.waves,
+                     sched.lookahead);
+            failures += step(&world, &cfg, &ep, &sched, &overlapped) != 0;
+            failures += same_bits(what, r, &ep, &overlapped, &g);
+            moe_ep_grads_free(&overlapped);
+        }
 
     /* The replicated gradients are the same bits on every rank. */
     float *rank0 = moe_xmalloc(sizeof(float) * (size_t)(E * d + S * 3 * f * d) + 1);
