@@ -4,8 +4,12 @@
  * all of them; rank 0 alone prints. The exit status is the verdict, the same
  * on every rank.
  */
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include "config.h"
 #include "moe/cli.h"
@@ -40,8 +44,23 @@ bool moe_cli_help(const moe_comm *c, int argc, char **argv, void (*usage)(FILE *
     return false;
 }
 
+/* Large buffers come from the heap and stay there when freed. A training
+ * step allocates and frees its buffers every step; above glibc's mmap
+ * threshold each would be mapped and unmapped, and every page faulted in
+ * again: on the laptop preset a third of a step's time went to the
+ * kernel, and the weight gradients ran at a third of their speed. The peak
+ * resident size does not change: the next step reuses what was freed. */
+static void keep_freed_memory(void)
+{
+#ifdef __GLIBC__
+    mallopt(M_MMAP_THRESHOLD, 1 << 30);
+    mallopt(M_TRIM_THRESHOLD, INT_MAX);
+#endif
+}
+
 int main(int argc, char **argv)
 {
+    keep_freed_memory();
     moe_comm c;
     moe_comm_init(&argc, &argv, &c);
     int rc;
