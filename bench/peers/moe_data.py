@@ -9,7 +9,7 @@ import numpy as np
 M0, M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 W0, W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
 MASK = np.uint64(0xFFFFFFFF)
-TOKENS, GATE, EXPERT_W1, EXPERT_W2 = 1, 2, 3, 4
+TOKENS, GATE, EXPERT_W1, EXPERT_W2, GRAD_OUTPUT = 1, 2, 3, 4, 10
 
 
 def philox(c0, c1, c2, c3, k0, k1):
@@ -46,6 +46,11 @@ def weight_scale(fan_in):
 
 def tokens(seed, first_token, count, d):
     return synth(seed, TOKENS, 0, first_token * d, count * d, 1.0).reshape(count, d)
+
+
+def grad_output(seed, first_token, count, d):
+    """The upstream gradient dy of `moe-ep run --backward` (tensor 10)."""
+    return synth(seed, GRAD_OUTPUT, 0, first_token * d, count * d, 1.0).reshape(count, d)
 
 
 def gate(seed, experts, d):

@@ -37,6 +37,12 @@ typedef struct {
     double a2a_efficiency;
     double overlap;
     double rss_mb, rss_ratio;            /* peak per rank (max), against the minimum */
+    /* --backward: the layer above is the training step (forward + backward) */
+    bool training;
+    double forward;                      /* seconds, the step's forward */
+    double dgrad_gflops, wgrad_gflops;   /* per rank, over each stage's time */
+    double dgrad_efficiency, wgrad_efficiency; /* against the sgemm anchor's rate */
+    double wgrad_shape_efficiency;       /* against an sgemm of the wgrad's own shapes */
 } bench_row;
 
 /* Bytes written before each anchor run to push its data out of the caches
@@ -115,20 +121,111 @@ static double minimum_bytes(const moe_ep *ep, const moe_forward_stats *f)
     return 4.0 * (weights + rows * d);
 }
 
+/* The least a rank must hold for a training step: the forward's least,
+ * gradients the size of its weights, dy and dx of its tokens, the dy rows
+ * it receives and the dx rows that travel back, and per pair what its
+ * weight gradient reads besides x and dy (dH and a': 3f). */
+static double minimum_training_bytes(const moe_ep *ep, const moe_forward_stats *f)
+{
+    const moe_config *cfg = ep->cfg;
+    const double d = (double)cfg->hidden, f3 = 3.0 * (double)cfg->ffn * d;
+    const double grads = (ep->local_experts + cfg->shared_experts) * f3 + cfg->experts * d;
+    const double own = (double)(f->rows_sent - f->rows_sent_remote);
+    const double rows = 2.0 * (double)cfg->tokens + ((double)f->rows_received - own) +
+                        (double)f->rows_sent_remote;
+    return minimum_bytes(ep, f) +
+           4.0 * (grads + rows * d + (double)f->pairs_received * 3.0 * (double)cfg->ffn);
+}
+
+typedef struct {
+    int experts;          /* a rank's local experts */
+    moe_index n, d, f;    /* rows per expert (the mean), hidden, ffn */
+    float *A, *B, *C;
+} wgrad_anchor;
+
+/* The weight gradients' products with OpenBLAS: per expert dW1 (2f, d) =
+ * dH^T (2f, n) x (n, d) and dW2 (d, f) = dO^T (d, n) a' (n, f), K = n. */
+static void run_wgrad_sgemms(void *arg)
+{
+    wgrad_anchor *g = arg;
+    for (int e = 0; e < g->experts; e++) {
+        moe_sgemm_nn(2 * g->f, g->d, g->n, g->A, g->n, g->B, g->d, g->C, g->d);
+        moe_sgemm_nn(g->d, g->f, g->n, g->A, g->n, g->B, g->f, g->C, g->f);
+    }
+}
+
+/* With --backward a row is the training step's: its time, and its expert
+ * FLOPs at the sgemm anchor's rate (all ranks: anchor_rate) for the
+ * ceiling. Routed FLOPs as the GEMMs counted them (the data gradient
+ * recomputes h); the shared experts' per token 22fd: forward 6fd, data
+ * gradient 10fd (h recomputed, dA, dx), weight gradient 6fd. The forward is
+ * the blocking one: no overlap or all-to-all figures. */
+static void training_row(bench_row *r, const moe_run_summary *s, double anchor_rate,
+                         double wgrad_anchor_rate)
+{
+    const moe_config *cfg = s->cfg;
+    const double G = r->ranks, T = (double)cfg->tokens;
+    const double shared = G * T * (double)cfg->shared_experts * 22.0 * (double)cfg->ffn *
+                          (double)cfg->hidden;
+    const double flops = s->expert_flops + s->dgrad_flops + s->wgrad_flops + shared;
+    const double per_rank_anchor = anchor_rate / G;
+    const double dgrad_time = s->bwd_seconds[MOE_BWD_DGRAD], wgrad_time = s->bwd_seconds[MOE_BWD_WGRAD];
+    r->training = true;
+    r->forward = s->layer_seconds;
+    r->layer = s->step_seconds;
+    r->layer_min = s->step_min;
+    r->layer_max = s->step_max;
+    r->tokens_per_second = G * T / s->step_seconds;
+    r->ceiling = flops / anchor_rate / s->step_seconds;
+    r->dgrad_gflops = dgrad_time > 0 ? s->dgrad_flops / G / dgrad_time * 1e-9 : NAN;
+    r->wgrad_gflops = wgrad_time > 0 ? s->wgrad_flops / G / wgrad_time * 1e-9 : NAN;
+    r->dgrad_efficiency = r->dgrad_gflops * 1e9 / per_rank_anchor;
+    r->wgrad_efficiency = r->wgrad_gflops * 1e9 / per_rank_anchor;
+    r->wgrad_shape_efficiency = r->wgrad_gflops * 1e9 / wgrad_anchor_rate;
+    r->a2a_bytes_per_second = r->a2a_efficiency = r->overlap = NAN;
+}
+
+/* The training steps' table (bench --backward). */
+static void print_training(FILE *out, const bench_row *rows, double wgrad_anchor_rate)
+{
+    fprintf(out, "          and the weight gradients' own shapes (K = an expert's mean rows): %.1f "
+                 "GFLOP/s per rank\n", wgrad_anchor_rate * 1e-9);
+    fprintf(out, "          a training step per W: the blocking forward, the backward in W token "
+                 "chunks; ceiling = the step's expert FLOPs (forward, dgrad with h recomputed, "
+                 "wgrad; routed and shared) at the sgemm's rate / the step's time\n");
+    fprintf(out, "          gemm = a stage's GFLOP/s per rank / the sgemm's (wgrad also / its own "
+                 "shapes'); RSS against weights, gradients, saved rows and the step's least buffers\n");
+    fprintf(out, "%4s %24s %9s %10s %9s %8s %13s %13s %13s %6s %14s\n", "W", "step ms (med min-max)",
+            "fwd ms", "tokens/s", "per rank", "ceiling", "fwd GF/s gemm", "dgrad", "wgrad",
+            "/shape", "RSS MB (ratio)");
+    for (const bench_row *r = rows; r->waves; r++)
+        fprintf(out, "%4d %8.2f %7.2f-%-7.2f %9.2f %10.0f %9.0f %7.0f%% %7.1f %5.2f %7.1f %5.2f "
+                     "%7.1f %5.2f %6.2f %8.0f (%.2f)\n",
+                r->waves, 1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max,
+                1e3 * r->forward, r->tokens_per_second, r->tokens_per_second / r->ranks,
+                100.0 * r->ceiling, r->expert_gflops / r->ranks, r->gemm_efficiency,
+                r->dgrad_gflops, r->dgrad_efficiency, r->wgrad_gflops, r->wgrad_efficiency,
+                r->wgrad_shape_efficiency, r->rss_mb, r->rss_ratio);
+}
+
 static void write_csv(FILE *out, const void *arg)
 {
     const bench_row *rows = arg;
     fprintf(out, "waves,kind,layer_ms,layer_min_ms,layer_max_ms,tokens_per_s,expert_gflops,"
                  "gemm_efficiency,a2a_gb_per_s,a2a_efficiency,overlap,rss_mb,rss_ratio,of_ceiling,"
-                 "tokens_per_s_per_rank\n");
+                 "tokens_per_s_per_rank,backward,forward_ms,dgrad_gflops,wgrad_gflops,"
+                 "dgrad_efficiency,wgrad_efficiency,wgrad_shape_efficiency\n");
     for (const bench_row *r = rows; r->waves; r++)
-        fprintf(out, "%d,%s,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.1f\n",
+        fprintf(out, "%d,%s,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.1f,"
+                     "%d,%.3f,%.2f,%.2f,%.3f,%.3f,%.3f\n",
                 r->waves,
                 r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert-slots" : "token-chunks",
                 1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
                 r->expert_gflops, r->gemm_efficiency, r->a2a_bytes_per_second * 1e-9,
                 r->a2a_efficiency, r->overlap, r->rss_mb, r->rss_ratio, r->ceiling,
-                r->tokens_per_second / r->ranks);
+                r->tokens_per_second / r->ranks, r->training, 1e3 * r->forward,
+                r->dgrad_gflops, r->wgrad_gflops, r->dgrad_efficiency, r->wgrad_efficiency,
+                r->wgrad_shape_efficiency);
 }
 
 /* Layer time (left axis) and overlap (right axis) against W. */
@@ -203,6 +300,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
     double gemm_anchor = 0.0;        /* the sgemm anchor: all expert FLOPs, max over ranks */
     double gemm_anchor_routed = 0.0; /* its share of the routed experts, max over ranks */
     double anchor_flops = 0.0;       /* its FLOPs, all ranks */
+    double wgrad_anchor_rate = 0.0;  /* --backward: the wgrad-shape sgemms, FLOP/s per rank (min) */
     const int iters = (int)cfg->iters;
     for (int n = 0; rc == MOE_EXIT_OK && n < cfg->waves_count; n++) {
         ctx.schedule.waves = (int)cfg->waves_list[n];
@@ -216,7 +314,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             rc = moe_context_timed_forwards(&ctx, iters);
         if (rc)
             break;
-        moe_context_time_alltoalls(&ctx, iters);
+        if (!cfg->backward) /* the step's forward is the blocking one: no waves to re-post */
+            moe_context_time_alltoalls(&ctx, iters);
         /* Anchors: the sgemm once (the experts' FLOPs do not depend on W),
          * the all-to-all per W (per-wave dedup changes the counts). */
         const double rss = moe_peak_rss();
@@ -233,6 +332,20 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             const double routed = g.M ? (double)probe->pairs_received / (double)g.M : 0.0;
             gemm_anchor_routed = moe_comm_max(c, own * routed);
             anchor_flops = moe_comm_sum(c, 2.0 * (double)g.M * (double)g.N * (double)g.K);
+            free(g.C);
+            free(g.B);
+            free(g.A);
+        }
+        if (n == 0 && cfg->backward) {
+            const int EL = ctx.ep.local_experts;
+            wgrad_anchor g = {EL, EL ? (probe->pairs_received + EL - 1) / EL : 0, d, f, NULL, NULL, NULL};
+            g.A = filled((size_t)(2 * f * g.n) + 1 > (size_t)(d * g.n) + 1 ? (size_t)(2 * f * g.n) + 1
+                                                                            : (size_t)(d * g.n) + 1);
+            g.B = filled((size_t)(g.n * d) + 1);
+            g.C = filled((size_t)(2 * f * d) + 1);
+            const double own = timed(c, run_wgrad_sgemms, &g, true);
+            const double flops = (double)EL * 6.0 * (double)g.n * (double)f * (double)d;
+            wgrad_anchor_rate = moe_comm_min(c, own > 0 ? flops / own : INFINITY);
             free(g.C);
             free(g.B);
             free(g.A);
@@ -263,11 +376,15 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         free(combine_rows);
         free(dispatch_rows);
 
-        const double ratio = moe_comm_max(c, rss / minimum_bytes(&ctx.ep, probe));
+        const double least = cfg->backward ? minimum_training_bytes(&ctx.ep, probe)
+                                           : minimum_bytes(&ctx.ep, probe);
+        const double ratio = moe_comm_max(c, rss / least);
         /* the bytes that cross ranks, all ranks: rows with their ids out, outputs back */
         const double bytes = s->rows_sent_remote * moe_dispatch_row_bytes(cfg) +
                              s->pairs_back_remote * moe_combine_row_bytes(cfg);
-        const double expert_time = s->compute_seconds;
+        /* the blocking forward of a step has no pipeline: its experts stage */
+        const double expert_time =
+            cfg->backward ? s->stage_seconds[MOE_STAGE_EXPERTS] : s->compute_seconds;
         rows[n] = (bench_row){
             .waves = ctx.schedule.waves,
             .ranks = c->ranks,
@@ -285,6 +402,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             .rss_mb = moe_comm_max(c, rss) / 1048576.0,
             .rss_ratio = ratio,
         };
+        if (cfg->backward)
+            training_row(&rows[n], s, anchor_flops / gemm_anchor, wgrad_anchor_rate);
     }
     moe_status local = {0};
     if (rc == MOE_EXIT_OK && c->rank == 0) {
@@ -301,6 +420,9 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
                    ? "the flat dispatch's counts (one hop; the two-stage forward makes four)"
                    : "the same counts");
+        if (cfg->backward) {
+            print_training(stdout, rows, wgrad_anchor_rate);
+        } else {
         printf("          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
                "routed experts' compute\n");
         printf("%4s %-12s %22s %10s %9s %8s %9s %7s %9s %7s %8s %14s\n", "W", "waves",
@@ -318,6 +440,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                    1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
                    r->tokens_per_second / r->ranks, 100.0 * r->ceiling, r->expert_gflops, r->gemm_efficiency, rate, efficiency,
                    100.0 * r->overlap, r->rss_mb, r->rss_ratio);
+        }
         }
         fflush(stdout);
         if (cfg->csv[0])

@@ -85,6 +85,12 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
         if (c->rank == 0)
             check_outputs(cfg, st);
+        if (command == MOE_CMD_RUN && cfg->backward && cfg->waves_count > 1 &&
+            st->code == MOE_EXIT_OK)
+            moe_fail(st, MOE_EXIT_USAGE,
+                     "--waves W1,W2,... sweeps the forward's wave pipeline, and run --backward "
+                     "runs one schedule (the blocking forward, its backward in W waves): give "
+                     "one --waves, or sweep them with moe-ep bench --backward");
         if (command == MOE_CMD_BENCH && cfg->blocking && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
         if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)
@@ -231,9 +237,14 @@ static void summarize_backward(moe_run_context *ctx, int iters, bool identical)
         for (int it = 0; it < iters; it++)
             column[it] = ctx->per_iter_bwd[(size_t)it * BWD_COLS + n];
         const double m = moe_median(column, iters);
-        if (n == BWD_STEP)
+        if (n == BWD_STEP) {
             s->step_seconds = m;
-        else
+            s->step_min = s->step_max = column[0];
+            for (int it = 1; it < iters; it++) {
+                s->step_min = fmin(s->step_min, column[it]);
+                s->step_max = fmax(s->step_max, column[it]);
+            }
+        } else
             s->bwd_seconds[n] = m;
     }
     s->backward = true;

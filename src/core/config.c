@@ -36,7 +36,7 @@ enum flag_kind {
 /* bench takes every flag of run (it runs the same layer) and its own. */
 enum {
     RUN = 1 << MOE_CMD_RUN | 1 << MOE_CMD_BENCH,
-    RUN_ONLY = 1 << MOE_CMD_RUN, /* a training step: bench times forwards */
+    RUN_ONLY = 1 << MOE_CMD_RUN, /* run only: bench does not take it */
     PLAN = 1 << MOE_CMD_PLAN,
     BENCH = 1 << MOE_CMD_BENCH,
     BOTH = RUN | PLAN
@@ -125,7 +125,7 @@ static const flag_spec flags[] = {
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
-    {"backward", FLAG_BOOL, FIELD(backward), 0, 0, NULL, NULL, "false", "a training step: the blocking forward, then the gradients for a synthetic dy, its all-to-alls in flight behind the weight gradients (blocking with --blocking; docs/backward.md)", RUN_ONLY},
+    {"backward", FLAG_BOOL, FIELD(backward), 0, 0, NULL, NULL, "false", "a training step: the blocking forward, then the gradients for a synthetic dy in --waves W token chunks, its all-to-alls in flight behind the data and weight gradients (blocking with --blocking; docs/backward.md); bench: fwd+bwd per W", RUN},
     {"grad-output", FLAG_TEXT, FIELD(grad_output), 0, 0, "FILE", NULL, "", "--backward's upstream gradient: backward.dy (G*T, d) of FILE.safetensors instead of the synthetic one", RUN_ONLY},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, NULL, "false", "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
     {"routing", FLAG_TEXT, FIELD(routing), 0, 0, "FILE", NULL, "", "replay top-k ids and weights from FILE.safetensors instead of the router (docs/golden.md)", RUN},
@@ -626,18 +626,19 @@ static int validate_router(const moe_config *cfg, moe_status *st)
     return moe_skew_parse(cfg->skew, (int)E, skew, st);
 }
 
-/* --backward: the blocking forward, its mirror in fp32 on the wire, through
- * the router's own weights (ep.h, moe_ep_backward_step); nothing to draw. */
+/* --backward: the blocking forward, its mirror in fp32 on the wire in waves
+ * of token chunks, through the router's own weights (ep.h,
+ * moe_ep_backward_step); nothing to draw. */
 static int validate_backward(const moe_config *cfg, moe_status *st)
 {
     if (cfg->trace[0] || cfg->timeline[0])
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--trace and --timeline draw the forward's wave pipeline, and --backward "
                         "runs the blocking forward: drop one of them");
-    if (cfg->waves_count > 1)
+    if (cfg->wave_by == MOE_WAVE_BY_EXPERTS)
         return moe_fail(st, MOE_EXIT_USAGE,
-                        "--waves W1,W2,... sweeps the forward's wave pipeline, and --backward runs "
-                        "the blocking forward: give one --waves or drop --backward");
+                        "--backward splits its waves by tokens (a token's rows and pairs in one "
+                        "wave, the dedup kept): --wave-by must be auto or tokens, got experts");
     if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--backward mirrors the flat dispatch: --dispatch must be flat, got hierarchical");
