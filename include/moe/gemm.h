@@ -73,6 +73,9 @@ moe_index moe_sgemm_packed_floats(moe_index K, moe_index N);
  * of 16 columns of Bt, each K rows of 16 floats (zeros past N). */
 void moe_sgemm_pack(moe_index N, moe_index K, const float *B, float *Bp);
 
+/* The same panels from Bt (K, N) itself, row-major: no transpose. */
+void moe_sgemm_pack_rows(moe_index K, moe_index N, const float *Bt, float *Bp);
+
 /* The instruction set moe_sgemm_packed runs on here ("avx2+fma" or
  * "portable fmaf"); tests force the portable one to compare the two. */
 const char *moe_sgemm_packed_isa(void);

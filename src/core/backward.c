@@ -23,18 +23,14 @@ moe_index moe_expert_grad_w2_floats(enum moe_gemm_kind gemm, moe_index hidden, m
     return gemm == MOE_GEMM_PACKED ? moe_sgemm_packed_floats(hidden, ffn) : hidden * ffn;
 }
 
-/* dst = src (K, N) as the operand Bt (K, N) of gemm: itself, or for packed
- * its transpose (N, K) packed into panels. */
+/* dst = src (K, N) as the operand Bt (K, N) of gemm: itself, or packed
+ * into panels. */
 static void operand(enum moe_gemm_kind gemm, moe_index K, moe_index N, const float *src, float *dst)
 {
-    if (gemm != MOE_GEMM_PACKED) {
+    if (gemm == MOE_GEMM_PACKED)
+        moe_sgemm_pack_rows(K, N, src, dst);
+    else
         memcpy(dst, src, sizeof(float) * (size_t)(K * N));
-        return;
-    }
-    float *t = moe_xmalloc(sizeof(float) * (size_t)(K * N) + 1); /* (N, K) */
-    moe_transpose(K, N, src, t);
-    moe_sgemm_pack(N, K, t, dst);
-    free(t);
 }
 
 void moe_expert_grad_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn,

@@ -307,6 +307,20 @@ void moe_sgemm_pack(moe_index N, moe_index K, const float *B, float *Bp)
         }
 }
 
+void moe_sgemm_pack_rows(moe_index K, moe_index N, const float *Bt, float *Bp)
+{
+    const moe_index panels = (N + PACK_COLS - 1) / PACK_COLS;
+#pragma omp parallel for schedule(static)
+    for (moe_index p = 0; p < panels; p++) {
+        const moe_index n0 = p * PACK_COLS, cols = N - n0 < PACK_COLS ? N - n0 : PACK_COLS;
+        float *dst = Bp + p * K * PACK_COLS;
+        for (moe_index k = 0; k < K; k++) {
+            memcpy(dst + k * PACK_COLS, Bt + k * N + n0, sizeof(float) * (size_t)cols);
+            memset(dst + k * PACK_COLS + cols, 0, sizeof(float) * (size_t)(PACK_COLS - cols));
+        }
+    }
+}
+
 /* Panels [p0, p1) of C, all rows. */
 static void packed_columns(tile_fn *tile, moe_index M, moe_index N, moe_index K, const float *A,
                            moe_index lda, const float *Bp, float *C, moe_index ldc, moe_index p0,
@@ -368,12 +382,22 @@ void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe
     sgemm_flops += 2.0 * (double)M * (double)N * (double)K;
 }
 
+/* In square blocks: walking a whole column of B at once reads rows a power
+ * of two apart (4 KiB at 1024 floats), which all fall in one set of the L1
+ * cache and evict each other; a block's lines fit. */
+enum { TRANSPOSE_BLOCK = 16 };
+
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt)
 {
 #pragma omp parallel for schedule(static)
-    for (moe_index c = 0; c < cols; c++)
-        for (moe_index r = 0; r < rows; r++)
-            Bt[c * rows + r] = B[r * cols + c];
+    for (moe_index c0 = 0; c0 < cols; c0 += TRANSPOSE_BLOCK)
+        for (moe_index r0 = 0; r0 < rows; r0 += TRANSPOSE_BLOCK) {
+            const moe_index c1 = cols - c0 < TRANSPOSE_BLOCK ? cols : c0 + TRANSPOSE_BLOCK;
+            const moe_index r1 = rows - r0 < TRANSPOSE_BLOCK ? rows : r0 + TRANSPOSE_BLOCK;
+            for (moe_index c = c0; c < c1; c++)
+                for (moe_index r = r0; r < r1; r++)
+                    Bt[c * rows + r] = B[r * cols + c];
+        }
 }
 
 double moe_gemm_sflops(void) { return sgemm_flops; }

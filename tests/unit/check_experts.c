@@ -166,6 +166,34 @@ START_TEST(packed_gemm_is_the_fma_chain)
 }
 END_TEST
 
+/* The transpose, in blocks, is the element-by-element one at shapes that
+ * are and are not multiples of its block; packing the panels from Bt (K, N)
+ * gives the floats that packing its transpose (N, K) does. */
+START_TEST(transpose_and_row_packing_are_the_definitions)
+{
+    static const int shapes[][2] = {{1, 1}, {5, 37}, {16, 16}, {33, 64}, {96, 1024}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int K = shapes[s][0], N = shapes[s][1];
+        float *Bt = malloc(sizeof(float) * K * N), *B = malloc(sizeof(float) * K * N);
+        float *p1 = malloc(sizeof(float) * moe_sgemm_packed_floats(K, N));
+        float *p2 = malloc(sizeof(float) * moe_sgemm_packed_floats(K, N));
+        moe_synth_fill(7, MOE_TENSOR_TOKENS, 0, 0, (uint64_t)K * N, 1.0f, Bt);
+        moe_transpose(K, N, Bt, B); /* (N, K) */
+        for (int k = 0; k < K; k++)
+            for (int n = 0; n < N; n++)
+                ck_assert_msg(B[n * K + k] == Bt[k * N + n], "transpose %dx%d at (%d, %d)", K, N, k, n);
+        moe_sgemm_pack(N, K, B, p1);
+        moe_sgemm_pack_rows(K, N, Bt, p2);
+        ck_assert_msg(!memcmp(p1, p2, sizeof(float) * moe_sgemm_packed_floats(K, N)),
+                      "pack_rows %dx%d", K, N);
+        free(p2);
+        free(p1);
+        free(B);
+        free(Bt);
+    }
+}
+END_TEST
+
 #ifdef _OPENMP
 /* Threads split the columns; the bits do not change. */
 START_TEST(packed_gemm_is_thread_independent)
@@ -422,6 +450,7 @@ Suite *make_experts_suite(void)
     tcase_add_test(tc, compare_reports_worst_and_nonfinite);
     tcase_add_test(tc, exact_gemm_is_the_scalar_loop);
     tcase_add_test(tc, packed_gemm_is_the_fma_chain);
+    tcase_add_test(tc, transpose_and_row_packing_are_the_definitions);
 #ifdef _OPENMP
     tcase_add_test(tc, packed_gemm_is_thread_independent);
 #endif
