@@ -20,20 +20,40 @@ enum moe_stage {
 
 extern const char *const moe_stage_names[MOE_STAGES];
 
-/* What a timeline shows: the seed's five stages of one wave. */
+/* What a timeline shows: the seed's five stages of one wave, and a
+ * training step's (--backward): its blocking forward as one block, then the
+ * backward's stages. */
 enum moe_event_kind {
     MOE_EVENT_DISPATCH,   /* comm lane: posted .. seen complete */
     MOE_EVENT_L1,         /* compute lane (gathering the rows included) */
     MOE_EVENT_ACTIVATION, /* compute lane */
     MOE_EVENT_L2,         /* compute lane (scattering the outputs included) */
     MOE_EVENT_COMBINE,    /* comm lane: posted .. seen complete */
+    MOE_EVENT_FORWARD,    /* compute lane: a step's blocking forward, all of it */
+    MOE_EVENT_SHARED_BWD, /* compute lane: the shared experts' dx and dW */
+    MOE_EVENT_DGRAD,      /* compute lane: a wave's data gradient */
+    MOE_EVENT_WGRAD,      /* compute lane: the routed experts' weight gradients */
+    MOE_EVENT_COMBINE_BWD,  /* comm lane: a wave's dy rows out */
+    MOE_EVENT_DISPATCH_BWD, /* comm lane: a wave's dx rows home */
     MOE_EVENT_KINDS
 };
+
+/* Whether a kind is communication (the comm lane), and whether it goes in
+ * the lane's upper half (rows out from home: dispatch, combine backward). */
+static inline int moe_event_is_comm(int kind)
+{
+    return kind == MOE_EVENT_DISPATCH || kind == MOE_EVENT_COMBINE ||
+           kind == MOE_EVENT_COMBINE_BWD || kind == MOE_EVENT_DISPATCH_BWD;
+}
+static inline int moe_event_goes_out(int kind)
+{
+    return kind == MOE_EVENT_DISPATCH || kind == MOE_EVENT_COMBINE_BWD;
+}
 
 extern const char *const moe_event_names[MOE_EVENT_KINDS];
 
 typedef struct {
-    int wave;
+    int wave;            /* -1: a stage of the whole step, not of one wave */
     int kind;            /* enum moe_event_kind */
     double start, end;   /* seconds since the forward's aligned start */
     double bytes;        /* comm: bytes this rank sent */

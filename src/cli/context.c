@@ -263,6 +263,8 @@ static int forward(moe_run_context *ctx, double origin)
     if (ctx->cfg.blocking && ctx->cfg.dispatch == MOE_DISPATCH_HIERARCHICAL)
         return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
                                    &ctx->status);
+    ctx->schedule.trace = &ctx->trace;
+    ctx->schedule.origin = origin;
     if (ctx->cfg.backward)
         return moe_ep_backward_step(&ctx->ep, ctx->cfg.blocking ? NULL : &ctx->schedule, ctx->x,
                                     ctx->logits, ctx->ids, ctx->weights, ctx->dy, ctx->y,
@@ -270,8 +272,6 @@ static int forward(moe_run_context *ctx, double origin)
     if (ctx->cfg.blocking)
         return moe_ep_forward_ref(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
                                   NULL, &ctx->status);
-    ctx->schedule.trace = &ctx->trace;
-    ctx->schedule.origin = origin;
     return moe_ep_forward_waves(&ctx->ep, &ctx->schedule, ctx->x, ctx->ids, ctx->weights, ctx->y,
                                 &ctx->last, &ctx->status);
 }

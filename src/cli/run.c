@@ -256,8 +256,14 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
     static const char *const progress_names[] = {"poll", "thread"};
     const moe_comm *c = ctx->comm;
     moe_comm_gather_events(c, ctx->trace.events, ctx->trace.count, &p->offset[0], &p->events[0]);
-    snprintf(p->titles[0], sizeof p->titles[0], "W = %d, progress %s, %d ranks",
-             ctx->schedule.waves, progress_names[ctx->schedule.progress], c->ranks);
+    if (ctx->cfg.backward)
+        snprintf(p->titles[0], sizeof p->titles[0],
+                 "a training step: the blocking forward, the backward in W = %d waves, progress "
+                 "%s, %d ranks", ctx->schedule.waves, progress_names[ctx->schedule.progress],
+                 c->ranks);
+    else
+        snprintf(p->titles[0], sizeof p->titles[0], "W = %d, progress %s, %d ranks",
+                 ctx->schedule.waves, progress_names[ctx->schedule.progress], c->ranks);
     p->panels[p->count++] = (moe_timeline_panel){p->titles[0], c->ranks, p->offset[0], p->events[0]};
     if (!ctx->cfg.compare_serial)
         return MOE_EXIT_OK;
@@ -269,12 +275,25 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
     moe_comm_barrier(c);
     one_wave.origin = moe_comm_time();
     float *y = moe_xmalloc(sizeof(float) * (size_t)(ctx->cfg.tokens * ctx->cfg.hidden));
-    int rc = moe_ep_forward_waves(&ctx->ep, &one_wave, ctx->x, ctx->ids, ctx->weights, y, &f,
+    int rc;
+    if (ctx->cfg.backward) { /* the same step, its backward in one wave */
+        moe_ep_grads g;
+        moe_backward_stats bwd;
+        moe_ep_grads_init(&ctx->ep, &g);
+        rc = moe_ep_backward_step(&ctx->ep, &one_wave, ctx->x, ctx->logits, ctx->ids,
+                                  ctx->weights, ctx->dy, y, &g, &f, &bwd, &ctx->status);
+        moe_ep_grads_free(&g);
+    } else {
+        rc = moe_ep_forward_waves(&ctx->ep, &one_wave, ctx->x, ctx->ids, ctx->weights, y, &f,
                                   &ctx->status);
+    }
     free(y);
     if (rc == MOE_EXIT_OK) {
         moe_comm_gather_events(c, serial.events, serial.count, &p->offset[1], &p->events[1]);
-        snprintf(p->titles[1], sizeof p->titles[1], "the same forward at W = 1 (no overlap)");
+        snprintf(p->titles[1], sizeof p->titles[1],
+                 ctx->cfg.backward ? "the same step with the backward in W = 1 (its all-to-alls "
+                                     "behind the shared experts and the weight gradients only)"
+                                   : "the same forward at W = 1 (no overlap)");
         p->panels[p->count++] = (moe_timeline_panel){p->titles[1], c->ranks, p->offset[1], p->events[1]};
     }
     moe_trace_free(&serial);

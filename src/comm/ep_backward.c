@@ -91,6 +91,8 @@ enum { HOME_ROWS, HOME_PAIRS, IN_ROWS, IN_PAIRS, SPLITS };
 typedef struct {
     moe_progress *progress; /* NULL: blocking */
     const moe_link *link;   /* the emulated links, or NULL */
+    moe_trace *trace;       /* this rank's events are appended here; NULL: none */
+    double origin;          /* MPI_Wtime the events count from */
     moe_link_state links;
     int W, lookahead;
     moe_waves waves;        /* token chunks */
@@ -257,6 +259,14 @@ static void finish(bwd_run *b, int op, moe_backward_stats *stats, int stage)
     stats->seconds[stage] += MPI_Wtime() - t;
 }
 
+/* A compute event from `start` to now (nothing without a trace). */
+static void compute_event(const bwd_run *b, int kind, int wave, double start, moe_index rows)
+{
+    if (b->trace)
+        moe_trace_add(b->trace, (moe_event){wave, kind, start - b->origin, MPI_Wtime() - b->origin,
+                                            0.0, rows, -1});
+}
+
 /* Between pieces of computation: the operations in flight move. */
 static void poll(bwd_run *b)
 {
@@ -318,6 +328,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     if (b->W > 1)
         q.work = moe_expert_grad_work_alloc(most, d, ff);
     const double t = MPI_Wtime();
+    moe_index rows = 0;
     moe_gemm_reset_flops();
     for (int l = 0; l < ep->local_experts; l++) {
         const moe_index first = recv->expert_offset[l];
@@ -333,6 +344,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
             }
         if (n == 0)
             continue;
+        rows += n;
         moe_gather_rows(f->recv_values, d, q.row, n, q.x);
         moe_gather_rows(b->dy_in, d, q.row, n, q.dy);
         moe_gather_rows(f->expert_out, d, q.pair, n, q.out);
@@ -356,6 +368,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     }
     stats->dgrad_flops += moe_gemm_sflops();
     stats->seconds[MOE_BWD_DGRAD] += MPI_Wtime() - t;
+    compute_event(b, MOE_EVENT_DGRAD, w, t, rows);
     if (b->W > 1)
         moe_expert_grad_work_free(&q.work);
     free(q.x);
@@ -382,6 +395,7 @@ static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     }
     stats->wgrad_flops = moe_gemm_sflops();
     stats->seconds[MOE_BWD_WGRAD] += MPI_Wtime() - t;
+    compute_event(b, MOE_EVENT_WGRAD, -1, t, recv->pairs);
     free(x);
 }
 
@@ -451,6 +465,7 @@ static void shared_backward(const moe_ep *ep, const float *x, const float *dy, b
     moe_expert_grad_work_free(&work);
     free(dx);
     stats->seconds[MOE_BWD_SHARED] += MPI_Wtime() - t;
+    compute_event(b, MOE_EVENT_SHARED_BWD, -1, t, T);
 }
 
 /* Stage reduce at home: dx (T, d) = the rows that came home (ascending
@@ -500,6 +515,31 @@ static void router_backward(const moe_ep *ep, const float *x, const float *logit
         dx[n] += (float)dxr[n];
     free(dxr);
     stats->seconds[MOE_BWD_ROUTER] = MPI_Wtime() - t;
+}
+
+/* The all-to-alls of every wave as comm events, the rows and bytes this
+ * rank sent to other ranks in each (nothing without a trace). */
+static void comm_events(const moe_ep *ep, const bwd_run *b)
+{
+    const int G = ep->comm.ranks, me = ep->comm.rank;
+    const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
+    const double row = (double)ep->cfg->hidden * sizeof(float);
+    for (int w = 0; b->trace && w < b->W; w++) {
+        moe_index dy_rows = 0, dx_rows = 0, pairs = 0;
+        for (int r = 0; r < G; r++)
+            if (r != me) {
+                dy_rows += split(b, HOME_ROWS, w, G)[r];
+                dx_rows += split(b, reduced ? IN_ROWS : IN_PAIRS, w, G)[r];
+                pairs += split(b, IN_PAIRS, w, G)[r];
+            }
+        const moe_comm_op *ops = b->progress->ops;
+        moe_pipeline_comm_event(b->trace, &ops[op_combine(w)], w ? &ops[op_combine(w - 1)] : NULL,
+                                b->origin, w, MOE_EVENT_COMBINE_BWD, -1, (double)dy_rows * row,
+                                dy_rows);
+        moe_pipeline_comm_event(b->trace, &ops[op_dispatch(w)], w ? &ops[op_dispatch(w - 1)] : NULL,
+                                b->origin, w, MOE_EVENT_DISPATCH_BWD, -1,
+                                (double)dx_rows * row + (double)pairs * sizeof(float), dx_rows);
+    }
 }
 
 /* v (n) = every rank's v summed in rank order in fp64 (moe_comm_sum_ordered),
@@ -558,6 +598,8 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     moe_progress progress;
     bwd_run b = {.progress = sched ? &progress : NULL,
                  .link = sched ? moe_schedule_link(ep, sched) : NULL,
+                 .trace = sched ? sched->trace : NULL,
+                 .origin = sched ? sched->origin : 0.0,
                  .W = W,
                  .lookahead = sched && sched->lookahead < W ? sched->lookahead : W};
     moe_waves_init_by(&b.waves, &ep->placement, W, T, MOE_WAVE_BY_TOKENS);
@@ -612,6 +654,7 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
             }
             bwd->in_flight[dir] = last - first;
         }
+        comm_events(ep, &b);
         moe_progress_free(&progress);
     }
     if (cap)
@@ -656,7 +699,12 @@ static int step(const moe_ep *ep, const moe_schedule *sched, const float *x, con
 {
     memset(bwd, 0, sizeof *bwd);
     moe_ref_forward f;
+    const double start = MPI_Wtime();
     const int rc = moe_ep_ref_run(ep, x, ids, weights, y, fwd, fwd_capture, &f, st);
+    if (sched && sched->trace) /* the blocking forward, one block */
+        moe_trace_add(sched->trace, (moe_event){-1, MOE_EVENT_FORWARD, start - sched->origin,
+                                                MPI_Wtime() - sched->origin, 0.0,
+                                                ep->cfg->tokens, -1});
     if (rc == MOE_EXIT_OK)
         backward(ep, sched, &f, x, logits, ids, dy, g, bwd, bwd_capture);
     moe_ep_ref_free(&f);

@@ -131,11 +131,11 @@ static const flag_spec flags[] = {
     {"routing", FLAG_TEXT, FIELD(routing), 0, 0, "FILE", NULL, "", "replay top-k ids and weights from FILE.safetensors instead of the router (docs/golden.md)", RUN},
     {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", NULL, "", "write the golden set of this run (docs/golden.md)", RUN},
     {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, NULL, "true", "include the weights in --dump", RUN},
-    {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", NULL, "", "Chrome trace of the last forward (Perfetto)", RUN},
-    {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", NULL, "", "SVG Gantt chart of the last forward", RUN},
+    {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", NULL, "", "Chrome trace of the last forward or training step (Perfetto)", RUN},
+    {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", NULL, "", "SVG Gantt chart of the last forward (with --backward: of the last training step)", RUN},
     {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", NULL, "", "emulated links: cb=RATIO[,inter-cb=RATIO] | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
     {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R|auto", NULL, "auto", "ranks per node: virtual nodes of R consecutive ranks (0 = one node), or auto: the machines the ranks run on", RUN},
-    {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, NULL, "false", "add the same forward at W = 1 to the timeline", RUN},
+    {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, NULL, "false", "add the same forward (with --backward: step) at W = 1 to the timeline", RUN},
     {"warmup", FLAG_INT, FIELD(warmup), 0, 1000, "N", NULL, "2", "untimed forwards before each wave count", BENCH},
     {"csv", FLAG_TEXT, FIELD(csv), 0, 0, "FILE", NULL, "", "write the table as CSV", BENCH},
     {"plot", FLAG_TEXT, FIELD(plot), 0, 0, "FILE.svg", NULL, "", "plot layer time and overlap against W", BENCH},
@@ -628,13 +628,9 @@ static int validate_router(const moe_config *cfg, moe_status *st)
 
 /* --backward: the blocking forward, its mirror in fp32 on the wire in waves
  * of token chunks, through the router's own weights (ep.h,
- * moe_ep_backward_step); nothing to draw. */
+ * moe_ep_backward_step). */
 static int validate_backward(const moe_config *cfg, moe_status *st)
 {
-    if (cfg->trace[0] || cfg->timeline[0])
-        return moe_fail(st, MOE_EXIT_USAGE,
-                        "--trace and --timeline draw the forward's wave pipeline, and --backward "
-                        "runs the blocking forward: drop one of them");
     if (cfg->wave_by == MOE_WAVE_BY_EXPERTS)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--backward splits its waves by tokens (a token's rows and pairs in one "

@@ -14,6 +14,12 @@ static const char *const colours[MOE_EVENT_KINDS] = {
     "#edc948", /* activation */
     "#e15759", /* L2 */
     "#76b7b2", /* combine */
+    "#bab0ac", /* forward (a step's, blocking) */
+    "#b07aa1", /* shared bwd */
+    "#ff9da7", /* dgrad */
+    "#9c755f", /* wgrad */
+    "#59a14f", /* combine bwd */
+    "#8cd17d", /* dispatch bwd */
 };
 
 /* The earliest event of a panel: pictures start there. */
@@ -26,11 +32,21 @@ static double first_start(const moe_timeline_panel *panel)
     return t0;
 }
 
-static bool is_comm(int kind) { return kind == MOE_EVENT_DISPATCH || kind == MOE_EVENT_COMBINE; }
+static bool is_comm(int kind) { return moe_event_is_comm(kind); }
+
+/* " w3" for wave 3; nothing for a stage of the whole step (wave -1). */
+static const char *wave_suffix(int wave, char *text, size_t size)
+{
+    if (wave < 0)
+        return "";
+    snprintf(text, size, " w%d", wave);
+    return text;
+}
 
 void moe_write_chrome_trace(FILE *out, const moe_timeline_panel *panel)
 {
     const double t0 = first_start(panel);
+    char suffix[24];
     fprintf(out, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
     const char *sep = "";
     for (int r = 0; r < panel->ranks; r++) {
@@ -42,10 +58,11 @@ void moe_write_chrome_trace(FILE *out, const moe_timeline_panel *panel)
         for (int n = panel->offset[r]; n < panel->offset[r + 1]; n++) {
             const moe_event *e = &panel->events[n];
             fprintf(out,
-                    ",\n{\"name\": \"%s w%d\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": %d, "
+                    ",\n{\"name\": \"%s%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": %d, "
                     "\"tid\": %d, \"ts\": %.3f, \"dur\": %.3f, \"args\": {\"wave\": %d, "
                     "\"rows\": %lld, \"bytes\": %.0f}}",
-                    moe_event_names[e->kind], e->wave, is_comm(e->kind) ? "comm" : "compute", r,
+                    moe_event_names[e->kind], wave_suffix(e->wave, suffix, sizeof suffix),
+                    is_comm(e->kind) ? "comm" : "compute", r,
                     !is_comm(e->kind) ? 1 : e->tier == MOE_TIER_INTER ? 2 : 0, 1e6 * (e->start - t0), 1e6 * (e->end - e->start), e->wave,
                     (long long)e->rows, e->bytes);
         }
@@ -120,6 +137,7 @@ static void write_curve(FILE *out, const moe_timeline_curve *curve, int left, in
 void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels,
                             const moe_timeline_curve *curve)
 {
+    char suffix[24];
     double span = 0.0;
     int ranks = 1;
     for (int p = 0; p < n_panels; p++) {
@@ -170,19 +188,20 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
                  * The two-stage dispatch's hops take a quarter each, the
                  * inter-node ones at the lane's edges: D1, D2, C2, C1. */
                 const int half = lane / 2, quarter = lane / 4;
-                const bool dispatch = e->kind == MOE_EVENT_DISPATCH, inter = e->tier == MOE_TIER_INTER;
+                const bool dispatch = moe_event_goes_out(e->kind), inter = e->tier == MOE_TIER_INTER;
                 int y = y0 + lane, h = lane;
                 if (is_comm(e->kind) && e->tier < 0)
                     y = y0 + (dispatch ? 0 : half), h = half;
                 else if (is_comm(e->kind))
                     y = y0 + quarter * (dispatch ? (inter ? 0 : 1) : (inter ? 3 : 2)), h = quarter;
                 fprintf(out, "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" "
-                             "stroke=\"white\" stroke-width=\"0.5\"%s><title>rank %d %s%s wave %d: "
+                             "stroke=\"white\" stroke-width=\"0.5\"%s><title>rank %d %s%s%s: "
                              "%.3f-%.3f ms, %lld rows</title></rect>\n",
                         x, y + 1, w, h - 2, colours[e->kind], e->tier == MOE_TIER_INTRA ? " fill-opacity=\"0.6\"" : "",
                         r, moe_event_names[e->kind], e->tier < 0 ? "" : inter ? " inter-node" : " intra-node",
-                        e->wave, 1e3 * (e->start - t0), 1e3 * (e->end - t0), (long long)e->rows);
-                if (w > 16 && h >= 10)
+                        wave_suffix(e->wave, suffix, sizeof suffix), 1e3 * (e->start - t0),
+                        1e3 * (e->end - t0), (long long)e->rows);
+                if (w > 16 && h >= 10 && e->wave >= 0)
                     fprintf(out, "<text x=\"%.2f\" y=\"%.1f\" text-anchor=\"middle\" "
                                  "font-size=\"%d\" fill=\"#222\">%d</text>\n",
                             x + w / 2, y + h / 2.0 + 4, h >= 20 ? 11 : 9, e->wave);
@@ -200,8 +219,15 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
         }
     }
     const int ly = n_panels * panel_height + 12;
+    bool shown[MOE_EVENT_KINDS] = {false}; /* the legend names the kinds drawn */
+    for (int p = 0; p < n_panels; p++)
+        for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
+            shown[panels[p].events[n].kind] = true;
+    int entries = 0;
     for (int kind = 0; kind < MOE_EVENT_KINDS; kind++) {
-        const int x = left + kind * 150;
+        if (!shown[kind])
+            continue;
+        const int x = left + entries++ * 150;
         fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>\n", x, ly,
                 colours[kind]);
         fprintf(out, "<text x=\"%d\" y=\"%d\">%s%s</text>\n", x + 20, ly + 11,
@@ -212,7 +238,7 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
         for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
             tiers = tiers || panels[p].events[n].tier >= 0;
     fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave%s</text>\n",
-            left + MOE_EVENT_KINDS * 150, ly + 11,
+            left + entries * 150, ly + 11,
             tiers ? "; comm lane, top to bottom: inter-node dispatch, intra-node dispatch (pale), "
                     "intra-node combine (pale), inter-node combine" : "");
     if (with_curve)
