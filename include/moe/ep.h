@@ -71,6 +71,8 @@ typedef struct {
     bool link;                       /* emulate ep->link (when --link configured one) */
     moe_trace *trace;                /* this rank's events are appended here; NULL: none */
     double origin;                   /* MPI_Wtime the events count from */
+    bool serial;                     /* the backward waits for each all-to-all as it posts it
+                                        (under the link model: the serial time) */
 } moe_schedule;
 
 /* The schedule ep's configuration asks for: the first --waves,
@@ -197,6 +199,30 @@ int moe_ep_backward_step(const moe_ep *ep, const moe_schedule *sched, const floa
                          const float *logits, const int32_t *ids, const float *weights,
                          const float *dy, float *y, moe_ep_grads *g, moe_forward_stats *fwd,
                          moe_backward_stats *bwd, moe_status *st);
+
+/* A pair of micro-batches as a training pipeline's steady state meets
+ * them: micro-batch A's forward is done (here: moe_ep_forward_ref, not
+ * timed), and micro-batch B's forward (the same tokens: the schedule is what
+ * is measured) runs with A's backward, timed from a barrier to both done:
+ *   MOE_PAIR_SERIAL    B's forward in one wave, then A's backward in one
+ *                      wave waiting for each all-to-all as it posts it: no
+ *                      overlap, the link model still applied
+ *   MOE_PAIR_WAVES     B's wave forward, then A's backward in waves (sched)
+ *   MOE_PAIR_DUALPIPE  DualPipe's pairing: B's forward stages where A's
+ *                      backward all-to-alls are in flight and the other
+ *                      way round (B's experts behind A's combines backward,
+ *                      A's data gradients behind B's combine, B's reduce and
+ *                      shared experts and A's weight gradients behind A's
+ *                      dispatches backward); A's backward in sched->waves
+ * y = B's output, g = A's gradients: with packed or exact GEMMs the bits of
+ * moe_ep_forward_ref and moe_ep_backward_ref in every mode. *seconds: this
+ * rank's time for the pair. Collective. */
+enum moe_pair_mode { MOE_PAIR_SERIAL, MOE_PAIR_WAVES, MOE_PAIR_DUALPIPE };
+int moe_ep_pair_step(const moe_ep *ep, const moe_schedule *sched, enum moe_pair_mode mode,
+                     const float *x, const float *logits, const int32_t *ids,
+                     const float *weights, const float *dy, float *y, moe_ep_grads *g,
+                     moe_forward_stats *fwd, moe_backward_stats *bwd, double *seconds,
+                     moe_status *st);
 
 /* The same layer with the two-stage dispatch and combine of
  * --dispatch hierarchical (ep_hier.c): each token crosses to another node

@@ -93,6 +93,7 @@ typedef struct {
     const moe_link *link;   /* the emulated links, or NULL */
     moe_trace *trace;       /* this rank's events are appended here; NULL: none */
     double origin;          /* MPI_Wtime the events count from */
+    bool serial;            /* wait for each operation as it is posted */
     moe_link_state links;
     int W, lookahead;
     moe_waves waves;        /* token chunks */
@@ -288,6 +289,8 @@ static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run
              b->send_dy, b->dy_in, b->row);
     moe_pipeline_link_bytes(ep, in, out, (double)d * sizeof(float), b->bytes[op]);
     launched(ep, b, op, 1);
+    if (b->serial)
+        finish(b, op, stats, MOE_BWD_COMBINE);
     for (int r = 0; r < G; r++) {
         stats->bytes_combine += (double)out[r] * (double)d * sizeof(float);
         if (r != me)
@@ -424,6 +427,8 @@ static void dispatch_backward(const moe_ep *ep, bwd_run *b, int w, moe_backward_
                             b->bytes[op]);
     moe_pipeline_link_bytes(ep, split(b, HOME_PAIRS, w, G), pairs, sizeof(float), b->bytes[op]);
     launched(ep, b, op, 2);
+    if (b->serial)
+        finish(b, op, stats, MOE_BWD_DISPATCH);
     for (int r = 0; r < G; r++) {
         const double bytes = ((double)out[r] * (double)d + (double)pairs[r]) * sizeof(float);
         stats->bytes_dispatch += bytes;
@@ -583,9 +588,29 @@ void moe_ep_bwd_capture_free(moe_ep_bwd_capture *capture)
 /* The backward after a kept forward f, blocking (sched NULL) or with its
  * all-to-alls in flight as sched->progress drives them; cap, when not
  * NULL, receives what this rank saw. */
+/* DualPipe's pairing: another micro-batch's reference forward, run inside a
+ * backward with its all-to-alls on the same progress engine. */
+typedef struct {
+    const float *x;
+    const int32_t *ids;
+    const float *weights;
+    float *y;
+    moe_forward_stats *stats;
+    moe_ref_forward f;
+} paired_forward;
+
+/* Until the paired forward's operation op is in; its wait into `stage`. */
+static void paired_wait(moe_progress *p, int op, paired_forward *pf, int stage)
+{
+    const double t = MPI_Wtime();
+    moe_progress_wait(p, op);
+    pf->stats->seconds[stage] += MPI_Wtime() - t;
+}
+
 static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_forward *f,
                      const float *x, const float *logits, const int32_t *ids, const float *dy,
-                     moe_ep_grads *g, moe_backward_stats *bwd, moe_ep_bwd_capture *cap)
+                     moe_ep_grads *g, moe_backward_stats *bwd, moe_ep_bwd_capture *cap,
+                     paired_forward *pf)
 {
     const moe_config *cfg = ep->cfg;
     const moe_comm *c = &ep->comm;
@@ -599,6 +624,7 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     bwd_run b = {.progress = sched ? &progress : NULL,
                  .link = sched ? moe_schedule_link(ep, sched) : NULL,
                  .trace = sched ? sched->trace : NULL,
+                 .serial = sched && sched->serial,
                  .origin = sched ? sched->origin : 0.0,
                  .W = W,
                  .lookahead = sched && sched->lookahead < W ? sched->lookahead : W};
@@ -608,7 +634,7 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &b.row));
     MOE_MPI(MPI_Type_commit(&b.row));
     if (sched) /* after the MPI calls above: a progress thread may run from here */
-        moe_progress_init(&progress, sched->progress, ops);
+        moe_progress_init(&progress, sched->progress, ops + (pf ? 2 : 0));
     b.send_dy = moe_xmalloc(sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
     b.dy_in = moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1);
     b.work = moe_expert_grad_work_alloc(pairs, d, ff);
@@ -629,15 +655,31 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     /* The same sequence on both paths: what overlaps is what has no use for
      * the data in flight. Lookahead A: waves 0 .. A-1 on the wire before
      * anything computes, wave w+A posted as wave w starts. */
+    /* Paired (DualPipe): the other micro-batch's forward stages go where
+     * this backward's all-to-alls are in flight, and the other way round. */
+    const moe_ref_flight flight = {&progress, ops, b.link, &b.links};
+    if (pf) { /* its plan agreed on while nothing is in flight */
+        moe_status st = {0};
+        if (moe_ep_ref_begin(ep, pf->x, pf->ids, pf->weights, &pf->f, pf->stats, &flight, &st))
+            moe_comm_abort(c, &st);
+    }
     for (int w = 0; w < b.lookahead; w++)
         combine_backward(ep, f, &b, w, bwd);
     shared_backward(ep, x, dy, &b, g, bwd); /* behind the first combines */
+    if (pf) { /* behind the combines backward */
+        paired_wait(&progress, flight.op, pf, MOE_STAGE_DISPATCH);
+        moe_ep_ref_experts(ep, &pf->f, pf->stats, &flight);
+    }
     for (int w = 0; w < W; w++) {
         if (w + b.lookahead < W)
             combine_backward(ep, f, &b, w + b.lookahead, bwd);
         finish(&b, op_combine(w), bwd, MOE_BWD_COMBINE);
         experts_dgrad(ep, f, &b, w, bwd); /* behind later combines, earlier dispatches */
         dispatch_backward(ep, &b, w, bwd);
+    }
+    if (pf) { /* behind the dispatches backward */
+        paired_wait(&progress, flight.op + 1, pf, MOE_STAGE_COMBINE);
+        moe_ep_ref_end(ep, &pf->f, pf->x, pf->ids, pf->weights, pf->y, pf->stats);
     }
     experts_wgrad(ep, f, &b, g, bwd); /* behind the last dispatches */
     for (int w = 0; w < W; w++)
@@ -706,8 +748,43 @@ static int step(const moe_ep *ep, const moe_schedule *sched, const float *x, con
                                                 MPI_Wtime() - sched->origin, 0.0,
                                                 ep->cfg->tokens, -1});
     if (rc == MOE_EXIT_OK)
-        backward(ep, sched, &f, x, logits, ids, dy, g, bwd, bwd_capture);
+        backward(ep, sched, &f, x, logits, ids, dy, g, bwd, bwd_capture, NULL);
     moe_ep_ref_free(&f);
+    return rc;
+}
+
+int moe_ep_pair_step(const moe_ep *ep, const moe_schedule *sched, enum moe_pair_mode mode,
+                     const float *x, const float *logits, const int32_t *ids,
+                     const float *weights, const float *dy, float *y, moe_ep_grads *g,
+                     moe_forward_stats *fwd, moe_backward_stats *bwd, double *seconds,
+                     moe_status *st)
+{
+    memset(bwd, 0, sizeof *bwd);
+    moe_ref_forward a; /* micro-batch A's forward, kept for its backward */
+    moe_forward_stats fwd_a;
+    int rc = moe_ep_ref_run(ep, x, ids, weights, y, &fwd_a, NULL, &a, st);
+    moe_schedule quiet = *sched; /* no pictures of these */
+    quiet.trace = NULL;
+    moe_comm_barrier(&ep->comm);
+    const double start = MPI_Wtime();
+    if (rc == MOE_EXIT_OK && mode == MOE_PAIR_SERIAL) { /* one wave, each all-to-all waited for */
+        quiet.waves = 1;
+        quiet.serial = true;
+        rc = moe_ep_forward_waves(ep, &quiet, x, ids, weights, y, fwd, st);
+        if (rc == MOE_EXIT_OK)
+            backward(ep, &quiet, &a, x, logits, ids, dy, g, bwd, NULL, NULL);
+    } else if (rc == MOE_EXIT_OK && mode == MOE_PAIR_WAVES) {
+        rc = moe_ep_forward_waves(ep, &quiet, x, ids, weights, y, fwd, st);
+        if (rc == MOE_EXIT_OK)
+            backward(ep, &quiet, &a, x, logits, ids, dy, g, bwd, NULL, NULL);
+    } else if (rc == MOE_EXIT_OK) {
+        memset(fwd, 0, sizeof *fwd);
+        paired_forward b = {.x = x, .ids = ids, .weights = weights, .y = y, .stats = fwd};
+        backward(ep, &quiet, &a, x, logits, ids, dy, g, bwd, NULL, &b);
+        moe_ep_ref_free(&b.f);
+    }
+    *seconds = MPI_Wtime() - start;
+    moe_ep_ref_free(&a);
     return rc;
 }
 

@@ -86,18 +86,50 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, moe_ref_forward *f,
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
 }
 
-/* Stage dispatch: every packed row once to its destination, with its ids
- * (two blocking MPI_Alltoallv). */
-static void ref_dispatch(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats)
+/* One all-to-all of a step: blocking (flight NULL), or posted as request
+ * `request` of flight's operation `op`. */
+static void ref_alltoallv(const moe_ep *ep, const moe_ref_flight *flight, int op, int request,
+                          const void *send, const int *sc, const int *sa, void *recv, const int *rc,
+                          const int *ra, MPI_Datatype type)
 {
-    const int G = ep->comm.ranks, me = ep->comm.rank;
-    moe_comm_count_posted(f->send_counts, G, me, f->types.dispatch);
-    MOE_MPI(MPI_Alltoallv(f->send_rows, f->send_counts, f->send_at, f->types.dispatch, f->recv_rows,
-                          f->recv_counts, f->recv_at, f->types.dispatch, ep->comm.comm));
-    moe_comm_count_posted(f->send_counts, G, me, f->types.meta);
-    MOE_MPI(MPI_Alltoallv(f->send_meta, f->send_counts, f->send_at, f->types.meta, f->recv_meta,
-                          f->recv_counts, f->recv_at, f->types.meta, ep->comm.comm));
-    f->recv_values = moe_ep_wire_values(&f->dispatch_wire, f->recv_rows, f->rows_in, f->recv_decoded);
+    moe_comm_count_posted(sc, ep->comm.ranks, ep->comm.rank, type);
+    if (!flight) {
+        MOE_MPI(MPI_Alltoallv(send, sc, sa, type, recv, rc, ra, type, ep->comm.comm));
+        return;
+    }
+    moe_progress_lock(flight->progress);
+    MOE_MPI(MPI_Ialltoallv(send, sc, sa, type, recv, rc, ra, type, ep->comm.comm,
+                           &flight->progress->ops[op].requests[request]));
+    moe_progress_unlock(flight->progress);
+}
+
+/* Operation op, `requests` requests posted, in flight under the link model:
+ * in_rows and out_rows (G) of row_bytes each. */
+static void ref_launched(const moe_ep *ep, const moe_ref_flight *flight, int op, int requests,
+                         const moe_index *in_rows, const moe_index *out_rows, double row_bytes)
+{
+    double bytes[2][MOE_TIERS] = {{0}};
+    moe_pipeline_link_bytes(ep, in_rows, out_rows, row_bytes, bytes);
+    moe_progress_lock(flight->progress);
+    flight->progress->ops[op].count = requests;
+    moe_pipeline_track(flight->progress, op, flight->link, flight->links, bytes, ep->comm.comm);
+    moe_progress_unlock(flight->progress);
+}
+
+/* Stage dispatch: every packed row once to its destination, with its ids
+ * (two MPI_Alltoallv, blocking unless flight says where to post them; then
+ * the received rows are read once the operation is in). */
+static void ref_dispatch(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats,
+                         const moe_ref_flight *flight)
+{
+    const int G = ep->comm.ranks, me = ep->comm.rank, op = flight ? flight->op : 0;
+    ref_alltoallv(ep, flight, op, 0, f->send_rows, f->send_counts, f->send_at, f->recv_rows,
+                  f->recv_counts, f->recv_at, f->types.dispatch);
+    ref_alltoallv(ep, flight, op, 1, f->send_meta, f->send_counts, f->send_at, f->recv_meta,
+                  f->recv_counts, f->recv_at, f->types.meta);
+    if (flight)
+        ref_launched(ep, flight, op, 2, f->rows_from, f->send.row_count,
+                     (double)moe_dispatch_row_bytes(ep->cfg));
     const moe_index rows_out = f->send.row_offset[G];
     stats->rows_sent = rows_out;
     stats->rows_sent_remote = rows_out - f->send.row_count[me];
@@ -105,11 +137,13 @@ static void ref_dispatch(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats
     stats->bytes_dispatched = (double)rows_out * moe_dispatch_row_bytes(ep->cfg);
 }
 
-/* Stage plan, receive side: which received row visits which local expert
- * (from the ids that came with the rows), and the experts' buffers. */
+/* Stage plan, receive side, once the dispatch is in: the rows as values,
+ * which received row visits which local expert (from the ids that came with
+ * the rows), and the experts' buffers. */
 static void ref_plan_receive(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats,
                              moe_status *local)
 {
+    f->recv_values = moe_ep_wire_values(&f->dispatch_wire, f->recv_rows, f->rows_in, f->recv_decoded);
     const moe_index d = ep->cfg->hidden, f_size = ep->cfg->ffn;
     const double t = MPI_Wtime();
     moe_recv_plan_build(&f->recv, &ep->placement, ep->comm.rank, f->recv_meta, f->rows_in,
@@ -133,7 +167,7 @@ static void ref_plan_receive(const moe_ep *ep, moe_ref_forward *f, moe_forward_s
 
 /* Stage experts: one FFN call per local expert, rows in global token order. */
 static void ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats,
-                        moe_ep_capture *capture)
+                        moe_ep_capture *capture, const moe_ref_flight *flight)
 {
     const moe_index d = ep->cfg->hidden;
     const double t = MPI_Wtime();
@@ -141,9 +175,12 @@ static void ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
     const float **row_at = moe_xmalloc(sizeof(float *) * (size_t)f->rows_in + 1);
     for (moe_index m = 0; m < f->rows_in; m++)
         row_at[m] = f->recv_values + m * d;
-    for (int l = 0; l < ep->local_experts; l++)
+    for (int l = 0; l < ep->local_experts; l++) {
         moe_ep_expert(ep, &f->recv, l, row_at, f->recv_meta, f->expert_in, f->scratch,
                       f->expert_out, NULL);
+        if (flight) /* what another schedule has in flight moves */
+            moe_progress_poll(flight->progress);
+    }
     free(row_at);
     stats->expert_flops = moe_gemm_sflops();
     stats->pairs_received = f->recv.pairs;
@@ -156,8 +193,9 @@ static void ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
 }
 
 /* Stage combine: every expert output back to its row's home rank (one
- * blocking MPI_Alltoallv). */
-static void ref_combine(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats)
+ * MPI_Alltoallv, blocking unless flight says where to post it). */
+static void ref_combine(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats,
+                        const moe_ref_flight *flight)
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
     const double t = MPI_Wtime();
@@ -174,9 +212,13 @@ static void ref_combine(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
     const moe_index back = reduced ? f->rows_in : f->recv.pairs;
     if (f->out_wire != (const uint8_t *)values)
         moe_wire_encode(&f->combine_wire, values, NULL, back, f->out_wire);
-    moe_comm_count_posted(f->send_counts, G, me, f->types.combine);
-    MOE_MPI(MPI_Alltoallv(f->out_wire, f->send_counts, f->send_at, f->types.combine, f->back,
-                          f->recv_counts, f->recv_at, f->types.combine, ep->comm.comm));
+    const int op = flight ? flight->op + 1 : 0;
+    ref_alltoallv(ep, flight, op, 0, f->out_wire, f->send_counts, f->send_at, f->back,
+                  f->recv_counts, f->recv_at, f->types.combine);
+    if (flight)
+        ref_launched(ep, flight, op, 1, reduced ? f->send.row_count : f->send.pair_count,
+                     reduced ? f->rows_from : f->recv.source_pairs,
+                     (double)moe_combine_row_bytes(ep->cfg));
     stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
     stats->bytes_combined = (double)back * moe_combine_row_bytes(ep->cfg);
     stats->pairs_back_remote = reduced ? f->send.row_offset[G] - f->send.row_count[me]
@@ -232,12 +274,9 @@ void moe_ep_ref_free(moe_ref_forward *f)
     moe_ep_types_free(&f->types);
 }
 
-int moe_ep_ref_run(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
-                   float *y, moe_forward_stats *stats, moe_ep_capture *capture,
-                   moe_ref_forward *f, moe_status *st)
+static void ref_init(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats)
 {
-    const moe_comm *c = &ep->comm;
-    const int G = c->ranks;
+    const int G = ep->comm.ranks;
     *f = (moe_ref_forward){.counts = moe_xmalloc(sizeof(int) * (size_t)(4 * G)),
                            .rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G)};
     f->send_counts = f->counts;
@@ -247,23 +286,70 @@ int moe_ep_ref_run(const moe_ep *ep, const float *x, const int32_t *ids, const f
     moe_ep_types_create(ep, &f->types);
     f->dispatch_wire = moe_wire_dispatch(ep->cfg);
     f->combine_wire = moe_wire_combine(ep->cfg);
-    moe_status local = {0};
     memset(stats, 0, sizeof *stats);
+}
 
+/* Stages pack and dispatch, timed together. */
+static void ref_pack_dispatch(const moe_ep *ep, const float *x, const int32_t *ids,
+                              const float *weights, moe_ref_forward *f, moe_forward_stats *stats,
+                              const moe_ref_flight *flight)
+{
+    const double t = MPI_Wtime();
+    moe_ep_pack(ep, x, ids, weights, &f->send, -1, f->send_rows, f->send_meta);
+    ref_dispatch(ep, f, stats, flight);
+    stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
+}
+
+int moe_ep_ref_begin(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                     moe_ref_forward *f, moe_forward_stats *stats, const moe_ref_flight *flight,
+                     moe_status *st)
+{
+    moe_status local = {0};
+    ref_init(ep, f, stats);
+    ref_plan(ep, ids, f, stats, &local);
+    if (!moe_ep_agreed(&ep->comm, "plan", &local)) {
+        *st = local;
+        return local.code;
+    }
+    ref_pack_dispatch(ep, x, ids, weights, f, stats, flight);
+    return MOE_EXIT_OK;
+}
+
+void moe_ep_ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats,
+                        const moe_ref_flight *flight)
+{
+    moe_status local = {0};
+    ref_plan_receive(ep, f, stats, &local);
+    if (local.code) /* nothing can be agreed on with operations in flight */
+        moe_comm_abort(&ep->comm, &local);
+    ref_experts(ep, f, stats, NULL, flight);
+    ref_combine(ep, f, stats, flight);
+}
+
+void moe_ep_ref_end(const moe_ep *ep, moe_ref_forward *f, const float *x, const int32_t *ids,
+                    const float *weights, float *y, moe_forward_stats *stats)
+{
+    ref_reduce(ep, f, x, ids, weights, y, stats);
+}
+
+int moe_ep_ref_run(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                   float *y, moe_forward_stats *stats, moe_ep_capture *capture,
+                   moe_ref_forward *f, moe_status *st)
+{
+    const moe_comm *c = &ep->comm;
+    moe_status local = {0};
+    ref_init(ep, f, stats);
     ref_plan(ep, ids, f, stats, &local);
     if (moe_ep_agreed(c, "plan", &local)) {
-        const double t = MPI_Wtime();
-        moe_ep_pack(ep, x, ids, weights, &f->send, -1, f->send_rows, f->send_meta);
-        ref_dispatch(ep, f, stats);
-        stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
+        ref_pack_dispatch(ep, x, ids, weights, f, stats, NULL);
         ref_plan_receive(ep, f, stats, &local);
     }
     if (moe_ep_agreed(c, "dispatch", &local))
-        ref_experts(ep, f, stats, capture);
+        ref_experts(ep, f, stats, capture, NULL);
     /* A rank that failed in its experts (an injected fault stands for it)
      * stops every rank here, before the combine. */
     if (moe_ep_agreed(c, "experts", &local)) {
-        ref_combine(ep, f, stats);
+        ref_combine(ep, f, stats, NULL);
         if (capture && f->sums) { /* the sums as they travelled */
             const size_t bytes = sizeof(float) * (size_t)(f->rows_in * ep->cfg->hidden);
             capture->sums = moe_xmalloc(bytes + 1);

@@ -267,6 +267,35 @@ typedef struct {
     float *back_decoded;               /* (pairs sent, d) decoded, unless fp32 */
 } moe_ref_forward;
 
+/* Where the reference forward's all-to-alls go when a schedule interleaves
+ * it with other work (DualPipe's pairing, ep_backward.c): posted on
+ * progress, the dispatch as operation op and the combine as op + 1, under
+ * the link model; the caller waits for each before the next step. */
+typedef struct {
+    moe_progress *progress;
+    int op;
+    const moe_link *link;
+    moe_link_state *links;
+} moe_ref_flight;
+
+/* The reference forward in three steps, its all-to-alls in flight:
+ *   moe_ep_ref_begin     plan (one count exchange, agreed on: collective),
+ *                        pack, post the dispatch; MOE_EXIT_OK or the
+ *                        collective error, in st
+ *   moe_ep_ref_experts   once the dispatch is in: the receive plan, the
+ *                        experts (polling between them), post the combine;
+ *                        a buffer that cannot be allocated ends the job
+ *   moe_ep_ref_end       once the combine is in: reduce, shared experts
+ * The same computations as moe_ep_ref_run: the same bits. f is freed with
+ * moe_ep_ref_free whatever the result. */
+int moe_ep_ref_begin(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                     moe_ref_forward *f, moe_forward_stats *stats, const moe_ref_flight *flight,
+                     moe_status *st);
+void moe_ep_ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats,
+                        const moe_ref_flight *flight);
+void moe_ep_ref_end(const moe_ep *ep, moe_ref_forward *f, const float *x, const int32_t *ids,
+                    const float *weights, float *y, moe_forward_stats *stats);
+
 /* The blocking reference forward (moe_ep_forward_ref) keeping its plan and
  * buffers in *f, which the caller frees with moe_ep_ref_free whatever the
  * result. Collective. */

@@ -10,7 +10,9 @@
  *   1. a second step gives the same bits (every gradient tensor), and so
  *      does the backward with its all-to-alls in flight (moe_ep_backward_step,
  *      poll and thread progress), in 1 wave and, with packed or exact
- *      GEMMs, in 2, 3 and T+1 waves;
+ *      GEMMs, in 2, 3 and T+1 waves; so do the pairs of micro-batches
+ *      (moe_ep_pair_step: serial, waves, DualPipe's pairing), whose
+ *      forward output is also the blocking forward's;
  *   2. dx of this rank's tokens against every rank's computing the whole
  *      layer (G*T tokens) alone on MPI_COMM_SELF: bitwise with --np1
  *      bitwise (--combine pairs: the home rank sums per pair in slot order,
@@ -39,8 +41,10 @@
  * dy, moe_ep_backward_ref into g (allocated here). */
 static double remote_reported; /* the last step's bytes to other ranks, as its stats say */
 
-static int step(const moe_comm *c, const moe_config *cfg, moe_ep *ep, const moe_schedule *sched,
-                moe_ep_grads *g)
+/* pair -1: moe_ep_backward_step; else moe_ep_pair_step in that mode. The
+ * layer's output (B's, for a pair) into y_out when not NULL. */
+static int pair_step(const moe_comm *c, const moe_config *cfg, moe_ep *ep,
+                     const moe_schedule *sched, int pair, moe_ep_grads *g, float *y_out)
 {
     const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
     moe_status st = {0};
@@ -57,7 +61,13 @@ static int step(const moe_comm *c, const moe_config *cfg, moe_ep *ep, const moe_
     moe_forward_stats fwd;
     moe_backward_stats bwd;
     moe_ep_grads_init(ep, g);
-    const int rc = moe_ep_backward_step(ep, sched, x, logits, ids, weights, dy, y, g, &fwd, &bwd, &st);
+    double seconds;
+    const int rc = pair < 0 ? moe_ep_backward_step(ep, sched, x, logits, ids, weights, dy, y, g,
+                                                   &fwd, &bwd, &st)
+                            : moe_ep_pair_step(ep, sched, (enum moe_pair_mode)pair, x, logits, ids,
+                                               weights, dy, y, g, &fwd, &bwd, &seconds, &st);
+    if (y_out)
+        memcpy(y_out, y, sizeof(float) * (size_t)(T * d));
     if (rc)
         fprintf(stderr, "ep_backward_test: %s\n", st.message);
     remote_reported = (double)fwd.rows_sent_remote * moe_dispatch_row_bytes(cfg) +
@@ -70,6 +80,12 @@ static int step(const moe_comm *c, const moe_config *cfg, moe_ep *ep, const moe_
     free(dy);
     free(x);
     return rc;
+}
+
+static int step(const moe_comm *c, const moe_config *cfg, moe_ep *ep, const moe_schedule *sched,
+                moe_ep_grads *g)
+{
+    return pair_step(c, cfg, ep, sched, -1, g, NULL);
 }
 
 /* Compare n values; bitwise, or within rel of rms(want) + |want|. */
@@ -183,6 +199,40 @@ int main(int argc, char **argv)
             failures += same_bits(what, r, &ep, &overlapped, &g);
             moe_ep_grads_free(&overlapped);
         }
+
+    /* DualPipe's pairing (and the serial and wave-only pairs it is
+     * measured against): micro-batch B's output and A's gradients are the
+     * blocking step's bits, at W = 1 and 3, both progress modes (packed or
+     * exact GEMMs: the wave forward and the waves of the backward keep the
+     * bits). */
+    {
+        float *y_ref = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+        float *y_pair = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+        moe_ep_grads ref_again;
+        failures += pair_step(&world, &cfg, &ep, NULL, -1, &ref_again, y_ref) != 0;
+        moe_ep_grads_free(&ref_again);
+        static const char *const modes[] = {"serial", "waves", "dualpipe"};
+        for (int mode = MOE_PAIR_SERIAL; rows_independent && mode <= MOE_PAIR_DUALPIPE; mode++)
+            for (int n = 0; n < 2; n++) {
+                moe_schedule sched = moe_schedule_default(&ep);
+                sched.progress = moe_progress_granted(
+                    &world, (enum moe_progress_kind)(n ? MOE_PROGRESS_THREAD : MOE_PROGRESS_POLL));
+                sched.waves = n ? 3 : 1;
+                sched.wave_by = MOE_WAVE_BY_TOKENS;
+                moe_ep_grads paired;
+                char what[64];
+                snprintf(what, sizeof what, "pair %s (W = %d, %s)", modes[mode], sched.waves,
+                         n ? "thread" : "poll");
+                failures += pair_step(&world, &cfg, &ep, &sched, mode, &paired, y_pair) != 0;
+                failures += same_bits(what, r, &ep, &paired, &g);
+                char output[80];
+                snprintf(output, sizeof output, "y of B, %s", what);
+                failures += compare(output, r, y_pair, y_ref, T * d, true, 0.0);
+                moe_ep_grads_free(&paired);
+            }
+        free(y_pair);
+        free(y_ref);
+    }
 
     /* The replicated gradients are the same bits on every rank. */
     float *rank0 = moe_xmalloc(sizeof(float) * (size_t)(E * d + S * 3 * f * d) + 1);
