@@ -41,6 +41,9 @@ enum moe_dispatch_kind { MOE_DISPATCH_FLAT, MOE_DISPATCH_HIERARCHICAL };
 /* What the combine sends back: every (token, expert) output, or per
  * (token, rank) the rank's gate-weighted outputs summed at the source. */
 enum moe_combine_kind { MOE_COMBINE_PAIRS, MOE_COMBINE_REDUCED };
+/* What bench --backward times: one micro-batch's training step, or pairs of
+ * micro-batches (serial, waves, DualPipe's pairing, both). */
+enum moe_schedule_kind { MOE_SCHEDULE_STEP, MOE_SCHEDULE_DUALPIPE };
 
 typedef struct {
     char preset[MOE_NAME_MAX]; /* name or path of the preset applied, "" if none */
@@ -81,6 +84,7 @@ typedef struct {
     int weight_at;               /* enum moe_weight_at */
     /* moe-ep bench */
     int64_t warmup;              /* untimed forwards before each wave count */
+    int schedule;                /* enum moe_schedule_kind */
     char csv[MOE_NAME_MAX];      /* table as CSV, "" for none */
     char plot[MOE_NAME_MAX];     /* SVG plot of layer time and overlap against W */
     char dump[MOE_NAME_MAX];     /* golden set directory, "" for none */

@@ -271,6 +271,141 @@ static void write_plot(FILE *out, const void *arg)
             left, top + height + 44, left + 200, top + height + 44);
 }
 
+/* bench --backward --schedule dualpipe: pairs of micro-batches, B's
+ * forward with A's backward (moe_ep_pair_step), four ways per W. */
+enum { PAIR_SERIAL, PAIR_WAVES, PAIR_DUALPIPE_ONLY, PAIR_BOTH, PAIR_KINDS };
+static const char *const pair_names[PAIR_KINDS] = {"serial", "waves only", "DualPipe only",
+                                                   "both"};
+
+typedef struct {
+    int waves;
+    double seconds[PAIR_KINDS];  /* median over pairs of the max over ranks */
+    double differ;               /* values of y and the gradients unlike the serial pair's */
+} pair_row;
+
+/* The median time of one way at W, after the warm-up; y and g hold the last
+ * pair's output and gradients. */
+static int time_pairs(moe_run_context *ctx, int kind, int W, float *y, moe_ep_grads *g,
+                      double *median)
+{
+    static const enum moe_pair_mode modes[PAIR_KINDS] = {MOE_PAIR_SERIAL, MOE_PAIR_WAVES,
+                                                         MOE_PAIR_DUALPIPE, MOE_PAIR_DUALPIPE};
+    const int iters = (int)ctx->cfg.iters, warmup = (int)ctx->cfg.warmup;
+    moe_schedule sched = ctx->schedule;
+    sched.waves = kind == PAIR_DUALPIPE_ONLY ? 1 : W;
+    double *t = moe_xmalloc(sizeof(double) * (size_t)iters);
+    int rc = MOE_EXIT_OK;
+    for (int it = -warmup; it < iters && rc == MOE_EXIT_OK; it++) {
+        moe_forward_stats fwd;
+        moe_backward_stats bwd;
+        double seconds = 0.0;
+        rc = moe_ep_pair_step(&ctx->ep, &sched, modes[kind], ctx->x, ctx->logits, ctx->ids,
+                              ctx->weights, ctx->dy, y, g, &fwd, &bwd, &seconds, &ctx->status);
+        if (it >= 0)
+            t[it] = moe_comm_max(ctx->comm, seconds);
+    }
+    *median = rc == MOE_EXIT_OK ? moe_median(t, iters) : 0.0;
+    free(t);
+    return rc;
+}
+
+/* Values of (y, g) unlike (y0, g0). */
+static double count_differ(const moe_ep *ep, const float *y, const moe_ep_grads *g,
+                           const float *y0, const moe_ep_grads *g0)
+{
+    const float *a[MOE_EP_GRAD_TENSORS], *b[MOE_EP_GRAD_TENSORS];
+    moe_index n[MOE_EP_GRAD_TENSORS];
+    moe_ep_grads_tensors(ep, g, a, n);
+    moe_ep_grads_tensors(ep, g0, b, n);
+    double differ = 0.0;
+    for (moe_index m = 0; m < ep->cfg->tokens * ep->cfg->hidden; m++)
+        differ += memcmp(&y[m], &y0[m], sizeof(float)) != 0;
+    for (int t = 0; t < MOE_EP_GRAD_TENSORS; t++)
+        for (moe_index m = 0; m < n[t]; m++)
+            differ += memcmp(&a[t][m], &b[t][m], sizeof(float)) != 0;
+    return differ;
+}
+
+static void write_pairs_csv(FILE *out, const void *arg)
+{
+    const pair_row *rows = arg;
+    fprintf(out, "waves,serial_ms,waves_only_ms,dualpipe_only_ms,both_ms,values_differ\n");
+    for (const pair_row *r = rows; r->waves; r++)
+        fprintf(out, "%d,%.3f,%.3f,%.3f,%.3f,%.0f\n", r->waves, 1e3 * r->seconds[PAIR_SERIAL],
+                1e3 * r->seconds[PAIR_WAVES], 1e3 * r->seconds[PAIR_DUALPIPE_ONLY],
+                1e3 * r->seconds[PAIR_BOTH], r->differ);
+}
+
+static int bench_pairs(moe_run_context *ctx)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_config *cfg = &ctx->cfg;
+    const moe_index n = cfg->tokens * cfg->hidden;
+    pair_row rows[MOE_MAX_WAVE_RUNS + 1];
+    memset(rows, 0, sizeof rows);
+    float *y0 = moe_xmalloc(sizeof(float) * (size_t)n), *y = moe_xmalloc(sizeof(float) * (size_t)n);
+    moe_ep_grads g0, g;
+    moe_ep_grads_init(&ctx->ep, &g0);
+    moe_ep_grads_init(&ctx->ep, &g);
+    moe_ep_route(&ctx->ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
+    int rc = MOE_EXIT_OK;
+    double serial = 0.0, dualpipe_only = 0.0; /* they do not depend on W */
+    for (int w = 0; rc == MOE_EXIT_OK && w < cfg->waves_count; w++) {
+        pair_row *row = &rows[w];
+        row->waves = (int)cfg->waves_list[w];
+        if (c->rank == 0)
+            fprintf(stderr, "bench: W = %d: pairs of micro-batches, %lld warm-up and %lld timed "
+                            "per way\n", row->waves, (long long)cfg->warmup, (long long)cfg->iters);
+        for (int kind = 0; rc == MOE_EXIT_OK && kind < PAIR_KINDS; kind++) {
+            if (w > 0 && (kind == PAIR_SERIAL || kind == PAIR_DUALPIPE_ONLY)) {
+                row->seconds[kind] = kind == PAIR_SERIAL ? serial : dualpipe_only;
+                continue;
+            }
+            const bool reference = w == 0 && kind == PAIR_SERIAL;
+            rc = time_pairs(ctx, kind, row->waves, reference ? y0 : y, reference ? &g0 : &g,
+                            &row->seconds[kind]);
+            if (!reference && rc == MOE_EXIT_OK)
+                row->differ += moe_comm_sum(c, count_differ(&ctx->ep, y, &g, y0, &g0));
+        }
+        serial = row->seconds[PAIR_SERIAL];
+        dualpipe_only = row->seconds[PAIR_DUALPIPE_ONLY];
+    }
+    moe_status local = {0};
+    if (rc == MOE_EXIT_OK && c->rank == 0) {
+        printf("pairs     micro-batch B's forward with micro-batch A's backward (the same "
+               "tokens), ms per pair, median of %lld, max over ranks; A's forward is done before\n"
+               "          serial: B's blocking forward, then A's blocking backward · waves only: "
+               "B's wave forward, then A's backward in W waves · DualPipe only: B's forward "
+               "stages where A's all-to-alls are in flight and the other way round, A's backward "
+               "in one wave · both: the pairing with A's backward in W waves\n",
+               (long long)cfg->iters);
+        printf("%4s %10s %11s %14s %10s %16s  %s\n", "W", pair_names[0], pair_names[1],
+               pair_names[2], pair_names[3], "best vs serial", "bits vs serial");
+        for (const pair_row *r = rows; r->waves; r++) {
+            double best = r->seconds[PAIR_SERIAL];
+            for (int kind = 1; kind < PAIR_KINDS; kind++)
+                best = fmin(best, r->seconds[kind]);
+            printf("%4d %10.2f %11.2f %14.2f %10.2f %15.2fx  %s (%.0f values differ)\n", r->waves,
+                   1e3 * r->seconds[PAIR_SERIAL], 1e3 * r->seconds[PAIR_WAVES],
+                   1e3 * r->seconds[PAIR_DUALPIPE_ONLY], 1e3 * r->seconds[PAIR_BOTH],
+                   r->seconds[PAIR_SERIAL] / best, r->differ == 0.0 ? "identical" : "differ",
+                   r->differ);
+        }
+        fflush(stdout);
+        if (cfg->csv[0])
+            moe_write_file_atomic(cfg->csv, write_pairs_csv, rows, &local);
+    }
+    if (rc == MOE_EXIT_OK && moe_comm_agree(c, &local)) {
+        ctx->status = local;
+        rc = local.code;
+    }
+    moe_ep_grads_free(&g);
+    moe_ep_grads_free(&g0);
+    free(y);
+    free(y0);
+    return rc;
+}
+
 static void print_usage(FILE *out)
 {
     fprintf(out,
@@ -291,6 +426,13 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
     int rc = moe_context_open(&ctx, c, MOE_CMD_BENCH, argc, argv);
     if (rc)
         return rc;
+    if (ctx.cfg.schedule == MOE_SCHEDULE_DUALPIPE) {
+        rc = bench_pairs(&ctx);
+        if (rc)
+            moe_comm_print_error(c, &ctx.status);
+        moe_context_close(&ctx);
+        return rc;
+    }
     const moe_config *cfg = &ctx.cfg;
     const moe_run_summary *s = &ctx.summary;
     const moe_forward_stats *probe = &ctx.last; /* this rank's rows and pairs */

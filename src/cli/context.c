@@ -91,6 +91,16 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
                      "--waves W1,W2,... sweeps the forward's wave pipeline, and run --backward "
                      "runs one schedule (the blocking forward, its backward in W waves): give "
                      "one --waves, or sweep them with moe-ep bench --backward");
+        if (command == MOE_CMD_BENCH && cfg->schedule == MOE_SCHEDULE_DUALPIPE &&
+            !cfg->backward && st->code == MOE_EXIT_OK)
+            moe_fail(st, MOE_EXIT_USAGE,
+                     "--schedule dualpipe pairs one micro-batch's forward with another's "
+                     "backward: add --backward");
+        if (command == MOE_CMD_BENCH && cfg->schedule == MOE_SCHEDULE_DUALPIPE && cfg->plot[0] &&
+            st->code == MOE_EXIT_OK)
+            moe_fail(st, MOE_EXIT_USAGE,
+                     "--plot draws the wave sweep of one micro-batch; with --schedule dualpipe "
+                     "write the table with --csv");
         if (command == MOE_CMD_BENCH && cfg->blocking && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
         if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)

@@ -69,6 +69,8 @@ static const flag_choice wave_by_choices[] = {
     {"auto", MOE_WAVE_BY_AUTO}, {"experts", MOE_WAVE_BY_EXPERTS}, {"tokens", MOE_WAVE_BY_TOKENS}, {NULL, 0}};
 static const flag_choice dispatch_choices[] = {
     {"flat", MOE_DISPATCH_FLAT}, {"hierarchical", MOE_DISPATCH_HIERARCHICAL}, {NULL, 0}};
+static const flag_choice schedule_choices[] = {
+    {"step", MOE_SCHEDULE_STEP}, {"dualpipe", MOE_SCHEDULE_DUALPIPE}, {NULL, 0}};
 static const flag_choice combine_choices[] = {
     {"reduced", MOE_COMBINE_REDUCED}, {"pairs", MOE_COMBINE_PAIRS}, {NULL, 0}};
 static const flag_choice fp8_scale_choices[] = {
@@ -137,6 +139,7 @@ static const flag_spec flags[] = {
     {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R|auto", NULL, "auto", "ranks per node: virtual nodes of R consecutive ranks (0 = one node), or auto: the machines the ranks run on", RUN},
     {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, NULL, "false", "add the same forward (with --backward: step) at W = 1 to the timeline", RUN},
     {"warmup", FLAG_INT, FIELD(warmup), 0, 1000, "N", NULL, "2", "untimed forwards before each wave count", BENCH},
+    {"schedule", FLAG_CHOICE, FIELD(schedule), 0, 0, NULL, schedule_choices, "step", "with --backward: time one micro-batch's steps, or pairs of micro-batches serial, in waves, with DualPipe's pairing, and both (docs/backward.md)", BENCH},
     {"csv", FLAG_TEXT, FIELD(csv), 0, 0, "FILE", NULL, "", "write the table as CSV", BENCH},
     {"plot", FLAG_TEXT, FIELD(plot), 0, 0, "FILE.svg", NULL, "", "plot layer time and overlap against W", BENCH},
     {"layers", FLAG_INT, FIELD(layers), 1, 1000, "L", NULL, "1", "transformer layers", PLAN},
