@@ -319,6 +319,23 @@ void moe_router_backward(const moe_router *r, const double *logits, const int32_
     }
 }
 
+/* dst[c] += g * src[c] for c < n, a multiply then an add (no contraction),
+ * in fp64: one term of each of n sums. */
+static inline void add_scaled(double *dst, double g, const float *src, int n)
+{
+    for (int c = 0; c < n; c++)
+        dst[c] += g * (double)src[c];
+}
+
+/* Both products in blocks of GATE_COLS columns of d whose partial sums stay
+ * in registers over the whole sum (over e for dx, over tokens for dgate_w),
+ * vectorised along the block: each element's terms in the same order as
+ * the definition in backward.h, so the bits do not depend on the ISA. The
+ * dgate_w block's column of x (tokens x 16 floats) stays in L1 across the
+ * experts. */
+enum { GATE_COLS = 16 };
+
+__attribute__((target_clones("avx2", "default")))
 void moe_gate_backward(const double *dlogits, const float *gate, const float *x, moe_index tokens,
                        moe_index hidden, int experts, double *dx, double *dgate_w)
 {
@@ -326,19 +343,32 @@ void moe_gate_backward(const double *dlogits, const float *gate, const float *x,
     if (dx)
 #pragma omp parallel for schedule(static)
         for (moe_index i = 0; i < tokens; i++)
-            for (moe_index e = 0; e < E; e++) {
-                const double g = dlogits[i * E + e];
-                for (moe_index j = 0; j < d; j++)
-                    dx[i * d + j] += g * (double)gate[e * d + j];
+            for (moe_index j = 0; j < d; j += GATE_COLS) {
+                const int n = d - j < GATE_COLS ? (int)(d - j) : GATE_COLS;
+                double acc[GATE_COLS];
+                memcpy(acc, dx + i * d + j, sizeof(double) * (size_t)n);
+                for (moe_index e = 0; e < E; e++)
+                    if (n == GATE_COLS)
+                        add_scaled(acc, dlogits[i * E + e], gate + e * d + j, GATE_COLS);
+                    else
+                        add_scaled(acc, dlogits[i * E + e], gate + e * d + j, n);
+                memcpy(dx + i * d + j, acc, sizeof(double) * (size_t)n);
             }
     if (dgate_w)
 #pragma omp parallel for schedule(static)
-        for (moe_index e = 0; e < E; e++)
-            for (moe_index i = 0; i < tokens; i++) {
-                const double g = dlogits[i * E + e];
-                for (moe_index j = 0; j < d; j++)
-                    dgate_w[e * d + j] += g * (double)x[i * d + j];
+        for (moe_index j = 0; j < d; j += GATE_COLS) {
+            const int n = d - j < GATE_COLS ? (int)(d - j) : GATE_COLS;
+            for (moe_index e = 0; e < E; e++) {
+                double acc[GATE_COLS];
+                memcpy(acc, dgate_w + e * d + j, sizeof(double) * (size_t)n);
+                for (moe_index i = 0; i < tokens; i++)
+                    if (n == GATE_COLS)
+                        add_scaled(acc, dlogits[i * E + e], x + i * d + j, GATE_COLS);
+                    else
+                        add_scaled(acc, dlogits[i * E + e], x + i * d + j, n);
+                memcpy(dgate_w + e * d + j, acc, sizeof(double) * (size_t)n);
             }
+        }
 }
 
 void moe_router_gate_backward(const moe_router *r, const float *gate, const float *x,
