@@ -47,6 +47,12 @@ moe_index moe_expert_grad_w2_floats(enum moe_gemm_kind gemm, moe_index hidden, m
 void moe_expert_grad_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn,
                             const float *w1, const float *w2, float *w1g, float *w2g);
 
+/* The same floats from the forward's layout of them (moe_expert_layout):
+ * the backward's copy need not be kept, one expert's is made when its data
+ * gradient runs. */
+void moe_expert_grad_layout_from_forward(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn,
+                                         const moe_expert_weights *fw, float *w1g, float *w2g);
+
 /* What a batch keeps between its data and weight gradients, row i of each
  * for row i of the batch: dO (n, d), dH (n, 2f) and a' (n, f). */
 typedef struct {

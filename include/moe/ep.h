@@ -49,10 +49,6 @@ typedef struct moe_ep_s {
     float *shared_w1;  /* (S, ...) */
     float *shared_w2;  /* (S, ...) */
     float *gate;       /* (E, d) */
-    /* With --backward: the weights as the backward's data GEMMs take them
-     * (backward.h, moe_expert_grad_layout); NULL without. */
-    float *w1g, *w2g;               /* (EL, ...) */
-    float *shared_w1g, *shared_w2g; /* (S, ...) */
     float *bias;       /* (E) deepseek-v3 correction bias, NULL without */
     float *skew;       /* (E) --skew logit bias, NULL without */
     int32_t *replay_ids;   /* (T, k) --routing: this rank's ids, replacing the router's; NULL: none */

@@ -100,14 +100,6 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     ep->shared_w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
     ep->shared_w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
     ep->gate = moe_try_malloc(sizeof(float) * (size_t)(cfg->experts * d), "the gate", comm->rank, &local);
-    const size_t g1_size = (size_t)moe_expert_grad_w1_floats(ep->gemm, d, f);
-    const size_t g2_size = (size_t)moe_expert_grad_w2_floats(ep->gemm, d, f);
-    if (cfg->backward) {
-        ep->w1g = moe_try_malloc(sizeof(float) * g1_size * (size_t)ep->local_experts + 1, "expert W1 (backward)", comm->rank, &local);
-        ep->w2g = moe_try_malloc(sizeof(float) * g2_size * (size_t)ep->local_experts + 1, "expert W2 (backward)", comm->rank, &local);
-        ep->shared_w1g = moe_try_malloc(sizeof(float) * g1_size * (size_t)S + 1, "shared W1 (backward)", comm->rank, &local);
-        ep->shared_w2g = moe_try_malloc(sizeof(float) * g2_size * (size_t)S + 1, "shared W2 (backward)", comm->rank, &local);
-    }
     ep->work = moe_xcalloc(1, sizeof *ep->work);
     moe_fault_here(comm, "generate", &local);
     if (moe_comm_agree(comm, &local)) {
@@ -128,12 +120,6 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
         moe_precision_weights(cfg->param_dtype, w1, 2 * f * d);
         moe_precision_weights(cfg->param_dtype, w2, d * f);
         moe_expert_layout(ep->gemm, d, f, w1, w2, dst1, dst2);
-        if (cfg->backward) {
-            const size_t at = (size_t)(shared ? n - ep->local_experts : n);
-            moe_expert_grad_layout(ep->gemm, d, f, w1, w2,
-                                   (shared ? ep->shared_w1g : ep->w1g) + at * g1_size,
-                                   (shared ? ep->shared_w2g : ep->w2g) + at * g2_size);
-        }
     }
     free(w2);
     free(w1);
@@ -163,10 +149,6 @@ void moe_ep_free(moe_ep *ep)
     free(ep->shared_w1);
     free(ep->shared_w2);
     free(ep->gate);
-    free(ep->w1g);
-    free(ep->w2g);
-    free(ep->shared_w1g);
-    free(ep->shared_w2g);
     free(ep->bias);
     free(ep->skew);
     free(ep->replay_ids);
@@ -187,7 +169,6 @@ void moe_ep_free(moe_ep *ep)
         ep->work = NULL;
     }
     ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = ep->bias = ep->skew = NULL;
-    ep->w1g = ep->w2g = ep->shared_w1g = ep->shared_w2g = NULL;
     ep->replay_ids = NULL;
     ep->replay_weights = NULL;
 }
@@ -230,12 +211,19 @@ moe_expert_weights moe_ep_weights(const moe_ep *ep, bool shared, int n)
                                 (shared ? ep->shared_w2 : ep->w2) + (size_t)n * size2};
 }
 
-moe_expert_grad_weights moe_ep_grad_weights(const moe_ep *ep, bool shared, int n)
+moe_index moe_ep_grad_weights_floats(const moe_ep *ep)
 {
-    const size_t size1 = (size_t)moe_expert_grad_w1_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
-    const size_t size2 = (size_t)moe_expert_grad_w2_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
-    return (moe_expert_grad_weights){(shared ? ep->shared_w1g : ep->w1g) + (size_t)n * size1,
-                                     (shared ? ep->shared_w2g : ep->w2g) + (size_t)n * size2};
+    return moe_expert_grad_w1_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn) +
+           moe_expert_grad_w2_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
+}
+
+moe_expert_grad_weights moe_ep_grad_weights(const moe_ep *ep, bool shared, int n, float *scratch)
+{
+    const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
+    const moe_expert_weights fw = moe_ep_weights(ep, shared, n);
+    float *w2g = scratch + moe_expert_grad_w1_floats(ep->gemm, d, f);
+    moe_expert_grad_layout_from_forward(ep->gemm, d, f, &fw, scratch, w2g);
+    return (moe_expert_grad_weights){scratch, w2g};
 }
 
 const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch)

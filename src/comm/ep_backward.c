@@ -304,6 +304,7 @@ typedef struct {
     moe_index *at;  /* (n) position in the expert-ordered pair lists */
     moe_index *row, *pair;
     float *x, *dy, *out, *dx, *gate, *dg;
+    float *weights; /* the expert's, laid out for its data GEMMs */
     moe_expert_grad_work work; /* when the wave has some of the expert's rows only */
 } dgrad_batch;
 
@@ -328,6 +329,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     q.dx = q.out + most * d;
     q.gate = q.dx + most * d;
     q.dg = q.gate + most;
+    q.weights = moe_xmalloc(sizeof(float) * (size_t)moe_ep_grad_weights_floats(ep));
     if (b->W > 1)
         q.work = moe_expert_grad_work_alloc(most, d, ff);
     const double t = MPI_Wtime();
@@ -357,7 +359,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
         const moe_expert_grad_work work = whole ? moe_expert_grad_work_rows(&b->work, first, d, ff)
                                                 : q.work;
         const moe_expert_weights fw = moe_ep_weights(ep, false, l);
-        const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, false, l);
+        const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, false, l, q.weights);
         moe_expert_backward_data(&fw, &bw, ep->gemm, q.x, q.dy, q.gate, q.out, cfg->weight_at, n,
                                  d, ff, &work, q.dx, q.dg);
         if (!whole) {
@@ -374,6 +376,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     compute_event(b, MOE_EVENT_DGRAD, w, t, rows);
     if (b->W > 1)
         moe_expert_grad_work_free(&q.work);
+    free(q.weights);
     free(q.x);
     free(q.at);
 }
@@ -450,10 +453,11 @@ static void shared_backward(const moe_ep *ep, const float *x, const float *dy, b
     const double t = MPI_Wtime();
     float *dx = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * d));
     moe_expert_grad_work work = moe_expert_grad_work_alloc(T, d, ff); /* all T rows, for the wgrad */
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)moe_ep_grad_weights_floats(ep));
     memset(b->shared_dx, 0, sizeof(float) * (size_t)(T * d));
     for (int s = 0; s < (int)cfg->shared_experts; s++) {
         const moe_expert_weights fw = moe_ep_weights(ep, true, s);
-        const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, true, s);
+        const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, true, s, weights);
         for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
             const moe_index n = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
             const moe_expert_grad_work block = moe_expert_grad_work_rows(&work, first, d, ff);
@@ -468,6 +472,7 @@ static void shared_backward(const moe_ep *ep, const float *x, const float *dy, b
         poll(b);
     }
     moe_expert_grad_work_free(&work);
+    free(weights);
     free(dx);
     stats->seconds[MOE_BWD_SHARED] += MPI_Wtime() - t;
     compute_event(b, MOE_EVENT_SHARED_BWD, -1, t, T);

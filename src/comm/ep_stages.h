@@ -214,10 +214,12 @@ void moe_ep_reduce_rows(const moe_ep *ep, const moe_placement *to, const int32_t
                         const moe_waves *waves, const float *const *from, int count, float *y);
 
 /* Local routed expert n's weights (shared: shared expert n's) as the
- * forward's GEMMs take them, and as the backward's data GEMMs do (with
- * --backward). */
+ * forward's GEMMs take them; and as the backward's data GEMMs do, laid out
+ * from those into scratch (moe_ep_grad_weights_floats): the rank keeps one
+ * copy of its weights, not two. */
 moe_expert_weights moe_ep_weights(const moe_ep *ep, bool shared, int n);
-moe_expert_grad_weights moe_ep_grad_weights(const moe_ep *ep, bool shared, int n);
+moe_index moe_ep_grad_weights_floats(const moe_ep *ep);
+moe_expert_grad_weights moe_ep_grad_weights(const moe_ep *ep, bool shared, int n, float *scratch);
 
 /* Rows of the work buffers the experts stage needs for recv: its largest
  * expert batch, and at least a shared-expert block (the shared stage reuses

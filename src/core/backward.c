@@ -40,6 +40,45 @@ void moe_expert_grad_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index
     operand(gemm, hidden, ffn, w2, w2g);
 }
 
+/* Bp = B (N, K) as the operand Bt (K' = N, N' = K) of gemm, from fwd, its
+ * layout as the forward's operand (experts.c: B transposed, or packed by
+ * moe_sgemm_pack). Packed, both are panels of 16: the forward's panel p
+ * holds B's rows 16p..16p+15 as [k][row], the backward's panel q B's
+ * columns 16q..16q+15 as [row][column], so each 16 x 16 block of B is one
+ * contiguous kilobyte in both, transposed. */
+enum { GRAD_P = 16 }; /* moe_sgemm_pack's panel width */
+
+__attribute__((target_clones("avx2", "default")))
+static void operand_from_forward(enum moe_gemm_kind gemm, moe_index N, moe_index K, const float *fwd,
+                                 float *Bp)
+{
+    if (gemm != MOE_GEMM_PACKED) {
+        moe_transpose(K, N, fwd, Bp);
+        return;
+    }
+    const moe_index P = GRAD_P, panels = (K + P - 1) / P;
+    for (moe_index q = 0; q < panels; q++) {
+        const moe_index cols = K - q * P < P ? K - q * P : P;
+        for (moe_index r0 = 0; r0 < N; r0 += P) {
+            const moe_index rows = N - r0 < P ? N - r0 : P;
+            const float *src = fwd + r0 / P * K * P + q * P * P; /* [column][row] */
+            float *dst = Bp + q * N * P + r0 * P;                /* [row][column] */
+            float block[GRAD_P][GRAD_P] = {{0}};
+            for (moe_index c = 0; c < cols; c++)
+                for (moe_index r = 0; r < P; r++)
+                    block[r][c] = src[c * P + r];
+            memcpy(dst, block, sizeof(float) * (size_t)(rows * P));
+        }
+    }
+}
+
+void moe_expert_grad_layout_from_forward(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn,
+                                         const moe_expert_weights *fw, float *w1g, float *w2g)
+{
+    operand_from_forward(gemm, 2 * ffn, hidden, fw->w1t, w1g);
+    operand_from_forward(gemm, hidden, ffn, fw->w2t, w2g);
+}
+
 moe_expert_grad_work moe_expert_grad_work_alloc(moe_index n, moe_index hidden, moe_index ffn)
 {
     float *block = moe_xmalloc(sizeof(float) * (size_t)(n * (hidden + 3 * ffn)) + 1);

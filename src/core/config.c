@@ -779,13 +779,13 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
     if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */
         bytes += T * (3.0 * d + 3.0 * f + 1.0) * 8.0 + 2.0 * T * d * 8.0 + 3.0 * f * d * 12.0 + T * d * 4.0;
     if (cfg->backward) {
-        /* The weights laid out for the backward, the gradients (routed,
-         * shared, gate, dx) and dy; the step's buffers: dy received, dx per
+        /* One expert's weights laid out for the backward, the gradients
+         * (routed, shared, gate, dx) and dy; the step's buffers: dy received, dx per
          * pair and back home, an expert batch's rows and backward work
          * (x, dy, outputs, dx, dO, dH, a'), the wgrad operands, the shared
          * experts' work on T rows, the fp64 sums over ranks, the router's
          * fp64 gradient. */
-        bytes += 2.0 * (EL + S) * expert_bytes + E * d * 4.0 + 2.0 * T * d * 4.0;
+        bytes += (EL + S + 1.0) * expert_bytes + E * d * 4.0 + 2.0 * T * d * 4.0;
         bytes += 3.0 * T * k * d * 4.0 + T * k * (4.0 * d + d + 3.0 * f) * 4.0 +
                  2.0 * T * k * (d + 2.0 * f) * 4.0 + T * (2.0 * d + 3.0 * f) * 4.0 + T * d * 4.0;
         bytes += fmax(E * d, S * 2.0 * f * d) * 8.0 + (65536.0 * G) * 8.0 + T * (E + d) * 8.0;

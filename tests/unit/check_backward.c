@@ -343,12 +343,41 @@ START_TEST(fp32_backward_matches_fp64)
 }
 END_TEST
 
+/* The backward's layout made from the forward's holds the same floats as the
+ * one made from the generated weights, at sizes that leave partial panels
+ * both ways (d = 37, f = 21: 2f = 42). */
+START_TEST(grad_layout_from_forward_is_grad_layout)
+{
+    enum { DD = 37, FF = 21 };
+    const enum moe_gemm_kind kind = (enum moe_gemm_kind)_i;
+    float w1[2 * FF * DD], w2[DD * FF];
+    moe_expert_generate(9, 3, DD, FF, w1, w2);
+    const moe_index n1 = moe_expert_grad_w1_floats(kind, DD, FF);
+    const moe_index n2 = moe_expert_grad_w2_floats(kind, DD, FF);
+    float *w1t = malloc(sizeof(float) * moe_expert_w1_floats(kind, DD, FF));
+    float *w2t = malloc(sizeof(float) * moe_expert_w2_floats(kind, DD, FF));
+    float *want = malloc(sizeof(float) * (size_t)(n1 + n2));
+    float *got = malloc(sizeof(float) * (size_t)(n1 + n2));
+    memset(got, 0xff, sizeof(float) * (size_t)(n1 + n2)); /* NaNs where nothing is written */
+    moe_expert_layout(kind, DD, FF, w1, w2, w1t, w2t);
+    moe_expert_grad_layout(kind, DD, FF, w1, w2, want, want + n1);
+    const moe_expert_weights fw = {w1t, w2t};
+    moe_expert_grad_layout_from_forward(kind, DD, FF, &fw, got, got + n1);
+    ck_assert(memcmp(got, want, sizeof(float) * (size_t)(n1 + n2)) == 0);
+    free(got);
+    free(want);
+    free(w2t);
+    free(w1t);
+}
+END_TEST
+
 Suite *make_backward_suite(void)
 {
     Suite *s = suite_create("backward");
     TCase *tc = tcase_create("core");
     tcase_add_loop_test(tc, gradients_match_finite_differences, 0, 4);
     tcase_add_loop_test(tc, fp32_backward_matches_fp64, 0, 2 * (MOE_GEMM_PACKED + 1));
+    tcase_add_loop_test(tc, grad_layout_from_forward_is_grad_layout, 0, MOE_GEMM_PACKED + 1);
     suite_add_tcase(s, tc);
     return s;
 }
