@@ -34,7 +34,9 @@
 
 /* An expert's weights as the backward's data GEMMs take them, in the layout
  * of the GEMM kind: W1 (2f, d) as the operand (K = 2f, N = d) of dx = dH W1,
- * W2 (d, f) as the operand (K = d, N = f) of dA = dO W2. */
+ * W2 (d, f) as the operand (K = d, N = f) of dA = dO W2. Both NULL with
+ * --gemm packed: the products read the forward's panels
+ * (moe_sgemm_packed_t), with the same bits. */
 typedef struct {
     const float *w1; /* moe_expert_grad_w1_floats */
     const float *w2; /* moe_expert_grad_w2_floats */
@@ -49,7 +51,7 @@ void moe_expert_grad_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index
 
 /* The same floats from the forward's layout of them (moe_expert_layout):
  * the backward's copy need not be kept, one expert's is made when its data
- * gradient runs. */
+ * gradient runs (blas and exact; packed needs none). */
 void moe_expert_grad_layout_from_forward(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn,
                                          const moe_expert_weights *fw, float *w1g, float *w2g);
 

@@ -66,6 +66,15 @@ void moe_sgemm_exact(moe_index M, moe_index N, moe_index K, const float *A, moe_
 void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
                       const float *Bp, float *C, moe_index ldc);
 
+/* C (M, K) = A (M, N) * B (N, K), with B given as moe_sgemm_pack(N, K, B)
+ * packed it for moe_sgemm_packed's C' = A' B^T: the backward's products
+ * with the forward's weight panels, without a copy in another layout. Each
+ * element is moe_sgemm_packed's chain over n ascending, so C has the bits
+ * moe_sgemm_packed gives with B packed as its Bt (moe_sgemm_pack_rows(N,
+ * K, B)). Counted in moe_gemm_sflops. */
+void moe_sgemm_packed_t(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                        const float *Bp, float *C, moe_index ldc);
+
 /* Floats that a packed (K, N) operand takes: N rounded up to 16, times K. */
 moe_index moe_sgemm_packed_floats(moe_index K, moe_index N);
 

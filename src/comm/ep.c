@@ -213,12 +213,16 @@ moe_expert_weights moe_ep_weights(const moe_ep *ep, bool shared, int n)
 
 moe_index moe_ep_grad_weights_floats(const moe_ep *ep)
 {
+    if (ep->gemm == MOE_GEMM_PACKED)
+        return 1;
     return moe_expert_grad_w1_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn) +
            moe_expert_grad_w2_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
 }
 
 moe_expert_grad_weights moe_ep_grad_weights(const moe_ep *ep, bool shared, int n, float *scratch)
 {
+    if (ep->gemm == MOE_GEMM_PACKED) /* read from the forward's panels */
+        return (moe_expert_grad_weights){NULL, NULL};
     const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
     const moe_expert_weights fw = moe_ep_weights(ep, shared, n);
     float *w2g = scratch + moe_expert_grad_w1_floats(ep->gemm, d, f);

@@ -215,8 +215,9 @@ void moe_ep_reduce_rows(const moe_ep *ep, const moe_placement *to, const int32_t
 
 /* Local routed expert n's weights (shared: shared expert n's) as the
  * forward's GEMMs take them; and as the backward's data GEMMs do, laid out
- * from those into scratch (moe_ep_grad_weights_floats): the rank keeps one
- * copy of its weights, not two. */
+ * from those into scratch (moe_ep_grad_weights_floats; packed: nothing, the
+ * GEMMs read the forward's panels): the rank keeps one copy of its
+ * weights, not two. */
 moe_expert_weights moe_ep_weights(const moe_ep *ep, bool shared, int n);
 moe_index moe_ep_grad_weights_floats(const moe_ep *ep);
 moe_expert_grad_weights moe_ep_grad_weights(const moe_ep *ep, bool shared, int n, float *scratch);

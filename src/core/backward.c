@@ -139,6 +139,20 @@ static float dot(const float *a, const float *b, moe_index n)
     return (float)sum;
 }
 
+/* C (n, K) = A (n, N) B, B (N, K) one of the expert's weight matrices: from
+ * the backward's layout bwd, or with bwd NULL (packed) straight from the
+ * forward's panels fwd. */
+static void data_gemm(enum moe_gemm_kind gemm, moe_index n, moe_index N, moe_index K,
+                      const float *A, const float *fwd, const float *bwd, float *C)
+{
+    if (bwd) {
+        moe_expert_gemm(gemm, n, K, N, A, N, bwd, C, K);
+        return;
+    }
+    MOE_ASSERT(gemm == MOE_GEMM_PACKED);
+    moe_sgemm_packed_t(n, N, K, A, N, fwd, C, K);
+}
+
 void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_grad_weights *bw,
                               enum moe_gemm_kind gemm, const float *x, const float *dy,
                               const float *gate, const float *out, int weight_at, moe_index n,
@@ -170,7 +184,7 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
     } else {
         memcpy(dO, dy, sizeof(float) * (size_t)(n * d));
     }
-    moe_expert_gemm(gemm, n, f, d, dO, d, bw->w2, da, f); /* dA' = dO W2 */
+    data_gemm(gemm, n, d, f, dO, fw->w2t, bw->w2, da); /* dA' = dO W2 */
     if (at_activation) {
         /* the activation unscaled, for dg = <dA', a>; then dA = g dA' */
         swiglu_backward(h, NULL, n, f, NULL, act, NULL);
@@ -181,7 +195,7 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
         }
     }
     swiglu_backward(h, da, n, f, dH, act, at_activation ? gate : NULL); /* act = a' */
-    moe_expert_gemm(gemm, n, d, 2 * f, dH, 2 * f, bw->w1, dx, d); /* dx = dH W1 */
+    data_gemm(gemm, n, 2 * f, d, dH, fw->w1t, bw->w1, dx); /* dx = dH W1 */
     free(da);
     free(h);
 }

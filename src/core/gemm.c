@@ -239,35 +239,45 @@ static void tile_portable(moe_index K, const float *const a[TILE_ROWS], const fl
 }
 
 #ifdef HAVE_AVX2_TILE
-/* The same operations, 8 lanes at a time; the 12 accumulators are named so
- * that they stay in registers. */
+/* The 6 x 16 tile's 12 accumulators, named so that they stay in registers;
+ * a step adds one element of each of the six rows times 16 of b (b0, b1). */
+#define TILE_ACCUMULATORS                                                                   \
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00; \
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00
+#define TILE_ROW(x, acc0, acc1)              \
+    acc0 = _mm256_fmadd_ps(x, b0, acc0);     \
+    acc1 = _mm256_fmadd_ps(x, b1, acc1);
+#define TILE_STEP(p0, p1, p2, p3, p4, p5, i)                                         \
+    TILE_ROW(_mm256_broadcast_ss(p0 + (i)), c00, c01)                                \
+    TILE_ROW(_mm256_broadcast_ss(p1 + (i)), c10, c11)                                \
+    TILE_ROW(_mm256_broadcast_ss(p2 + (i)), c20, c21)                                \
+    TILE_ROW(_mm256_broadcast_ss(p3 + (i)), c30, c31)                                \
+    TILE_ROW(_mm256_broadcast_ss(p4 + (i)), c40, c41)                                \
+    TILE_ROW(_mm256_broadcast_ss(p5 + (i)), c50, c51)
+#define TILE_STORE(c, ldc)                                                            \
+    do {                                                                              \
+        __m256 acc[TILE_ROWS][2] = {{c00, c01}, {c10, c11}, {c20, c21},               \
+                                    {c30, c31}, {c40, c41}, {c50, c51}};              \
+        for (int r = 0; r < TILE_ROWS; r++) {                                         \
+            _mm256_storeu_ps((c) + r * (ldc), acc[r][0]);                             \
+            _mm256_storeu_ps((c) + r * (ldc) + 8, acc[r][1]);                         \
+        }                                                                             \
+    } while (0)
+
+/* The same operations, 8 lanes at a time. */
 __attribute__((target("avx2,fma")))
 static void tile_avx2(moe_index K, const float *const a[TILE_ROWS], const float *b, float *c,
                       moe_index ldc, const float *next)
 {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
+    TILE_ACCUMULATORS;
     for (moe_index k = 0; k < K; k++) {
         const __m256 b0 = _mm256_loadu_ps(b + k * PACK_COLS);
         const __m256 b1 = _mm256_loadu_ps(b + k * PACK_COLS + 8);
         if (next)
             _mm_prefetch((const char *)(next + k * PACK_COLS), _MM_HINT_T0);
-        __m256 x;
-#define ROW(p, acc0, acc1)                     \
-        x = _mm256_broadcast_ss(p + k);        \
-        acc0 = _mm256_fmadd_ps(x, b0, acc0);   \
-        acc1 = _mm256_fmadd_ps(x, b1, acc1);
-        ROW(a0, c00, c01) ROW(a1, c10, c11) ROW(a2, c20, c21)
-        ROW(a3, c30, c31) ROW(a4, c40, c41) ROW(a5, c50, c51)
-#undef ROW
+        TILE_STEP(a[0], a[1], a[2], a[3], a[4], a[5], k)
     }
-#define STORE(r, acc0, acc1)                          \
-    _mm256_storeu_ps(c + (r) * ldc, acc0);            \
-    _mm256_storeu_ps(c + (r) * ldc + 8, acc1);
-    STORE(0, c00, c01) STORE(1, c10, c11) STORE(2, c20, c21)
-    STORE(3, c30, c31) STORE(4, c40, c41) STORE(5, c50, c51)
-#undef STORE
+    TILE_STORE(c, ldc);
 }
 #endif
 
@@ -355,6 +365,18 @@ static void packed_columns(tile_fn *tile, moe_index M, moe_index N, moe_index K,
     }
 }
 
+/* The calling thread's share [lo, hi) of n items, in thread order. */
+static void thread_share(moe_index n, moe_index *lo, moe_index *hi)
+{
+    *lo = 0;
+    *hi = n;
+#ifdef _OPENMP
+    const moe_index t = omp_get_thread_num(), threads = omp_get_num_threads();
+    *lo = n * t / threads;
+    *hi = n * (t + 1) / threads;
+#endif
+}
+
 void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
                       const float *Bp, float *C, moe_index ldc)
 {
@@ -371,12 +393,8 @@ void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe
     /* Threads split the panels, each keeping its share for the whole call. */
 #pragma omp parallel
     {
-        moe_index p0 = 0, p1 = panels;
-#ifdef _OPENMP
-        const moe_index t = omp_get_thread_num(), threads = omp_get_num_threads();
-        p0 = panels * t / threads;
-        p1 = panels * (t + 1) / threads;
-#endif
+        moe_index p0, p1;
+        thread_share(panels, &p0, &p1);
         packed_columns(tile, M, N, K, A, lda, Bp, C, ldc, p0, p1);
     }
     sgemm_flops += 2.0 * (double)M * (double)N * (double)K;
@@ -386,6 +404,135 @@ void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe
  * of two apart (4 KiB at 1024 floats), which all fall in one set of the L1
  * cache and evict each other; a block's lines fit. */
 enum { TRANSPOSE_BLOCK = 16 };
+
+/* ---- The packed kernel on the forward's panels, transposed ----
+ *
+ * C (M, K) = A (M, N) B with B (N, K) only as moe_sgemm_pack(N, K, B) holds
+ * it, the operand of the forward's C' = A' B^T: the backward's data GEMMs
+ * read the weights where the forward does. Computed as C^T = B^T A^T: a
+ * tile is six columns of B (six rows of C^T) by sixteen rows of A. The six
+ * columns sit side by side in each panel (panel p: B's rows 16p..16p+15,
+ * [column][row], K * 16 floats), so the tile walks n in steps of 16, each
+ * step's 6 x 16 floats one contiguous run; A is packed into panels of 16
+ * rows, [n][row]. Each element is fmaf(B[n][k], A[m][n], acc) over n
+ * ascending from 0: moe_sgemm_packed's chain on B laid out for it (the
+ * factors of a fused product commute exactly), so the bits are the same. */
+
+/* t (6, 16) = the columns a[0..5] (element n at a[r][n / 16 * step + n % 16])
+ * times the panel b (N rows of 16); next, when not NULL, the columns of the
+ * next tile to prefetch. */
+typedef void tile_t_fn(moe_index N, const float *const a[TILE_ROWS], moe_index step,
+                       const float *b, float *t, const float *next);
+
+static void tile_t_portable(moe_index N, const float *const a[TILE_ROWS], moe_index step,
+                            const float *b, float *t, const float *next)
+{
+    float acc[TILE_ROWS][PACK_COLS] = {{0}};
+    for (moe_index n = 0; n < N; n++)
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int j = 0; j < PACK_COLS; j++)
+                acc[r][j] = fmaf(a[r][n / PACK_COLS * step + n % PACK_COLS], b[n * PACK_COLS + j],
+                                 acc[r][j]);
+    memcpy(t, acc, sizeof acc);
+}
+
+#ifdef HAVE_AVX2_TILE
+__attribute__((target("avx2,fma")))
+static void tile_t_avx2(moe_index N, const float *const a[TILE_ROWS], moe_index step,
+                        const float *b, float *t, const float *next)
+{
+    TILE_ACCUMULATORS;
+    for (moe_index n0 = 0; n0 < N; n0 += PACK_COLS) {
+        const moe_index at = n0 / PACK_COLS * step, run = N - n0 < PACK_COLS ? N - n0 : PACK_COLS;
+        const float *a0 = a[0] + at, *a1 = a[1] + at, *a2 = a[2] + at, *a3 = a[3] + at,
+                    *a4 = a[4] + at, *a5 = a[5] + at, *bb = b + n0 * PACK_COLS;
+        if (next) /* the next tile's six columns here: 6 x 16 floats, 6 lines */
+            for (int l = 0; l < TILE_ROWS; l++)
+                _mm_prefetch((const char *)(next + at + l * PACK_COLS), _MM_HINT_T0);
+        for (moe_index n = 0; n < run; n++) {
+            const __m256 b0 = _mm256_loadu_ps(bb + n * PACK_COLS);
+            const __m256 b1 = _mm256_loadu_ps(bb + n * PACK_COLS + 8);
+            TILE_STEP(a0, a1, a2, a3, a4, a5, n)
+        }
+    }
+    TILE_STORE(t, PACK_COLS);
+}
+#undef TILE_ACCUMULATORS
+#undef TILE_ROW
+#undef TILE_STEP
+#undef TILE_STORE
+#endif
+
+static tile_t_fn *packed_t_tile(void)
+{
+    return packed_tile() == tile_portable ? tile_t_portable
+#ifdef HAVE_AVX2_TILE
+                                          : tile_t_avx2;
+#else
+                                          : tile_t_portable;
+#endif
+}
+
+/* Columns [k0, k1) of C in tiles of six, every row of A (At: its panels). */
+static void packed_t_columns(tile_t_fn *tile, moe_index M, moe_index N, moe_index K,
+                             const float *At, const float *Bp, float *C, moe_index ldc,
+                             moe_index k0, moe_index k1)
+{
+    const moe_index step = K * PACK_COLS, panels = (M + PACK_COLS - 1) / PACK_COLS;
+    float t[TILE_ROWS * PACK_COLS];
+    for (moe_index k = k0; k < k1; k += TILE_ROWS) {
+        const moe_index cols = k1 - k < TILE_ROWS ? k1 - k : TILE_ROWS;
+        const float *a[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) /* a short tile repeats its last column */
+            a[r] = Bp + (k + (r < cols ? r : cols - 1)) * PACK_COLS;
+        const float *next = k + TILE_ROWS < k1 ? Bp + (k + TILE_ROWS) * PACK_COLS : NULL;
+        for (moe_index p = 0; p < panels; p++) {
+            tile(N, a, step, At + p * N * PACK_COLS, t, p == 0 ? next : NULL);
+            const moe_index m0 = p * PACK_COLS, rows = M - m0 < PACK_COLS ? M - m0 : PACK_COLS;
+            for (moe_index j = 0; j < rows; j++)
+                for (moe_index r = 0; r < cols; r++)
+                    C[(m0 + j) * ldc + k + r] = t[r * PACK_COLS + j];
+        }
+    }
+}
+
+void moe_sgemm_packed_t(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                        const float *Bp, float *C, moe_index ldc)
+{
+    check_shape(M, K, N, lda, K, ldc, K);
+    if (M == 0 || K == 0)
+        return;
+    if (N == 0) {
+        for (moe_index m = 0; m < M; m++)
+            memset(C + m * ldc, 0, sizeof(float) * (size_t)K);
+        return;
+    }
+    /* A in panels of 16 rows, [n][row] (zeros past M) */
+    const moe_index panels = (M + PACK_COLS - 1) / PACK_COLS;
+    float *At = moe_xmalloc(sizeof(float) * (size_t)(panels * N * PACK_COLS));
+    for (moe_index p = 0; p < panels; p++)
+        for (moe_index n0 = 0; n0 < N; n0 += TRANSPOSE_BLOCK)
+            for (int j = 0; j < PACK_COLS; j++) {
+                const moe_index m = p * PACK_COLS + j;
+                const moe_index n1 = N - n0 < TRANSPOSE_BLOCK ? N : n0 + TRANSPOSE_BLOCK;
+                for (moe_index n = n0; n < n1; n++)
+                    At[(p * N + n) * PACK_COLS + j] = m < M ? A[m * lda + n] : 0.0f;
+            }
+    tile_t_fn *tile = packed_t_tile();
+    const moe_index tiles = (K + TILE_ROWS - 1) / TILE_ROWS;
+    /* Threads split the columns of C, in whole tiles. */
+#pragma omp parallel
+    {
+        moe_index t0, t1;
+        thread_share(tiles, &t0, &t1);
+        const moe_index k1 = t1 * TILE_ROWS < K ? t1 * TILE_ROWS : K;
+        if (t0 * TILE_ROWS < k1)
+            packed_t_columns(tile, M, N, K, At, Bp, C, ldc, t0 * TILE_ROWS, k1);
+    }
+    free(At);
+    sgemm_flops += 2.0 * (double)M * (double)N * (double)K;
+}
+
 
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt)
 {

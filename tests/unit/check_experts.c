@@ -194,6 +194,46 @@ START_TEST(transpose_and_row_packing_are_the_definitions)
 }
 END_TEST
 
+/* C = A B read from B's forward panels (moe_sgemm_packed_t) has the bits of
+ * moe_sgemm_packed on B laid out as its operand, on both tiles, at shapes
+ * with partial tiles and panels every way, with padded leading dimensions;
+ * and values where an unfused multiply-add would round differently (A and
+ * B of mixed magnitudes) so that a kernel without FMA would differ. */
+START_TEST(packed_t_is_packed_on_the_transposed_operand)
+{
+    static const int shapes[][3] = {{1, 1, 1}, {7, 5, 13}, {16, 16, 6}, {33, 40, 17}, {96, 64, 50}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int M = shapes[s][0], N = shapes[s][1], K = shapes[s][2], lda = N + 3, ldc = K + 2;
+        float *A = malloc(sizeof(float) * M * lda), *B = malloc(sizeof(float) * N * K);
+        float *fwd = malloc(sizeof(float) * moe_sgemm_packed_floats(K, N));
+        float *bwd = malloc(sizeof(float) * moe_sgemm_packed_floats(N, K));
+        float *want = malloc(sizeof(float) * M * ldc), *got = malloc(sizeof(float) * M * ldc);
+        moe_synth_fill(8, MOE_TENSOR_TOKENS, 0, 0, (uint64_t)M * lda, 1.0f, A);
+        moe_synth_fill(8, MOE_TENSOR_GATE, 0, 0, (uint64_t)N * K, 0.3f, B);
+        for (int n = 0; n < N * K; n += 3)
+            B[n] *= 4096.0f;
+        moe_sgemm_pack(N, K, B, fwd);      /* as the forward holds B */
+        moe_sgemm_pack_rows(N, K, B, bwd); /* B as the operand Bt of C = A B */
+        for (int portable = 0; portable < 2; portable++) {
+            moe_sgemm_packed_force_portable(portable);
+            memset(want, 0, sizeof(float) * M * ldc);
+            memset(got, 0, sizeof(float) * M * ldc);
+            moe_sgemm_packed(M, K, N, A, lda, bwd, want, ldc);
+            moe_sgemm_packed_t(M, N, K, A, lda, fwd, got, ldc);
+            ck_assert_msg(!memcmp(got, want, sizeof(float) * M * ldc), "%dx%dx%d, %s", M, N, K,
+                          portable ? "portable" : "native");
+        }
+        moe_sgemm_packed_force_portable(false);
+        free(got);
+        free(want);
+        free(bwd);
+        free(fwd);
+        free(B);
+        free(A);
+    }
+}
+END_TEST
+
 #ifdef _OPENMP
 /* Threads split the columns; the bits do not change. */
 START_TEST(packed_gemm_is_thread_independent)
@@ -211,6 +251,18 @@ START_TEST(packed_gemm_is_thread_independent)
     moe_sgemm_packed(M, N, K, A, K, Bp, C3, N);
     omp_set_num_threads(1);
     ck_assert_int_eq(memcmp(C1, C3, sizeof(float) * M * N), 0);
+    /* and the transposed product on the same panels: C (M, K) = A' (M, N) B */
+    float *A2 = malloc(sizeof(float) * M * N), *D1 = malloc(sizeof(float) * M * K),
+          *D3 = malloc(sizeof(float) * M * K);
+    moe_synth_fill(6, MOE_TENSOR_TOKENS, 1, 0, M * N, 1.0f, A2);
+    moe_sgemm_packed_t(M, N, K, A2, N, Bp, D1, K);
+    omp_set_num_threads(3);
+    moe_sgemm_packed_t(M, N, K, A2, N, Bp, D3, K);
+    omp_set_num_threads(1);
+    ck_assert_int_eq(memcmp(D1, D3, sizeof(float) * M * K), 0);
+    free(D3);
+    free(D1);
+    free(A2);
     free(C3);
     free(C1);
     free(Bp);
@@ -451,6 +503,7 @@ Suite *make_experts_suite(void)
     tcase_add_test(tc, exact_gemm_is_the_scalar_loop);
     tcase_add_test(tc, packed_gemm_is_the_fma_chain);
     tcase_add_test(tc, transpose_and_row_packing_are_the_definitions);
+    tcase_add_test(tc, packed_t_is_packed_on_the_transposed_operand);
 #ifdef _OPENMP
     tcase_add_test(tc, packed_gemm_is_thread_independent);
 #endif
