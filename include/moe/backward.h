@@ -56,9 +56,11 @@ void moe_expert_grad_layout_from_forward(enum moe_gemm_kind gemm, moe_index hidd
                                          const moe_expert_weights *fw, float *w1g, float *w2g);
 
 /* What a batch keeps between its data and weight gradients, row i of each
- * for row i of the batch: dO (n, d), dH (n, 2f) and a' (n, f). */
+ * for row i of the batch: dH (n, 2f) and a' (n, f). The output's gradient
+ * dO (n, d) is not kept: the weight gradient makes it again from dy and the
+ * gate, with the same bits (one fp32 product per element). */
 typedef struct {
-    float *dO, *dH, *act;
+    float *dH, *act;
 } moe_expert_grad_work;
 
 /* Work for n rows (moe_xmalloc, one block; moe_expert_grad_work_free). */
@@ -71,12 +73,12 @@ static inline moe_expert_grad_work moe_expert_grad_work_rows(const moe_expert_gr
                                                              moe_index first, moe_index hidden,
                                                              moe_index ffn)
 {
-    return (moe_expert_grad_work){w->dO + first * hidden, w->dH + first * 2 * ffn,
-                                  w->act + first * ffn};
+    (void)hidden;
+    return (moe_expert_grad_work){w->dH + first * 2 * ffn, w->act + first * ffn};
 }
 
 /* The data gradient (the backward's B) of one expert on n rows: dx (n, d)
- * and, when gate (n) is given, dgate (n) = dL/dg per row; work receives dO,
+ * and, when gate (n) is given, dgate (n) = dL/dg per row; work receives
  * dH and a' for moe_expert_backward_weights. gate NULL: an ungated expert
  * (the shared ones). out (n, d), the forward's outputs a W2^T, is read only
  * with a gate and weight at output (NULL: recomputed). The products are
@@ -89,15 +91,17 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
                               moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
                               float *dx, float *dgate);
 
-/* The weight gradient (the backward's W) of the same batch: dw1 (2f, d) =
+/* The weight gradient (the backward's W) of the same batch, given its x,
+ * dy and gate (NULL: ungated) as the data gradient had them: dw1 (2f, d) =
  * dH^T x and dw2 (d, f) = dO^T a', overwritten. The sum over rows runs in
  * row order; with packed and exact every element is one chain over the rows
  * ascending (fma steps, or rounded products then additions), so a caller
  * that passes an expert's rows in global token order gets the same bits
  * whichever ranks the rows came from. n = 0 gives zeros. */
-void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, moe_index n,
-                                 moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
-                                 float *dw1, float *dw2);
+void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, const float *dy,
+                                 const float *gate, int weight_at, moe_index n, moe_index hidden,
+                                 moe_index ffn, const moe_expert_grad_work *work, float *dw1,
+                                 float *dw2);
 
 /* Both gradients of the fp64 truth: w1 (2f, d), w2 (d, f), x and dy (n, d);
  * gate (n) or NULL as above; dx (n, d), dgate (n) (with a gate), dw1 (2f, d)

@@ -106,13 +106,13 @@ typedef struct {
     MPI_Datatype row;       /* d fp32 values */
     float *send_dy;         /* (rows out, d) this rank's dy rows in dispatch order */
     float *dy_in;           /* (rows in, d) as the forward received x */
-    moe_expert_grad_work work; /* (pairs) each pair's dO, dH, a', grouped by expert */
+    moe_expert_grad_work work; /* (pairs) each pair's dH, a', grouped by expert */
     float *pair_dx;         /* (pairs, d) in the combine's pair order */
     float *pair_dg;         /* (pairs) dL/dweight */
     float *sums;            /* --combine reduced: (rows in, d) */
     float *back;            /* (rows or pairs sent out, d) dx come home */
     float *dg_back;         /* (pairs sent out) */
-    float *shared_dx;       /* (T, d) the shared experts' dx */
+    float *shared_dx;       /* (T, d) the shared experts' dx (NULL without them) */
 } bwd_run;
 
 /* The operations: wave w's combine backward, then its dispatch backward. */
@@ -299,7 +299,11 @@ static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run
     stats->seconds[MOE_BWD_COMBINE] += MPI_Wtime() - t;
 }
 
-/* The selected rows of one expert in one wave, gathered. */
+/* Rows of an expert's data gradient at a time: its temporaries (x, dy,
+ * outputs, dx, h, dA, dO) are this many rows, not the expert's. */
+enum { DGRAD_ROW_BLOCK = 512 };
+
+/* The selected rows of one expert in one wave, gathered a block at a time. */
 typedef struct {
     moe_index *at;  /* (n) position in the expert-ordered pair lists */
     moe_index *row, *pair;
@@ -308,10 +312,19 @@ typedef struct {
     moe_expert_grad_work work; /* when the wave has some of the expert's rows only */
 } dgrad_batch;
 
+/* The gate of expert row m of recv (the weight of its pair). */
+static float pair_gate(const moe_ref_forward *f, moe_index m, int k)
+{
+    return moe_meta_weight(f->recv_meta + f->recv.expert_row[m] * MOE_META_WORDS(k), k,
+                           f->recv.expert_slot[m]);
+}
+
 /* Stage experts, the data gradient of wave w, for every local expert on
- * its rows of the wave in global token order: dx per pair into pair_dx and
- * dL/dweight into pair_dg (the combine's pair order), and each pair's dO,
- * dH, a' into work at the pair's place in its expert's rows. */
+ * its rows of the wave in global token order, DGRAD_ROW_BLOCK rows at a time
+ * (with packed and exact a row's results depend on that row only): dx per
+ * pair into pair_dx and dL/dweight into pair_dg (the combine's pair order),
+ * and each pair's dH and a' into work at the pair's place in its expert's
+ * rows. */
 static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, int w,
                           moe_backward_stats *stats)
 {
@@ -320,18 +333,19 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     const int k = (int)cfg->topk;
     const moe_recv_plan *recv = &f->recv;
     const moe_index most = moe_ep_largest_batch(recv);
+    const moe_index block = most < DGRAD_ROW_BLOCK ? most : DGRAD_ROW_BLOCK;
     dgrad_batch q = {.at = moe_xmalloc(sizeof(moe_index) * (size_t)most * 3)};
     q.row = q.at + most;
     q.pair = q.row + most;
-    q.x = moe_xmalloc(sizeof(float) * (size_t)(most * (4 * d + 2)));
-    q.dy = q.x + most * d;
-    q.out = q.dy + most * d;
-    q.dx = q.out + most * d;
-    q.gate = q.dx + most * d;
-    q.dg = q.gate + most;
+    q.gate = moe_xmalloc(sizeof(float) * (size_t)most);
+    q.x = moe_xmalloc(sizeof(float) * (size_t)(block * (4 * d + 1)));
+    q.dy = q.x + block * d;
+    q.out = q.dy + block * d;
+    q.dx = q.out + block * d;
+    q.dg = q.dx + block * d;
     q.weights = moe_xmalloc(sizeof(float) * (size_t)moe_ep_grad_weights_floats(ep));
     if (b->W > 1)
-        q.work = moe_expert_grad_work_alloc(most, d, ff);
+        q.work = moe_expert_grad_work_alloc(block, d, ff);
     const double t = MPI_Wtime();
     moe_index rows = 0;
     moe_gemm_reset_flops();
@@ -343,33 +357,34 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
                 q.at[n] = m;
                 q.row[n] = recv->expert_row[m];
                 q.pair[n] = recv->expert_pair[m];
-                q.gate[n] = moe_meta_weight(f->recv_meta + q.row[n] * MOE_META_WORDS(k), k,
-                                            recv->expert_slot[m]);
+                q.gate[n] = pair_gate(f, m, k);
                 n++;
             }
         if (n == 0)
             continue;
         rows += n;
-        moe_gather_rows(f->recv_values, d, q.row, n, q.x);
-        moe_gather_rows(b->dy_in, d, q.row, n, q.dy);
-        moe_gather_rows(f->expert_out, d, q.pair, n, q.out);
         /* All the expert's rows: its work in place; some: gathered, then
          * scattered to their places. */
         const bool whole = n == recv->expert_offset[l + 1] - first;
-        const moe_expert_grad_work work = whole ? moe_expert_grad_work_rows(&b->work, first, d, ff)
-                                                : q.work;
         const moe_expert_weights fw = moe_ep_weights(ep, false, l);
         const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, false, l, q.weights);
-        moe_expert_backward_data(&fw, &bw, ep->gemm, q.x, q.dy, q.gate, q.out, cfg->weight_at, n,
-                                 d, ff, &work, q.dx, q.dg);
-        if (!whole) {
-            moe_scatter_rows(work.dO, d, q.at, n, b->work.dO);
-            moe_scatter_rows(work.dH, 2 * ff, q.at, n, b->work.dH);
-            moe_scatter_rows(work.act, ff, q.at, n, b->work.act);
+        for (moe_index b0 = 0; b0 < n; b0 += block) {
+            const moe_index nb = n - b0 < block ? n - b0 : block;
+            moe_gather_rows(f->recv_values, d, q.row + b0, nb, q.x);
+            moe_gather_rows(b->dy_in, d, q.row + b0, nb, q.dy);
+            moe_gather_rows(f->expert_out, d, q.pair + b0, nb, q.out);
+            const moe_expert_grad_work work =
+                whole ? moe_expert_grad_work_rows(&b->work, first + b0, d, ff) : q.work;
+            moe_expert_backward_data(&fw, &bw, ep->gemm, q.x, q.dy, q.gate + b0, q.out,
+                                     cfg->weight_at, nb, d, ff, &work, q.dx, q.dg);
+            if (!whole) {
+                moe_scatter_rows(work.dH, 2 * ff, q.at + b0, nb, b->work.dH);
+                moe_scatter_rows(work.act, ff, q.at + b0, nb, b->work.act);
+            }
+            moe_scatter_rows(q.dx, d, q.pair + b0, nb, b->pair_dx);
+            moe_scatter_rows(q.dg, 1, q.pair + b0, nb, b->pair_dg);
+            poll(b);
         }
-        moe_scatter_rows(q.dx, d, q.pair, n, b->pair_dx);
-        moe_scatter_rows(q.dg, 1, q.pair, n, b->pair_dg);
-        poll(b);
     }
     stats->dgrad_flops += moe_gemm_sflops();
     stats->seconds[MOE_BWD_DGRAD] += MPI_Wtime() - t;
@@ -378,25 +393,33 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
         moe_expert_grad_work_free(&q.work);
     free(q.weights);
     free(q.x);
+    free(q.gate);
     free(q.at);
 }
 
 /* Stage experts, the weight gradient: each local expert's dW1, dW2 from all
- * its rows (in global token order, whatever their waves) and their work. */
+ * its rows (in global token order, whatever their waves), their x, dy and
+ * gates, and their work. */
 static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, moe_ep_grads *g,
                           moe_backward_stats *stats)
 {
     const moe_index d = ep->cfg->hidden, ff = ep->cfg->ffn;
+    const int k = (int)ep->cfg->topk;
     const moe_recv_plan *recv = &f->recv;
-    float *x = moe_xmalloc(sizeof(float) * (size_t)(moe_ep_largest_batch(recv) * d));
+    const moe_index most = moe_ep_largest_batch(recv);
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(most * (2 * d + 1)));
+    float *dy = x + most * d, *gate = dy + most * d;
     const double t = MPI_Wtime();
     moe_gemm_reset_flops();
     for (int l = 0; l < ep->local_experts; l++) {
         const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
         moe_gather_rows(f->recv_values, d, recv->expert_row + first, n, x);
+        moe_gather_rows(b->dy_in, d, recv->expert_row + first, n, dy);
+        for (moe_index i = 0; i < n; i++)
+            gate[i] = pair_gate(f, first + i, k);
         const moe_expert_grad_work work = moe_expert_grad_work_rows(&b->work, first, d, ff);
-        moe_expert_backward_weights(ep->gemm, x, n, d, ff, &work, g->dw1 + l * 2 * ff * d,
-                                    g->dw2 + l * d * ff);
+        moe_expert_backward_weights(ep->gemm, x, dy, gate, ep->cfg->weight_at, n, d, ff, &work,
+                                    g->dw1 + l * 2 * ff * d, g->dw2 + l * d * ff);
         poll(b);
     }
     stats->wgrad_flops = moe_gemm_sflops();
@@ -452,9 +475,12 @@ static void shared_backward(const moe_ep *ep, const float *x, const float *dy, b
     const moe_index T = cfg->tokens, d = cfg->hidden, ff = cfg->ffn;
     const double t = MPI_Wtime();
     float *dx = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * d));
-    moe_expert_grad_work work = moe_expert_grad_work_alloc(T, d, ff); /* all T rows, for the wgrad */
+    moe_expert_grad_work work = {0};
+    if (cfg->shared_experts > 0) /* all T rows, for the wgrad */
+        work = moe_expert_grad_work_alloc(T, d, ff);
     float *weights = moe_xmalloc(sizeof(float) * (size_t)moe_ep_grad_weights_floats(ep));
-    memset(b->shared_dx, 0, sizeof(float) * (size_t)(T * d));
+    if (b->shared_dx)
+        memset(b->shared_dx, 0, sizeof(float) * (size_t)(T * d));
     for (int s = 0; s < (int)cfg->shared_experts; s++) {
         const moe_expert_weights fw = moe_ep_weights(ep, true, s);
         const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, true, s, weights);
@@ -467,8 +493,8 @@ static void shared_backward(const moe_ep *ep, const float *x, const float *dy, b
                 b->shared_dx[first * d + m] += dx[m];
             poll(b);
         }
-        moe_expert_backward_weights(ep->gemm, x, T, d, ff, &work, g->dshared_w1 + s * 2 * ff * d,
-                                    g->dshared_w2 + s * d * ff);
+        moe_expert_backward_weights(ep->gemm, x, dy, NULL, cfg->weight_at, T, d, ff, &work,
+                                    g->dshared_w1 + s * 2 * ff * d, g->dshared_w2 + s * d * ff);
         poll(b);
     }
     moe_expert_grad_work_free(&work);
@@ -504,8 +530,9 @@ static void reduce_home(const moe_ep *ep, const moe_ref_forward *f, const int32_
     moe_combine_locate(&f->send, from, 1, slot_rows);
     for (moe_index n = 0; n < T * k; n++)
         dweights[n] = *slot_rows[n];
-    for (moe_index n = 0; n < T * d; n++)
-        dx[n] += b->shared_dx[n];
+    if (b->shared_dx)
+        for (moe_index n = 0; n < T * d; n++)
+            dx[n] += b->shared_dx[n];
     free(slot_rows);
     free(from);
     stats->seconds[MOE_BWD_REDUCE] += MPI_Wtime() - t;
@@ -648,7 +675,7 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     b.sums = reduced ? moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1) : NULL;
     b.back = moe_xmalloc(sizeof(float) * (size_t)((reduced ? f->send.row_offset[G] : pairs_out) * d) + 1);
     b.dg_back = moe_xmalloc(sizeof(float) * (size_t)pairs_out + 1);
-    b.shared_dx = moe_xmalloc(sizeof(float) * (size_t)(T * d) + 1);
+    b.shared_dx = S > 0 ? moe_xmalloc(sizeof(float) * (size_t)(T * d)) : NULL;
     double *dweights = moe_xmalloc(sizeof(double) * (size_t)(T * k) + 1);
     const moe_index most = E * d > S * 2 * ff * d ? E * d : S * 2 * ff * d;
     double *partial = moe_xmalloc(sizeof(double) * (size_t)most);
@@ -679,12 +706,24 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
         if (w + b.lookahead < W)
             combine_backward(ep, f, &b, w + b.lookahead, bwd);
         finish(&b, op_combine(w), bwd, MOE_BWD_COMBINE);
+        if (w == W - 1) { /* every combine backward is in: dy as sent is done with */
+            free(b.send_dy);
+            b.send_dy = NULL;
+        }
         experts_dgrad(ep, f, &b, w, bwd); /* behind later combines, earlier dispatches */
         dispatch_backward(ep, &b, w, bwd);
     }
     if (pf) { /* behind the dispatches backward */
         paired_wait(&progress, flight.op + 1, pf, MOE_STAGE_COMBINE);
         moe_ep_ref_end(ep, &pf->f, pf->x, pf->ids, pf->weights, pf->y, pf->stats);
+    }
+    /* With the reduced combine the pairs' dx are done with (their sums
+     * travel): the weight gradients' buffers take their place. */
+    if (cap)
+        capture_backward(f, &b, d, cap);
+    if (reduced) {
+        free(b.pair_dx);
+        b.pair_dx = NULL;
     }
     experts_wgrad(ep, f, &b, g, bwd); /* behind the last dispatches */
     for (int w = 0; w < W; w++)
@@ -704,8 +743,6 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
         comm_events(ep, &b);
         moe_progress_free(&progress);
     }
-    if (cap)
-        capture_backward(f, &b, d, cap);
     reduce_home(ep, f, ids, &b, dweights, g->dx, bwd);
     router_backward(ep, x, logits, ids, dweights, g->dx, partial, bwd);
 
@@ -752,8 +789,10 @@ static int step(const moe_ep *ep, const moe_schedule *sched, const float *x, con
         moe_trace_add(sched->trace, (moe_event){-1, MOE_EVENT_FORWARD, start - sched->origin,
                                                 MPI_Wtime() - sched->origin, 0.0,
                                                 ep->cfg->tokens, -1});
-    if (rc == MOE_EXIT_OK)
+    if (rc == MOE_EXIT_OK) {
+        moe_ep_ref_release(&f); /* the backward's buffers take their place */
         backward(ep, sched, &f, x, logits, ids, dy, g, bwd, bwd_capture, NULL);
+    }
     moe_ep_ref_free(&f);
     return rc;
 }
@@ -768,6 +807,8 @@ int moe_ep_pair_step(const moe_ep *ep, const moe_schedule *sched, enum moe_pair_
     moe_ref_forward a; /* micro-batch A's forward, kept for its backward */
     moe_forward_stats fwd_a;
     int rc = moe_ep_ref_run(ep, x, ids, weights, y, &fwd_a, NULL, &a, st);
+    if (rc == MOE_EXIT_OK)
+        moe_ep_ref_release(&a);
     moe_schedule quiet = *sched; /* no pictures of these */
     quiet.trace = NULL;
     moe_comm_barrier(&ep->comm);

@@ -252,22 +252,30 @@ static void ref_reduce(const moe_ep *ep, moe_ref_forward *f, const float *x, con
     moe_ep_shared(ep, x, y, f->scratch, f->expert_in, stats);
 }
 
-void moe_ep_ref_free(moe_ref_forward *f)
+void moe_ep_ref_release(moe_ref_forward *f)
 {
     free(f->scratch);
     free(f->expert_in);
     if (f->out_wire != (uint8_t *)f->expert_out && f->out_wire != (uint8_t *)f->sums)
         free(f->out_wire);
     free(f->sums);
-    free(f->expert_out);
     free(f->back_decoded);
-    free(f->recv_decoded);
-    moe_recv_plan_free(&f->recv);
     free(f->back);
-    free(f->recv_meta);
-    free(f->recv_rows);
     free(f->send_meta);
     free(f->send_rows);
+    f->scratch = f->expert_in = f->sums = f->back_decoded = NULL;
+    f->out_wire = f->back = f->send_rows = NULL;
+    f->send_meta = NULL;
+}
+
+void moe_ep_ref_free(moe_ref_forward *f)
+{
+    moe_ep_ref_release(f);
+    free(f->expert_out);
+    free(f->recv_decoded);
+    moe_recv_plan_free(&f->recv);
+    free(f->recv_meta);
+    free(f->recv_rows);
     moe_send_plan_free(&f->send);
     free(f->rows_from);
     free(f->counts);

@@ -306,5 +306,9 @@ int moe_ep_ref_run(const moe_ep *ep, const float *x, const int32_t *ids, const f
                    float *y, moe_forward_stats *stats, moe_ep_capture *capture,
                    moe_ref_forward *f, moe_status *st);
 void moe_ep_ref_free(moe_ref_forward *f);
+/* Frees what only the forward itself uses (its send, combine and expert
+ * buffers), keeping the plans, the received rows and ids and the expert
+ * outputs: what a backward reads. */
+void moe_ep_ref_release(moe_ref_forward *f);
 
 #endif

@@ -81,14 +81,21 @@ void moe_expert_grad_layout_from_forward(enum moe_gemm_kind gemm, moe_index hidd
 
 moe_expert_grad_work moe_expert_grad_work_alloc(moe_index n, moe_index hidden, moe_index ffn)
 {
-    float *block = moe_xmalloc(sizeof(float) * (size_t)(n * (hidden + 3 * ffn)) + 1);
-    return (moe_expert_grad_work){block, block + n * hidden, block + n * (hidden + 2 * ffn)};
+    (void)hidden;
+    float *block = moe_xmalloc(sizeof(float) * (size_t)(n * 3 * ffn) + 1);
+    return (moe_expert_grad_work){block, block + n * 2 * ffn};
 }
 
 void moe_expert_grad_work_free(moe_expert_grad_work *w)
 {
-    free(w->dO);
-    w->dO = w->dH = w->act = NULL;
+    free(w->dH);
+    w->dH = w->act = NULL;
+}
+
+/* Whether dO = g dy (weight at output) rather than dy. */
+static bool gated_output(const float *gate, int weight_at)
+{
+    return gate && weight_at != MOE_WEIGHT_AT_ACTIVATION;
 }
 
 /* The SwiGLU's backward on n rows of h (n, 2f) = [gate, up]: act (n, f),
@@ -163,11 +170,12 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
         return;
     const moe_index d = hidden, f = ffn;
     const bool at_activation = gate && weight_at == MOE_WEIGHT_AT_ACTIVATION;
-    float *dO = work->dO, *dH = work->dH, *act = work->act; /* (n, d), (n, 2f), (n, f) */
+    float *dH = work->dH, *act = work->act; /* (n, 2f), (n, f) */
     float *h = moe_xmalloc(sizeof(float) * (size_t)(n * 2 * f)); /* (n, 2f) */
     float *da = moe_xmalloc(sizeof(float) * (size_t)(n * f));    /* (n, f) */
+    float *dO = moe_xmalloc(sizeof(float) * (size_t)(n * d));    /* (n, d) */
     moe_expert_gemm(gemm, n, 2 * f, d, x, d, fw->w1t, h, 2 * f); /* recomputed */
-    if (gate && !at_activation) {
+    if (gated_output(gate, weight_at)) {
         float *o = (float *)out;
         if (!out) { /* o = a W2^T, the forward's output, recomputed */
             o = moe_xmalloc(sizeof(float) * (size_t)(n * d));
@@ -196,13 +204,15 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
     }
     swiglu_backward(h, da, n, f, dH, act, at_activation ? gate : NULL); /* act = a' */
     data_gemm(gemm, n, 2 * f, d, dH, fw->w1t, bw->w1, dx); /* dx = dH W1 */
+    free(dO);
     free(da);
     free(h);
 }
 
-void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, moe_index n,
-                                 moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
-                                 float *dw1, float *dw2)
+void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, const float *dy,
+                                 const float *gate, int weight_at, moe_index n, moe_index hidden,
+                                 moe_index ffn, const moe_expert_grad_work *work, float *dw1,
+                                 float *dw2)
 {
     const moe_index d = hidden, f = ffn;
     if (n == 0) {
@@ -210,13 +220,17 @@ void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, moe_in
         memset(dw2, 0, sizeof(float) * (size_t)(d * f));
         return;
     }
-    const float *dO = work->dO, *dH = work->dH, *act = work->act;
+    const float *dH = work->dH, *act = work->act;
     /* A operands transposed, (out, rows); B operands (rows, in) in gemm's layout */
     const moe_index most = d > 2 * f ? d : 2 * f;
     float *at = moe_xmalloc(sizeof(float) * (size_t)(most * n));
     const moe_index b_floats = gemm == MOE_GEMM_PACKED ? moe_sgemm_packed_floats(n, most) : n * most;
     float *b = moe_xmalloc(sizeof(float) * (size_t)b_floats);
-    moe_transpose(n, d, dO, at); /* dO^T (d, n) */
+    moe_transpose(n, d, dy, at); /* dO^T (d, n): dy^T, times the gates as the data gradient */
+    if (gated_output(gate, weight_at))
+        for (moe_index j = 0; j < d; j++)
+            for (moe_index r = 0; r < n; r++)
+                at[j * n + r] *= gate[r];
     operand(gemm, n, f, act, b);
     moe_expert_gemm(gemm, d, f, n, at, n, b, dw2, f);
     moe_transpose(n, 2 * f, dH, at); /* dH^T (2f, n) */

@@ -301,7 +301,7 @@ START_TEST(fp32_backward_matches_fp64)
     moe_expert_grad_work work = moe_expert_grad_work_alloc(N, DD, FF);
     float dx[N * DD], dg[N], dw1[2 * FF * DD], dw2[DD * FF];
     moe_expert_backward_data(&fw, &bw, kind, x, dy, gate, NULL, weight_at, N, DD, FF, &work, dx, dg);
-    moe_expert_backward_weights(kind, x, N, DD, FF, &work, dw1, dw2);
+    moe_expert_backward_weights(kind, x, dy, gate, weight_at, N, DD, FF, &work, dw1, dw2);
     if (kind == MOE_GEMM_PACKED) { /* the forward's panels read in place: the same bits */
         const moe_expert_grad_weights none = {NULL, NULL};
         moe_expert_grad_work work2 = moe_expert_grad_work_alloc(N, DD, FF);
@@ -310,7 +310,7 @@ START_TEST(fp32_backward_matches_fp64)
                                  dx2, dg2);
         ck_assert(memcmp(dx2, dx, sizeof dx) == 0);
         ck_assert(memcmp(dg2, dg, sizeof dg) == 0);
-        ck_assert(memcmp(work2.dO, work.dO, sizeof(float) * N * (DD + 3 * FF)) == 0);
+        ck_assert(memcmp(work2.dH, work.dH, sizeof(float) * N * 3 * FF) == 0);
         moe_expert_grad_work_free(&work2);
     }
 
