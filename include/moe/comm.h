@@ -86,6 +86,9 @@ int moe_comm_same_config(const moe_comm *c, const char *text, moe_status *st);
  * type. What MPI was asked to move, against which the reported traffic is
  * checked (tests/mpi/ep_forward_test). */
 void moe_comm_count_posted(const int *counts, int G, int self, MPI_Datatype type);
+/* The same for one-sided transfers (ep_ll.c): count items of type between
+ * this rank and rank `peer`, put or got, counted when peer != self. */
+void moe_comm_count_rma(int count, MPI_Datatype type, int peer, int self);
 double moe_comm_posted_bytes(void);
 
 /* Rank 0 prints "moe-ep: error: MESSAGE" to stderr. */

@@ -41,6 +41,13 @@ enum moe_dispatch_kind { MOE_DISPATCH_FLAT, MOE_DISPATCH_HIERARCHICAL };
 /* What the combine sends back: every (token, expert) output, or per
  * (token, rank) the rank's gate-weighted outputs summed at the source. */
 enum moe_combine_kind { MOE_COMBINE_PAIRS, MOE_COMBINE_REDUCED };
+/* The forward's path: the normal one (count exchange, MPI_Alltoallv, the
+ * rows deduplicated per rank), or the low-latency one of decode (one-sided
+ * MPI into fixed per-expert buffers, no count exchange; ep_ll.c). */
+enum moe_mode { MOE_MODE_NORMAL, MOE_MODE_LOW_LATENCY };
+/* How the low-latency mode moves rows: the source writes them into the
+ * owner's window (put), or the owner reads them from the source's (get). */
+enum moe_rma { MOE_RMA_PUT, MOE_RMA_GET };
 /* What bench --backward times: one micro-batch's training step, or pairs of
  * micro-batches (serial, waves, DualPipe's pairing, both). */
 enum moe_schedule_kind { MOE_SCHEDULE_STEP, MOE_SCHEDULE_DUALPIPE };
@@ -61,6 +68,9 @@ typedef struct {
     int wave_by;               /* enum moe_wave_by */
     int dispatch;              /* enum moe_dispatch_kind */
     int combine;               /* enum moe_combine_kind */
+    int mode;                  /* enum moe_mode */
+    int64_t max_tokens_per_rank; /* --mode low-latency: the fixed buffers' tokens per rank; -1: --tokens */
+    int rma;                   /* enum moe_rma */
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;
@@ -84,6 +94,7 @@ typedef struct {
     int weight_at;               /* enum moe_weight_at */
     /* moe-ep bench */
     int64_t warmup;              /* untimed forwards before each wave count */
+    int64_t samples;             /* --mode low-latency: timed forwards per latency point */
     int schedule;                /* enum moe_schedule_kind */
     char csv[MOE_NAME_MAX];      /* table as CSV, "" for none */
     char plot[MOE_NAME_MAX];     /* SVG plot of layer time and overlap against W */

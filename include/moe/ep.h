@@ -124,6 +124,18 @@ int moe_ep_forward_ref(const moe_ep *ep, const float *x, const int32_t *ids,
                        const float *weights, float *y, moe_forward_stats *stats,
                        moe_ep_capture *capture, moe_status *st);
 
+/* y (T, d) = the MoE layer on the low-latency path of decode (--mode
+ * low-latency, ep_ll.c): every (token, expert) pair a row of its own into
+ * the owner's fixed buffer (--max-tokens-per-rank N slots per source and
+ * local expert) by one-sided MPI, pushed (--rma put) or pulled (get), no
+ * count exchange; the home rank sums a token's outputs in slot order. With
+ * packed or exact GEMMs, bitwise the output of moe_ep_forward_ref with
+ * --combine pairs. The window is allocated at the first call (collective)
+ * and kept; returns MOE_EXIT_OK, or MOE_EXIT_USAGE on every rank (st set)
+ * when the MPI library cannot give it. Collective. */
+int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                      float *y, moe_forward_stats *stats, moe_status *st);
+
 /* One rank's gradients of the layer (moe_ep_backward_ref). */
 typedef struct {
     float *dx;         /* (T, d) this rank's tokens */

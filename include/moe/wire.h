@@ -60,4 +60,15 @@ double moe_combine_row_bytes(const moe_config *cfg);
  * sends x, and with --combine reduced one dx row per (token, rank) too. */
 double moe_backward_pair_bytes(const moe_config *cfg);
 
+/* --mode low-latency (ep_ll.c): the meta of a pair's row (its local token,
+ * its slot, its gate weight), and the bytes of the fixed buffers a rank
+ * holds in its MPI window: per local expert (the fullest rank's,
+ * ceil(E/G)) a slot for N = --max-tokens-per-rank tokens of every rank,
+ * each a dispatched row, its meta and an output; the N k rows it stages to
+ * send, with their meta, and the N k outputs that come home; the tables. */
+#define MOE_LL_META_WORDS 3
+double moe_ll_buffer_bytes(const moe_config *cfg, int ranks);
+/* Bytes of one pair's dispatched row in that mode: values, then its meta. */
+double moe_ll_row_bytes(const moe_config *cfg);
+
 #endif

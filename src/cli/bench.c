@@ -406,6 +406,124 @@ static int bench_pairs(moe_run_context *ctx)
     return rc;
 }
 
+/* --mode low-latency: the layer's latency at decode's batch sizes, for the
+ * normal path (the blocking one: count exchange, MPI_Alltoallv, one wave)
+ * against the low-latency one pushed and pulled, each point --samples
+ * forwards after --warmup, every rank starting together; a sample is the
+ * slowest rank's time. The fixed buffers hold the largest point (or
+ * --max-tokens-per-rank) throughout, as a serving engine sizes them once. */
+static const int64_t decode_points[] = {1, 8, 32, 128, 512};
+enum { DECODE_POINTS = 5, LATENCY_PATHS = 3 };
+static const char *const latency_paths[LATENCY_PATHS] = {"normal", "low-latency put",
+                                                         "low-latency get"};
+
+/* Median and p99 (seconds) of --samples forwards of path p at T tokens. */
+static int latency_point(const moe_comm *c, const moe_config *base, int64_t T, int64_t N, int p,
+                         double *median, double *p99, moe_status *st)
+{
+    moe_config cfg = *base;
+    cfg.tokens = T;
+    cfg.mode = p == 0 ? MOE_MODE_NORMAL : MOE_MODE_LOW_LATENCY;
+    cfg.rma = p == 2 ? MOE_RMA_GET : MOE_RMA_PUT;
+    cfg.max_tokens_per_rank = p == 0 ? -1 : N;
+    if (p > 0)
+        cfg.combine = MOE_COMBINE_PAIRS;
+    moe_ep ep;
+    int rc = moe_ep_init(&ep, &cfg, c, st);
+    if (rc)
+        return rc;
+    const moe_index d = cfg.hidden, E = cfg.experts, k = cfg.topk;
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    moe_ep_generate_tokens(&ep, x);
+    moe_ep_route(&ep, x, logits, scores, ids, weights);
+    const int warmup = cfg.warmup > 0 ? (int)cfg.warmup : 1, n = (int)cfg.samples;
+    double *t = moe_xmalloc(sizeof(double) * (size_t)n);
+    moe_forward_stats stats;
+    for (int i = -warmup; i < n && rc == MOE_EXIT_OK; i++) {
+        moe_comm_barrier(c);
+        const double start = moe_comm_time();
+        rc = p == 0 ? moe_ep_forward_ref(&ep, x, ids, weights, y, &stats, NULL, st)
+                    : moe_ep_forward_ll(&ep, x, ids, weights, y, &stats, st);
+        if (i >= 0)
+            t[i] = moe_comm_time() - start;
+    }
+    if (rc == MOE_EXIT_OK) {
+        moe_comm_max_array(c, t, n);
+        *median = moe_median(t, n); /* t sorted */
+        *p99 = t[(int)ceil(0.99 * n) - 1];
+    }
+    free(t);
+    free(weights);
+    free(ids);
+    free(scores);
+    free(logits);
+    free(y);
+    free(x);
+    moe_ep_free(&ep);
+    return rc;
+}
+
+static int bench_latency(moe_run_context *ctx)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_config *cfg = &ctx->cfg;
+    const int64_t N = cfg->max_tokens_per_rank > 0 ? cfg->max_tokens_per_rank
+                                                   : decode_points[DECODE_POINTS - 1];
+    double median[DECODE_POINTS][LATENCY_PATHS], p99[DECODE_POINTS][LATENCY_PATHS];
+    int points = 0, rc = MOE_EXIT_OK;
+    for (int n = 0; n < DECODE_POINTS && decode_points[n] <= N && rc == MOE_EXIT_OK; n++, points++)
+        for (int p = 0; p < LATENCY_PATHS && rc == MOE_EXIT_OK; p++) {
+            if (c->rank == 0)
+                fprintf(stderr, "bench: %lld tokens per rank, %s: %lld samples\n",
+                        (long long)decode_points[n], latency_paths[p], (long long)cfg->samples);
+            rc = latency_point(c, cfg, decode_points[n], N, p, &median[n][p], &p99[n][p],
+                               &ctx->status);
+        }
+    if (rc || c->rank != 0)
+        return rc;
+    char buffers[32];
+    moe_config sized = *cfg;
+    sized.max_tokens_per_rank = N;
+    printf("moe-ep bench --mode low-latency · G=%d ranks · d=%lld f=%lld E=%lld k=%lld S=%lld · "
+           "dispatch %s, combine %s · gemm %s\n",
+           c->ranks, (long long)cfg->hidden, (long long)cfg->ffn, (long long)cfg->experts,
+           (long long)cfg->topk, (long long)cfg->shared_experts,
+           moe_config_choice_name("dispatch-dtype", cfg->dispatch_dtype),
+           moe_config_choice_name("combine-dtype", cfg->combine_dtype),
+           moe_gemm_label((enum moe_gemm_kind)cfg->gemm));
+    printf("latency   one layer, µs: median and p99 of %lld forwards (the slowest rank's), after "
+           "%lld warm-up; fixed buffers for N = %lld tokens per rank: %s per rank\n",
+           (long long)cfg->samples, (long long)(cfg->warmup > 0 ? cfg->warmup : 1), (long long)N,
+           moe_format_bytes(moe_ll_buffer_bytes(&sized, c->ranks), buffers, sizeof buffers));
+    printf("   T  %-24s%-24s%-24sfastest\n", "normal (med, p99)", "low-latency put",
+           "low-latency get");
+    int crossover = -1;
+    for (int n = 0; n < points; n++) {
+        printf("%4lld", (long long)decode_points[n]);
+        int best = 0;
+        for (int p = 0; p < LATENCY_PATHS; p++) {
+            char cell[32];
+            snprintf(cell, sizeof cell, "%.0f, %.0f", 1e6 * median[n][p], 1e6 * p99[n][p]);
+            printf("  %-22s", cell);
+            best = median[n][p] < median[n][best] ? p : best;
+        }
+        printf("%s\n", latency_paths[best]);
+        if (crossover < 0 && best == 0)
+            crossover = n;
+    }
+    if (crossover >= 0)
+        printf("crossover the normal path is the faster from T = %lld tokens per rank on (medians)\n",
+               (long long)decode_points[crossover]);
+    else
+        printf("crossover none here: the low-latency path is the faster at every T measured\n");
+    return MOE_EXIT_OK;
+}
+
 static void print_usage(FILE *out)
 {
     fprintf(out,
@@ -414,6 +532,8 @@ static void print_usage(FILE *out)
             "The wave pipeline at each W (default 1,2,4,8), --warmup untimed then --iters timed\n"
             "forwards, against anchors measured in the same run: one sgemm of the experts' FLOPs\n"
             "and one plain MPI_Alltoallv of the forward's counts-> Takes every flag of run.\n"
+            "With --mode low-latency: the layer's latency at 1, 8, 32, 128 and 512 tokens per\n"
+            "rank (up to --max-tokens-per-rank), the normal path against put and get.\n"
             "\n");
     moe_config_print_flags(out, MOE_CMD_BENCH);
 }
@@ -426,8 +546,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
     int rc = moe_context_open(&ctx, c, MOE_CMD_BENCH, argc, argv);
     if (rc)
         return rc;
-    if (ctx.cfg.schedule == MOE_SCHEDULE_DUALPIPE) {
-        rc = bench_pairs(&ctx);
+    if (ctx.cfg.mode == MOE_MODE_LOW_LATENCY || ctx.cfg.schedule == MOE_SCHEDULE_DUALPIPE) {
+        rc = ctx.cfg.mode == MOE_MODE_LOW_LATENCY ? bench_latency(&ctx) : bench_pairs(&ctx);
         if (rc)
             moe_comm_print_error(c, &ctx.status);
         moe_context_close(&ctx);

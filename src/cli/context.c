@@ -83,6 +83,8 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
         moe_config_resolve_nodes(cfg, c->node_ranks, c->ranks, st) == MOE_EXIT_OK &&
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
+        if (cfg->mode == MOE_MODE_LOW_LATENCY) /* every pair comes home alone (ep_ll.c) */
+            cfg->combine = MOE_COMBINE_PAIRS;
         if (c->rank == 0)
             check_outputs(cfg, st);
         if (command == MOE_CMD_RUN && cfg->backward && cfg->waves_count > 1 &&
@@ -270,6 +272,9 @@ static void summarize_backward(moe_run_context *ctx, int iters, bool identical)
 
 static int forward(moe_run_context *ctx, double origin)
 {
+    if (ctx->cfg.mode == MOE_MODE_LOW_LATENCY)
+        return moe_ep_forward_ll(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
+                                 &ctx->status);
     if (ctx->cfg.blocking && ctx->cfg.dispatch == MOE_DISPATCH_HIERARCHICAL)
         return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
                                    &ctx->status);
@@ -340,7 +345,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
 
 void moe_context_time_alltoalls(moe_run_context *ctx, int iters)
 {
-    if (ctx->cfg.blocking || ctx->cfg.backward)
+    if (ctx->cfg.blocking || ctx->cfg.backward || ctx->cfg.mode == MOE_MODE_LOW_LATENCY)
         return;
     double seconds[iters];
     for (int it = 0; it < iters; it++)

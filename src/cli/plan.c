@@ -134,6 +134,17 @@ static void print_plan(const moe_config *cfg, const moe_cluster *p)
            p->seed_wave_seconds < fmax(p->comm_seconds, p->compute_seconds)
                ? ": below the all-to-all or GEMM time alone here, so not reachable"
                : "");
+    /* Decode: the low-latency mode's fixed buffers (ep_ll.c) on this EP group. */
+    moe_config decode = *cfg;
+    const int64_t N = cfg->max_tokens_per_rank > 0 ? cfg->max_tokens_per_rank : cfg->tokens;
+    decode.max_tokens_per_rank = N;
+    char bytes[32];
+    printf("decode    --mode low-latency's fixed buffers for N = %lld tokens per GPU "
+           "(--max-tokens-per-rank): %lld local experts x %lld GPUs x N slots, each a %.0f B row "
+           "and a %.0f B output, and N x k staged = %s per GPU\n",
+           (long long)N, (long long)((cfg->experts + cfg->ep - 1) / cfg->ep), (long long)cfg->ep,
+           moe_ll_row_bytes(&decode), moe_combine_row_bytes(&decode),
+           moe_format_bytes(moe_ll_buffer_bytes(&decode, (int)cfg->ep), bytes, sizeof bytes));
 }
 
 int moe_cli_plan(const moe_comm *c, int argc, char **argv)

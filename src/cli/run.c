@@ -203,7 +203,9 @@ static int compare_with_reference(moe_run_context *ctx)
     s->ref_differ = moe_comm_sum(ctx->comm, differ);
     s->ref_max_diff = moe_comm_max(ctx->comm, max_diff);
     s->ref_bitwise_expected =
-        moe_gemm_rows_independent(ep->gemm) || s->wave_kind == MOE_WAVES_EXPERT_SLOTS;
+        ep->cfg->mode == MOE_MODE_LOW_LATENCY /* sums per pair at home, as --combine pairs */
+            ? moe_gemm_rows_independent(ep->gemm)
+            : moe_gemm_rows_independent(ep->gemm) || s->wave_kind == MOE_WAVES_EXPERT_SLOTS;
     free(y_ref);
     return rc;
 }
@@ -370,11 +372,18 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     for (int r = 0; r < G; r++)
         s->rows_one_wave += rows[r];
     s->rows_one_wave = moe_comm_sum(c, s->rows_one_wave);
-    moe_rows_per_destination(&ep->placement, ids, T, k, cfg->blocking ? NULL : &waves, rows);
+    if (cfg->mode == MOE_MODE_LOW_LATENCY) { /* a row per pair, with its own meta */
+        memset(rows, 0, sizeof(double) * (size_t)G);
+        for (moe_index n = 0; n < T * k; n++)
+            rows[ep->placement.expert_rank[ids[n]]] += 1.0;
+    } else {
+        moe_rows_per_destination(&ep->placement, ids, T, k, cfg->blocking ? NULL : &waves, rows);
+    }
     if (!cfg->blocking)
         moe_waves_free(&waves);
+    const double ll_row = moe_ll_row_bytes(cfg);
     for (int r = 0; r < G; r++)
-        rows[r] *= row_bytes;
+        rows[r] *= cfg->mode == MOE_MODE_LOW_LATENCY ? ll_row : row_bytes;
     out->matrix = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)G * (size_t)G) : NULL;
     moe_comm_gather_doubles(c, rows, G, out->matrix);
     free(rows);
@@ -433,7 +442,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         check_against_truth(&ctx);
         if (cfg->backward)
             check_backward(&ctx);
-        if (!cfg->blocking)
+        if (!cfg->blocking || cfg->mode == MOE_MODE_LOW_LATENCY)
             rc = compare_with_reference(&ctx);
         if (rc == MOE_EXIT_OK && cfg->backward && !cfg->blocking)
             rc = compare_backward_with_reference(&ctx);
@@ -449,7 +458,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     const moe_schedule first_schedule = ctx.schedule;
     moe_curve_point curve[MOE_MAX_WAVE_RUNS];
     int points = 0;
-    for (int n = 0; rc == MOE_EXIT_OK && !cfg->blocking && !cfg->backward && n < cfg->waves_count; n++) {
+    const bool waves = !cfg->blocking && !cfg->backward && cfg->mode == MOE_MODE_NORMAL;
+    for (int n = 0; rc == MOE_EXIT_OK && waves && n < cfg->waves_count; n++) {
         if (n > 0) {
             ctx.schedule.waves = (int)cfg->waves_list[n];
             rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);

@@ -214,6 +214,14 @@ void moe_comm_count_posted(const int *counts, int G, int self, MPI_Datatype type
             posted_bytes += (double)counts[r] * size;
 }
 
+void moe_comm_count_rma(int count, MPI_Datatype type, int peer, int self)
+{
+    int size;
+    MOE_MPI(MPI_Type_size(type, &size));
+    if (peer != self)
+        posted_bytes += (double)count * size;
+}
+
 double moe_comm_posted_bytes(void) { return posted_bytes; }
 
 void moe_comm_print_error(const moe_comm *c, const moe_status *st)

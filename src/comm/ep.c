@@ -158,6 +158,7 @@ void moe_ep_free(moe_ep *ep)
         struct moe_ep_workspace *work = ep->work;
         moe_ep_forget_waves(work);
         moe_ep_forget_hier(work);
+        moe_ep_ll_close(work);
         for (int n = 0; n < work->waves * MOE_WAVE_BUFFERS; n++)
             moe_buffer_free(&work->wave[n]);
         free(work->wave);

@@ -71,7 +71,11 @@ struct moe_ep_workspace {
     moe_buffer *hier;
     struct moe_hier_wave *hier_last;
     int hier_last_waves;
+    struct moe_ll_state *ll; /* --mode low-latency: the window and its layout (ep_ll.c) */
 };
+
+/* Free the low-latency mode's window (collective, as ep_free is). */
+void moe_ep_ll_close(struct moe_ep_workspace *work);
 
 /* Free the plans a wave forward kept (ep_waves.c), and what the two-stage
  * dispatch kept (ep_hier.c); ep_free calls them. */

@@ -73,6 +73,9 @@ static const flag_choice schedule_choices[] = {
     {"step", MOE_SCHEDULE_STEP}, {"dualpipe", MOE_SCHEDULE_DUALPIPE}, {NULL, 0}};
 static const flag_choice combine_choices[] = {
     {"reduced", MOE_COMBINE_REDUCED}, {"pairs", MOE_COMBINE_PAIRS}, {NULL, 0}};
+static const flag_choice mode_choices[] = {
+    {"normal", MOE_MODE_NORMAL}, {"low-latency", MOE_MODE_LOW_LATENCY}, {NULL, 0}};
+static const flag_choice rma_choices[] = {{"put", MOE_RMA_PUT}, {"get", MOE_RMA_GET}, {NULL, 0}};
 static const flag_choice fp8_scale_choices[] = {
     {"float", MOE_FP8_SCALE_FLOAT}, {"ue8m0", MOE_FP8_SCALE_UE8M0}, {NULL, 0}};
 
@@ -123,7 +126,10 @@ static const flag_spec flags[] = {
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
     {"wave-by", FLAG_CHOICE, FIELD(wave_by), 0, 0, NULL, wave_by_choices, "auto", "waves as groups of expert slots (auto: when every rank has >= W experts) or chunks of tokens (keep the dedup)", RUN},
     {"dispatch", FLAG_CHOICE, FIELD(dispatch), 0, 0, NULL, dispatch_choices, "flat", "one all-to-all over all ranks, or two stages: once per node between nodes, then within each (waves of tokens; nodes of --ranks-per-node)", RUN},
-    {"combine", FLAG_CHOICE, FIELD(combine), 0, 0, NULL, combine_choices, "reduced", "per (token, rank) its experts' weighted outputs summed at the source (DeepEP), or every (token, expert) output", RUN},
+    {"combine", FLAG_CHOICE, FIELD(combine), 0, 0, NULL, combine_choices, "reduced", "per (token, rank) its experts' weighted outputs summed at the source (DeepEP), or every (token, expert) output (--mode low-latency: pairs)", RUN},
+    {"mode", FLAG_CHOICE, FIELD(mode), 0, 0, NULL, mode_choices, "normal", "the forward's path: count exchange and MPI_Alltoallv (prefill), or one-sided MPI into fixed per-expert buffers, no count exchange (decode; docs/low-latency.md)", RUN},
+    {"max-tokens-per-rank", FLAG_INT, FIELD(max_tokens_per_rank), 1, 1 << 24, "N|auto", NULL, "auto", "--mode low-latency: tokens per rank the fixed buffers hold (auto: --tokens); plan: their size", BOTH},
+    {"rma", FLAG_CHOICE, FIELD(rma), 0, 0, NULL, rma_choices, "put", "--mode low-latency: the source writes rows into the owner's window (push), or the owner reads them from the source's (pull)", RUN},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
@@ -139,6 +145,7 @@ static const flag_spec flags[] = {
     {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R|auto", NULL, "auto", "ranks per node: virtual nodes of R consecutive ranks (0 = one node), or auto: the machines the ranks run on", RUN},
     {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, NULL, "false", "add the same forward (with --backward: step) at W = 1 to the timeline", RUN},
     {"warmup", FLAG_INT, FIELD(warmup), 0, 1000, "N", NULL, "2", "untimed forwards before each wave count", BENCH},
+    {"samples", FLAG_INT, FIELD(samples), 1, 1000000, "N", NULL, "200", "--mode low-latency: timed forwards per latency point (median and p99)", BENCH},
     {"schedule", FLAG_CHOICE, FIELD(schedule), 0, 0, NULL, schedule_choices, "step", "with --backward: time one micro-batch's steps, or pairs of micro-batches serial, in waves, with DualPipe's pairing, and both (docs/backward.md)", BENCH},
     {"csv", FLAG_TEXT, FIELD(csv), 0, 0, "FILE", NULL, "", "write the table as CSV", BENCH},
     {"plot", FLAG_TEXT, FIELD(plot), 0, 0, "FILE.svg", NULL, "", "plot layer time and overlap against W", BENCH},
@@ -654,6 +661,34 @@ static int validate_backward(const moe_config *cfg, moe_status *st)
     return MOE_EXIT_OK;
 }
 
+/* --mode low-latency: a forward of its own (ep_ll.c), one round each way. */
+static int validate_low_latency(const moe_config *cfg, moe_status *st)
+{
+    if (cfg->mode != MOE_MODE_LOW_LATENCY) {
+        if (cfg->max_tokens_per_rank >= 0)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--max-tokens-per-rank sizes the low-latency mode's buffers: add --mode low-latency");
+        return MOE_EXIT_OK;
+    }
+    if (cfg->max_tokens_per_rank >= 0 && cfg->max_tokens_per_rank < cfg->tokens)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--max-tokens-per-rank must be in [%lld, %d] (at least --tokens: a rank's "
+                        "tokens must fit the fixed buffers), got %lld",
+                        (long long)cfg->tokens, 1 << 24, (long long)cfg->max_tokens_per_rank);
+    const char *other = cfg->backward                             ? "--backward"
+                        : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL ? "--dispatch hierarchical"
+                        : cfg->trace[0]                           ? "--trace"
+                        : cfg->timeline[0]                        ? "--timeline"
+                        : cfg->dump[0]                            ? "--dump"
+                        : cfg->link[0]                            ? "--link"
+                                                                  : NULL;
+    if (other)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--mode low-latency runs the decode forward alone (one round each way, no "
+                        "waves): %s needs --mode normal", other);
+    return MOE_EXIT_OK;
+}
+
 int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
 {
     if (cfg->topk > cfg->experts)
@@ -719,6 +754,8 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     if (cfg->grad_output[0] && !cfg->backward)
         return moe_fail(st, MOE_EXIT_USAGE, "--grad-output is the gradient of a training step: add --backward");
     if (cfg->backward && validate_backward(cfg, st))
+        return st->code;
+    if (validate_low_latency(cfg, st))
         return st->code;
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))

@@ -166,36 +166,52 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
     char b1[32], b2[32], b3[32], b4[32];
     const double pairs = G * T * k, saved = pairs - s->rows_sent;
     const bool two_stage = cfg->dispatch == MOE_DISPATCH_HIERARCHICAL;
+    const bool low_latency = cfg->mode == MOE_MODE_LOW_LATENCY;
     fprintf(out, "traffic   dispatch %s (%s to other ranks): ",
             moe_format_bytes(s->bytes_dispatched, b1, sizeof b1),
             moe_format_bytes(s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0), b2, sizeof b2));
-    if (two_stage) /* a row per hop: a token's rows add up over both */
+    if (low_latency) {
+        const double N = (double)(cfg->max_tokens_per_rank > 0 ? cfg->max_tokens_per_rank : cfg->tokens);
+        fprintf(out, "%.0f rows, one per (token, expert) pair, not deduplicated (the normal path "
+                     "sends %.0f, one per (token, rank)), each expert's as one block, no count "
+                     "exchange\n", s->rows_sent, s->rows_one_wave);
+        fprintf(out, "          combine  %s (%s from other ranks): one row per pair, summed at "
+                     "home in slot order\n", moe_format_bytes(s->bytes_combined, b1, sizeof b1),
+                moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg), b2, sizeof b2));
+        fprintf(out, "          fixed buffers %s per rank in its MPI window: %lld local experts x "
+                     "%d ranks x N = %.0f slots (--max-tokens-per-rank), a row, its meta and an "
+                     "output each, and N x k staged rows and outputs\n",
+                moe_format_bytes(moe_ll_buffer_bytes(cfg, G), b3, sizeof b3),
+                (long long)((cfg->experts + G - 1) / G), G, N);
+    } else if (two_stage) /* a row per hop: a token's rows add up over both */
         fprintf(out, "%.0f rows in two hops for %.0f (token, expert) pairs (see the tiers below)\n",
                 s->rows_sent, pairs);
     else
         fprintf(out, "%.0f rows for %.0f (token, expert) pairs, dedup saved %.1f%%\n", s->rows_sent,
                 pairs, pairs > 0 ? 100.0 * saved / pairs : 0.0);
-    if (!two_stage && s->rows_one_wave > 0 && s->rows_sent > s->rows_one_wave)
+    if (!low_latency && !two_stage && s->rows_one_wave > 0 && s->rows_sent > s->rows_one_wave)
         fprintf(out, "          W = %d waves of expert slots send %.0f rows more than one wave would "
                      "(+%.1f%%: a token goes once per wave holding one of its experts on a rank); "
                      "--wave-by tokens keeps the dedup\n",
                 s->waves, s->rows_sent - s->rows_one_wave,
                 100.0 * (s->rows_sent - s->rows_one_wave) / s->rows_one_wave);
-    fprintf(out, "          combine  %s (%s from other ranks)", moe_format_bytes(s->bytes_combined, b1, sizeof b1),
-            moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg), b2, sizeof b2));
-    if (two_stage && cfg->combine == MOE_COMBINE_REDUCED)
-        fprintf(out, ": one row per (token, rank) back to its relay, whose sums go home as one row "
-                     "per (token, node) (--combine reduced)\n");
-    else if (two_stage)
-        fprintf(out, ": one row per (token, expert) pair back to its relay, and from the relay "
-                     "home\n");
-    else if (cfg->combine == MOE_COMBINE_REDUCED)
-        fprintf(out, ": %.0f rows, one per (token, rank), each rank's pairs summed before they "
-                     "travel (--combine reduced; the pairs would be %.0f)\n",
-                s->bytes_combined / moe_combine_row_bytes(cfg), pairs);
-    else
-        fprintf(out, ": one row per (token, expert) pair (--combine reduced sends %.0f, one per "
-                     "(token, rank))\n", s->rows_one_wave > 0 ? s->rows_one_wave : s->rows_sent);
+    if (!low_latency) {
+        fprintf(out, "          combine  %s (%s from other ranks)", moe_format_bytes(s->bytes_combined, b1, sizeof b1),
+                moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg), b2, sizeof b2));
+        if (two_stage && cfg->combine == MOE_COMBINE_REDUCED)
+            fprintf(out, ": one row per (token, rank) back to its relay, whose sums go home as one row "
+                         "per (token, node) (--combine reduced)\n");
+        else if (two_stage)
+            fprintf(out, ": one row per (token, expert) pair back to its relay, and from the relay "
+                         "home\n");
+        else if (cfg->combine == MOE_COMBINE_REDUCED)
+            fprintf(out, ": %.0f rows, one per (token, rank), each rank's pairs summed before they "
+                         "travel (--combine reduced; the pairs would be %.0f)\n",
+                    s->bytes_combined / moe_combine_row_bytes(cfg), pairs);
+        else
+            fprintf(out, ": one row per (token, expert) pair (--combine reduced sends %.0f, one per "
+                         "(token, rank))\n", s->rows_one_wave > 0 ? s->rows_one_wave : s->rows_sent);
+    }
     if (s->matrix && G <= 16) {
         fprintf(out, "          dispatch KiB, from rank (row) to rank (column):\n          %6s", "");
         for (int q = 0; q < G; q++)
@@ -299,7 +315,12 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     const moe_config *cfg = s->cfg;
     const double G = s->ranks, d = (double)cfg->hidden;
 
-    if (s->waves > 0)
+    if (cfg->mode == MOE_MODE_LOW_LATENCY)
+        fprintf(out, "moe-ep %s · MoE forward with expert parallelism · low-latency mode, one-sided "
+                     "MPI (%s) · gemm %s\n",
+                PACKAGE_VERSION, cfg->rma == MOE_RMA_PUT ? "put: the sources push" : "get: the owners pull",
+                moe_gemm_label((enum moe_gemm_kind)cfg->gemm));
+    else if (s->waves > 0)
         fprintf(out, "moe-ep %s · MoE forward with expert parallelism · W = %d (%s) · "
                      "progress %s · gemm %s\n",
                 PACKAGE_VERSION, s->waves,

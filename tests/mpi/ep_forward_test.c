@@ -108,7 +108,9 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
     route(&ep, home_placement, tokens_per_rank, (moe_index)c->rank * cfg->tokens, x, opt, ids,
           weights);
     const moe_schedule sched = moe_schedule_default(&ep);
-    int rc = !cfg->blocking ? moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, stats, &st)
+    int rc = cfg->mode == MOE_MODE_LOW_LATENCY
+                 ? moe_ep_forward_ll(&ep, x, ids, weights, y, stats, &st)
+             : !cfg->blocking ? moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, stats, &st)
              : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
                  ? moe_ep_forward_hier(&ep, x, ids, weights, y, stats, &st)
                  : moe_ep_forward_ref(&ep, x, ids, weights, y, stats, NULL, &st);
@@ -234,7 +236,8 @@ int main(int argc, char **argv)
     {
         const double posted = moe_comm_sum(&world, moe_comm_posted_bytes() - posted_before);
         const double reported =
-            moe_comm_sum(&world, (double)stats.rows_sent_remote) * moe_dispatch_row_bytes(&cfg) +
+            moe_comm_sum(&world, (double)stats.rows_sent_remote) *
+                (cfg.mode == MOE_MODE_LOW_LATENCY ? moe_ll_row_bytes(&cfg) : moe_dispatch_row_bytes(&cfg)) +
             moe_comm_sum(&world, (double)stats.pairs_back_remote) * moe_combine_row_bytes(&cfg);
         if (r_posted_report(world.rank, posted, reported))
             failures++;
@@ -276,7 +279,7 @@ int main(int argc, char **argv)
     const bool truth_ok = !s.nonfinite && s.cmp.max_used <= 1.0;
     if (r == 0)
         printf("np=%d %s vs dense truth: %s max_abs=%.3e max_rel=%.3e used=%.1f%% of tol %.3e+%.3e*|ref|\n",
-               G, cfg.blocking ? "blocking" : "waves", truth_ok ? "ok" : "FAIL", s.cmp.max_abs, s.cmp.max_rel, 100 * s.cmp.max_used,
+               G, cfg.mode == MOE_MODE_LOW_LATENCY ? "low-latency" : cfg.blocking ? "blocking" : "waves", truth_ok ? "ok" : "FAIL", s.cmp.max_abs, s.cmp.max_rel, 100 * s.cmp.max_used,
                s.tol.abs, s.tol.rel);
     failures += !truth_ok;
 
@@ -338,6 +341,8 @@ int main(int argc, char **argv)
         self.threads = world.threads;
         moe_config one = cfg;
         one.tokens = (int64_t)G * T;
+        if (one.max_tokens_per_rank > 0) /* low-latency: one rank's buffers hold them all */
+            one.max_tokens_per_rank = one.tokens;
         one.dispatch = MOE_DISPATCH_FLAT; /* one rank: one node, the flat reference */
         one.ranks_per_node = 0;
         float *x1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * d));

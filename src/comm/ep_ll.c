@@ -1,0 +1,479 @@
+/* ep_ll.c — the low-latency forward of decode (--mode low-latency).
+ *
+ * No count exchange and no deduplication: every (token, expert) pair of a
+ * source travels as its own row into a fixed slot of the owner's receive
+ * buffer, [local expert][source rank * N + i] (N = --max-tokens-per-rank, i
+ * the pair's place among the source's pairs for that expert, in token
+ * order), the layout DeepEP's low-latency kernels write. A source sends
+ * each expert's rows as one contiguous block, so a rank's pairs need no
+ * more than E messages; a pair per row costs k rows a token where the
+ * deduplicated dispatch sends one per (token, rank), and buys a single
+ * round: the sizes are known before anything moves.
+ *
+ * One MPI window per rank, allocated once (MPI_Win_allocate) and held in
+ * a passive-target epoch (MPI_Win_lock_all) for the object's life; every
+ * rank lays it out the same way, sized by the fullest rank's experts:
+ *
+ *   SIGNALS   4 int64: dispatch arrivals, combine arrivals (put), and this
+ *             rank's own dispatch-ready and combine-ready marks (get)
+ *   TABLE_IN  (G, EL, 2) int32: per source, per local expert, the count of
+ *             its rows and where they start in the source's staging
+ *   TABLE_OUT (E, 2) int32: the same as this rank sends them, per expert
+ *   SEND      (N k) staged rows as the wire carries them, grouped by
+ *             expert, then (N k, 3) int32 meta (local token, slot, weight)
+ *   RECV      (EL, G, N) rows, then their meta: the receive buffers
+ *   OUT       (EL, G, N) expert outputs as the combine wire carries them
+ *   BACK      (N k) outputs come home, in this rank's staging order
+ *
+ * --rma put (push): a source puts each expert's block, its meta and its
+ * counts into the owner's RECV and TABLE_IN, flushes, then adds 1 to the
+ * owner's dispatch-arrivals counter (MPI_Accumulate, MPI_SUM); an owner
+ * waits for G arrivals per forward (the counter only grows: G at the
+ * first forward, 2G at the second, ...), reading it with MPI_Fetch_and_op
+ * (MPI_NO_OP). The combine is the same, owner to home: each (expert,
+ * source) block of outputs lands where the source staged its rows.
+ * --rma get (pull): a source stages its rows and table in its own window
+ * and marks itself ready (MPI_Fetch_and_op, MPI_REPLACE, with the forward's
+ * number); an owner polls the sources' marks and, from each one that is
+ * ready, reads the table entries of its experts, then their rows, into its
+ * RECV. The combine: owners mark their outputs ready, homes read them.
+ *
+ * A slot is not overwritten before it is read: a source starts its next
+ * forward only when its combine is complete, which needs every owner to
+ * have finished its experts (and so its reads of this forward's rows), and
+ * an owner writes its next outputs only after every source's next dispatch.
+ *
+ * The experts then see their rows in masked layout: per local expert the
+ * rows of source 0, then source 1, ..., each in token order, that is in
+ * global token order, as the normal path gives them, decoded from the
+ * wire; the home rank reduces a token's outputs in slot order. With packed
+ * or exact GEMMs the output is bitwise that of the normal path with
+ * --combine pairs.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/ep.h"
+#include "moe/gemm.h"
+#include "moe/quant.h"
+#include "ep_stages.h"
+
+enum { SIG_DISPATCH, SIG_COMBINE, SIG_DISPATCH_READY, SIG_COMBINE_READY, SIGNALS };
+enum { LL_META_WORDS = MOE_LL_META_WORDS };
+
+struct moe_ll_state {
+    MPI_Win win;
+    uint8_t *base;
+    int64_t forwards;      /* forwards run: the arrivals and marks expected */
+    int G, EL, E, k;
+    moe_index N;
+    size_t row, out;       /* bytes of a dispatched row and of an output */
+    MPI_Aint signals, table_in, table_out, send, send_meta, recv, recv_meta, out_at, back, size;
+    MPI_Datatype row_type, out_type, meta_type;
+};
+
+static MPI_Aint align8(MPI_Aint n) { return (n + 7) / 8 * 8; }
+
+static struct moe_ll_state *ll_open(const moe_ep *ep, moe_status *st)
+{
+    struct moe_ep_workspace *work = ep->work;
+    if (work->ll)
+        return work->ll;
+    const moe_config *cfg = ep->cfg;
+    struct moe_ll_state *s = moe_xcalloc(1, sizeof *s);
+    const moe_wire dw = moe_wire_dispatch(cfg), cw = moe_wire_combine(cfg);
+    s->G = ep->comm.ranks;
+    s->E = (int)cfg->experts;
+    s->k = (int)cfg->topk;
+    s->EL = (s->E + s->G - 1) / s->G; /* the fullest rank's (layout.h) */
+    s->N = cfg->max_tokens_per_rank > 0 ? cfg->max_tokens_per_rank : cfg->tokens;
+    s->row = dw.bytes;
+    s->out = cw.bytes;
+    const MPI_Aint slots = (MPI_Aint)s->EL * s->G * s->N, staged = (MPI_Aint)s->N * s->k;
+    const MPI_Aint meta = 4 * LL_META_WORDS;
+    MPI_Aint at = 0;
+    s->signals = at, at += 8 * SIGNALS;
+    s->table_in = at, at = align8(at + 8 * (MPI_Aint)s->G * s->EL);
+    s->table_out = at, at = align8(at + 8 * (MPI_Aint)s->E);
+    s->send = at, at = align8(at + staged * (MPI_Aint)s->row);
+    s->send_meta = at, at = align8(at + staged * meta);
+    s->recv = at, at = align8(at + slots * (MPI_Aint)s->row);
+    s->recv_meta = at, at = align8(at + slots * meta);
+    s->out_at = at, at = align8(at + slots * (MPI_Aint)s->out);
+    s->back = at, at = align8(at + staged * (MPI_Aint)s->out);
+    s->size = at;
+    /* A library without one-sided support for this communicator (Open MPI's
+     * osc pt2pt wants MPI_THREAD_MULTIPLE) refuses the window: one message. */
+    moe_status local = {0};
+    const int made = MPI_Win_allocate(s->size, 1, MPI_INFO_NULL, ep->comm.comm, &s->base, &s->win);
+    int *model = NULL, found = 0;
+    if (made == MPI_SUCCESS)
+        MOE_MPI(MPI_Win_get_attr(s->win, MPI_WIN_MODEL, &model, &found));
+    if (made != MPI_SUCCESS || !found || *model != MPI_WIN_UNIFIED) {
+        char why[MPI_MAX_ERROR_STRING] = "the window's memory model is not MPI_WIN_UNIFIED";
+        int len = 0;
+        if (made != MPI_SUCCESS)
+            MPI_Error_string(made, why, &len);
+        moe_fail(&local, MOE_EXIT_USAGE,
+                 "--mode low-latency needs one-sided MPI (MPI_Win_allocate, unified memory "
+                 "model), which this MPI library does not give here (%s); use --mode normal", why);
+    }
+    if (moe_comm_agree(&ep->comm, &local)) {
+        *st = local;
+        if (made == MPI_SUCCESS)
+            MOE_MPI(MPI_Win_free(&s->win));
+        free(s);
+        return NULL;
+    }
+    memset(s->base, 0, (size_t)s->size);
+    MOE_MPI(MPI_Type_contiguous((int)s->row, MPI_BYTE, &s->row_type));
+    MOE_MPI(MPI_Type_contiguous((int)s->out, MPI_BYTE, &s->out_type));
+    MOE_MPI(MPI_Type_contiguous(LL_META_WORDS, MPI_INT32_T, &s->meta_type));
+    MOE_MPI(MPI_Type_commit(&s->row_type));
+    MOE_MPI(MPI_Type_commit(&s->out_type));
+    MOE_MPI(MPI_Type_commit(&s->meta_type));
+    MOE_MPI(MPI_Barrier(ep->comm.comm)); /* every window zeroed before anyone writes */
+    MOE_MPI(MPI_Win_lock_all(MPI_MODE_NOCHECK, s->win));
+    work->ll = s;
+    return s;
+}
+
+void moe_ep_ll_close(struct moe_ep_workspace *work)
+{
+    struct moe_ll_state *s = work->ll;
+    if (!s)
+        return;
+    MOE_MPI(MPI_Win_unlock_all(s->win));
+    MOE_MPI(MPI_Win_free(&s->win));
+    MOE_MPI(MPI_Type_free(&s->row_type));
+    MOE_MPI(MPI_Type_free(&s->out_type));
+    MOE_MPI(MPI_Type_free(&s->meta_type));
+    free(s);
+    work->ll = NULL;
+}
+
+static int32_t *table_in(const struct moe_ll_state *s, int src, int l)
+{
+    return (int32_t *)(s->base + s->table_in) + ((MPI_Aint)src * s->EL + l) * 2;
+}
+
+static int32_t *table_out(const struct moe_ll_state *s, int e)
+{
+    return (int32_t *)(s->base + s->table_out) + (MPI_Aint)e * 2;
+}
+
+/* Displacement of slot (l, src, i) of RECV (row, or meta) and OUT. */
+static MPI_Aint slot(const struct moe_ll_state *s, int l, int src, moe_index i)
+{
+    return ((MPI_Aint)l * s->G + src) * s->N + i;
+}
+
+/* The counter `which` of `rank` as it is now (an atomic read). */
+static int64_t read_signal(const struct moe_ll_state *s, int rank, int which)
+{
+    int64_t v = 0;
+    MOE_MPI(MPI_Fetch_and_op(NULL, &v, MPI_INT64_T, rank, s->signals + 8 * which, MPI_NO_OP, s->win));
+    MOE_MPI(MPI_Win_flush(rank, s->win));
+    return v;
+}
+
+/* Until this rank's counter `which` reaches `want`; then its window's
+ * public copy is what this rank reads. */
+static void wait_signal(const struct moe_ll_state *s, int me, int which, int64_t want)
+{
+    while (read_signal(s, me, which) < want)
+        ;
+    MOE_MPI(MPI_Win_sync(s->win));
+}
+
+/* Add 1 to counter `which` of every rank, after this rank's puts. */
+static void signal_all(const struct moe_ll_state *s, int which)
+{
+    static const int64_t one = 1;
+    MOE_MPI(MPI_Win_flush_all(s->win));
+    for (int r = 0; r < s->G; r++)
+        MOE_MPI(MPI_Accumulate(&one, 1, MPI_INT64_T, r, s->signals + 8 * which, 1, MPI_INT64_T,
+                               MPI_SUM, s->win));
+    MOE_MPI(MPI_Win_flush_all(s->win));
+}
+
+/* This rank's own mark `which` = the forward's number (what it staged is
+ * in its window's public copy first). */
+static void mark_ready(const struct moe_ll_state *s, int me, int which)
+{
+    int64_t old;
+    MOE_MPI(MPI_Win_sync(s->win));
+    MOE_MPI(MPI_Fetch_and_op(&s->forwards, &old, MPI_INT64_T, me, s->signals + 8 * which,
+                             MPI_REPLACE, s->win));
+    MOE_MPI(MPI_Win_flush(me, s->win));
+}
+
+/* Stages plan and pack: the pairs grouped by expert, each expert's in token
+ * order (pos: each pair's place), encoded into SEND with their meta;
+ * TABLE_OUT says where each expert's block starts and its length. */
+static void ll_pack(const moe_ep *ep, struct moe_ll_state *s, const float *x, const int32_t *ids,
+                    const float *weights, moe_index *pos)
+{
+    const moe_index T = ep->cfg->tokens, pairs = T * s->k;
+    moe_index *start = moe_xcalloc((size_t)s->E + 1, sizeof(moe_index));
+    moe_index *token = moe_xmalloc(sizeof(moe_index) * (size_t)pairs + 1);
+    for (moe_index n = 0; n < pairs; n++)
+        start[ids[n] + 1]++;
+    for (int e = 0; e < s->E; e++) {
+        *table_out(s, e) = (int32_t)start[e + 1];
+        start[e + 1] += start[e];
+        table_out(s, e)[1] = (int32_t)start[e];
+    }
+    int32_t *meta = (int32_t *)(s->base + s->send_meta);
+    for (moe_index n = 0; n < pairs; n++) {
+        const moe_index p = start[ids[n]]++;
+        pos[n] = p;
+        token[p] = n / s->k;
+        meta[p * LL_META_WORDS] = (int32_t)(n / s->k);
+        meta[p * LL_META_WORDS + 1] = (int32_t)(n % s->k);
+        memcpy(&meta[p * LL_META_WORDS + 2], &weights[n], sizeof(float));
+    }
+    const moe_wire dw = moe_wire_dispatch(ep->cfg);
+    moe_wire_encode(&dw, x, token, pairs, s->base + s->send);
+    free(token);
+    free(start);
+}
+
+/* Stage dispatch, push: every expert's block, its meta and this rank's
+ * counts into the owners' windows; then the arrivals. */
+static void ll_dispatch_put(const moe_ep *ep, struct moe_ll_state *s)
+{
+    const int me = ep->comm.rank;
+    const moe_placement *p = &ep->placement;
+    for (int r = 0; r < s->G; r++) {
+        const int first = p->first_expert[r], EL = moe_placement_local_experts(p, r);
+        for (int l = 0; l < EL; l++) {
+            const int32_t count = table_out(s, first + l)[0], at = table_out(s, first + l)[1];
+            if (count == 0)
+                continue;
+            MOE_MPI(MPI_Put(s->base + s->send + (MPI_Aint)at * (MPI_Aint)s->row, count,
+                            s->row_type, r, s->recv + slot(s, l, me, 0) * (MPI_Aint)s->row, count,
+                            s->row_type, s->win));
+            MOE_MPI(MPI_Put(s->base + s->send_meta + (MPI_Aint)at * 4 * LL_META_WORDS, count,
+                            s->meta_type, r, s->recv_meta + slot(s, l, me, 0) * 4 * LL_META_WORDS,
+                            count, s->meta_type, s->win));
+            moe_comm_count_rma(count, s->row_type, r, me);
+            moe_comm_count_rma(count, s->meta_type, r, me);
+        }
+        if (EL > 0)
+            MOE_MPI(MPI_Put(table_out(s, first), 2 * EL, MPI_INT32_T, r,
+                            s->table_in + ((MPI_Aint)me * s->EL) * 8, 2 * EL, MPI_INT32_T, s->win));
+    }
+    signal_all(s, SIG_DISPATCH);
+}
+
+/* Stage dispatch, pull: this rank's staging marked ready; from each source
+ * as it becomes ready, the table entries of this rank's experts, then
+ * their rows and meta into RECV. */
+static void ll_dispatch_get(const moe_ep *ep, struct moe_ll_state *s)
+{
+    const int me = ep->comm.rank, first = ep->placement.first_expert[me];
+    const int EL = ep->local_experts;
+    mark_ready(s, me, SIG_DISPATCH_READY);
+    bool *done = moe_xcalloc((size_t)s->G, sizeof(bool));
+    for (int left = s->G; left > 0;)
+        for (int src = 0; src < s->G; src++) {
+            if (done[src] || read_signal(s, src, SIG_DISPATCH_READY) < s->forwards)
+                continue;
+            if (EL > 0) {
+                MOE_MPI(MPI_Get(table_in(s, src, 0), 2 * EL, MPI_INT32_T, src,
+                                s->table_out + (MPI_Aint)first * 8, 2 * EL, MPI_INT32_T, s->win));
+                MOE_MPI(MPI_Win_flush(src, s->win));
+            }
+            for (int l = 0; l < EL; l++) {
+                const int32_t count = table_in(s, src, l)[0], at = table_in(s, src, l)[1];
+                if (count == 0)
+                    continue;
+                MOE_MPI(MPI_Get(s->base + s->recv + slot(s, l, src, 0) * (MPI_Aint)s->row, count,
+                                s->row_type, src, s->send + (MPI_Aint)at * (MPI_Aint)s->row, count,
+                                s->row_type, s->win));
+                MOE_MPI(MPI_Get(s->base + s->recv_meta + slot(s, l, src, 0) * 4 * LL_META_WORDS,
+                                count, s->meta_type, src,
+                                s->send_meta + (MPI_Aint)at * 4 * LL_META_WORDS, count,
+                                s->meta_type, s->win));
+                moe_comm_count_rma(count, s->row_type, src, me);
+                moe_comm_count_rma(count, s->meta_type, src, me);
+            }
+            done[src] = true;
+            left--;
+        }
+    MOE_MPI(MPI_Win_flush_all(s->win));
+    MOE_MPI(MPI_Win_sync(s->win));
+    free(done);
+}
+
+/* Stage experts: per local expert, its rows decoded from RECV into masked
+ * layout (source by source, each in token order: global token order), the
+ * SwiGLU FFN, the outputs rounded and encoded into OUT at their slots. */
+static moe_index ll_experts(const moe_ep *ep, struct moe_ll_state *s)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index d = cfg->hidden, f = cfg->ffn;
+    const moe_wire dw = moe_wire_dispatch(cfg), cw = moe_wire_combine(cfg);
+    moe_index most = 0, pairs = 0;
+    for (int l = 0; l < ep->local_experts; l++) {
+        moe_index n = 0;
+        for (int src = 0; src < s->G; src++)
+            n += table_in(s, src, l)[0];
+        most = n > most ? n : most;
+    }
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(most * (d + 1)) + 1);
+    float *scale = x + most * d;
+    float *scratch = moe_xmalloc(sizeof(float) * (size_t)(most * 2 * f) + 1);
+    for (int l = 0; l < ep->local_experts; l++) {
+        moe_index n = 0;
+        for (int src = 0; src < s->G; src++) {
+            const moe_index count = table_in(s, src, l)[0];
+            const int32_t *meta = (const int32_t *)(s->base + s->recv_meta) +
+                                  slot(s, l, src, 0) * LL_META_WORDS;
+            moe_wire_decode(&dw, s->base + s->recv + slot(s, l, src, 0) * (MPI_Aint)s->row, count,
+                            x + n * d);
+            for (moe_index i = 0; i < count; i++)
+                memcpy(&scale[n + i], &meta[i * LL_META_WORDS + 2], sizeof(float));
+            n += count;
+        }
+        if (n == 0)
+            continue;
+        const moe_expert_weights w = moe_ep_weights(ep, false, l);
+        const bool at_activation = cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION;
+        moe_expert_forward(&w, ep->gemm, x, n, d, f, scratch, x, at_activation ? scale : NULL, NULL);
+        moe_precision_combine(cfg->combine_dtype, x, n * d);
+        n = 0;
+        for (int src = 0; src < s->G; src++) {
+            const moe_index count = table_in(s, src, l)[0];
+            moe_wire_encode(&cw, x + n * d, NULL, count,
+                            s->base + s->out_at + slot(s, l, src, 0) * (MPI_Aint)s->out);
+            n += count;
+        }
+        pairs += n;
+    }
+    free(scratch);
+    free(x);
+    return pairs;
+}
+
+/* Stage combine, push: each (local expert, source) block of outputs into
+ * the source's BACK where it staged those rows; then the arrivals. */
+static void ll_combine_put(const moe_ep *ep, struct moe_ll_state *s)
+{
+    for (int l = 0; l < ep->local_experts; l++)
+        for (int src = 0; src < s->G; src++) {
+            const int32_t count = table_in(s, src, l)[0], at = table_in(s, src, l)[1];
+            if (count == 0)
+                continue;
+            MOE_MPI(MPI_Put(s->base + s->out_at + slot(s, l, src, 0) * (MPI_Aint)s->out, count,
+                            s->out_type, src, s->back + (MPI_Aint)at * (MPI_Aint)s->out, count,
+                            s->out_type, s->win));
+            moe_comm_count_rma(count, s->out_type, src, ep->comm.rank);
+        }
+    signal_all(s, SIG_COMBINE);
+}
+
+/* Stage combine, pull: this rank's outputs marked ready; from each owner
+ * as it becomes ready, the outputs of this rank's pairs into BACK. */
+static void ll_combine_get(const moe_ep *ep, struct moe_ll_state *s)
+{
+    const int me = ep->comm.rank;
+    const moe_placement *p = &ep->placement;
+    mark_ready(s, me, SIG_COMBINE_READY);
+    bool *done = moe_xcalloc((size_t)s->G, sizeof(bool));
+    for (int left = s->G; left > 0;)
+        for (int r = 0; r < s->G; r++) {
+            if (done[r] || read_signal(s, r, SIG_COMBINE_READY) < s->forwards)
+                continue;
+            const int first = p->first_expert[r];
+            for (int l = 0; l < moe_placement_local_experts(p, r); l++) {
+                const int32_t count = table_out(s, first + l)[0], at = table_out(s, first + l)[1];
+                if (count == 0)
+                    continue;
+                MOE_MPI(MPI_Get(s->base + s->back + (MPI_Aint)at * (MPI_Aint)s->out, count,
+                                s->out_type, r, s->out_at + slot(s, l, me, 0) * (MPI_Aint)s->out,
+                                count, s->out_type, s->win));
+                moe_comm_count_rma(count, s->out_type, r, me);
+            }
+            done[r] = true;
+            left--;
+        }
+    MOE_MPI(MPI_Win_flush_all(s->win));
+    MOE_MPI(MPI_Win_sync(s->win));
+    free(done);
+}
+
+int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                      float *y, moe_forward_stats *stats, moe_status *st)
+{
+    const moe_config *cfg = ep->cfg;
+    memset(stats, 0, sizeof *stats);
+    struct moe_ll_state *s = ll_open(ep, st);
+    if (!s)
+        return st->code;
+    MOE_ASSERT(cfg->tokens <= s->N); /* moe_config_validate refuses more */
+    const int me = ep->comm.rank, k = s->k;
+    const moe_index T = cfg->tokens, d = cfg->hidden, pairs = T * k;
+    const bool put = cfg->rma == MOE_RMA_PUT;
+    s->forwards++;
+    double t = MPI_Wtime();
+    moe_index *pos = moe_xmalloc(sizeof(moe_index) * (size_t)pairs + 1);
+    ll_pack(ep, s, x, ids, weights, pos);
+    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+
+    t = MPI_Wtime();
+    if (put) {
+        ll_dispatch_put(ep, s);
+        wait_signal(s, me, SIG_DISPATCH, s->forwards * s->G);
+    } else {
+        ll_dispatch_get(ep, s);
+    }
+    stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
+
+    stats->expert_start = MPI_Wtime();
+    moe_gemm_reset_flops();
+    const moe_index computed = ll_experts(ep, s);
+    stats->expert_flops = moe_gemm_sflops();
+    stats->expert_end = MPI_Wtime();
+    stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - stats->expert_start;
+
+    t = MPI_Wtime();
+    if (put) {
+        ll_combine_put(ep, s);
+        wait_signal(s, me, SIG_COMBINE, s->forwards * s->G);
+    } else {
+        ll_combine_get(ep, s);
+    }
+    stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
+
+    t = MPI_Wtime();
+    const moe_wire cw = moe_wire_combine(cfg);
+    float *back = moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1);
+    const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)pairs + 1);
+    moe_wire_decode(&cw, s->base + s->back, pairs, back);
+    for (moe_index n = 0; n < pairs; n++)
+        slot_rows[n] = back + pos[n] * d;
+    moe_ep_reduce(ep, slot_rows, weights, y);
+    stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
+    float *scratch = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * (2 * cfg->ffn + d)));
+    moe_ep_shared(ep, x, y, scratch, scratch + MOE_SHARED_ROW_BLOCK * 2 * cfg->ffn, stats);
+    free(scratch);
+
+    /* The traffic: every pair a row each way, no deduplication. */
+    moe_index own = 0;
+    for (int l = 0; l < ep->local_experts; l++)
+        own += table_out(s, ep->first_expert + l)[0];
+    const double row_bytes = moe_ll_row_bytes(cfg);
+    stats->rows_sent = pairs;
+    stats->rows_sent_remote = pairs - own;
+    stats->rows_received = computed;
+    stats->pairs_received = computed;
+    stats->pairs_back_remote = pairs - own;
+    stats->bytes_dispatched = (double)pairs * row_bytes;
+    stats->bytes_combined = (double)computed * (double)s->out;
+    free(slot_rows);
+    free(back);
+    free(pos);
+    return MOE_EXIT_OK;
+}
