@@ -38,6 +38,11 @@
  * ready, reads the table entries of its experts, then their rows, into its
  * RECV. The combine: owners mark their outputs ready, homes read them.
  *
+ * Between posting the dispatch and completing its receive, the shared
+ * experts compute (DeepEP's receive hook: the rows arrive while other work
+ * runs); their outputs are added after the routed sum, as on the normal
+ * path.
+ *
  * A slot is not overwritten before it is read: a source starts its next
  * forward only when its combine is complete, which needs every owner to
  * have finished its experts (and so its reads of this forward's rows), and
@@ -267,24 +272,23 @@ static void ll_dispatch_put(const moe_ep *ep, struct moe_ll_state *s)
     signal_all(s, SIG_DISPATCH);
 }
 
-/* Stage dispatch, pull: this rank's staging marked ready; from each source
- * as it becomes ready, the table entries of this rank's experts, then
- * their rows and meta into RECV. */
+/* Stage dispatch, pull (this rank's staging marked ready before): from
+ * each source as it becomes ready, the table entries of this rank's
+ * experts, then their rows and meta into RECV. */
 static void ll_dispatch_get(const moe_ep *ep, struct moe_ll_state *s)
 {
     const int me = ep->comm.rank, first = ep->placement.first_expert[me];
     const int EL = ep->local_experts;
-    mark_ready(s, me, SIG_DISPATCH_READY);
+    if (EL == 0) /* nothing to read: no expert here */
+        return;
     bool *done = moe_xcalloc((size_t)s->G, sizeof(bool));
     for (int left = s->G; left > 0;)
         for (int src = 0; src < s->G; src++) {
             if (done[src] || read_signal(s, src, SIG_DISPATCH_READY) < s->forwards)
                 continue;
-            if (EL > 0) {
-                MOE_MPI(MPI_Get(table_in(s, src, 0), 2 * EL, MPI_INT32_T, src,
-                                s->table_out + (MPI_Aint)first * 8, 2 * EL, MPI_INT32_T, s->win));
-                MOE_MPI(MPI_Win_flush(src, s->win));
-            }
+            MOE_MPI(MPI_Get(table_in(s, src, 0), 2 * EL, MPI_INT32_T, src,
+                            s->table_out + (MPI_Aint)first * 8, 2 * EL, MPI_INT32_T, s->win));
+            MOE_MPI(MPI_Win_flush(src, s->win));
             for (int l = 0; l < EL; l++) {
                 const int32_t count = table_in(s, src, l)[0], at = table_in(s, src, l)[1];
                 if (count == 0)
@@ -404,6 +408,29 @@ static void ll_combine_get(const moe_ep *ep, struct moe_ll_state *s)
     free(done);
 }
 
+/* Stage shared, apart: each shared expert's outputs for x (T, d), in the
+ * blocks and calls of moe_ep_shared, into (S, T, d), for the reduce to add
+ * in expert order (the same bits as moe_ep_shared). */
+static float *ll_shared(const moe_ep *ep, const float *x, moe_forward_stats *stats)
+{
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
+    const moe_index S = ep->cfg->shared_experts;
+    const double t = MPI_Wtime();
+    float *out = moe_xmalloc(sizeof(float) * (size_t)(S * T * d) + 1);
+    float *scratch = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * 2 * f));
+    for (moe_index e = 0; e < S; e++) {
+        const moe_expert_weights w = moe_ep_weights(ep, true, (int)e);
+        for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
+            const moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
+            moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch,
+                               out + (e * T + first) * d, NULL, NULL);
+        }
+    }
+    free(scratch);
+    stats->seconds[MOE_STAGE_SHARED] = MPI_Wtime() - t;
+    return out;
+}
+
 int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
                       float *y, moe_forward_stats *stats, moe_status *st)
 {
@@ -422,14 +449,22 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     ll_pack(ep, s, x, ids, weights, pos);
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
 
+    /* The hook: the dispatch posted (put: the rows and the arrivals are on
+     * their way; get: the staging is marked ready for the owners to read),
+     * the shared experts compute before its receive completes. */
     t = MPI_Wtime();
-    if (put) {
+    if (put)
         ll_dispatch_put(ep, s);
-        wait_signal(s, me, SIG_DISPATCH, s->forwards * s->G);
-    } else {
-        ll_dispatch_get(ep, s);
-    }
+    else
+        mark_ready(s, me, SIG_DISPATCH_READY);
     stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
+    float *shared = ll_shared(ep, x, stats);
+    t = MPI_Wtime();
+    if (put)
+        wait_signal(s, me, SIG_DISPATCH, s->forwards * s->G);
+    else
+        ll_dispatch_get(ep, s);
+    stats->seconds[MOE_STAGE_DISPATCH] += MPI_Wtime() - t;
 
     stats->expert_start = MPI_Wtime();
     moe_gemm_reset_flops();
@@ -455,10 +490,12 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     for (moe_index n = 0; n < pairs; n++)
         slot_rows[n] = back + pos[n] * d;
     moe_ep_reduce(ep, slot_rows, weights, y);
-    stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
-    float *scratch = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * (2 * cfg->ffn + d)));
-    moe_ep_shared(ep, x, y, scratch, scratch + MOE_SHARED_ROW_BLOCK * 2 * cfg->ffn, stats);
-    free(scratch);
+    for (moe_index e = 0; e < cfg->shared_experts; e++) /* as moe_ep_shared adds them */
+        for (moe_index n = 0; n < T * d; n++)
+            y[n] += shared[e * T * d + n];
+    stats->done = MPI_Wtime();
+    stats->seconds[MOE_STAGE_REDUCE] = stats->done - t;
+    free(shared);
 
     /* The traffic: every pair a row each way, no deduplication. */
     moe_index own = 0;
