@@ -2,6 +2,7 @@
  * (see context.h). */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/context.h"
+#include "moe/wire.h"
 
 #include <limits.h>
 #include <math.h>
@@ -115,12 +116,16 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         const double need = moe_config_memory_per_rank(cfg, command, c->ranks);
         const double have = moe_memory_available() / c->ranks_on_host;
         if (need > have) {
-            char b1[32], b2[32];
+            char b1[32], b2[32], b3[32] = "";
+            const bool ll = cfg->mode == MOE_MODE_LOW_LATENCY;
+            if (ll)
+                moe_format_bytes(moe_ll_buffer_bytes(cfg, c->ranks), b3, sizeof b3);
             moe_fail(st, MOE_EXIT_USAGE,
-                     "this config needs about %s per rank, but %s is available per rank "
-                     "(%d ranks on this host); lower --tokens, --hidden, --ffn or --experts",
-                     moe_format_bytes(need, b1, sizeof b1), moe_format_bytes(have, b2, sizeof b2),
-                     c->ranks_on_host);
+                     "this config needs about %s per rank%s%s%s, but %s is available per rank "
+                     "(%d ranks on this host); lower --tokens, --hidden, --ffn%s or --experts",
+                     moe_format_bytes(need, b1, sizeof b1), ll ? " (the low-latency buffers " : "",
+                     b3, ll ? ")" : "", moe_format_bytes(have, b2, sizeof b2), c->ranks_on_host,
+                     ll ? ", --max-tokens-per-rank" : "");
         }
     }
     if (moe_comm_agree(c, st))

@@ -8,6 +8,7 @@
 #include "moe/experts.h"
 #include "moe/link.h"
 #include "moe/router.h"
+#include "moe/wire.h"
 
 #include <ctype.h>
 #include <dirent.h>
@@ -811,6 +812,10 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
      * and those it returns home. */
     if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
         bytes += 2.0 * T * k * (4.0 * d + meta) + T * k * k * 4.0 + 2.0 * T * k * d * 4.0;
+    /* The low-latency mode's window (wire.h), its experts' decoded batch and
+     * activations, the shared experts' outputs kept apart. */
+    if (cfg->mode == MOE_MODE_LOW_LATENCY)
+        bytes += moe_ll_buffer_bytes(cfg, ranks) + T * k * (d + 2.0 * f) * 4.0 + S * T * d * 4.0;
     /* Per wave: a slot-to-pair map of every (token, slot), the counts. */
     bytes += W * (T * k * 8.0 + G * (64.0 + 8.0 * (1.0 + EL)));
     if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */
