@@ -241,8 +241,14 @@ static void ll_pack(const moe_ep *ep, struct moe_ll_state *s, const float *x, co
         meta[p * LL_META_WORDS + 1] = (int32_t)(n % s->k);
         memcpy(&meta[p * LL_META_WORDS + 2], &weights[n], sizeof(float));
     }
+    /* Each token encoded once, its bytes copied to each of its pairs. */
     const moe_wire dw = moe_wire_dispatch(ep->cfg);
-    moe_wire_encode(&dw, x, token, pairs, s->base + s->send);
+    uint8_t *encoded = moe_xmalloc(dw.bytes * (size_t)T + 1);
+    moe_wire_encode(&dw, x, NULL, T, encoded);
+    for (moe_index p = 0; p < pairs; p++)
+        memcpy(s->base + s->send + (MPI_Aint)p * (MPI_Aint)s->row,
+               encoded + (size_t)token[p] * dw.bytes, dw.bytes);
+    free(encoded);
     free(token);
     free(start);
 }
@@ -336,6 +342,8 @@ static moe_index ll_experts(const moe_ep *ep, struct moe_ll_state *s)
         moe_index n = 0;
         for (int src = 0; src < s->G; src++) {
             const moe_index count = table_in(s, src, l)[0];
+            if (count == 0)
+                continue;
             const int32_t *meta = (const int32_t *)(s->base + s->recv_meta) +
                                   slot(s, l, src, 0) * LL_META_WORDS;
             moe_wire_decode(&dw, s->base + s->recv + slot(s, l, src, 0) * (MPI_Aint)s->row, count,
@@ -353,6 +361,8 @@ static moe_index ll_experts(const moe_ep *ep, struct moe_ll_state *s)
         n = 0;
         for (int src = 0; src < s->G; src++) {
             const moe_index count = table_in(s, src, l)[0];
+            if (count == 0)
+                continue;
             moe_wire_encode(&cw, x + n * d, NULL, count,
                             s->base + s->out_at + slot(s, l, src, 0) * (MPI_Aint)s->out);
             n += count;
