@@ -500,27 +500,31 @@ static int bench_latency(moe_run_context *ctx)
            "%lld warm-up; fixed buffers for N = %lld tokens per rank: %s per rank\n",
            (long long)cfg->samples, (long long)(cfg->warmup > 0 ? cfg->warmup : 1), (long long)N,
            moe_format_bytes(moe_ll_buffer_bytes(&sized, c->ranks), buffers, sizeof buffers));
-    printf("   T  %-24s%-24s%-24sfastest\n", "normal (med, p99)", "low-latency put",
-           "low-latency get");
-    int crossover = -1;
+    printf("   T  %-24s%-24s%-24snormal / best low-latency\n", "normal (med, p99)",
+           "low-latency put", "low-latency get");
+    int crossover = points; /* the normal path the faster from here on */
     for (int n = 0; n < points; n++) {
         printf("%4lld", (long long)decode_points[n]);
-        int best = 0;
         for (int p = 0; p < LATENCY_PATHS; p++) {
             char cell[32];
             snprintf(cell, sizeof cell, "%.0f, %.0f", 1e6 * median[n][p], 1e6 * p99[n][p]);
             printf("  %-22s", cell);
-            best = median[n][p] < median[n][best] ? p : best;
         }
-        printf("%s\n", latency_paths[best]);
-        if (crossover < 0 && best == 0)
+        const double ll = fmin(median[n][1], median[n][2]);
+        printf("%.2f\n", median[n][0] / ll);
+        if (median[n][0] >= ll)
+            crossover = points;
+        else if (crossover == points)
             crossover = n;
     }
-    if (crossover >= 0)
+    if (crossover == 0)
+        printf("crossover none here: the normal path is the faster at every T measured (medians)\n");
+    else if (crossover < points)
         printf("crossover the normal path is the faster from T = %lld tokens per rank on (medians)\n",
                (long long)decode_points[crossover]);
     else
-        printf("crossover none here: the low-latency path is the faster at every T measured\n");
+        printf("crossover none here: the low-latency path is the faster at the largest T measured "
+               "(medians)\n");
     return MOE_EXIT_OK;
 }
 
