@@ -407,7 +407,8 @@ static int bench_pairs(moe_run_context *ctx)
 }
 
 /* --mode low-latency: the layer's latency at decode's batch sizes, for the
- * normal path (the blocking one: count exchange, MPI_Alltoallv, one wave)
+ * normal path (the blocking one: count exchange, MPI_Alltoallv, one wave,
+ * the reduced combine)
  * against the low-latency one pushed and pulled, each point --samples
  * forwards after --warmup, every rank starting together; a sample is the
  * slowest rank's time. The fixed buffers hold the largest point (or
@@ -426,8 +427,8 @@ static int latency_point(const moe_comm *c, const moe_config *base, int64_t T, i
     cfg.mode = p == 0 ? MOE_MODE_NORMAL : MOE_MODE_LOW_LATENCY;
     cfg.rma = p == 2 ? MOE_RMA_GET : MOE_RMA_PUT;
     cfg.max_tokens_per_rank = p == 0 ? -1 : N;
-    if (p > 0)
-        cfg.combine = MOE_COMBINE_PAIRS;
+    /* the normal path as it runs by default, its combine summed per rank */
+    cfg.combine = p == 0 ? MOE_COMBINE_REDUCED : MOE_COMBINE_PAIRS;
     moe_ep ep;
     int rc = moe_ep_init(&ep, &cfg, c, st);
     if (rc)
