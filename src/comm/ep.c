@@ -351,9 +351,11 @@ void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, f
         const moe_expert_weights w = moe_ep_weights(ep, true, s);
         for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
             moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
-            moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch, out, NULL, NULL);
-            for (moe_index n = 0; n < rows * d; n++)
-                y[first * d + n] += out[n];
+            float *o = y ? out : out + (s * T + first) * d;
+            moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch, o, NULL, NULL);
+            if (y)
+                for (moe_index n = 0; n < rows * d; n++)
+                    y[first * d + n] += o[n];
         }
     }
     stats->done = MPI_Wtime();

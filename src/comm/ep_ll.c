@@ -281,43 +281,57 @@ static void ll_dispatch_put(const moe_ep *ep, struct moe_ll_state *s)
     signal_all(s, SIG_DISPATCH);
 }
 
-/* Stage dispatch, pull (this rank's staging marked ready before): from
- * each source as it becomes ready, the table entries of this rank's
- * experts, then their rows and meta into RECV. */
-static void ll_dispatch_get(const moe_ep *ep, struct moe_ll_state *s)
+/* For every rank in turn once its mark `which` reaches this forward, pull
+ * (its table entries, then its blocks, get_fn of it); then the reads are
+ * complete and in this rank's window. */
+typedef void pull_fn(const moe_ep *ep, struct moe_ll_state *s, int peer);
+
+static void pull_when_ready(const moe_ep *ep, struct moe_ll_state *s, int which, pull_fn *pull)
 {
-    const int me = ep->comm.rank, first = ep->placement.first_expert[me];
-    const int EL = ep->local_experts;
-    if (EL == 0) /* nothing to read: no expert here */
-        return;
     bool *done = moe_xcalloc((size_t)s->G, sizeof(bool));
     for (int left = s->G; left > 0;)
-        for (int src = 0; src < s->G; src++) {
-            if (done[src] || read_signal(s, src, SIG_DISPATCH_READY) < s->forwards)
+        for (int peer = 0; peer < s->G; peer++) {
+            if (done[peer] || read_signal(s, peer, which) < s->forwards)
                 continue;
-            MOE_MPI(MPI_Get(table_in(s, src, 0), 2 * EL, MPI_INT32_T, src,
-                            s->table_out + (MPI_Aint)first * 8, 2 * EL, MPI_INT32_T, s->win));
-            MOE_MPI(MPI_Win_flush(src, s->win));
-            for (int l = 0; l < EL; l++) {
-                const int32_t count = table_in(s, src, l)[0], at = table_in(s, src, l)[1];
-                if (count == 0)
-                    continue;
-                MOE_MPI(MPI_Get(s->base + s->recv + slot(s, l, src, 0) * (MPI_Aint)s->row, count,
-                                s->row_type, src, s->send + (MPI_Aint)at * (MPI_Aint)s->row, count,
-                                s->row_type, s->win));
-                MOE_MPI(MPI_Get(s->base + s->recv_meta + slot(s, l, src, 0) * 4 * LL_META_WORDS,
-                                count, s->meta_type, src,
-                                s->send_meta + (MPI_Aint)at * 4 * LL_META_WORDS, count,
-                                s->meta_type, s->win));
-                moe_comm_count_rma(count, s->row_type, src, me);
-                moe_comm_count_rma(count, s->meta_type, src, me);
-            }
-            done[src] = true;
+            pull(ep, s, peer);
+            done[peer] = true;
             left--;
         }
     MOE_MPI(MPI_Win_flush_all(s->win));
     MOE_MPI(MPI_Win_sync(s->win));
     free(done);
+}
+
+/* Stage dispatch, pull, from source src (ready): the table entries of this
+ * rank's experts, then their rows and meta into RECV. */
+static void dispatch_get_from(const moe_ep *ep, struct moe_ll_state *s, int src)
+{
+    const int me = ep->comm.rank, first = ep->placement.first_expert[me];
+    const int EL = ep->local_experts;
+    MOE_MPI(MPI_Get(table_in(s, src, 0), 2 * EL, MPI_INT32_T, src,
+                    s->table_out + (MPI_Aint)first * 8, 2 * EL, MPI_INT32_T, s->win));
+    MOE_MPI(MPI_Win_flush(src, s->win));
+    for (int l = 0; l < EL; l++) {
+        const int32_t count = table_in(s, src, l)[0], at = table_in(s, src, l)[1];
+        if (count == 0)
+            continue;
+        MOE_MPI(MPI_Get(s->base + s->recv + slot(s, l, src, 0) * (MPI_Aint)s->row, count,
+                        s->row_type, src, s->send + (MPI_Aint)at * (MPI_Aint)s->row, count,
+                        s->row_type, s->win));
+        MOE_MPI(MPI_Get(s->base + s->recv_meta + slot(s, l, src, 0) * 4 * LL_META_WORDS, count,
+                        s->meta_type, src, s->send_meta + (MPI_Aint)at * 4 * LL_META_WORDS,
+                        count, s->meta_type, s->win));
+        moe_comm_count_rma(count, s->row_type, src, me);
+        moe_comm_count_rma(count, s->meta_type, src, me);
+    }
+}
+
+/* Stage dispatch, pull (this rank's staging marked ready before): from
+ * each source as it becomes ready. A rank without experts reads nothing. */
+static void ll_dispatch_get(const moe_ep *ep, struct moe_ll_state *s)
+{
+    if (ep->local_experts > 0)
+        pull_when_ready(ep, s, SIG_DISPATCH_READY, dispatch_get_from);
 }
 
 /* Stage experts: per local expert, its rows decoded from RECV into masked
@@ -391,57 +405,29 @@ static void ll_combine_put(const moe_ep *ep, struct moe_ll_state *s)
     signal_all(s, SIG_COMBINE);
 }
 
-/* Stage combine, pull: this rank's outputs marked ready; from each owner
- * as it becomes ready, the outputs of this rank's pairs into BACK. */
-static void ll_combine_get(const moe_ep *ep, struct moe_ll_state *s)
+/* Stage combine, pull, from owner r (ready): the outputs of this rank's
+ * pairs for r's experts into BACK. */
+static void combine_get_from(const moe_ep *ep, struct moe_ll_state *s, int r)
 {
-    const int me = ep->comm.rank;
-    const moe_placement *p = &ep->placement;
-    mark_ready(s, me, SIG_COMBINE_READY);
-    bool *done = moe_xcalloc((size_t)s->G, sizeof(bool));
-    for (int left = s->G; left > 0;)
-        for (int r = 0; r < s->G; r++) {
-            if (done[r] || read_signal(s, r, SIG_COMBINE_READY) < s->forwards)
-                continue;
-            const int first = p->first_expert[r];
-            for (int l = 0; l < moe_placement_local_experts(p, r); l++) {
-                const int32_t count = table_out(s, first + l)[0], at = table_out(s, first + l)[1];
-                if (count == 0)
-                    continue;
-                MOE_MPI(MPI_Get(s->base + s->back + (MPI_Aint)at * (MPI_Aint)s->out, count,
-                                s->out_type, r, s->out_at + slot(s, l, me, 0) * (MPI_Aint)s->out,
-                                count, s->out_type, s->win));
-                moe_comm_count_rma(count, s->out_type, r, me);
-            }
-            done[r] = true;
-            left--;
-        }
-    MOE_MPI(MPI_Win_flush_all(s->win));
-    MOE_MPI(MPI_Win_sync(s->win));
-    free(done);
+    const int me = ep->comm.rank, first = ep->placement.first_expert[r];
+    for (int l = 0; l < moe_placement_local_experts(&ep->placement, r); l++) {
+        const int32_t count = table_out(s, first + l)[0], at = table_out(s, first + l)[1];
+        if (count == 0)
+            continue;
+        MOE_MPI(MPI_Get(s->base + s->back + (MPI_Aint)at * (MPI_Aint)s->out, count, s->out_type, r,
+                        s->out_at + slot(s, l, me, 0) * (MPI_Aint)s->out, count, s->out_type,
+                        s->win));
+        moe_comm_count_rma(count, s->out_type, r, me);
+    }
 }
 
-/* Stage shared, apart: each shared expert's outputs for x (T, d), in the
- * blocks and calls of moe_ep_shared, into (S, T, d), for the reduce to add
- * in expert order (the same bits as moe_ep_shared). */
-static float *ll_shared(const moe_ep *ep, const float *x, moe_forward_stats *stats)
+/* Stage combine, pull: this rank's outputs marked ready; from each owner
+ * as it becomes ready (every owner, even those holding none of this
+ * rank's pairs: their mark says they have read this forward's tables). */
+static void ll_combine_get(const moe_ep *ep, struct moe_ll_state *s)
 {
-    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
-    const moe_index S = ep->cfg->shared_experts;
-    const double t = MPI_Wtime();
-    float *out = moe_xmalloc(sizeof(float) * (size_t)(S * T * d) + 1);
-    float *scratch = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * 2 * f));
-    for (moe_index e = 0; e < S; e++) {
-        const moe_expert_weights w = moe_ep_weights(ep, true, (int)e);
-        for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
-            const moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
-            moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch,
-                               out + (e * T + first) * d, NULL, NULL);
-        }
-    }
-    free(scratch);
-    stats->seconds[MOE_STAGE_SHARED] = MPI_Wtime() - t;
-    return out;
+    mark_ready(s, ep->comm.rank, SIG_COMBINE_READY);
+    pull_when_ready(ep, s, SIG_COMBINE_READY, combine_get_from);
 }
 
 int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
@@ -471,7 +457,11 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     else
         mark_ready(s, me, SIG_DISPATCH_READY);
     stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
-    float *shared = ll_shared(ep, x, stats);
+    /* the shared experts' outputs kept apart, added after the routed sum */
+    float *shared = moe_xmalloc(sizeof(float) * (size_t)(cfg->shared_experts * T * d) + 1);
+    float *scratch = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * 2 * cfg->ffn));
+    moe_ep_shared(ep, x, NULL, scratch, shared, stats);
+    free(scratch);
     t = MPI_Wtime();
     if (put)
         wait_signal(s, me, SIG_DISPATCH, s->forwards * s->G);

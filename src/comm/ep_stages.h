@@ -247,7 +247,9 @@ void moe_ep_reduce(const moe_ep *ep, const float *const *slot_rows, const float 
 
 /* Stage shared, the last of a forward. y (T, d) += the shared experts of x
  * (T, d), in blocks of MOE_SHARED_ROW_BLOCK tokens; scratch (64, 2f), out
- * (64, d). Records its time and the forward's end (y complete) in stats. */
+ * (64, d). Records its time and the forward's end (y complete) in stats.
+ * y NULL: out (S, T, d) keeps every expert's outputs instead, the same
+ * bits, for a caller to add to y in expert order later. */
 void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out,
                    moe_forward_stats *stats);
 
