@@ -48,6 +48,9 @@ enum moe_mode { MOE_MODE_NORMAL, MOE_MODE_LOW_LATENCY };
 /* How the low-latency mode moves rows: the source writes them into the
  * owner's window (put), or the owner reads them from the source's (get). */
 enum moe_rma { MOE_RMA_PUT, MOE_RMA_GET };
+/* The tensor the expert GEMMs read (layout.h, moe_expert_slots): auto is
+ * rows on the normal path, masked in the low-latency mode. */
+enum moe_layout_kind { MOE_LAYOUT_ROWS, MOE_LAYOUT_MASKED, MOE_LAYOUT_CONTIGUOUS, MOE_LAYOUT_AUTO };
 /* What bench --backward times: one micro-batch's training step, or pairs of
  * micro-batches (serial, waves, DualPipe's pairing, both). */
 enum moe_schedule_kind { MOE_SCHEDULE_STEP, MOE_SCHEDULE_DUALPIPE };
@@ -71,6 +74,8 @@ typedef struct {
     int mode;                  /* enum moe_mode */
     int64_t max_tokens_per_rank; /* --mode low-latency: the fixed buffers' tokens per rank; -1: --tokens */
     int rma;                   /* enum moe_rma */
+    int expert_layout;         /* enum moe_layout_kind */
+    int64_t expert_alignment;  /* --expert-layout contiguous: rows of an expert padded to a multiple */
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
     uint64_t seed;
@@ -135,6 +140,13 @@ int moe_config_load_preset(moe_config *cfg, enum moe_command command, const char
  * scores by their sum), without one no (DeepSeek-V2's norm_topk_prob is
  * false). */
 bool moe_config_norm_topk(const moe_config *cfg);
+
+/* The tensor the expert GEMMs read: --expert-layout, auto resolved (rows,
+ * or masked with --mode low-latency); and the tokens per rank the masked
+ * layout and the low-latency buffers hold (--max-tokens-per-rank, auto:
+ * --tokens). */
+int moe_config_layout(const moe_config *cfg);
+int64_t moe_config_max_tokens(const moe_config *cfg);
 
 /* Check the combination for G ranks (k <= E, sizes that fit the index
  * types). Ranks without an expert (E < G) are allowed. */

@@ -111,6 +111,15 @@ typedef struct {
     int32_t *pair;       /* (pairs, 2) global token id and expert id of each */
     float *sums;         /* --combine reduced: (rows, d) per received row, its pairs' sum as
                             sent back, after --combine-dtype; NULL otherwise */
+    /* The tensor the expert GEMMs read (--expert-layout, layout.h), its rows
+     * as the wire carried them: rows: the received rows themselves;
+     * masked and contiguous: per slot, its pair's row; empty and padding
+     * slots all zero bytes. */
+    moe_index slots;
+    uint8_t *layout_wire;   /* (slots, wire row bytes) values, then fp8 scales (wire.h) */
+    int32_t *layout_src;    /* (slots) global token id; -1: empty or padding */
+    int32_t *layout_expert; /* (slots) local expert (DeepGEMM's m_indices); -1: empty or padding */
+    int32_t *layout_count;  /* (EL) rows of each local expert */
 } moe_ep_capture;
 
 void moe_ep_capture_free(moe_ep_capture *capture);

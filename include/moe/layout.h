@@ -154,6 +154,35 @@ void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
                          const moe_index *rows_from, const moe_waves *waves, int wave);
 void moe_recv_plan_free(moe_recv_plan *plan);
 
+/* Where each local expert's rows sit in the tensor the expert GEMMs read
+ * (--expert-layout, config.h), built from a receive plan: slot j of local
+ * expert l holds the receive plan's pair expert_offset[l] + j, so an expert's rows
+ * keep ascending global token order in every layout.
+ *   rows        no tensor: each expert's rows are gathered from the
+ *               received rows into a work buffer (start[] = expert_offset)
+ *   masked      (EL, C, d): expert l's block starts at slot l*C, its first
+ *               count[l] slots hold rows, the rest is empty; C = G*N slots,
+ *               room for every token of every rank (DeepEP's low-latency
+ *               receive buffer, DeepGEMM's masked grouped-GEMM input)
+ *   contiguous  (M, d): the experts' blocks back to back, each padded to a
+ *               multiple of the alignment A; M = the sum of the padded
+ *               counts (DeepGEMM's contiguous grouped-GEMM input)
+ * Empty and padding slots are never computed and never reach the output. */
+typedef struct {
+    int kind;           /* enum moe_layout_kind (config.h), never auto */
+    int experts;        /* EL */
+    moe_index slots;    /* rows of the tensor: EL*C, M, or the pairs (rows) */
+    moe_index *start;   /* (EL+1) first slot of each expert's block; start[EL] = slots */
+    moe_index *count;   /* (EL) rows of each expert */
+} moe_expert_slots;
+
+/* offset (EL+1): expert l's rows are [offset[l], offset[l+1]) of the pairs
+ * (a receive plan's expert_offset); capacity: C (masked); alignment: A
+ * (contiguous). */
+void moe_expert_slots_build(moe_expert_slots *s, int kind, int experts, const moe_index *offset,
+                            moe_index capacity, moe_index alignment);
+void moe_expert_slots_free(moe_expert_slots *s);
+
 /* out (rows, width) = src (, width) rows at index[0 .. rows-1]. */
 void moe_gather_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
                      float *out);

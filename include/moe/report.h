@@ -48,6 +48,7 @@ typedef struct {
     int local_experts_min, local_experts_max;
     moe_spread rows_received;     /* dispatch rows per rank */
     moe_spread pairs_received;    /* (row, expert) pairs computed per rank */
+    double layout_slots;          /* rows of the expert GEMMs' layout tensors, all ranks (stats.h) */
     double rows_sent, rows_sent_remote;    /* summed over ranks, one forward */
     double rows_one_wave;                  /* the rows one wave sends (full per-rank dedup) */
     double tier_bytes[2];                  /* sent over each tier, all ranks (stats.h) */

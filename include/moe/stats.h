@@ -91,6 +91,8 @@ typedef struct {
     moe_index rows_inter, rows_intra; /* --dispatch hierarchical: stage-1 rows to other
                                          nodes, stage-2 rows to other ranks of the node */
     double expert_flops;         /* sgemm FLOPs of the routed experts */
+    moe_index layout_slots;      /* rows of the tensors the expert GEMMs read (--expert-layout;
+                                    one per wave), of which pairs_received hold rows */
     double expert_start, expert_end; /* MPI_Wtime at the experts stage's ends */
     double done;                 /* MPI_Wtime when y was complete (before any measuring pass) */
     double bytes_dispatched;     /* payload + ids sent, self included */

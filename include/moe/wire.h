@@ -45,6 +45,10 @@ void moe_wire_encode(const moe_wire *w, const float *x, const moe_index *row_ind
 /* rows wire rows of in back to values, out (rows, d). */
 void moe_wire_decode(const moe_wire *w, const uint8_t *in, moe_index rows, float *out);
 
+/* fp8: the block scales of rows wire rows as fp32, scales (rows,
+ * ceil(d/128)) (UE8M0 ones as the powers of two they stand for). */
+void moe_wire_scales(const moe_wire *w, const uint8_t *in, moe_index rows, float *scales);
+
 /* Bytes one dispatched row (values and meta) and one expert output put on
  * the wire. */
 double moe_dispatch_row_bytes(const moe_config *cfg);

@@ -161,6 +161,7 @@ static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_for
                                     moe_comm_max(c, rows)};
     s->pairs_received = (moe_spread){moe_comm_min(c, pairs), moe_comm_sum(c, pairs) / c->ranks,
                                      moe_comm_max(c, pairs)};
+    s->layout_slots = moe_comm_sum(c, (double)f->layout_slots);
     s->rows_sent = moe_comm_sum(c, (double)f->rows_sent);
     s->rows_sent_remote = moe_comm_sum(c, (double)f->rows_sent_remote);
     s->pairs_back_remote = moe_comm_sum(c, (double)f->pairs_back_remote);

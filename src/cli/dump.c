@@ -22,6 +22,7 @@
 #include "moe/quant.h"
 #include "moe/rng.h"
 #include "moe/truth.h"
+#include "moe/wire.h"
 
 #define UNIT_ROUNDOFF 0x1p-24
 
@@ -265,6 +266,99 @@ static int gather_backward(const moe_comm *c, const moe_ep *ep, backward_share *
     return rc;
 }
 
+/* --dump: every rank's layout tensor (--expert-layout), gathered on rank 0,
+ * and the arrays made from it for the set. */
+typedef struct {
+    void *parts[4];   /* wire rows, src, expert, count: every rank's, concatenated */
+    size_t *sizes[4];
+    void **owned;     /* what add_layout made */
+    int owned_count;
+} layout_share;
+
+static void layout_share_free(layout_share *s)
+{
+    for (int n = 0; n < 4; n++) {
+        free(s->parts[n]);
+        free(s->sizes[n]);
+    }
+    for (int n = 0; n < s->owned_count; n++)
+        free(s->owned[n]);
+    free(s->owned);
+    memset(s, 0, sizeof *s);
+}
+
+static int gather_layout(const moe_comm *c, const moe_ep_capture *cap, const moe_ep *ep,
+                         layout_share *s, moe_status *st)
+{
+    const size_t row = moe_wire_dispatch(ep->cfg).bytes;
+    const void *mine[4] = {cap->layout_wire, cap->layout_src, cap->layout_expert, cap->layout_count};
+    const size_t bytes[4] = {row * (size_t)cap->slots, sizeof(int32_t) * (size_t)cap->slots,
+                             sizeof(int32_t) * (size_t)cap->slots,
+                             sizeof(int32_t) * (size_t)ep->local_experts};
+    int rc = MOE_EXIT_OK;
+    for (int n = 0; n < 4; n++) {
+        s->sizes[n] = c->rank == 0 ? moe_xcalloc((size_t)c->ranks, sizeof(size_t)) : NULL;
+        if (!rc)
+            rc = moe_comm_gatherv_bytes(c, mine[n], bytes[n], &s->parts[n], s->sizes[n], st);
+    }
+    return rc;
+}
+
+static void *owned(layout_share *s, size_t bytes)
+{
+    s->owned = realloc(s->owned, sizeof(void *) * (size_t)(s->owned_count + 1));
+    MOE_ASSERT(s->owned != NULL);
+    return s->owned[s->owned_count++] = moe_xcalloc(bytes + 1, 1);
+}
+
+/* The layout tensors of each rank (docs/golden.md): its rows decoded to
+ * fp32 as the expert GEMMs read them, with their fp8 scales, who each slot
+ * holds, and the counts; masked ones shaped (EL, C, ...). */
+static void add_layout(tensor_list *l, const moe_ep *ep, int G, layout_share *s)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_wire w = moe_wire_dispatch(cfg);
+    const moe_index d = cfg->hidden, blocks = (d + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+    const int kind = moe_config_layout(cfg);
+    const int64_t C = (int64_t)G * moe_config_max_tokens(cfg);
+    size_t at[4] = {0, 0, 0, 0};
+    char name[MOE_ST_NAME_MAX];
+    for (int r = 0; r < G; r++) {
+        const int64_t slots = (int64_t)(s->sizes[1][r] / sizeof(int32_t));
+        const int64_t EL = (int64_t)(s->sizes[3][r] / sizeof(int32_t));
+        const uint8_t *wire = (const uint8_t *)s->parts[0] + at[0];
+        const int32_t *src = (const int32_t *)((char *)s->parts[1] + at[1]);
+        /* (slots, ...) or, masked, (EL, C, ...) */
+        const int ndim = kind == MOE_LAYOUT_MASKED ? 3 : 2;
+        const int64_t d0 = kind == MOE_LAYOUT_MASKED ? EL : slots, d1 = kind == MOE_LAYOUT_MASKED ? C : d;
+        float *x = owned(s, sizeof(float) * (size_t)(slots * d));
+        moe_wire_decode(&w, wire, slots, x);
+        snprintf(name, sizeof name, "dispatch.rank%d.layout.x", r);
+        add(l, name, MOE_ST_F32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, x, ndim, d0, d1, d);
+        if (w.dtype == MOE_DTYPE_FP8) {
+            float *scale = owned(s, sizeof(float) * (size_t)(slots * blocks));
+            moe_wire_scales(&w, wire, slots, scale);
+            for (int64_t m = 0; m < slots; m++) /* empty slots: no scale */
+                if (src[m] < 0)
+                    memset(scale + m * blocks, 0, sizeof(float) * (size_t)blocks);
+            snprintf(name, sizeof name, "dispatch.rank%d.layout.x.scale", r);
+            add(l, name, MOE_ST_F32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, scale, ndim, d0,
+                kind == MOE_LAYOUT_MASKED ? C : blocks, blocks);
+        }
+        snprintf(name, sizeof name, "dispatch.rank%d.layout.src", r);
+        add(l, name, MOE_ST_I32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, src, ndim - 1, d0, C, 0);
+        if (kind == MOE_LAYOUT_CONTIGUOUS) {
+            snprintf(name, sizeof name, "dispatch.rank%d.layout.expert", r);
+            add(l, name, MOE_ST_I32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, (char *)s->parts[2] + at[2], 1,
+                slots, 0, 0);
+        }
+        snprintf(name, sizeof name, "dispatch.rank%d.layout.count", r);
+        add(l, name, MOE_ST_I32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, (char *)s->parts[3] + at[3], 1, EL, 0, 0);
+        for (int n = 0; n < 4; n++)
+            at[n] += s->sizes[n][r];
+    }
+}
+
 /* A gradient and its truth, the same tolerance on both (docs/backward.md):
  * rel = u * length over the rms of the truth. */
 static void add_gradient(tensor_list *l, const char *name, const float *v, const double *truth,
@@ -386,6 +480,9 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
         rc = moe_comm_gatherv_bytes(c, cap.pair, sizeof(int32_t) * (size_t)(2 * cap.pairs), &pair, sizes[3], st);
     if (!rc && reduced)
         rc = moe_comm_gatherv_bytes(c, cap.sums, sizeof(float) * (size_t)(cap.rows * d), &sums, sizes[4], st);
+    layout_share lay = {0};
+    if (!rc)
+        rc = gather_layout(c, &cap, ep, &lay, st);
     if (!rc && cfg->backward)
         rc = gather_backward(c, ep, &bwd, st);
 
@@ -467,6 +564,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
             for (int n = 0; n < 5; n++)
                 at[n] += sizes[n][r];
         }
+        add_layout(&l, ep, G, &lay);
         /* output: --check's contract, per element (truth.h) */
         const double rel_y = moe_tolerance_for(cfg, 0.0).rel;
         const int iy = l.count, it = l.count + 1; /* add() may move the list: indices, not pointers */
@@ -497,6 +595,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
     }
     for (int n = 0; n < 5; n++)
         free(sizes[n]);
+    layout_share_free(&lay);
     free(sums);
     free(pair);
     free(out);

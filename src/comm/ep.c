@@ -259,8 +259,31 @@ void moe_ep_pack(const moe_ep *ep, const float *x, const int32_t *ids, const flo
                   (moe_index)ep->comm.rank * ep->cfg->tokens, send_meta);
 }
 
+void moe_ep_layout_open(const moe_ep *ep, const moe_recv_plan *recv, moe_ep_layout *t)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index C = (moe_index)ep->comm.ranks * moe_config_max_tokens(cfg);
+    moe_expert_slots_build(&t->slots, moe_config_layout(cfg), recv->local_experts,
+                           recv->expert_offset, C, cfg->expert_alignment);
+    t->x = NULL;
+    if (t->slots.kind != MOE_LAYOUT_ROWS) /* pages only where rows land */
+        t->x = moe_xmalloc(sizeof(float) * (size_t)(t->slots.slots * cfg->hidden) + 1);
+}
+
+float *moe_ep_layout_block(const moe_ep *ep, const moe_ep_layout *t, int l)
+{
+    return t->x ? t->x + t->slots.start[l] * ep->cfg->hidden : NULL;
+}
+
+void moe_ep_layout_close(moe_ep_layout *t)
+{
+    moe_expert_slots_free(&t->slots);
+    free(t->x);
+    t->x = NULL;
+}
+
 void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
-                   const float *const *row_at, const int32_t *recv_meta, float *work,
+                   const float *const *row_at, const int32_t *recv_meta, float *block, float *work,
                    float *scratch, float *expert_out, const moe_ffn_hooks *hooks)
 {
     const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
@@ -269,7 +292,9 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
     if (n == 0)
         return;
     const moe_expert_weights w = moe_ep_weights(ep, false, l);
-    float *in = work, *out = work, *scale = NULL; /* (n, d): the rows, then their outputs; (n) */
+    /* the rows (n, d) in the expert's block of the layout, or in work; their
+     * outputs (n, d) in work; the gate weights (n) */
+    float *in = block ? block : work, *out = work, *scale = NULL;
     if (ep->cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION) {
         scale = work + n * d;
         for (moe_index m = 0; m < n; m++)

@@ -633,12 +633,13 @@ static void hier_run(hier_forward *f, const moe_schedule *sched, const float *x,
     moe_gemm_reset_flops();
     const double start = MPI_Wtime();
     f->clock = (moe_stage_clock){&f->progress, sched ? sched->trace : NULL, sched ? sched->origin : 0.0,
-                                 start, 0.0, 0, 0, sched ? relay_landed : NULL, f};
+                                 start, 0.0, 0, 0, sched ? relay_landed : NULL, f, 0};
     hier_pipeline(f, sched ? sched->lookahead : 1);
     const double end = MPI_Wtime();
     moe_progress_stop(&f->progress);
     stats->pipeline_seconds = end - start;
     stats->compute_seconds = stats->seconds[MOE_STAGE_EXPERTS] = f->clock.compute;
+    stats->layout_slots = f->clock.slots;
     stats->test_seconds = f->progress.test_seconds;
     stats->expert_start = start;
     stats->expert_end = end;

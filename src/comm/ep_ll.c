@@ -48,12 +48,13 @@
  * have finished its experts (and so its reads of this forward's rows), and
  * an owner writes its next outputs only after every source's next dispatch.
  *
- * The experts then see their rows in masked layout: per local expert the
- * rows of source 0, then source 1, ..., each in token order, that is in
- * global token order, as the normal path gives them, decoded from the
- * wire; the home rank reduces a token's outputs in slot order. With packed
- * or exact GEMMs the output is bitwise that of the normal path with
- * --combine pairs.
+ * The experts then read their rows from the layout tensor (masked, by
+ * default, or contiguous: layout.h): per local expert the rows of source
+ * 0, then source 1, ..., each in token order, that is in global token
+ * order, as the normal path gives them, decoded from the wire; the home
+ * rank reduces a token's outputs in slot order. With packed or exact GEMMs
+ * the output is bitwise that of the normal path with --combine pairs, in
+ * every layout.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -334,25 +335,35 @@ static void ll_dispatch_get(const moe_ep *ep, struct moe_ll_state *s)
         pull_when_ready(ep, s, SIG_DISPATCH_READY, dispatch_get_from);
 }
 
-/* Stage experts: per local expert, its rows decoded from RECV into masked
- * layout (source by source, each in token order: global token order), the
- * SwiGLU FFN, the outputs rounded and encoded into OUT at their slots. */
-static moe_index ll_experts(const moe_ep *ep, struct moe_ll_state *s)
+/* Stage experts: per local expert, its rows decoded from RECV into its
+ * block of the layout tensor (--expert-layout: masked, or contiguous;
+ * source by source, each in token order: global token order), the SwiGLU
+ * FFN, the outputs rounded and encoded into OUT at their slots. Returns
+ * the pairs computed; *slots: the rows of the layout tensor. */
+static moe_index ll_experts(const moe_ep *ep, struct moe_ll_state *s, moe_index *slots)
 {
     const moe_config *cfg = ep->cfg;
     const moe_index d = cfg->hidden, f = cfg->ffn;
+    const int EL = ep->local_experts;
     const moe_wire dw = moe_wire_dispatch(cfg), cw = moe_wire_combine(cfg);
-    moe_index most = 0, pairs = 0;
-    for (int l = 0; l < ep->local_experts; l++) {
+    moe_index *offset = moe_xcalloc((size_t)EL + 1, sizeof(moe_index)), most = 0;
+    for (int l = 0; l < EL; l++) {
         moe_index n = 0;
         for (int src = 0; src < s->G; src++)
             n += table_in(s, src, l)[0];
         most = n > most ? n : most;
+        offset[l + 1] = offset[l] + n;
     }
-    float *x = moe_xmalloc(sizeof(float) * (size_t)(most * (d + 1)) + 1);
-    float *scale = x + most * d;
+    moe_expert_slots layout;
+    moe_expert_slots_build(&layout, moe_config_layout(cfg), EL, offset, (moe_index)s->G * s->N,
+                           cfg->expert_alignment);
+    *slots = layout.slots;
+    float *tensor = moe_xmalloc(sizeof(float) * (size_t)(layout.slots * d) + 1);
+    float *out = moe_xmalloc(sizeof(float) * (size_t)(most * (d + 1)) + 1);
+    float *scale = out + most * d;
     float *scratch = moe_xmalloc(sizeof(float) * (size_t)(most * 2 * f) + 1);
-    for (int l = 0; l < ep->local_experts; l++) {
+    for (int l = 0; l < EL; l++) {
+        float *x = tensor + layout.start[l] * d;
         moe_index n = 0;
         for (int src = 0; src < s->G; src++) {
             const moe_index count = table_in(s, src, l)[0];
@@ -370,21 +381,24 @@ static moe_index ll_experts(const moe_ep *ep, struct moe_ll_state *s)
             continue;
         const moe_expert_weights w = moe_ep_weights(ep, false, l);
         const bool at_activation = cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION;
-        moe_expert_forward(&w, ep->gemm, x, n, d, f, scratch, x, at_activation ? scale : NULL, NULL);
-        moe_precision_combine(cfg->combine_dtype, x, n * d);
+        moe_expert_forward(&w, ep->gemm, x, n, d, f, scratch, out, at_activation ? scale : NULL, NULL);
+        moe_precision_combine(cfg->combine_dtype, out, n * d);
         n = 0;
         for (int src = 0; src < s->G; src++) {
             const moe_index count = table_in(s, src, l)[0];
             if (count == 0)
                 continue;
-            moe_wire_encode(&cw, x + n * d, NULL, count,
+            moe_wire_encode(&cw, out + n * d, NULL, count,
                             s->base + s->out_at + slot(s, l, src, 0) * (MPI_Aint)s->out);
             n += count;
         }
-        pairs += n;
     }
+    const moe_index pairs = offset[EL];
+    moe_expert_slots_free(&layout);
     free(scratch);
-    free(x);
+    free(out);
+    free(tensor);
+    free(offset);
     return pairs;
 }
 
@@ -471,7 +485,7 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
 
     stats->expert_start = MPI_Wtime();
     moe_gemm_reset_flops();
-    const moe_index computed = ll_experts(ep, s);
+    const moe_index computed = ll_experts(ep, s, &stats->layout_slots);
     stats->expert_flops = moe_gemm_sflops();
     stats->expert_end = MPI_Wtime();
     stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - stats->expert_start;

@@ -75,10 +75,15 @@ void moe_pipeline_experts(const moe_ep *ep, const moe_recv_plan *recv, const flo
 {
     const moe_ffn_hooks hooks = {moe_pipeline_after_stage, clock,
                                  ep->gemm == MOE_GEMM_EXACT ? MOE_POLL_CHUNK_ROWS : 0};
+    moe_ep_layout layout;
+    moe_ep_layout_open(ep, recv, &layout);
     for (int l = 0; l < recv->local_experts; l++) {
         clock->rows = recv->expert_offset[l + 1] - recv->expert_offset[l];
-        moe_ep_expert(ep, recv, l, row_at, recv_meta, expert_in, scratch, expert_out, &hooks);
+        moe_ep_expert(ep, recv, l, row_at, recv_meta, moe_ep_layout_block(ep, &layout, l),
+                      expert_in, scratch, expert_out, &hooks);
     }
+    clock->slots += layout.slots.slots;
+    moe_ep_layout_close(&layout);
     if (sums) /* --combine reduced: one row per (token, rank) */
         moe_ep_reduce_at_source(ep, recv, recv_meta, expert_out, sums);
     const double now = MPI_Wtime(); /* the last scatter belongs to the last L2 */

@@ -24,6 +24,10 @@ void moe_ep_capture_free(moe_ep_capture *capture)
     free(capture->out);
     free(capture->pair);
     free(capture->sums);
+    free(capture->layout_wire);
+    free(capture->layout_src);
+    free(capture->layout_expert);
+    free(capture->layout_count);
     memset(capture, 0, sizeof *capture);
 }
 
@@ -48,6 +52,36 @@ static void capture_rank(const moe_recv_plan *recv, const float *recv_rows,
             capture->pair[2 * p] = capture->recv_token[recv->expert_row[m]];
             capture->pair[2 * p + 1] = first_expert + l;
         }
+}
+
+/* The layout tensor's rows as the wire carried them (recv_wire: the
+ * received rows, row_bytes each), who they are, and the counts. */
+static void capture_layout(const moe_recv_plan *recv, const moe_expert_slots *slots,
+                           const uint8_t *recv_wire, size_t row_bytes, moe_ep_capture *capture)
+{
+    const bool rows = slots->kind == MOE_LAYOUT_ROWS;
+    const moe_index n = rows ? recv->rows : slots->slots;
+    capture->slots = n;
+    capture->layout_wire = moe_xcalloc((size_t)n * row_bytes + 1, 1);
+    capture->layout_src = moe_xmalloc(sizeof(int32_t) * (size_t)n + 1);
+    capture->layout_expert = moe_xmalloc(sizeof(int32_t) * (size_t)n + 1);
+    capture->layout_count = moe_xmalloc(sizeof(int32_t) * (size_t)slots->experts + 1);
+    for (moe_index m = 0; m < n; m++)
+        capture->layout_src[m] = capture->layout_expert[m] = -1;
+    if (rows) {
+        memcpy(capture->layout_wire, recv_wire, (size_t)n * row_bytes);
+        memcpy(capture->layout_src, capture->recv_token, sizeof(int32_t) * (size_t)n);
+    }
+    for (int l = 0; l < slots->experts; l++) {
+        capture->layout_count[l] = (int32_t)slots->count[l];
+        for (moe_index j = 0; j < slots->count[l] && !rows; j++) {
+            const moe_index row = recv->expert_row[recv->expert_offset[l] + j];
+            const moe_index at = slots->start[l] + j;
+            memcpy(capture->layout_wire + (size_t)at * row_bytes, recv_wire + (size_t)row * row_bytes, row_bytes);
+            capture->layout_src[at] = capture->recv_token[row];
+            capture->layout_expert[at] = l;
+        }
+    }
 }
 
 /* Stage plan, send side: the rows each destination gets (deduplicated), one
@@ -175,18 +209,24 @@ static void ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
     const float **row_at = moe_xmalloc(sizeof(float *) * (size_t)f->rows_in + 1);
     for (moe_index m = 0; m < f->rows_in; m++)
         row_at[m] = f->recv_values + m * d;
+    moe_ep_layout layout;
+    moe_ep_layout_open(ep, &f->recv, &layout);
     for (int l = 0; l < ep->local_experts; l++) {
-        moe_ep_expert(ep, &f->recv, l, row_at, f->recv_meta, f->expert_in, f->scratch,
-                      f->expert_out, NULL);
+        moe_ep_expert(ep, &f->recv, l, row_at, f->recv_meta, moe_ep_layout_block(ep, &layout, l),
+                      f->expert_in, f->scratch, f->expert_out, NULL);
         if (flight) /* what another schedule has in flight moves */
             moe_progress_poll(flight->progress);
     }
     free(row_at);
     stats->expert_flops = moe_gemm_sflops();
     stats->pairs_received = f->recv.pairs;
-    if (capture)
+    stats->layout_slots = layout.slots.slots;
+    if (capture) {
         capture_rank(&f->recv, f->recv_values, f->recv_meta, f->expert_out, ep->first_expert, d,
                      (int)ep->cfg->topk, capture);
+        capture_layout(&f->recv, &layout.slots, f->recv_rows, f->dispatch_wire.bytes, capture);
+    }
+    moe_ep_layout_close(&layout);
     stats->expert_start = t;
     stats->expert_end = MPI_Wtime();
     stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - t;

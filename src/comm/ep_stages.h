@@ -111,6 +111,7 @@ typedef struct {
     moe_index rows;
     void (*between)(void *arg); /* NULL: nothing */
     void *between_arg;
+    moe_index slots; /* rows of the layout tensors so far (moe_forward_stats.layout_slots) */
 } moe_stage_clock;
 
 /* Rows per exact-kernel chunk between polls: a few hundred microseconds of
@@ -180,16 +181,31 @@ bool moe_ep_agreed(const moe_comm *c, const char *stage, moe_status *local);
 void moe_ep_pack(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
                  const moe_send_plan *plan, int stay, uint8_t *send_rows, int32_t *send_meta);
 
-/* Stage experts, for local expert l: gather the rows recv assigns it from
+/* The tensor the expert GEMMs read (--expert-layout, layout.h) for recv:
+ * its slots and, masked or contiguous, the tensor (slots, d), allocated
+ * when opened; only the slots that hold rows are ever written (the pages
+ * of the empty ones are never touched). */
+typedef struct {
+    moe_expert_slots slots;
+    float *x; /* NULL: rows */
+} moe_ep_layout;
+void moe_ep_layout_open(const moe_ep *ep, const moe_recv_plan *recv, moe_ep_layout *t);
+/* Local expert l's block of the tensor; NULL for rows. */
+float *moe_ep_layout_block(const moe_ep *ep, const moe_ep_layout *t, int l);
+void moe_ep_layout_close(moe_ep_layout *t);
+
+/* Stage experts, for local expert l: lay the rows recv assigns it out
+ * into its block of the layout tensor (block NULL, rows: into work), from
  * where row_at (received rows) says each received row is, run the SwiGLU
- * FFN (with the gate weight from recv_meta (rows, MOE_META_WORDS(k)) applied before L2
- * when cfg->weight_at says so), round as --combine-dtype says, scatter the
- * outputs into expert_out (pairs, d). work holds (n, d + 1) floats, scratch
- * (n, 2f). The expert's rows arrive in ascending global token order
- * (layout.h), so the GEMM calls are the same on every path; with packed and
- * exact a row's output bits depend on nothing but the row. */
+ * FFN on them (with the gate weight from recv_meta (rows, MOE_META_WORDS(k))
+ * applied before L2 when cfg->weight_at says so), round as --combine-dtype
+ * says, scatter the outputs into expert_out (pairs, d). work holds (n,
+ * d + 1) floats, scratch (n, 2f). The expert's rows arrive in ascending
+ * global token order (layout.h), so the GEMM calls are the same on every
+ * path and in every layout; with packed and exact a row's output bits
+ * depend on nothing but the row. */
 void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
-                   const float *const *row_at, const int32_t *recv_meta, float *work,
+                   const float *const *row_at, const int32_t *recv_meta, float *block, float *work,
                    float *scratch, float *expert_out, const moe_ffn_hooks *hooks);
 
 /* sum (d) = a row's pair outputs out[s] (d each; NULL for a slot whose

@@ -455,7 +455,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     moe_progress_init(&progress, sched->progress, 2 * W);
     moe_gemm_reset_flops();
     const double start = MPI_Wtime();
-    moe_stage_clock clock = {&progress, sched->trace, sched->origin, start, 0.0, 0, 0, NULL, NULL};
+    moe_stage_clock clock = {&progress, sched->trace, sched->origin, start, 0.0, 0, 0, NULL, NULL, 0};
     moe_link_state links = {{{0}}};
     int posted = 0; /* dispatches posted so far */
     for (int w = 0; w < W; w++) {
@@ -485,6 +485,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     const double end = MPI_Wtime();
     stats->pipeline_seconds = end - start;
     stats->compute_seconds = clock.compute;
+    stats->layout_slots = clock.slots;
     moe_progress_stop(&progress);
     stats->test_seconds = progress.test_seconds;
     const double row_bytes = moe_dispatch_row_bytes(ep->cfg);

@@ -77,6 +77,9 @@ static const flag_choice combine_choices[] = {
 static const flag_choice mode_choices[] = {
     {"normal", MOE_MODE_NORMAL}, {"low-latency", MOE_MODE_LOW_LATENCY}, {NULL, 0}};
 static const flag_choice rma_choices[] = {{"put", MOE_RMA_PUT}, {"get", MOE_RMA_GET}, {NULL, 0}};
+static const flag_choice layout_choices[] = {
+    {"auto", MOE_LAYOUT_AUTO}, {"rows", MOE_LAYOUT_ROWS}, {"masked", MOE_LAYOUT_MASKED},
+    {"contiguous", MOE_LAYOUT_CONTIGUOUS}, {NULL, 0}};
 static const flag_choice fp8_scale_choices[] = {
     {"float", MOE_FP8_SCALE_FLOAT}, {"ue8m0", MOE_FP8_SCALE_UE8M0}, {NULL, 0}};
 
@@ -129,8 +132,10 @@ static const flag_spec flags[] = {
     {"dispatch", FLAG_CHOICE, FIELD(dispatch), 0, 0, NULL, dispatch_choices, "flat", "one all-to-all over all ranks, or two stages: once per node between nodes, then within each (waves of tokens; nodes of --ranks-per-node)", RUN},
     {"combine", FLAG_CHOICE, FIELD(combine), 0, 0, NULL, combine_choices, "reduced", "per (token, rank) its experts' weighted outputs summed at the source (DeepEP), or every (token, expert) output (--mode low-latency: pairs)", RUN},
     {"mode", FLAG_CHOICE, FIELD(mode), 0, 0, NULL, mode_choices, "normal", "the forward's path: count exchange and MPI_Alltoallv (prefill), or one-sided MPI into fixed per-expert buffers, no count exchange (decode; docs/low-latency.md)", RUN},
-    {"max-tokens-per-rank", FLAG_INT, FIELD(max_tokens_per_rank), 1, 1 << 24, "N|auto", NULL, "auto", "--mode low-latency: tokens per rank the fixed buffers hold (auto: --tokens); plan: their size", BOTH},
+    {"max-tokens-per-rank", FLAG_INT, FIELD(max_tokens_per_rank), 1, 1 << 24, "N|auto", NULL, "auto", "--mode low-latency and --expert-layout masked: tokens per rank the fixed buffers hold (auto: --tokens); plan: their size", BOTH},
     {"rma", FLAG_CHOICE, FIELD(rma), 0, 0, NULL, rma_choices, "put", "--mode low-latency: the source writes rows into the owner's window (push), or the owner reads them from the source's (pull)", RUN},
+    {"expert-layout", FLAG_CHOICE, FIELD(expert_layout), 0, 0, NULL, layout_choices, "auto", "the tensor the expert GEMMs read: the received rows, per expert a fixed capacity of G*N slots (DeepGEMM's masked input), or the experts back to back, each padded to --expert-alignment rows (its contiguous input); auto: rows, masked with --mode low-latency (docs/layouts.md)", RUN},
+    {"expert-alignment", FLAG_INT, FIELD(expert_alignment), 1, 1024, "A", NULL, "128", "--expert-layout contiguous: each expert's rows padded to a multiple of A, a power of two", RUN},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
@@ -662,13 +667,48 @@ static int validate_backward(const moe_config *cfg, moe_status *st)
     return MOE_EXIT_OK;
 }
 
+int moe_config_layout(const moe_config *cfg)
+{
+    if (cfg->expert_layout != MOE_LAYOUT_AUTO)
+        return cfg->expert_layout;
+    return cfg->mode == MOE_MODE_LOW_LATENCY ? MOE_LAYOUT_MASKED : MOE_LAYOUT_ROWS;
+}
+
+int64_t moe_config_max_tokens(const moe_config *cfg)
+{
+    return cfg->max_tokens_per_rank > 0 ? cfg->max_tokens_per_rank : cfg->tokens;
+}
+
+/* --expert-layout: what each layout needs (layout.h). */
+static int validate_layout(const moe_config *cfg, moe_status *st)
+{
+    const int64_t A = cfg->expert_alignment;
+    if (A & (A - 1))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--expert-alignment must be a power of two in [1, 1024], got %lld", (long long)A);
+    const int layout = moe_config_layout(cfg);
+    if (cfg->mode == MOE_MODE_LOW_LATENCY && layout == MOE_LAYOUT_ROWS)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--mode low-latency receives into the masked layout: --expert-layout must "
+                        "be auto, masked or contiguous, got rows");
+    if (cfg->backward && layout != MOE_LAYOUT_ROWS && cfg->mode == MOE_MODE_NORMAL)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--backward reads the forward's received rows in place: --expert-layout "
+                        "must be auto or rows, got %s", moe_config_choice_name("expert-layout", layout));
+    return MOE_EXIT_OK;
+}
+
 /* --mode low-latency: a forward of its own (ep_ll.c), one round each way. */
 static int validate_low_latency(const moe_config *cfg, moe_status *st)
 {
-    if (cfg->mode != MOE_MODE_LOW_LATENCY) {
+    if (validate_layout(cfg, st))
+        return st->code;
+    const bool masked = moe_config_layout(cfg) == MOE_LAYOUT_MASKED;
+    if (cfg->mode != MOE_MODE_LOW_LATENCY && !masked) {
         if (cfg->max_tokens_per_rank >= 0)
             return moe_fail(st, MOE_EXIT_USAGE,
-                            "--max-tokens-per-rank sizes the low-latency mode's buffers: add --mode low-latency");
+                            "--max-tokens-per-rank sizes the low-latency mode's buffers and the "
+                            "masked layout: add --mode low-latency or --expert-layout masked");
         return MOE_EXIT_OK;
     }
     if (cfg->max_tokens_per_rank >= 0 && cfg->max_tokens_per_rank < cfg->tokens)
@@ -676,6 +716,8 @@ static int validate_low_latency(const moe_config *cfg, moe_status *st)
                         "--max-tokens-per-rank must be in [%lld, %d] (at least --tokens: a rank's "
                         "tokens must fit the fixed buffers), got %lld",
                         (long long)cfg->tokens, 1 << 24, (long long)cfg->max_tokens_per_rank);
+    if (cfg->mode != MOE_MODE_LOW_LATENCY)
+        return MOE_EXIT_OK;
     const char *other = cfg->backward                             ? "--backward"
                         : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL ? "--dispatch hierarchical"
                         : cfg->trace[0]                           ? "--trace"
@@ -816,6 +858,11 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
      * activations, the shared experts' outputs kept apart. */
     if (cfg->mode == MOE_MODE_LOW_LATENCY)
         bytes += moe_ll_buffer_bytes(cfg, ranks) + T * k * (d + 2.0 * f) * 4.0 + S * T * d * 4.0;
+    /* The layout tensor (--expert-layout): the rows it holds, and a
+     * contiguous one's padding (a masked one's empty slots are allocated
+     * but never touched: no pages). */
+    if (moe_config_layout(cfg) != MOE_LAYOUT_ROWS)
+        bytes += (T * k + (moe_config_layout(cfg) == MOE_LAYOUT_CONTIGUOUS ? EL * (double)(cfg->expert_alignment - 1) : 0.0)) * d * 4.0;
     /* Per wave: a slot-to-pair map of every (token, slot), the counts. */
     bytes += W * (T * k * 8.0 + G * (64.0 + 8.0 * (1.0 + EL)));
     if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */

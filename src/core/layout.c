@@ -231,6 +231,39 @@ void moe_recv_plan_free(moe_recv_plan *plan)
     memset(plan, 0, sizeof *plan);
 }
 
+void moe_expert_slots_build(moe_expert_slots *s, int kind, int experts, const moe_index *offset,
+                            moe_index capacity, moe_index alignment)
+{
+    MOE_ASSERT(kind == MOE_LAYOUT_ROWS || kind == MOE_LAYOUT_MASKED || kind == MOE_LAYOUT_CONTIGUOUS);
+    MOE_ASSERT(alignment >= 1);
+    const int EL = experts;
+    s->kind = kind;
+    s->experts = EL;
+    s->start = moe_xmalloc(sizeof(moe_index) * (size_t)(EL + 1));
+    s->count = moe_xmalloc(sizeof(moe_index) * (size_t)EL + 1);
+    s->start[0] = 0;
+    for (int l = 0; l < EL; l++) {
+        const moe_index n = offset[l + 1] - offset[l];
+        s->count[l] = n;
+        moe_index room = n; /* rows */
+        if (kind == MOE_LAYOUT_MASKED) {
+            MOE_ASSERT(n <= capacity); /* moe_config_validate: every token fits */
+            room = capacity;
+        } else if (kind == MOE_LAYOUT_CONTIGUOUS) {
+            room = (n + alignment - 1) / alignment * alignment;
+        }
+        s->start[l + 1] = s->start[l] + room;
+    }
+    s->slots = s->start[EL];
+}
+
+void moe_expert_slots_free(moe_expert_slots *s)
+{
+    free(s->start);
+    free(s->count);
+    memset(s, 0, sizeof *s);
+}
+
 void moe_gather_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
                      float *out)
 {

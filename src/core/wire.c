@@ -114,6 +114,21 @@ void moe_wire_decode(const moe_wire *w, const uint8_t *in, moe_index rows, float
     }
 }
 
+void moe_wire_scales(const moe_wire *w, const uint8_t *in, moe_index rows, float *scales)
+{
+    MOE_ASSERT(w->dtype == MOE_DTYPE_FP8);
+    const moe_index d = w->hidden, blocks = (d + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+    for (moe_index i = 0; i < rows; i++) {
+        const uint8_t *at = in + (size_t)i * w->bytes + d;
+        for (moe_index b = 0; b < blocks; b++) {
+            if (w->scale_bytes == 1)
+                scales[i * blocks + b] = from_ue8m0(at[b]);
+            else
+                memcpy(&scales[i * blocks + b], at + (size_t)b * sizeof(float), sizeof(float));
+        }
+    }
+}
+
 double moe_dispatch_row_bytes(const moe_config *cfg)
 {
     return (double)moe_wire_dispatch(cfg).bytes + 4.0 * (double)MOE_META_WORDS(cfg->topk);

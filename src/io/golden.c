@@ -499,14 +499,19 @@ static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, co
     char name[MOE_ST_NAME_MAX + 8];
     snprintf(name, sizeof name, "%s.scale", e->name);
     const moe_st_entry *s = moe_st_find(cand, name);
-    const int64_t rows = e->ndim == 2 ? e->shape[0] : 0, width = e->ndim == 2 ? e->shape[1] : 0;
+    /* rows: every dimension but the last ((rows, d), or the masked layout's (EL, C, d)) */
+    const int64_t width = e->ndim >= 2 ? e->shape[e->ndim - 1] : 0;
+    const int64_t rows = width ? moe_st_elements(e->ndim, e->shape) / width : 0;
     const int64_t blocks = (width + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
-    if (!s || e->ndim != 2 || s->dtype != MOE_ST_F32 || s->ndim != 2 || s->shape[0] != rows ||
-        s->shape[1] != blocks) {
+    bool same = s && e->ndim >= 2 && s->dtype == MOE_ST_F32 && s->ndim == e->ndim &&
+                s->shape[e->ndim - 1] == blocks;
+    for (int dim = 0; same && dim < e->ndim - 1; dim++)
+        same = s->shape[dim] == e->shape[dim];
+    if (!same) {
         moe_fail(st, MOE_EXIT_USAGE,
-                 "candidate tensor '%s' is F8_E4M3 (%lld, %lld): it needs its scales as '%s', F32 "
-                 "(%lld, %lld), one per block of 128",
-                 e->name, (long long)rows, (long long)width, name, (long long)rows, (long long)blocks);
+                 "candidate tensor '%s' is F8_E4M3 (%lld rows of %lld): it needs its scales as "
+                 "'%s', F32, of its shape but for the last dimension, %lld: one per block of 128",
+                 e->name, (long long)rows, (long long)width, name, (long long)blocks);
         return NULL;
     }
     float *scales = moe_xmalloc((size_t)(s->end - s->begin) + 1);
@@ -680,6 +685,11 @@ static uint8_t *tied_rows(verify_run *v, const char *name, int64_t rows)
         return skip;
     }
     int used = -1;
+    /* The layout tensors' slots move when a tied token's experts change:
+     * their differences are not counted (as the counts'). */
+    if (sscanf(name, "dispatch.rank%d.layout.%n", &r, &used) == 1 && used > 0)
+        return NULL;
+    used = -1;
     const bool sums = sscanf(name, "experts.rank%d.sum%n", &r, &used) == 1 && used == (int)strlen(name);
     if (sscanf(name, "dispatch.rank%d.", &r) == 1 || sums) { /* a sum's rows are the received rows */
         snprintf(golden_name, sizeof golden_name, "dispatch.rank%d.token", r);

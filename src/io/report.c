@@ -136,6 +136,23 @@ static void print_routing(FILE *out, const moe_run_summary *s)
     print_spread(out, "tokens per expert", s->tokens_per_expert);
     print_spread(out, "dispatch rows received per rank", s->rows_received);
     print_spread(out, "expert pairs computed per rank", s->pairs_received);
+    const int layout = moe_config_layout(s->cfg);
+    const double filled = s->pairs_received.mean * G, empty = s->layout_slots - filled;
+    if (layout != MOE_LAYOUT_ROWS) {
+        if (layout == MOE_LAYOUT_MASKED)
+            fprintf(out, "          expert layout masked: per local expert C = G x N = %lld slots "
+                         "(--max-tokens-per-rank N)",
+                    (long long)G * (long long)moe_config_max_tokens(s->cfg));
+        else
+            fprintf(out, "          expert layout contiguous: each expert's rows padded to a "
+                         "multiple of A = %lld (--expert-alignment)",
+                    (long long)s->cfg->expert_alignment);
+        fprintf(out, "; %.0f slots on all ranks%s, %.0f hold rows, %.0f (%.1f%%) %s, never "
+                     "computed\n",
+                s->layout_slots, s->waves > 1 && s->cfg->mode == MOE_MODE_NORMAL ? " (one tensor per wave)" : "",
+                filled, empty, s->layout_slots > 0 ? 100.0 * empty / s->layout_slots : 0.0,
+                layout == MOE_LAYOUT_MASKED ? "empty" : "padding");
+    }
     if (s->nodes_hist && s->nodes > 1) {
         double total = 0.0;
         for (int n = 0; n <= s->nodes; n++)

@@ -16,7 +16,6 @@ include/moe/exp.h, every expert on every token, summed in expert order.
 Every operation below is one IEEE operation, as in C. Exit 0 when every
 value has the same bits.
 """
-import json
 import os
 import sys
 
@@ -153,13 +152,8 @@ def reduced_rows(files, r, before_l2, combine_bf16):
 
 
 def main(golden):
-    manifest = json.load(open(os.path.join(golden, "manifest.json")))
+    manifest, files = st.load_set(golden)
     config = manifest["config"]
-    files = {}
-    for stage in manifest["stages"]:
-        path = os.path.join(golden, stage + ".safetensors")
-        if os.path.exists(path):
-            files.update(st.load(path)[0])
     truth = truth_exact(files, config)
     truth_differ = int((truth.view(np.uint64) != files["output.truth"].view(np.uint64)).sum())
     print("exact recompute of %s: %d truth values, %d with other bits: %s"

@@ -18,7 +18,6 @@ in how a GEMM sums (the contract must not depend on it) and use numpy's exp:
     fp64      fp64 GEMMs, rounded to fp32 once
 Exit 0 when every port passes every set.
 """
-import json
 import os
 import re
 import subprocess
@@ -286,12 +285,7 @@ def run(moe_ep, sets, work):
     print("%-10s %-14s %12s %12s  %s" % ("port", "set", "experts %", "output.y %", "verify"))
     worst, caught_somewhere = {}, {}
     for golden in sets:
-        manifest = json.load(open(os.path.join(golden, "manifest.json")))
-        files = {}
-        for stage in manifest["stages"]:
-            path = os.path.join(golden, stage + ".safetensors")
-            if os.path.exists(path):
-                files.update(st.load(path)[0])
+        manifest, files = st.load_set(golden)
         name = os.path.basename(os.path.normpath(golden))
         for label, gemm in PORTS.items():
             candidate = os.path.join(work, "%s-%s.safetensors" % (name, label))

@@ -7,7 +7,6 @@ A cross-language check: the SwiGLU experts, the gate-weighted sum, the shared
 experts and the bf16 combine rounding are written here again, in float64.
 Exit 0 when every element is within the manifest's tolerance for output.y.
 """
-import json
 import os
 import sys
 
@@ -48,13 +47,8 @@ def ffn(x, w1, w2):
 
 
 def main(golden):
-    manifest = json.load(open(os.path.join(golden, "manifest.json")))
+    manifest, files = st.load_set(golden)
     config = manifest["config"]
-    files = {}
-    for stage in manifest["stages"]:
-        path = os.path.join(golden, stage + ".safetensors")
-        if os.path.exists(path):
-            files.update(st.load(path)[0])
     x = files["tokens.x"].astype(np.float64)
     ids, weights = files["router.topk_ids"], files["router.topk_weights"].astype(np.float64)
     n, k = ids.shape

@@ -11,7 +11,6 @@ gradient the set holds (per pair on its rank, per token, per expert, the
 shared experts', the gate's) and its fp64 truth must lie within the
 manifest's tolerance of the recomputed one. Exit 0 when all do.
 """
-import json
 import os
 import sys
 
@@ -94,14 +93,11 @@ def within(name, got, want, info, failures):
 
 
 def main(golden):
-    manifest = json.load(open(os.path.join(golden, "manifest.json")))
+    manifest, files = st.load_set(golden)
     config, info = manifest["config"], manifest["tensors"]
     if config.get("backward") != "true":
         print("recompute_backward: %s holds no backward stage" % golden)
         return 1
-    files = {}
-    for stage in manifest["stages"]:
-        files.update(st.load(os.path.join(golden, stage + ".safetensors"))[0])
     f64 = lambda name: files[name].astype(np.float64)  # noqa: E731
     x, dy = f64("tokens.x"), f64("backward.dy")
     w1, w2 = f64("experts.w1"), f64("experts.w2")

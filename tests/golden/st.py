@@ -4,6 +4,7 @@ Used by the golden-set tests; no C code of moe-ep takes part, so the files are
 checked against the format itself.
 """
 import json
+import os
 import struct
 
 import numpy as np
@@ -29,6 +30,17 @@ def load(path):
         array = np.frombuffer(data[begin:end], dtype=DTYPES[entry["dtype"]])
         tensors[name] = array.reshape(entry["shape"])
     return tensors, meta
+
+
+def load_set(golden):
+    """A golden set's manifest and every tensor of its stage files, by name."""
+    manifest = json.load(open(os.path.join(golden, "manifest.json")))
+    files = {}
+    for stage in manifest["stages"]:
+        path = os.path.join(golden, stage + ".safetensors")
+        if os.path.exists(path):
+            files.update(load(path)[0])
+    return manifest, files
 
 
 def save(path, tensors):

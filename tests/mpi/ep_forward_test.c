@@ -10,6 +10,9 @@
  *                        how the G-rank output must match the one-rank output
  *                        that rank 0 computes on MPI_COMM_SELF for all G*T
  *                        tokens (same seed, same global token ids)
+ *   --np1-layout L       the one-rank output is computed with --expert-layout
+ *                        L (rows: on the normal path), so --np1 bitwise
+ *                        also says that the layouts give the same bits
  *   --max-nodes M        every token's experts must lie on at most M virtual
  *                        nodes (--ranks-per-node), as node-limited routing
  *                        promises
@@ -49,6 +52,7 @@ typedef struct {
     bool np1_bitwise;
     const char *sweep; /* "1,2,4" or NULL */
     int max_nodes;     /* 0: no bound to check */
+    const char *np1_layout; /* NULL: the run's own */
 } test_options;
 
 /* ids/weights (T, k) for tokens with global ids first .. first+T-1: k experts
@@ -194,7 +198,7 @@ int main(int argc, char **argv)
 {
     moe_comm world;
     moe_comm_init(&argc, &argv, &world);
-    test_options opt = {false, true, NULL, 0};
+    test_options opt = {false, true, NULL, 0, NULL};
     char **rest = malloc(sizeof(char *) * (size_t)argc);
     int n_rest = 0, failures = 0;
     for (int n = 1; n < argc; n++) {
@@ -204,6 +208,8 @@ int main(int argc, char **argv)
             opt.np1_bitwise = !strcmp(argv[++n], "bitwise");
         else if (!strcmp(argv[n], "--sweep") && n + 1 < argc)
             opt.sweep = argv[++n];
+        else if (!strcmp(argv[n], "--np1-layout") && n + 1 < argc)
+            opt.np1_layout = argv[++n];
         else if (!strcmp(argv[n], "--max-nodes") && n + 1 < argc)
             opt.max_nodes = atoi(argv[++n]);
         else
@@ -344,6 +350,14 @@ int main(int argc, char **argv)
         if (one.max_tokens_per_rank > 0) /* low-latency: one rank's buffers hold them all */
             one.max_tokens_per_rank = one.tokens;
         one.dispatch = MOE_DISPATCH_FLAT; /* one rank: one node, the flat reference */
+        if (opt.np1_layout) {
+            const char *argv1[] = {"--expert-layout", opt.np1_layout};
+            MOE_ASSERT(moe_config_parse(&one, MOE_CMD_RUN, 2, (char **)argv1, &st) == MOE_EXIT_OK);
+            if (one.expert_layout == MOE_LAYOUT_ROWS)
+                one.mode = MOE_MODE_NORMAL;
+            if (moe_config_layout(&one) != MOE_LAYOUT_MASKED && one.mode == MOE_MODE_NORMAL)
+                one.max_tokens_per_rank = -1;
+        }
         one.ranks_per_node = 0;
         float *x1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * d));
         float *y1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * d));
@@ -378,8 +392,9 @@ int main(int argc, char **argv)
                 max_used = fmax(max_used, isfinite(diff) ? diff / bound : INFINITY);
             }
         bool ok = opt.np1_bitwise ? differ == 0 : max_used <= 1.0;
-        printf("np=%d (%d threads) vs np=1 (%d threads) (%s expected): %s, %lld of %lld values differ, max |diff| %.3e",
-               G, world.threads, threads, opt.np1_bitwise ? "bitwise" : "within tolerance", ok ? "ok" : "FAIL",
+        printf("np=%d (%d threads) vs np=1 (%d threads%s%s) (%s expected): %s, %lld of %lld values differ, max |diff| %.3e",
+               G, world.threads, threads, opt.np1_layout ? ", --expert-layout " : "",
+               opt.np1_layout ? opt.np1_layout : "", opt.np1_bitwise ? "bitwise" : "within tolerance", ok ? "ok" : "FAIL",
                (long long)differ, (long long)(G * T * d), max_diff);
         if (first >= 0)
             printf(", first at token %lld column %lld", (long long)(first / d),
