@@ -407,8 +407,8 @@ static int bench_pairs(moe_run_context *ctx)
 }
 
 /* --mode low-latency: the layer's latency at decode's batch sizes, for the
- * normal path (the blocking one: count exchange, MPI_Alltoallv, one wave,
- * the reduced combine)
+ * normal path (one wave: count exchange, then the dispatch and combine
+ * all-to-alls, the reduced combine)
  * against the low-latency one pushed and pulled, each point --samples
  * forwards after --warmup, every rank starting together; a sample is the
  * slowest rank's time. The fixed buffers hold the largest point (or
@@ -419,8 +419,8 @@ static const char *const latency_paths[LATENCY_PATHS] = {"normal", "low-latency 
                                                          "low-latency get"};
 
 /* Median and p99 (seconds) of --samples forwards of path p at T tokens. */
-static int latency_point(const moe_comm *c, const moe_config *base, int64_t T, int64_t N, int p,
-                         double *median, double *p99, moe_status *st)
+static int latency_point(const moe_comm *c, const moe_config *base, const moe_link *link,
+                         int64_t T, int64_t N, int p, double *median, double *p99, moe_status *st)
 {
     moe_config cfg = *base;
     cfg.tokens = T;
@@ -433,6 +433,9 @@ static int latency_point(const moe_comm *c, const moe_config *base, int64_t T, i
     int rc = moe_ep_init(&ep, &cfg, c, st);
     if (rc)
         return rc;
+    ep.link = *link; /* --link as the run resolved it (cb=RATIO from the measured FLOP/s) */
+    moe_schedule sched = moe_schedule_default(&ep);
+    sched.waves = 1;
     const moe_index d = cfg.hidden, E = cfg.experts, k = cfg.topk;
     float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
@@ -448,7 +451,7 @@ static int latency_point(const moe_comm *c, const moe_config *base, int64_t T, i
     for (int i = -warmup; i < n && rc == MOE_EXIT_OK; i++) {
         moe_comm_barrier(c);
         const double start = moe_comm_time();
-        rc = p == 0 ? moe_ep_forward_ref(&ep, x, ids, weights, y, &stats, NULL, st)
+        rc = p == 0 ? moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, &stats, st)
                     : moe_ep_forward_ll(&ep, x, ids, weights, y, &stats, st);
         if (i >= 0)
             t[i] = moe_comm_time() - start;
@@ -482,8 +485,8 @@ static int bench_latency(moe_run_context *ctx)
             if (c->rank == 0)
                 fprintf(stderr, "bench: %lld tokens per rank, %s: %lld samples\n",
                         (long long)decode_points[n], latency_paths[p], (long long)cfg->samples);
-            rc = latency_point(c, cfg, decode_points[n], N, p, &median[n][p], &p99[n][p],
-                               &ctx->status);
+            rc = latency_point(c, cfg, &ctx->ep.link, decode_points[n], N, p, &median[n][p],
+                               &p99[n][p], &ctx->status);
         }
     if (rc || c->rank != 0)
         return rc;
@@ -501,6 +504,12 @@ static int bench_latency(moe_run_context *ctx)
            "%lld warm-up; fixed buffers for N = %lld tokens per rank: %s per rank\n",
            (long long)cfg->samples, (long long)(cfg->warmup > 0 ? cfg->warmup : 1), (long long)N,
            moe_format_bytes(moe_ll_buffer_bytes(&sized, c->ranks), buffers, sizeof buffers));
+    if (ctx->ep.link.enabled) {
+        char link[160];
+        moe_link_describe(&ctx->ep.link, link, sizeof link);
+        printf("link      emulated: %s; a round costs a latency (the count exchange one, a "
+               "pull two)\n", link);
+    }
     printf("   T  %-24s%-24s%-24snormal / best low-latency\n", "normal (med, p99)",
            "low-latency put", "low-latency get");
     int crossover = points; /* the normal path the faster from here on */

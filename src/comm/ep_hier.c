@@ -240,7 +240,9 @@ static void hier_plan(hier_forward *f, const int32_t *ids)
             for (int n = moe_token_destinations(&ep->placement, NULL, ids, k, i, dest, last) - 1; n >= 0; n--)
                 out[(dest[n] * W + w) * 2 + 1]++;
     }
+    const double counts_posted = MPI_Wtime();
     MOE_MPI(MPI_Alltoall(out, 2 * W, MPI_INT, in, 2 * W, MPI_INT, c->comm));
+    moe_pipeline_count_round(ep, f->link, counts_posted, sizeof(int) * (double)(2 * W));
     const size_t row = f->in_wire.bytes, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
     for (int w = 0; w < W; w++) {
         hier_wave *h = &f->hw[w];
@@ -602,6 +604,7 @@ int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float
     f.rows_from = moe_xcalloc((size_t)G, sizeof(moe_index));
 
     const double t = MPI_Wtime();
+    f.link = sched ? moe_schedule_link(ep, sched) : &(const moe_link){.enabled = false};
     hier_plan(&f, ids);
     for (int w = 0; w < f.W; w++)
         moe_ep_pack(ep, x, ids, weights, &f.hw[w].p1, -1, f.hw[w].send1, f.hw[w].meta1_out);

@@ -41,7 +41,9 @@
  * Between posting the dispatch and completing its receive, the shared
  * experts compute (DeepEP's receive hook: the rows arrive while other work
  * runs); their outputs are added after the routed sum, as on the normal
- * path.
+ * path. Under the link model (--link) each stage completes at its modelled
+ * time: one latency and the bytes over the link for a push, two latencies
+ * (the ready mark, then the rows) for a pull.
  *
  * A slot is not overwritten before it is read: a source starts its next
  * forward only when its combine is complete, which needs every owner to
@@ -444,6 +446,27 @@ static void ll_combine_get(const moe_ep *ep, struct moe_ll_state *s)
     pull_when_ready(ep, s, SIG_COMBINE_READY, combine_get_from);
 }
 
+/* Under the link model (--link): what a stage moved over each tier, in
+ * rows per peer, into bytes. dispatch: rows out to each owner, rows in from
+ * each source (row_bytes each); the combine the other way round. */
+static void ll_link_bytes(const moe_ep *ep, const struct moe_ll_state *s, bool dispatch,
+                          double row_bytes, double bytes[2][MOE_TIERS])
+{
+    const moe_placement *p = &ep->placement;
+    moe_index *to = moe_xcalloc((size_t)s->G, sizeof(moe_index));   /* this rank's staged rows per owner */
+    moe_index *from = moe_xcalloc((size_t)s->G, sizeof(moe_index)); /* rows of each source here */
+    for (int r = 0; r < s->G; r++) {
+        for (int l = 0; l < moe_placement_local_experts(p, r); l++)
+            to[r] += table_out(s, p->first_expert[r] + l)[0];
+        for (int l = 0; l < ep->local_experts; l++)
+            from[r] += table_in(s, r, l)[0];
+    }
+    memset(bytes, 0, sizeof(double) * 2 * MOE_TIERS);
+    moe_pipeline_link_bytes(ep, dispatch ? from : to, dispatch ? to : from, row_bytes, bytes);
+    free(from);
+    free(to);
+}
+
 int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
                       float *y, moe_forward_stats *stats, moe_status *st)
 {
@@ -466,6 +489,7 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
      * their way; get: the staging is marked ready for the owners to read),
      * the shared experts compute before its receive completes. */
     t = MPI_Wtime();
+    const double posted = t;
     if (put)
         ll_dispatch_put(ep, s);
     else
@@ -481,6 +505,13 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
         wait_signal(s, me, SIG_DISPATCH, s->forwards * s->G);
     else
         ll_dispatch_get(ep, s);
+    /* --link: the rows arrive at their modelled time, one round after the
+     * post (put: the counter follows the rows in order), two for a pull
+     * (the ready mark, then the rows); the shared experts ran meanwhile */
+    double bytes[2][MOE_TIERS];
+    moe_link_state links = {{{0}}};
+    ll_link_bytes(ep, s, true, moe_ll_row_bytes(cfg), bytes);
+    moe_pipeline_hold(&ep->link, &links, posted, bytes, put ? 1 : 2, ep->comm.comm);
     stats->seconds[MOE_STAGE_DISPATCH] += MPI_Wtime() - t;
 
     stats->expert_start = MPI_Wtime();
@@ -497,6 +528,8 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     } else {
         ll_combine_get(ep, s);
     }
+    ll_link_bytes(ep, s, false, (double)s->out, bytes);
+    moe_pipeline_hold(&ep->link, &links, t, bytes, put ? 1 : 2, ep->comm.comm);
     stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
 
     t = MPI_Wtime();

@@ -42,19 +42,58 @@ void moe_pipeline_link_bytes(const moe_ep *ep, const moe_index *in_rows, const m
         }
 }
 
+/* A modelled wait past MOE_LINK_WAIT_MAX ends the job. */
+static void link_bound(double now, double done, MPI_Comm comm)
+{
+    if (done - now <= MOE_LINK_WAIT_MAX)
+        return;
+    moe_comm me = {.comm = comm, .rank = moe_message_rank};
+    moe_status st = {0};
+    moe_fail(&st, MOE_EXIT_RUNTIME, "--link: the emulated links would hold one all-to-all "
+             "for %.0f s, past the %.0f s bound; give faster links or a smaller config",
+             done - now, MOE_LINK_WAIT_MAX);
+    moe_comm_abort(&me, &st);
+}
+
 void moe_pipeline_track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
                         double bytes[2][MOE_TIERS], MPI_Comm comm)
 {
     const double now = MPI_Wtime(), done = moe_link_schedule(link, links, now, bytes[0], bytes[1]);
-    if (done - now > MOE_LINK_WAIT_MAX) {
-        moe_comm me = {.comm = comm, .rank = moe_message_rank};
-        moe_status st = {0};
-        moe_fail(&st, MOE_EXIT_RUNTIME, "--link: the emulated links would hold one all-to-all "
-                 "for %.0f s, past the %.0f s bound; give faster links or a smaller config",
-                 done - now, MOE_LINK_WAIT_MAX);
-        moe_comm_abort(&me, &st);
-    }
+    link_bound(now, done, comm);
     moe_progress_track(p, op, now, done);
+}
+
+double moe_pipeline_hold(const moe_link *link, moe_link_state *links, double posted,
+                         double bytes[2][MOE_TIERS], int rounds, MPI_Comm comm)
+{
+    if (!link->enabled)
+        return 0.0;
+    double done = moe_link_schedule(link, links, posted, bytes[0], bytes[1]), latency = 0.0;
+    for (int t = 0; t < MOE_TIERS; t++)
+        if (bytes[0][t] > 0 || bytes[1][t] > 0)
+            latency = link->latency[t] > latency ? link->latency[t] : latency;
+    done += (rounds - 1) * latency;
+    const double now = MPI_Wtime();
+    link_bound(now, done, comm);
+    while (MPI_Wtime() < done)
+        ;
+    return done > now ? done - now : 0.0;
+}
+
+void moe_pipeline_count_round(const moe_ep *ep, const moe_link *link, double posted,
+                              double bytes_per_rank)
+{
+    if (!link->enabled)
+        return;
+    const int G = ep->comm.ranks;
+    moe_index *one = moe_xmalloc(sizeof(moe_index) * (size_t)G);
+    for (int r = 0; r < G; r++)
+        one[r] = 1;
+    double bytes[2][MOE_TIERS] = {{0}};
+    moe_pipeline_link_bytes(ep, one, one, bytes_per_rank, bytes);
+    moe_link_state alone = {{{0}}};
+    moe_pipeline_hold(link, &alone, posted, bytes, 1, ep->comm.comm);
+    free(one);
 }
 
 void moe_pipeline_comm_event(moe_trace *trace, const moe_comm_op *o, const moe_comm_op *previous,

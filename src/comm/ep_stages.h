@@ -135,6 +135,22 @@ void moe_pipeline_link_bytes(const moe_ep *ep, const moe_index *in_rows, const m
 void moe_pipeline_track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
                         double bytes[2][MOE_TIERS], MPI_Comm comm);
 
+/* A blocking exchange posted at `posted`, already complete in MPI: wait
+ * (spinning) until the link model says it arrived, `rounds` latency-bound
+ * rounds (a pull reads a ready mark before the rows: 2) moving bytes
+ * ([in, out][tier]): moe_link_schedule, plus rounds - 1 more latencies of
+ * the slowest tier it crosses. Returns the seconds held; 0 without a
+ * model. A wait past MOE_LINK_WAIT_MAX ends the job. */
+double moe_pipeline_hold(const moe_link *link, moe_link_state *links, double posted,
+                         double bytes[2][MOE_TIERS], int rounds, MPI_Comm comm);
+
+/* The count exchange before a forward's all-to-alls, posted at `posted`:
+ * bytes_per_rank to and from every other rank, one round under the link
+ * model (a decode-sized forward pays its latency, which the low-latency
+ * mode skips). */
+void moe_pipeline_count_round(const moe_ep *ep, const moe_link *link, double posted,
+                              double bytes_per_rank);
+
 /* A comm event runs from when its operation had the wire to itself, i.e.
  * from its post or the previous operation of its kind's completion,
  * whichever is later, to its completion: operations posted together then

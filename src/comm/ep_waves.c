@@ -239,7 +239,10 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
             const int l = e - ep->placement.first_expert[r];
             counts_out[(r * W + moe_wave_of(&f->waves, i, e)) * stride + 1 + l]++;
         }
+    const double counts_posted = MPI_Wtime();
     MOE_MPI(MPI_Alltoall(counts_out, W * stride, MPI_INT, counts_in, W * stride, MPI_INT, c->comm));
+    moe_pipeline_count_round(ep, moe_schedule_link(ep, sched), counts_posted,
+                             sizeof(int) * (double)(W * stride));
 
     struct moe_ep_workspace *work = ep->work;
     moe_ep_fit_slots(&work->wave, &work->waves, W, MOE_WAVE_BUFFERS);

@@ -723,7 +723,6 @@ static int validate_low_latency(const moe_config *cfg, moe_status *st)
                         : cfg->trace[0]                           ? "--trace"
                         : cfg->timeline[0]                        ? "--timeline"
                         : cfg->dump[0]                            ? "--dump"
-                        : cfg->link[0]                            ? "--link"
                                                                   : NULL;
     if (other)
         return moe_fail(st, MOE_EXIT_USAGE,

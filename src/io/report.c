@@ -387,6 +387,13 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     /* Ranks that share cores do not compute at the same moment: the aggregate
      * rate divides by the window in which any rank computed, never by one
      * rank's time, so it cannot exceed what the cores can do. */
+    if (cfg->mode == MOE_MODE_LOW_LATENCY && s->link && s->link->enabled) {
+        char text[160];
+        moe_link_describe(s->link, text, sizeof text);
+        fprintf(out, "link      emulated (docs/link-model.md): %s; dispatch and combine each "
+                     "complete at their modelled time, a push after one latency, a pull after two "
+                     "(the ready mark, then the rows)\n", text);
+    }
     if (s->waves > 0 && s->link && s->link->enabled) {
         char text[160];
         moe_link_describe(s->link, text, sizeof text);
