@@ -125,7 +125,7 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
                      "(%d ranks on this host); lower --tokens, --hidden, --ffn%s or --experts",
                      moe_format_bytes(need, b1, sizeof b1), ll ? " (the low-latency buffers " : "",
                      b3, ll ? ")" : "", moe_format_bytes(have, b2, sizeof b2), c->ranks_on_host,
-                     ll ? ", --max-tokens-per-rank" : "");
+                     ll || moe_config_layout(cfg) == MOE_LAYOUT_MASKED ? ", --max-tokens-per-rank" : "");
         }
     }
     if (moe_comm_agree(c, st))

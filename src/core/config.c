@@ -857,11 +857,13 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
      * activations, the shared experts' outputs kept apart. */
     if (cfg->mode == MOE_MODE_LOW_LATENCY)
         bytes += moe_ll_buffer_bytes(cfg, ranks) + T * k * (d + 2.0 * f) * 4.0 + S * T * d * 4.0;
-    /* The layout tensor (--expert-layout): the rows it holds, and a
-     * contiguous one's padding (a masked one's empty slots are allocated
-     * but never touched: no pages). */
-    if (moe_config_layout(cfg) != MOE_LAYOUT_ROWS)
-        bytes += (T * k + (moe_config_layout(cfg) == MOE_LAYOUT_CONTIGUOUS ? EL * (double)(cfg->expert_alignment - 1) : 0.0)) * d * 4.0;
+    /* The layout tensor (--expert-layout), fp32: a masked one whole (its
+     * empty slots are never touched, but the allocation must succeed), a
+     * contiguous one's rows and padding. */
+    if (moe_config_layout(cfg) == MOE_LAYOUT_MASKED)
+        bytes += EL * G * (double)moe_config_max_tokens(cfg) * d * 4.0;
+    else if (moe_config_layout(cfg) == MOE_LAYOUT_CONTIGUOUS)
+        bytes += (T * k + EL * (double)(cfg->expert_alignment - 1)) * d * 4.0;
     /* Per wave: a slot-to-pair map of every (token, slot), the counts. */
     bytes += W * (T * k * 8.0 + G * (64.0 + 8.0 * (1.0 + EL)));
     if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */
@@ -887,6 +889,14 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
     if (cfg->dump[0]) /* rank 0 gathers the set: per token, per pair, the rows */
         bytes += N * (3.0 * E * 4.0 + k * 8.0 + d * (4.0 + 8.0 + 8.0 + 4.0 + 8.0) + G) +
                  2.0 * N * k * d * 4.0 + 2.0 * T * k * (d * 4.0 + 8.0) + 3.0 * f * d * 4.0 * 2.0;
+    if (cfg->dump[0] && moe_config_layout(cfg) != MOE_LAYOUT_ROWS) {
+        /* every rank's layout tensor on rank 0, as it travelled and decoded,
+         * its scales and who each slot holds: all slots, empty ones too */
+        const double slots = moe_config_layout(cfg) == MOE_LAYOUT_MASKED
+                                 ? E * G * (double)moe_config_max_tokens(cfg)
+                                 : N * k + E * (double)(cfg->expert_alignment - 1);
+        bytes += slots * (2.0 * d * 4.0 + 16.0 + 8.0);
+    }
     if (command == MOE_CMD_BENCH) /* the anchors: cache eviction, one sgemm, two all-to-alls */
         bytes += 64.0 * 1048576.0 + (T * k + S * T) * (d + 6.0 * f) * 4.0 + 3.0 * f * d * 4.0 +
                  4.0 * T * k * d * 4.0;
