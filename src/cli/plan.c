@@ -136,7 +136,7 @@ static void print_plan(const moe_config *cfg, const moe_cluster *p)
                : "");
     /* Decode: the low-latency mode's fixed buffers (ep_ll.c) on this EP group. */
     moe_config decode = *cfg;
-    const int64_t N = cfg->max_tokens_per_rank > 0 ? cfg->max_tokens_per_rank : cfg->tokens;
+    const int64_t N = moe_config_max_tokens(cfg);
     decode.max_tokens_per_rank = N;
     char bytes[32];
     printf("decode    --mode low-latency's fixed buffers for N = %lld tokens per GPU "

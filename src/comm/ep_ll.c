@@ -97,7 +97,7 @@ static struct moe_ll_state *ll_open(const moe_ep *ep, moe_status *st)
     s->E = (int)cfg->experts;
     s->k = (int)cfg->topk;
     s->EL = (s->E + s->G - 1) / s->G; /* the fullest rank's (layout.h) */
-    s->N = cfg->max_tokens_per_rank > 0 ? cfg->max_tokens_per_rank : cfg->tokens;
+    s->N = moe_config_max_tokens(cfg);
     s->row = dw.bytes;
     s->out = cw.bytes;
     const MPI_Aint slots = (MPI_Aint)s->EL * s->G * s->N, staged = (MPI_Aint)s->N * s->k;
@@ -446,25 +446,19 @@ static void ll_combine_get(const moe_ep *ep, struct moe_ll_state *s)
     pull_when_ready(ep, s, SIG_COMBINE_READY, combine_get_from);
 }
 
-/* Under the link model (--link): what a stage moved over each tier, in
- * rows per peer, into bytes. dispatch: rows out to each owner, rows in from
- * each source (row_bytes each); the combine the other way round. */
-static void ll_link_bytes(const moe_ep *ep, const struct moe_ll_state *s, bool dispatch,
-                          double row_bytes, double bytes[2][MOE_TIERS])
+/* Under the link model (--link): the rows this rank staged for each owner
+ * (to) and the rows each source sent here (from), G each; the dispatch
+ * moves them out and in, the combine the other way round. */
+static void ll_rows_per_peer(const moe_ep *ep, const struct moe_ll_state *s, moe_index *to,
+                             moe_index *from)
 {
     const moe_placement *p = &ep->placement;
-    moe_index *to = moe_xcalloc((size_t)s->G, sizeof(moe_index));   /* this rank's staged rows per owner */
-    moe_index *from = moe_xcalloc((size_t)s->G, sizeof(moe_index)); /* rows of each source here */
     for (int r = 0; r < s->G; r++) {
         for (int l = 0; l < moe_placement_local_experts(p, r); l++)
             to[r] += table_out(s, p->first_expert[r] + l)[0];
         for (int l = 0; l < ep->local_experts; l++)
             from[r] += table_in(s, r, l)[0];
     }
-    memset(bytes, 0, sizeof(double) * 2 * MOE_TIERS);
-    moe_pipeline_link_bytes(ep, dispatch ? from : to, dispatch ? to : from, row_bytes, bytes);
-    free(from);
-    free(to);
 }
 
 int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
@@ -508,10 +502,16 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     /* --link: the rows arrive at their modelled time, one round after the
      * post (put: the counter follows the rows in order), two for a pull
      * (the ready mark, then the rows); the shared experts ran meanwhile */
-    double bytes[2][MOE_TIERS];
+    const bool link = ep->link.enabled;
     moe_link_state links = {{{0}}};
-    ll_link_bytes(ep, s, true, moe_ll_row_bytes(cfg), bytes);
-    moe_pipeline_hold(&ep->link, &links, posted, bytes, put ? 1 : 2, ep->comm.comm);
+    moe_index *to = link ? moe_xcalloc((size_t)s->G, sizeof(moe_index)) : NULL;
+    moe_index *from = link ? moe_xcalloc((size_t)s->G, sizeof(moe_index)) : NULL;
+    if (link) {
+        double bytes[2][MOE_TIERS] = {{0}};
+        ll_rows_per_peer(ep, s, to, from);
+        moe_pipeline_link_bytes(ep, from, to, moe_ll_row_bytes(cfg), bytes);
+        moe_pipeline_hold(&ep->link, &links, posted, bytes, put ? 1 : 2, ep->comm.comm);
+    }
     stats->seconds[MOE_STAGE_DISPATCH] += MPI_Wtime() - t;
 
     stats->expert_start = MPI_Wtime();
@@ -528,8 +528,13 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     } else {
         ll_combine_get(ep, s);
     }
-    ll_link_bytes(ep, s, false, (double)s->out, bytes);
-    moe_pipeline_hold(&ep->link, &links, t, bytes, put ? 1 : 2, ep->comm.comm);
+    if (link) {
+        double bytes[2][MOE_TIERS] = {{0}};
+        moe_pipeline_link_bytes(ep, to, from, (double)s->out, bytes);
+        moe_pipeline_hold(&ep->link, &links, t, bytes, put ? 1 : 2, ep->comm.comm);
+    }
+    free(from);
+    free(to);
     stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
 
     t = MPI_Wtime();

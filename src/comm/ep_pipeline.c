@@ -63,11 +63,11 @@ void moe_pipeline_track(moe_progress *p, int op, const moe_link *link, moe_link_
     moe_progress_track(p, op, now, done);
 }
 
-double moe_pipeline_hold(const moe_link *link, moe_link_state *links, double posted,
-                         double bytes[2][MOE_TIERS], int rounds, MPI_Comm comm)
+void moe_pipeline_hold(const moe_link *link, moe_link_state *links, double posted,
+                       double bytes[2][MOE_TIERS], int rounds, MPI_Comm comm)
 {
     if (!link->enabled)
-        return 0.0;
+        return;
     double done = moe_link_schedule(link, links, posted, bytes[0], bytes[1]), latency = 0.0;
     for (int t = 0; t < MOE_TIERS; t++)
         if (bytes[0][t] > 0 || bytes[1][t] > 0)
@@ -77,7 +77,6 @@ double moe_pipeline_hold(const moe_link *link, moe_link_state *links, double pos
     link_bound(now, done, comm);
     while (MPI_Wtime() < done)
         ;
-    return done > now ? done - now : 0.0;
 }
 
 void moe_pipeline_count_round(const moe_ep *ep, const moe_link *link, double posted,

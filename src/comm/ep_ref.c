@@ -74,7 +74,9 @@ static void capture_layout(const moe_recv_plan *recv, const moe_expert_slots *sl
     }
     for (int l = 0; l < slots->experts; l++) {
         capture->layout_count[l] = (int32_t)slots->count[l];
-        for (moe_index j = 0; j < slots->count[l] && !rows; j++) {
+        if (rows) /* the received rows are the tensor */
+            continue;
+        for (moe_index j = 0; j < slots->count[l]; j++) {
             const moe_index row = recv->expert_row[recv->expert_offset[l] + j];
             const moe_index at = slots->start[l] + j;
             memcpy(capture->layout_wire + (size_t)at * row_bytes, recv_wire + (size_t)row * row_bytes, row_bytes);

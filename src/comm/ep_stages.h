@@ -139,10 +139,10 @@ void moe_pipeline_track(moe_progress *p, int op, const moe_link *link, moe_link_
  * (spinning) until the link model says it arrived, `rounds` latency-bound
  * rounds (a pull reads a ready mark before the rows: 2) moving bytes
  * ([in, out][tier]): moe_link_schedule, plus rounds - 1 more latencies of
- * the slowest tier it crosses. Returns the seconds held; 0 without a
- * model. A wait past MOE_LINK_WAIT_MAX ends the job. */
-double moe_pipeline_hold(const moe_link *link, moe_link_state *links, double posted,
-                         double bytes[2][MOE_TIERS], int rounds, MPI_Comm comm);
+ * the slowest tier it crosses; without a model at once. A wait past
+ * MOE_LINK_WAIT_MAX ends the job. */
+void moe_pipeline_hold(const moe_link *link, moe_link_state *links, double posted,
+                       double bytes[2][MOE_TIERS], int rounds, MPI_Comm comm);
 
 /* The count exchange before a forward's all-to-alls, posted at `posted`:
  * bytes_per_rank to and from every other rank, one round under the link

@@ -698,11 +698,10 @@ static int validate_layout(const moe_config *cfg, moe_status *st)
     return MOE_EXIT_OK;
 }
 
-/* --mode low-latency: a forward of its own (ep_ll.c), one round each way. */
+/* --mode low-latency: a forward of its own (ep_ll.c), one round each way;
+ * and the tokens per rank its buffers and the masked layout hold. */
 static int validate_low_latency(const moe_config *cfg, moe_status *st)
 {
-    if (validate_layout(cfg, st))
-        return st->code;
     const bool masked = moe_config_layout(cfg) == MOE_LAYOUT_MASKED;
     if (cfg->mode != MOE_MODE_LOW_LATENCY && !masked) {
         if (cfg->max_tokens_per_rank >= 0)
@@ -797,7 +796,7 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE, "--grad-output is the gradient of a training step: add --backward");
     if (cfg->backward && validate_backward(cfg, st))
         return st->code;
-    if (validate_low_latency(cfg, st))
+    if (validate_layout(cfg, st) || validate_low_latency(cfg, st))
         return st->code;
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))

@@ -188,7 +188,7 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
             moe_format_bytes(s->bytes_dispatched, b1, sizeof b1),
             moe_format_bytes(s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0), b2, sizeof b2));
     if (low_latency) {
-        const double N = (double)(cfg->max_tokens_per_rank > 0 ? cfg->max_tokens_per_rank : cfg->tokens);
+        const double N = (double)moe_config_max_tokens(cfg);
         fprintf(out, "%.0f rows, one per (token, expert) pair, not deduplicated (the normal path "
                      "sends %.0f, one per (token, rank)), each expert's as one block, no count "
                      "exchange\n", s->rows_sent, s->rows_one_wave);
