@@ -92,16 +92,18 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
                               float *dx, float *dgate);
 
 /* The weight gradient (the backward's W) of the same batch, given its x,
- * dy and gate (NULL: ungated) as the data gradient had them: dw1 (2f, d) =
+ * dy and gate (NULL: ungated) as the data gradient had them, the batch's
+ * row r at row rows[r] of x and dy (rows NULL: row r; rows lets an expert
+ * read its rows in place in the rank's received ones): dw1 (2f, d) =
  * dH^T x and dw2 (d, f) = dO^T a', overwritten. The sum over rows runs in
  * row order; with packed and exact every element is one chain over the rows
  * ascending (fma steps, or rounded products then additions), so a caller
  * that passes an expert's rows in global token order gets the same bits
  * whichever ranks the rows came from. n = 0 gives zeros. */
 void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, const float *dy,
-                                 const float *gate, int weight_at, moe_index n, moe_index hidden,
-                                 moe_index ffn, const moe_expert_grad_work *work, float *dw1,
-                                 float *dw2);
+                                 const moe_index *rows, const float *gate, int weight_at,
+                                 moe_index n, moe_index hidden, moe_index ffn,
+                                 const moe_expert_grad_work *work, float *dw1, float *dw2);
 
 /* Both gradients of the fp64 truth: w1 (2f, d), w2 (d, f), x and dy (n, d);
  * gate (n) or NULL as above; dx (n, d), dgate (n) (with a gate), dw1 (2f, d)
@@ -136,5 +138,13 @@ void moe_gate_backward(const double *dlogits, const float *gate, const float *x,
 void moe_router_gate_backward(const moe_router *r, const float *gate, const float *x,
                               const float *logits, const int32_t *ids, const double *dweights,
                               moe_index tokens, moe_index hidden, double *dx, double *dgate_w);
+
+/* The same with dx in fp32: dx += the router's share, each element's fp64
+ * sum (from zero, the order above) rounded once; the fp64 sums are held a
+ * few tokens at a time, not the batch's (T, d). */
+void moe_router_gate_backward_rounded(const moe_router *r, const float *gate, const float *x,
+                                      const float *logits, const int32_t *ids,
+                                      const double *dweights, moe_index tokens, moe_index hidden,
+                                      float *dx, double *dgate_w);
 
 #endif

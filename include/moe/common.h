@@ -106,7 +106,8 @@ double moe_memory_available(void);
 
 /* Peak resident memory of this process in bytes since the last
  * moe_peak_rss_reset (Linux's VmHWM, which writing 5 to
- * /proc/self/clear_refs resets; elsewhere the lifetime peak, getrusage). */
+ * /proc/self/clear_refs resets; elsewhere the lifetime peak, getrusage).
+ * The reset first returns the heap's free pages to the system. */
 double moe_peak_rss(void);
 void moe_peak_rss_reset(void);
 

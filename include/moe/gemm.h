@@ -85,6 +85,11 @@ void moe_sgemm_pack(moe_index N, moe_index K, const float *B, float *Bp);
 /* The same panels from Bt (K, N) itself, row-major: no transpose. */
 void moe_sgemm_pack_rows(moe_index K, moe_index N, const float *Bt, float *Bp);
 
+/* The same with Bt's row k at Bt + rows[k] * N: packed straight from the
+ * rows of a larger array, without gathering them first (rows NULL: k). */
+void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe_index *rows,
+                            float *Bp);
+
 /* The instruction set moe_sgemm_packed runs on here ("avx2+fma" or
  * "portable fmaf"); tests force the portable one to compare the two. */
 const char *moe_sgemm_packed_isa(void);
@@ -92,6 +97,10 @@ void moe_sgemm_packed_force_portable(bool portable);
 
 /* Bt (K, N) = B (N, K)^T: the experts' weights as generated, transposed. */
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt);
+
+/* The same with B's row r at B + at[r] * cols (at NULL: r). */
+void moe_transpose_rows_at(moe_index rows, moe_index cols, const float *B, const moe_index *at,
+                           float *Bt);
 
 /* FLOPs issued through moe_sgemm_nn, moe_sgemm_exact and moe_sgemm_packed
  * since the last reset. */

@@ -100,16 +100,15 @@ typedef struct {
     moe_index *split;       /* (SPLITS, W, G) rows or pairs per wave and peer */
     moe_index *split_at;    /* (SPLITS, W, G) where they start */
     int *row_wave;          /* (rows in) the wave of each received row */
-    const float **slot_pair_dx; /* --combine reduced: (rows in, k) each slot's pair dx, or NULL */
     double (*bytes)[2][MOE_TIERS]; /* (2W) each op over the links: [in, out][tier] */
     int *counts;            /* (2W, COUNT_SETS, COUNT_ARRAYS, G), kept until the operation completes */
     MPI_Datatype row;       /* d fp32 values */
     float *send_dy;         /* (rows out, d) this rank's dy rows in dispatch order */
     float *dy_in;           /* (rows in, d) as the forward received x */
     moe_expert_grad_work work; /* (pairs) each pair's dH, a', grouped by expert */
-    float *pair_dx;         /* (pairs, d) in the combine's pair order */
+    float *pair_dx;         /* (pairs, d) in the combine's pair order; NULL when only sums travel */
     float *pair_dg;         /* (pairs) dL/dweight */
-    float *sums;            /* --combine reduced: (rows in, d) */
+    float *sums;            /* --combine reduced: (rows in, d), zero until the experts add to it */
     float *back;            /* (rows or pairs sent out, d) dx come home */
     float *dg_back;         /* (pairs sent out) */
     float *shared_dx;       /* (T, d) the shared experts' dx (NULL without them) */
@@ -190,13 +189,6 @@ static void plan_waves(const moe_ep *ep, const moe_ref_forward *f, const int32_t
             }
         }
     free(base);
-    if (ep->cfg->combine == MOE_COMBINE_REDUCED) {
-        const moe_index d = ep->cfg->hidden;
-        b->slot_pair_dx = moe_xcalloc((size_t)(f->rows_in * k) + 1, sizeof(float *));
-        for (moe_index m = 0; m < recv->pairs; m++)
-            b->slot_pair_dx[recv->expert_row[m] * k + recv->expert_slot[m]] =
-                b->pair_dx + recv->expert_pair[m] * d;
-    }
 }
 
 static int *counts(bwd_run *b, int op, int set, int array, int G)
@@ -319,12 +311,25 @@ static float pair_gate(const moe_ref_forward *f, moe_index m, int k)
                            f->recv.expert_slot[m]);
 }
 
+/* rows[row[i]] += dx[i] for the n rows of a block (d floats each). */
+static void add_rows(const float *dx, moe_index d, const moe_index *row, moe_index n, float *rows)
+{
+    for (moe_index i = 0; i < n; i++) {
+        float *to = rows + row[i] * d;
+        const float *from = dx + i * d;
+        for (moe_index j = 0; j < d; j++)
+            to[j] += from[j];
+    }
+}
+
 /* Stage experts, the data gradient of wave w, for every local expert on
  * its rows of the wave in global token order, DGRAD_ROW_BLOCK rows at a time
  * (with packed and exact a row's results depend on that row only): dx per
- * pair into pair_dx and dL/dweight into pair_dg (the combine's pair order),
- * and each pair's dH and a' into work at the pair's place in its expert's
- * rows. */
+ * pair added to its row's sum (--combine reduced: a row's pairs summed from
+ * zero in local expert order, as the experts run, so no pair's dx waits for
+ * its row's last expert) or written to pair_dx (--combine pairs, and for a
+ * dump), dL/dweight into pair_dg (the combine's pair order), and each
+ * pair's dH and a' into work at the pair's place in its expert's rows. */
 static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, int w,
                           moe_backward_stats *stats)
 {
@@ -381,7 +386,10 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
                 moe_scatter_rows(work.dH, 2 * ff, q.at + b0, nb, b->work.dH);
                 moe_scatter_rows(work.act, ff, q.at + b0, nb, b->work.act);
             }
-            moe_scatter_rows(q.dx, d, q.pair + b0, nb, b->pair_dx);
+            if (b->sums)
+                add_rows(q.dx, d, q.row + b0, nb, b->sums);
+            if (b->pair_dx)
+                moe_scatter_rows(q.dx, d, q.pair + b0, nb, b->pair_dx);
             moe_scatter_rows(q.dg, 1, q.pair + b0, nb, b->pair_dg);
             poll(b);
         }
@@ -398,53 +406,45 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
 }
 
 /* Stage experts, the weight gradient: each local expert's dW1, dW2 from all
- * its rows (in global token order, whatever their waves), their x, dy and
- * gates, and their work. */
+ * its rows (in global token order, whatever their waves), their x and dy
+ * read in place in the received rows, their gates and their work. */
 static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, moe_ep_grads *g,
                           moe_backward_stats *stats)
 {
     const moe_index d = ep->cfg->hidden, ff = ep->cfg->ffn;
     const int k = (int)ep->cfg->topk;
     const moe_recv_plan *recv = &f->recv;
-    const moe_index most = moe_ep_largest_batch(recv);
-    float *x = moe_xmalloc(sizeof(float) * (size_t)(most * (2 * d + 1)));
-    float *dy = x + most * d, *gate = dy + most * d;
+    float *gate = moe_xmalloc(sizeof(float) * (size_t)moe_ep_largest_batch(recv) + 1);
     const double t = MPI_Wtime();
     moe_gemm_reset_flops();
     for (int l = 0; l < ep->local_experts; l++) {
         const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
-        moe_gather_rows(f->recv_values, d, recv->expert_row + first, n, x);
-        moe_gather_rows(b->dy_in, d, recv->expert_row + first, n, dy);
         for (moe_index i = 0; i < n; i++)
             gate[i] = pair_gate(f, first + i, k);
         const moe_expert_grad_work work = moe_expert_grad_work_rows(&b->work, first, d, ff);
-        moe_expert_backward_weights(ep->gemm, x, dy, gate, ep->cfg->weight_at, n, d, ff, &work,
+        moe_expert_backward_weights(ep->gemm, f->recv_values, b->dy_in, recv->expert_row + first,
+                                    gate, ep->cfg->weight_at, n, d, ff, &work,
                                     g->dw1 + l * 2 * ff * d, g->dw2 + l * d * ff);
         poll(b);
     }
     stats->wgrad_flops = moe_gemm_sflops();
     stats->seconds[MOE_BWD_WGRAD] += MPI_Wtime() - t;
     compute_event(b, MOE_EVENT_WGRAD, -1, t, recv->pairs);
-    free(x);
+    free(gate);
 }
 
 /* Stage dispatch backward of wave w: dx home as the forward's combine came
- * (reduced: one row per received row, its pairs' dx summed in slot order
- * from zero; pairs: one per pair), and dL/dweight per pair. */
+ * (reduced: one row per received row, its pairs' dx summed by the data
+ * gradient; pairs: one per pair), and dL/dweight per pair. */
 static void dispatch_backward(const moe_ep *ep, bwd_run *b, int w, moe_backward_stats *stats)
 {
-    const int G = ep->comm.ranks, me = ep->comm.rank, k = (int)ep->cfg->topk,
-              op = op_dispatch(w);
+    const int G = ep->comm.ranks, me = ep->comm.rank, op = op_dispatch(w);
     const moe_index d = ep->cfg->hidden;
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
     const int out_kind = reduced ? IN_ROWS : IN_PAIRS, back_kind = reduced ? HOME_ROWS : HOME_PAIRS;
     const moe_index *out = split(b, out_kind, w, G), *out_at = split_at(b, out_kind, w, G);
     const moe_index *pairs = split(b, IN_PAIRS, w, G);
     const double t = MPI_Wtime();
-    if (reduced) /* fp32 on the wire: the sums are not rounded */
-        for (int r = 0; r < G; r++)
-            for (moe_index row = out_at[r]; row < out_at[r] + out[r]; row++)
-                moe_ep_sum_slots(ep, NULL, b->slot_pair_dx + row * k, b->sums + row * d);
     exchange(ep, b, op, 0, C_DX, out, out_at, split(b, back_kind, w, G),
              split_at(b, back_kind, w, G), reduced ? b->sums : b->pair_dx, b->back, b->row);
     exchange(ep, b, op, 1, C_DG, pairs, split_at(b, IN_PAIRS, w, G), split(b, HOME_PAIRS, w, G),
@@ -493,7 +493,7 @@ static void shared_backward(const moe_ep *ep, const float *x, const float *dy, b
                 b->shared_dx[first * d + m] += dx[m];
             poll(b);
         }
-        moe_expert_backward_weights(ep->gemm, x, dy, NULL, cfg->weight_at, T, d, ff, &work,
+        moe_expert_backward_weights(ep->gemm, x, dy, NULL, NULL, cfg->weight_at, T, d, ff, &work,
                                     g->dshared_w1 + s * 2 * ff * d, g->dshared_w2 + s * d * ff);
         poll(b);
     }
@@ -546,11 +546,8 @@ static void router_backward(const moe_ep *ep, const float *x, const float *logit
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     const double t = MPI_Wtime();
-    double *dxr = moe_xcalloc((size_t)(T * d) + 1, sizeof(double));
-    moe_router_gate_backward(&ep->router, ep->gate, x, logits, ids, dweights, T, d, dxr, dgate_w);
-    for (moe_index n = 0; n < T * d; n++)
-        dx[n] += (float)dxr[n];
-    free(dxr);
+    moe_router_gate_backward_rounded(&ep->router, ep->gate, x, logits, ids, dweights, T, d, dx,
+                                     dgate_w);
     stats->seconds[MOE_BWD_ROUTER] = MPI_Wtime() - t;
 }
 
@@ -670,9 +667,9 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     b.send_dy = moe_xmalloc(sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
     b.dy_in = moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1);
     b.work = moe_expert_grad_work_alloc(pairs, d, ff);
-    b.pair_dx = moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1);
+    b.pair_dx = !reduced || cap ? moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1) : NULL;
     b.pair_dg = moe_xmalloc(sizeof(float) * (size_t)pairs + 1);
-    b.sums = reduced ? moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1) : NULL;
+    b.sums = reduced ? moe_xcalloc((size_t)(f->rows_in * d) + 1, sizeof(float)) : NULL; /* fp32 on the wire */
     b.back = moe_xmalloc(sizeof(float) * (size_t)((reduced ? f->send.row_offset[G] : pairs_out) * d) + 1);
     b.dg_back = moe_xmalloc(sizeof(float) * (size_t)pairs_out + 1);
     b.shared_dx = S > 0 ? moe_xmalloc(sizeof(float) * (size_t)(T * d)) : NULL;
@@ -717,14 +714,8 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
         paired_wait(&progress, flight.op + 1, pf, MOE_STAGE_COMBINE);
         moe_ep_ref_end(ep, &pf->f, pf->x, pf->ids, pf->weights, pf->y, pf->stats);
     }
-    /* With the reduced combine the pairs' dx are done with (their sums
-     * travel): the weight gradients' buffers take their place. */
     if (cap)
         capture_backward(f, &b, d, cap);
-    if (reduced) {
-        free(b.pair_dx);
-        b.pair_dx = NULL;
-    }
     experts_wgrad(ep, f, &b, g, bwd); /* behind the last dispatches */
     for (int w = 0; w < W; w++)
         finish(&b, op_dispatch(w), bwd, MOE_BWD_DISPATCH);
@@ -766,7 +757,6 @@ static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     free(b.dy_in);
     free(b.send_dy);
     MOE_MPI(MPI_Type_free(&b.row));
-    free(b.slot_pair_dx);
     free(b.row_wave);
     free(b.split_at);
     free(b.split);

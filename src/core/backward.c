@@ -10,6 +10,7 @@
 #include "moe/config.h"
 #include "moe/exp.h"
 #include "moe/gemm.h"
+#include "moe/layout.h"
 
 #include "lanes8.h"
 
@@ -24,11 +25,14 @@ moe_index moe_expert_grad_w2_floats(enum moe_gemm_kind gemm, moe_index hidden, m
 }
 
 /* dst = src (K, N) as the operand Bt (K, N) of gemm: itself, or packed
- * into panels. */
-static void operand(enum moe_gemm_kind gemm, moe_index K, moe_index N, const float *src, float *dst)
+ * into panels; its row k at src + rows[k] * N (rows NULL: k). */
+static void operand(enum moe_gemm_kind gemm, moe_index K, moe_index N, const float *src,
+                    const moe_index *rows, float *dst)
 {
     if (gemm == MOE_GEMM_PACKED)
-        moe_sgemm_pack_rows(K, N, src, dst);
+        moe_sgemm_pack_rows_at(K, N, src, rows, dst);
+    else if (rows)
+        moe_gather_rows(src, N, rows, K, dst);
     else
         memcpy(dst, src, sizeof(float) * (size_t)(K * N));
 }
@@ -36,8 +40,8 @@ static void operand(enum moe_gemm_kind gemm, moe_index K, moe_index N, const flo
 void moe_expert_grad_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn,
                             const float *w1, const float *w2, float *w1g, float *w2g)
 {
-    operand(gemm, 2 * ffn, hidden, w1, w1g);
-    operand(gemm, hidden, ffn, w2, w2g);
+    operand(gemm, 2 * ffn, hidden, w1, NULL, w1g);
+    operand(gemm, hidden, ffn, w2, NULL, w2g);
 }
 
 /* Bp = B (N, K) as the operand Bt (K' = N, N' = K) of gemm, from fwd, its
@@ -210,9 +214,9 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
 }
 
 void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, const float *dy,
-                                 const float *gate, int weight_at, moe_index n, moe_index hidden,
-                                 moe_index ffn, const moe_expert_grad_work *work, float *dw1,
-                                 float *dw2)
+                                 const moe_index *rows, const float *gate, int weight_at,
+                                 moe_index n, moe_index hidden, moe_index ffn,
+                                 const moe_expert_grad_work *work, float *dw1, float *dw2)
 {
     const moe_index d = hidden, f = ffn;
     if (n == 0) {
@@ -226,15 +230,15 @@ void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, const 
     float *at = moe_xmalloc(sizeof(float) * (size_t)(most * n));
     const moe_index b_floats = gemm == MOE_GEMM_PACKED ? moe_sgemm_packed_floats(n, most) : n * most;
     float *b = moe_xmalloc(sizeof(float) * (size_t)b_floats);
-    moe_transpose(n, d, dy, at); /* dO^T (d, n): dy^T, times the gates as the data gradient */
+    moe_transpose_rows_at(n, d, dy, rows, at); /* dO^T (d, n): dy^T, times the gates as the data gradient */
     if (gated_output(gate, weight_at))
         for (moe_index j = 0; j < d; j++)
             for (moe_index r = 0; r < n; r++)
                 at[j * n + r] *= gate[r];
-    operand(gemm, n, f, act, b);
+    operand(gemm, n, f, act, NULL, b);
     moe_expert_gemm(gemm, d, f, n, at, n, b, dw2, f);
     moe_transpose(n, 2 * f, dH, at); /* dH^T (2f, n) */
-    operand(gemm, n, d, x, b);
+    operand(gemm, n, d, x, rows, b);
     moe_expert_gemm(gemm, 2 * f, d, n, at, n, b, dw1, d);
     free(b);
     free(at);
@@ -438,16 +442,49 @@ void moe_gate_backward(const double *dlogits, const float *gate, const float *x,
         }
 }
 
-void moe_router_gate_backward(const moe_router *r, const float *gate, const float *x,
-                              const float *logits, const int32_t *ids, const double *dweights,
-                              moe_index tokens, moe_index hidden, double *dx, double *dgate_w)
+/* The batch's dlogits (tokens, E) from its logits as moe_router_logits gave
+ * them (fp32) and dL/dweight per slot; the caller frees it. */
+static double *router_dlogits(const moe_router *r, const float *logits, const int32_t *ids,
+                              const double *dweights, moe_index tokens)
 {
     const moe_index E = r->experts;
     double *dlogits = moe_xmalloc(sizeof(double) * (size_t)(tokens * E) + 1);
     for (moe_index n = 0; n < tokens * E; n++)
         dlogits[n] = logits[n];
     moe_router_backward(r, dlogits, ids, dweights, tokens, dlogits);
-    memset(dgate_w, 0, sizeof(double) * (size_t)(E * hidden));
+    return dlogits;
+}
+
+void moe_router_gate_backward(const moe_router *r, const float *gate, const float *x,
+                              const float *logits, const int32_t *ids, const double *dweights,
+                              moe_index tokens, moe_index hidden, double *dx, double *dgate_w)
+{
+    double *dlogits = router_dlogits(r, logits, ids, dweights, tokens);
+    memset(dgate_w, 0, sizeof(double) * (size_t)(r->experts * hidden));
     moe_gate_backward(dlogits, gate, x, tokens, hidden, r->experts, dx, dgate_w);
+    free(dlogits);
+}
+
+/* Tokens of the rounded dx's fp64 sums at a time. */
+enum { GATE_TOKEN_BLOCK = 64 };
+
+void moe_router_gate_backward_rounded(const moe_router *r, const float *gate, const float *x,
+                                      const float *logits, const int32_t *ids,
+                                      const double *dweights, moe_index tokens, moe_index hidden,
+                                      float *dx, double *dgate_w)
+{
+    const moe_index d = hidden, E = r->experts;
+    double *dlogits = router_dlogits(r, logits, ids, dweights, tokens);
+    memset(dgate_w, 0, sizeof(double) * (size_t)(E * d));
+    moe_gate_backward(dlogits, gate, x, tokens, d, r->experts, NULL, dgate_w);
+    double *block = moe_xmalloc(sizeof(double) * (size_t)(GATE_TOKEN_BLOCK * d) + 1);
+    for (moe_index i0 = 0; i0 < tokens; i0 += GATE_TOKEN_BLOCK) {
+        const moe_index n = tokens - i0 < GATE_TOKEN_BLOCK ? tokens - i0 : GATE_TOKEN_BLOCK;
+        memset(block, 0, sizeof(double) * (size_t)(n * d));
+        moe_gate_backward(dlogits + i0 * E, gate, x, n, d, r->experts, block, NULL);
+        for (moe_index m = 0; m < n * d; m++)
+            dx[i0 * d + m] += (float)block[m];
+    }
+    free(block);
     free(dlogits);
 }

@@ -319,13 +319,19 @@ void moe_sgemm_pack(moe_index N, moe_index K, const float *B, float *Bp)
 
 void moe_sgemm_pack_rows(moe_index K, moe_index N, const float *Bt, float *Bp)
 {
+    moe_sgemm_pack_rows_at(K, N, Bt, NULL, Bp);
+}
+
+void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe_index *rows,
+                            float *Bp)
+{
     const moe_index panels = (N + PACK_COLS - 1) / PACK_COLS;
 #pragma omp parallel for schedule(static)
     for (moe_index p = 0; p < panels; p++) {
         const moe_index n0 = p * PACK_COLS, cols = N - n0 < PACK_COLS ? N - n0 : PACK_COLS;
         float *dst = Bp + p * K * PACK_COLS;
         for (moe_index k = 0; k < K; k++) {
-            memcpy(dst + k * PACK_COLS, Bt + k * N + n0, sizeof(float) * (size_t)cols);
+            memcpy(dst + k * PACK_COLS, Bt + (rows ? rows[k] : k) * N + n0, sizeof(float) * (size_t)cols);
             memset(dst + k * PACK_COLS + cols, 0, sizeof(float) * (size_t)(PACK_COLS - cols));
         }
     }
@@ -536,6 +542,12 @@ void moe_sgemm_packed_t(moe_index M, moe_index N, moe_index K, const float *A, m
 
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt)
 {
+    moe_transpose_rows_at(rows, cols, B, NULL, Bt);
+}
+
+void moe_transpose_rows_at(moe_index rows, moe_index cols, const float *B, const moe_index *at,
+                           float *Bt)
+{
 #pragma omp parallel for schedule(static)
     for (moe_index c0 = 0; c0 < cols; c0 += TRANSPOSE_BLOCK)
         for (moe_index r0 = 0; r0 < rows; r0 += TRANSPOSE_BLOCK) {
@@ -543,7 +555,7 @@ void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt)
             const moe_index r1 = rows - r0 < TRANSPOSE_BLOCK ? rows : r0 + TRANSPOSE_BLOCK;
             for (moe_index c = c0; c < c1; c++)
                 for (moe_index r = r0; r < r1; r++)
-                    Bt[c * rows + r] = B[r * cols + c];
+                    Bt[c * rows + r] = B[(at ? at[r] : r) * cols + c];
         }
 }
 

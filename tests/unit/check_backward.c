@@ -301,7 +301,7 @@ START_TEST(fp32_backward_matches_fp64)
     moe_expert_grad_work work = moe_expert_grad_work_alloc(N, DD, FF);
     float dx[N * DD], dg[N], dw1[2 * FF * DD], dw2[DD * FF];
     moe_expert_backward_data(&fw, &bw, kind, x, dy, gate, NULL, weight_at, N, DD, FF, &work, dx, dg);
-    moe_expert_backward_weights(kind, x, dy, gate, weight_at, N, DD, FF, &work, dw1, dw2);
+    moe_expert_backward_weights(kind, x, dy, NULL, gate, weight_at, N, DD, FF, &work, dw1, dw2);
     if (kind == MOE_GEMM_PACKED) { /* the forward's panels read in place: the same bits */
         const moe_expert_grad_weights none = {NULL, NULL};
         moe_expert_grad_work work2 = moe_expert_grad_work_alloc(N, DD, FF);

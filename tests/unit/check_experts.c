@@ -186,6 +186,24 @@ START_TEST(transpose_and_row_packing_are_the_definitions)
         moe_sgemm_pack_rows(K, N, Bt, p2);
         ck_assert_msg(!memcmp(p1, p2, sizeof(float) * moe_sgemm_packed_floats(K, N)),
                       "pack_rows %dx%d", K, N);
+        /* Rows read in place through an index: the rows of Bt reversed,
+         * packed and transposed from where they lie, as from a gathered copy */
+        moe_index *at = malloc(sizeof(moe_index) * K);
+        float *reversed = malloc(sizeof(float) * K * N), *t1 = malloc(sizeof(float) * K * N);
+        for (int k = 0; k < K; k++) {
+            at[k] = K - 1 - k;
+            memcpy(reversed + k * N, Bt + (K - 1 - k) * N, sizeof(float) * N);
+        }
+        moe_sgemm_pack_rows(K, N, reversed, p1);
+        moe_sgemm_pack_rows_at(K, N, Bt, at, p2);
+        ck_assert_msg(!memcmp(p1, p2, sizeof(float) * moe_sgemm_packed_floats(K, N)),
+                      "pack_rows_at %dx%d", K, N);
+        moe_transpose(K, N, reversed, B);
+        moe_transpose_rows_at(K, N, Bt, at, t1);
+        ck_assert_msg(!memcmp(B, t1, sizeof(float) * K * N), "transpose_rows_at %dx%d", K, N);
+        free(t1);
+        free(reversed);
+        free(at);
         free(p2);
         free(p1);
         free(B);
