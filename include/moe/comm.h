@@ -130,6 +130,9 @@ double moe_comm_maxloc(const moe_comm *c, double v, int *rank);
 /* Broadcast n bytes from `root`. */
 void moe_comm_bcast(const moe_comm *c, void *buf, int bytes, int root);
 void moe_comm_barrier(const moe_comm *c);
+/* A barrier that sleeps between polls (a millisecond) instead of spinning:
+ * the ranks that wait leave their cores to one that measures them. */
+void moe_comm_barrier_idle(const moe_comm *c);
 
 /* Gather every rank's events on rank 0: offset (G+1) and events there
  * (caller frees both), NULL elsewhere. Collective. */

@@ -10,8 +10,11 @@
  * GEMM efficiency = the anchor's routed share / the routed experts' compute
  * time; all-to-all efficiency = anchor time / the forward's all-to-alls alone
  * (all in flight, as measured for the overlap). Peak RSS per rank during the
- * W's forwards against the least the rank must hold. Rank 0 prints a table,
- * and writes --csv and --plot.
+ * W's forwards against the least the rank must hold. The physical limit
+ * beside the sgemm: the cores' fp32 FMA peak (independent FMA chains at each
+ * vector width the CPU has, rank 0 alone and all ranks at once), and the
+ * layer's and the experts' share of it. Rank 0 prints a table, and writes
+ * --csv and --plot.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -22,6 +25,7 @@
 
 #include "moe/cli.h"
 #include "moe/gemm.h"
+#include "moe/peak.h"
 #include "moe/timeline.h"
 #include "moe/context.h"
 #include "moe/wire.h"
@@ -31,6 +35,8 @@ typedef struct {
     double layer, layer_min, layer_max;  /* seconds */
     double tokens_per_second;            /* all ranks */
     double ceiling;                      /* the sgemm anchor's time / layer time */
+    double of_peak;                      /* the layer's expert FLOP/s / the FMA peak, all ranks */
+    double experts_of_peak;              /* the experts' FLOP/s (their compute time) / the peak */
     double expert_gflops;                /* all ranks, over the expert compute time */
     double gemm_efficiency;
     double a2a_bytes_per_second;         /* bytes crossing ranks (all) over T_comm */
@@ -92,6 +98,46 @@ static void run_sgemm(void *arg)
 {
     sgemm_anchor *g = arg;
     moe_sgemm_nn(g->M, g->N, g->K, g->A, g->K, g->B, g->N, g->C, g->N); /* the experts' layout */
+}
+
+/* The FMA peak: per core (rank 0 alone, the others asleep) and all ranks at
+ * once (their rates summed), at each width the CPU has; widest: the
+ * largest of those rates, the one the anchor columns use. */
+typedef struct {
+    double alone[MOE_FMA_WIDTHS], together[MOE_FMA_WIDTHS]; /* FLOP/s, 0: not on this CPU */
+    int widest;                                             /* index of the fastest width */
+} fma_peak;
+
+enum { PEAK_SECONDS_MS = 100 }; /* per width and way */
+
+static void measure_fma_peak(const moe_comm *c, fma_peak *p)
+{
+    memset(p, 0, sizeof *p);
+    for (int w = 0; w < MOE_FMA_WIDTHS; w++) {
+        if (c->rank == 0)
+            p->alone[w] = moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3);
+        moe_comm_barrier_idle(c);
+        moe_comm_barrier(c);
+        p->together[w] = moe_comm_sum(c, moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3));
+        if (p->together[w] > p->together[p->widest])
+            p->widest = w;
+    }
+}
+
+static void print_fma_peak(FILE *out, const fma_peak *p, int ranks)
+{
+    char cpu[128];
+    moe_cpu_model(cpu, sizeof cpu);
+    fprintf(out, "          fp32 FMA peak on %s (OpenBLAS kernel %s), GFLOP/s per core (rank 0 "
+                 "alone) / all %d ranks at once:", cpu, moe_blas_corename(), ranks);
+    bool any = false;
+    for (int w = 0; w < MOE_FMA_WIDTHS; w++)
+        if (p->together[w] > 0) {
+            fprintf(out, "%s %d-bit %.1f / %.1f", any ? " ·" : "", moe_fma_bits[w],
+                    p->alone[w] * 1e-9, p->together[w] * 1e-9);
+            any = true;
+        }
+    fprintf(out, "%s\n", any ? "" : " not measured (no x86 FMA here)");
 }
 
 typedef struct {
@@ -161,7 +207,7 @@ static void run_wgrad_sgemms(void *arg)
  * gradient 10fd (h recomputed, dA, dx), weight gradient 6fd. The forward is
  * the blocking one: no overlap or all-to-all figures. */
 static void training_row(bench_row *r, const moe_run_summary *s, double anchor_rate,
-                         double wgrad_anchor_rate)
+                         double wgrad_anchor_rate, double peak_rate)
 {
     const moe_config *cfg = s->cfg;
     const double G = r->ranks, T = (double)cfg->tokens;
@@ -177,6 +223,7 @@ static void training_row(bench_row *r, const moe_run_summary *s, double anchor_r
     r->layer_max = s->step_max;
     r->tokens_per_second = G * T / s->step_seconds;
     r->ceiling = flops / anchor_rate / s->step_seconds;
+    r->of_peak = flops / peak_rate / s->step_seconds;
     r->dgrad_gflops = dgrad_time > 0 ? s->dgrad_flops / G / dgrad_time * 1e-9 : NAN;
     r->wgrad_gflops = wgrad_time > 0 ? s->wgrad_flops / G / wgrad_time * 1e-9 : NAN;
     r->dgrad_efficiency = r->dgrad_gflops * 1e9 / per_rank_anchor;
@@ -192,18 +239,19 @@ static void print_training(FILE *out, const bench_row *rows, double wgrad_anchor
                  "GFLOP/s per rank\n", wgrad_anchor_rate * 1e-9);
     fprintf(out, "          a training step per W: the blocking forward, the backward in W token "
                  "chunks; ceiling = the step's expert FLOPs (forward, dgrad with h recomputed, "
-                 "wgrad; routed and shared) at the sgemm's rate / the step's time\n");
+                 "wgrad; routed and shared) at the sgemm's rate / the step's time; peak = the "
+                 "same FLOPs at the FMA peak / the step's time\n");
     fprintf(out, "          gemm = a stage's GFLOP/s per rank / the sgemm's (wgrad also / its own "
                  "shapes'); RSS against weights, gradients, saved rows and the step's least buffers\n");
-    fprintf(out, "%4s %24s %9s %10s %9s %8s %13s %13s %13s %6s %14s\n", "W", "step ms (med min-max)",
-            "fwd ms", "tokens/s", "per rank", "ceiling", "fwd GF/s gemm", "dgrad", "wgrad",
-            "/shape", "RSS MB (ratio)");
+    fprintf(out, "%4s %24s %9s %10s %9s %8s %5s %13s %13s %13s %6s %14s\n", "W",
+            "step ms (med min-max)", "fwd ms", "tokens/s", "per rank", "ceiling", "peak",
+            "fwd GF/s gemm", "dgrad", "wgrad", "/shape", "RSS MB (ratio)");
     for (const bench_row *r = rows; r->waves; r++)
-        fprintf(out, "%4d %8.2f %7.2f-%-7.2f %9.2f %10.0f %9.0f %7.0f%% %7.1f %5.2f %7.1f %5.2f "
-                     "%7.1f %5.2f %6.2f %8.0f (%.2f)\n",
+        fprintf(out, "%4d %8.2f %7.2f-%-7.2f %9.2f %10.0f %9.0f %7.0f%% %4.0f%% %7.1f %5.2f %7.1f "
+                     "%5.2f %7.1f %5.2f %6.2f %8.0f (%.2f)\n",
                 r->waves, 1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max,
                 1e3 * r->forward, r->tokens_per_second, r->tokens_per_second / r->ranks,
-                100.0 * r->ceiling, r->expert_gflops / r->ranks, r->gemm_efficiency,
+                100.0 * r->ceiling, 100.0 * r->of_peak, r->expert_gflops / r->ranks, r->gemm_efficiency,
                 r->dgrad_gflops, r->dgrad_efficiency, r->wgrad_gflops, r->wgrad_efficiency,
                 r->wgrad_shape_efficiency, r->rss_mb, r->rss_ratio);
 }
@@ -214,10 +262,11 @@ static void write_csv(FILE *out, const void *arg)
     fprintf(out, "waves,kind,layer_ms,layer_min_ms,layer_max_ms,tokens_per_s,expert_gflops,"
                  "gemm_efficiency,a2a_gb_per_s,a2a_efficiency,overlap,rss_mb,rss_ratio,of_ceiling,"
                  "tokens_per_s_per_rank,backward,forward_ms,dgrad_gflops,wgrad_gflops,"
-                 "dgrad_efficiency,wgrad_efficiency,wgrad_shape_efficiency\n");
+                 "dgrad_efficiency,wgrad_efficiency,wgrad_shape_efficiency,of_fma_peak,"
+                 "experts_of_fma_peak\n");
     for (const bench_row *r = rows; r->waves; r++)
         fprintf(out, "%d,%s,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.1f,"
-                     "%d,%.3f,%.2f,%.2f,%.3f,%.3f,%.3f\n",
+                     "%d,%.3f,%.2f,%.2f,%.3f,%.3f,%.3f,%.3f,%.3f\n",
                 r->waves,
                 r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert-slots" : "token-chunks",
                 1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
@@ -225,7 +274,7 @@ static void write_csv(FILE *out, const void *arg)
                 r->a2a_efficiency, r->overlap, r->rss_mb, r->rss_ratio, r->ceiling,
                 r->tokens_per_second / r->ranks, r->training, 1e3 * r->forward,
                 r->dgrad_gflops, r->wgrad_gflops, r->dgrad_efficiency, r->wgrad_efficiency,
-                r->wgrad_shape_efficiency);
+                r->wgrad_shape_efficiency, r->of_peak, r->experts_of_peak);
 }
 
 /* Layer time (left axis) and overlap (right axis) against W. */
@@ -577,6 +626,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
     double gemm_anchor_routed = 0.0; /* its share of the routed experts, max over ranks */
     double anchor_flops = 0.0;       /* its FLOPs, all ranks */
     double wgrad_anchor_rate = 0.0;  /* --backward: the wgrad-shape sgemms, FLOP/s per rank (min) */
+    fma_peak peak;                   /* the cores' FMA peak, measured once */
     const int iters = (int)cfg->iters;
     for (int n = 0; rc == MOE_EXIT_OK && n < cfg->waves_count; n++) {
         ctx.schedule.waves = (int)cfg->waves_list[n];
@@ -611,6 +661,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             free(g.C);
             free(g.B);
             free(g.A);
+            measure_fma_peak(c, &peak);
         }
         if (n == 0 && cfg->backward) {
             const int EL = ctx.ep.local_experts;
@@ -671,6 +722,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             .tokens_per_second = (double)c->ranks * (double)T / s->layer_seconds,
             .expert_gflops = s->expert_flops * 1e-9 / expert_time,
             .ceiling = gemm_anchor / s->layer_seconds,
+            .of_peak = anchor_flops / s->layer_seconds / peak.together[peak.widest],
+            .experts_of_peak = s->expert_flops / expert_time / peak.together[peak.widest],
             .gemm_efficiency = gemm_anchor_routed / expert_time,
             .a2a_bytes_per_second = travels ? bytes / s->comm_seconds : NAN,
             .a2a_efficiency = travels ? a2a_anchor_seconds / s->comm_seconds : NAN,
@@ -679,7 +732,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             .rss_ratio = ratio,
         };
         if (cfg->backward)
-            training_row(&rows[n], s, anchor_flops / gemm_anchor, wgrad_anchor_rate);
+            training_row(&rows[n], s, anchor_flops / gemm_anchor, wgrad_anchor_rate,
+                         peak.together[peak.widest]);
     }
     moe_status local = {0};
     if (rc == MOE_EXIT_OK && c->rank == 0) {
@@ -696,25 +750,28 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
                    ? "the flat dispatch's counts (one hop; the two-stage forward makes four)"
                    : "the same counts");
+        print_fma_peak(stdout, &peak, c->ranks);
         if (cfg->backward) {
             print_training(stdout, rows, wgrad_anchor_rate);
         } else {
         printf("          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
-               "routed experts' compute\n");
-        printf("%4s %-12s %22s %10s %9s %8s %9s %7s %9s %7s %8s %14s\n", "W", "waves",
-               "layer ms (med min-max)", "tokens/s", "per rank", "ceiling", "GFLOP/s", "gemm",
-               "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
+               "routed experts' compute; peak = the layer's expert FLOPs at the widest FMA peak "
+               "(all ranks) / the layer's time, exp = the experts' GFLOP/s / that peak\n");
+        printf("%4s %-12s %22s %10s %9s %8s %5s %9s %7s %5s %9s %7s %8s %14s\n", "W", "waves",
+               "layer ms (med min-max)", "tokens/s", "per rank", "ceiling", "peak", "GFLOP/s",
+               "gemm", "exp", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
         for (const bench_row *r = rows; r->waves; r++) {
             char rate[16] = "-", efficiency[16] = "-"; /* no all-to-all figures: "-" */
             if (!isnan(r->a2a_efficiency)) {
                 snprintf(rate, sizeof rate, "%.2f", r->a2a_bytes_per_second * 1e-9);
                 snprintf(efficiency, sizeof efficiency, "%.2f", r->a2a_efficiency);
             }
-            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %9.0f %7.0f%% %9.1f %7.2f %9s %7s %7.0f%% "
-                   "%8.0f (%.2f)\n",
+            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %9.0f %7.0f%% %4.0f%% %9.1f %7.2f %4.0f%% "
+                   "%9s %7s %7.0f%% %8.0f (%.2f)\n",
                    r->waves, r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
                    1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
-                   r->tokens_per_second / r->ranks, 100.0 * r->ceiling, r->expert_gflops, r->gemm_efficiency, rate, efficiency,
+                   r->tokens_per_second / r->ranks, 100.0 * r->ceiling, 100.0 * r->of_peak,
+                   r->expert_gflops, r->gemm_efficiency, 100.0 * r->experts_of_peak, rate, efficiency,
                    100.0 * r->overlap, r->rss_mb, r->rss_ratio);
         }
         }

@@ -276,6 +276,18 @@ void moe_comm_bcast(const moe_comm *c, void *buf, int bytes, int root)
 
 void moe_comm_barrier(const moe_comm *c) { MOE_MPI(MPI_Barrier(c->comm)); }
 
+void moe_comm_barrier_idle(const moe_comm *c)
+{
+    MPI_Request request;
+    MOE_MPI(MPI_Ibarrier(c->comm, &request));
+    for (int done = 0;;) {
+        MOE_MPI(MPI_Test(&request, &done, MPI_STATUS_IGNORE));
+        if (done)
+            return;
+        nanosleep(&(struct timespec){0, 1000000}, NULL);
+    }
+}
+
 double moe_comm_time(void) { return MPI_Wtime(); }
 
 void moe_comm_finalize(void) { MOE_MPI(MPI_Finalize()); }

@@ -11,6 +11,7 @@
 #include "moe/exp.h"
 #include "moe/experts.h"
 #include "moe/gemm.h"
+#include "moe/peak.h"
 #include "moe/rng.h"
 #include "moe/truth.h"
 #include "suites.h"
@@ -512,12 +513,32 @@ START_TEST(truth_on_selected_tokens_is_the_dense_sum)
 }
 END_TEST
 
+/* The FMA peak: a rate at each width the CPU has (at least the 100 MFLOP/s
+ * of any core made since FMA units exist, and finite), nothing at the
+ * others; the CPU and the BLAS kernel have names. */
+START_TEST(fma_peak_is_measured_where_the_width_exists)
+{
+    for (int w = 0; w < MOE_FMA_WIDTHS; w++) {
+        const double rate = moe_fma_rate(moe_fma_bits[w], 0.01);
+        if (moe_fma_supported(moe_fma_bits[w]))
+            ck_assert_msg(isfinite(rate) && rate > 1e8, "%d-bit: %g FLOP/s", moe_fma_bits[w], rate);
+        else
+            ck_assert_msg(rate == 0.0, "%d-bit is not on this CPU: %g", moe_fma_bits[w], rate);
+    }
+    char cpu[128];
+    moe_cpu_model(cpu, sizeof cpu);
+    ck_assert(cpu[0] != '\0');
+    ck_assert(moe_blas_corename() && moe_blas_corename()[0]);
+}
+END_TEST
+
 Suite *make_experts_suite(void)
 {
     Suite *s = suite_create("experts");
     TCase *tc = tcase_create("ffn");
     tcase_add_loop_test(tc, ffn_matches_the_definition, MOE_GEMM_BLAS, MOE_GEMM_PACKED + 1);
     tcase_add_test(tc, compare_reports_worst_and_nonfinite);
+    tcase_add_test(tc, fma_peak_is_measured_where_the_width_exists);
     tcase_add_test(tc, exact_gemm_is_the_scalar_loop);
     tcase_add_test(tc, packed_gemm_is_the_fma_chain);
     tcase_add_test(tc, transpose_and_row_packing_are_the_definitions);

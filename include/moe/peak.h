@@ -1,0 +1,31 @@
+/* peak.h — the physical limit of the cores: fp32 fused multiply-adds per
+ * second at each vector width the CPU has, and what the CPU and OpenBLAS
+ * call themselves. Pure: no MPI (bench runs it on every rank). */
+#ifndef MOE_PEAK_H
+#define MOE_PEAK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+/* The vector widths measured, in bits: 128 (SSE registers with FMA), 256
+ * (AVX2 with FMA), 512 (AVX-512F). */
+enum { MOE_FMA_WIDTHS = 3 };
+extern const int moe_fma_bits[MOE_FMA_WIDTHS];
+
+/* Whether this CPU (and this build) runs fp32 FMAs at `bits`. */
+bool moe_fma_supported(int bits);
+
+/* fp32 FLOP/s (an FMA counts two) of one thread running independent FMA
+ * chains at `bits`, enough of them to cover the FMA units' latency (16
+ * registers of accumulators): the best of batches of about a millisecond,
+ * for about `seconds` in all. 0 when the width is not supported. */
+double moe_fma_rate(int bits, double seconds);
+
+/* The CPU's model name with its family and model numbers (/proc/cpuinfo;
+ * "unknown CPU" elsewhere). */
+void moe_cpu_model(char *name, size_t size);
+
+/* The kernel family OpenBLAS chose at load time (openblas_get_corename). */
+const char *moe_blas_corename(void);
+
+#endif

@@ -1,0 +1,149 @@
+/* peak.c — the cores' fp32 FMA rate at each vector width (see peak.h). */
+#define _POSIX_C_SOURCE 200809L
+#include "moe/peak.h"
+
+#include <cblas.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86_FMA 1
+#endif
+
+const int moe_fma_bits[MOE_FMA_WIDTHS] = {128, 256, 512};
+
+static double seconds_now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Each chain is acc = acc * m + a with m just below one: it settles near
+ * a / (1 - m), so no value overflows or turns subnormal, and every FMA
+ * depends on the one before it in its chain only. */
+#define CHAIN_M 0.999999f
+#define CHAIN_A 1e-6f
+
+#ifdef HAVE_X86_FMA
+/* 12 chains of 4 or 8 lanes (16 registers: 12 accumulators, m and a), 16
+ * of 16 lanes (32 registers); the latency of an FMA (4 or 5 cycles) times
+ * two units is at most 10 in flight. Returns the chains' sum, so that the
+ * compiler keeps them. */
+#define CHAINS(type, set1, fma, add, lanes, n)                                          \
+    {                                                                                   \
+        const type m = set1(CHAIN_M), a = set1(CHAIN_A);                                \
+        type acc[n];                                                                    \
+        for (int c = 0; c < n; c++)                                                     \
+            acc[c] = set1((float)c);                                                    \
+        for (long i = 0; i < iterations; i++)                                           \
+            for (int c = 0; c < n; c++) /* unrolled: n independent chains */            \
+                acc[c] = fma(acc[c], m, a);                                             \
+        for (int c = 1; c < n; c++)                                                     \
+            acc[0] = add(acc[0], acc[c]);                                               \
+        float out[lanes];                                                               \
+        memcpy(out, &acc[0], sizeof out);                                               \
+        float sum = 0.0f;                                                               \
+        for (int l = 0; l < lanes; l++)                                                 \
+            sum += out[l];                                                              \
+        return sum;                                                                     \
+    }
+
+__attribute__((target("fma"), optimize("unroll-loops")))
+static float chains128(long iterations)
+CHAINS(__m128, _mm_set1_ps, _mm_fmadd_ps, _mm_add_ps, 4, 12)
+
+__attribute__((target("avx2,fma"), optimize("unroll-loops")))
+static float chains256(long iterations)
+CHAINS(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, 8, 12)
+
+__attribute__((target("avx512f"), optimize("unroll-loops")))
+static float chains512(long iterations)
+CHAINS(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps, 16, 16)
+#endif
+
+bool moe_fma_supported(int bits)
+{
+#ifdef HAVE_X86_FMA
+    switch (bits) {
+    case 128:
+        return __builtin_cpu_supports("fma");
+    case 256:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case 512:
+        return __builtin_cpu_supports("avx512f");
+    }
+#else
+    (void)bits;
+#endif
+    return false;
+}
+
+/* FMAs (lanes) one iteration of the width's chains issues. */
+static double fmas_per_iteration(int bits)
+{
+    return bits == 512 ? 16.0 * 16.0 : 12.0 * (double)(bits / 32);
+}
+
+static volatile float peak_sink; /* the chains' sums land here */
+
+double moe_fma_rate(int bits, double seconds)
+{
+    if (!moe_fma_supported(bits))
+        return 0.0;
+#ifdef HAVE_X86_FMA
+    float (*chains)(long) = bits == 128 ? chains128 : bits == 256 ? chains256 : chains512;
+    const long iterations = 1L << 16; /* about 0.2-0.5 ms at any width */
+    chains(iterations / 16);          /* warm-up: the wide units power on */
+    double best = 0.0;
+    const double start = seconds_now();
+    for (int batch = 0; batch < 3 || seconds_now() - start < seconds; batch++) {
+        const double t = seconds_now();
+        peak_sink = chains(iterations);
+        const double rate = 2.0 * fmas_per_iteration(bits) * (double)iterations / (seconds_now() - t);
+        best = rate > best ? rate : best;
+    }
+    return best;
+#else
+    (void)seconds;
+    return 0.0;
+#endif
+}
+
+/* The value of /proc/cpuinfo's first line starting with key, or "". */
+static void cpuinfo(const char *key, char *value, size_t size)
+{
+    snprintf(value, size, "%s", "");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+        const char *colon = strchr(line, ':');
+        if (strncmp(line, key, strlen(key)) != 0 || !colon)
+            continue;
+        colon += 1 + (colon[1] == ' ');
+        snprintf(value, size, "%.*s", (int)strcspn(colon, "\n"), colon);
+        break;
+    }
+    if (f)
+        fclose(f);
+}
+
+void moe_cpu_model(char *name, size_t size)
+{
+    char model[128], family[16], number[16];
+    cpuinfo("model name", model, sizeof model);
+    cpuinfo("cpu family", family, sizeof family);
+    cpuinfo("model\t", number, sizeof number);
+    if (!model[0])
+        snprintf(name, size, "unknown CPU");
+    else if (family[0] && number[0])
+        snprintf(name, size, "%s (family %s, model %s)", model, family, number);
+    else
+        snprintf(name, size, "%s", model);
+}
+
+const char *moe_blas_corename(void)
+{
+    return openblas_get_corename();
+}
