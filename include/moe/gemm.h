@@ -90,10 +90,16 @@ void moe_sgemm_pack_rows(moe_index K, moe_index N, const float *Bt, float *Bp);
 void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe_index *rows,
                             float *Bp);
 
-/* The instruction set moe_sgemm_packed runs on here ("avx2+fma" or
- * "portable fmaf"); tests force the portable one to compare the two. */
+/* The tiles moe_sgemm_packed and moe_sgemm_packed_t run: the widest the
+ * CPU has (AVX-512F: 6 x 32 over two panels, where two whole panels are
+ * left; AVX2+FMA: 6 x 16), or the portable fmaf loop. Every tile computes
+ * each element as the same fmaf chain, so the bits do not depend on which
+ * ran; tests and bench force the narrower ones to compare them. */
+enum moe_packed_isa { MOE_PACKED_WIDEST, MOE_PACKED_AVX2, MOE_PACKED_PORTABLE };
+/* What runs here: "avx512f+avx2+fma", "avx2+fma" or "portable fmaf". */
 const char *moe_sgemm_packed_isa(void);
-void moe_sgemm_packed_force_portable(bool portable);
+/* At most `isa` from now on (MOE_PACKED_WIDEST: whatever the CPU has). */
+void moe_sgemm_packed_force(enum moe_packed_isa isa);
 
 /* Bt (K, N) = B (N, K)^T: the experts' weights as generated, transposed. */
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt);

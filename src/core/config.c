@@ -6,6 +6,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "moe/config.h"
 #include "moe/experts.h"
+#include "moe/gemm.h"
 #include "moe/link.h"
 #include "moe/router.h"
 #include "moe/wire.h"
@@ -57,6 +58,8 @@ static const flag_choice progress_choices[] = {
     {"poll", MOE_PROGRESS_POLL}, {"thread", MOE_PROGRESS_THREAD}, {NULL, 0}};
 static const flag_choice gemm_choices[] = {
     {"blas", MOE_GEMM_BLAS}, {"exact", MOE_GEMM_EXACT}, {"packed", MOE_GEMM_PACKED}, {NULL, 0}};
+static const flag_choice packed_isa_choices[] = {
+    {"widest", MOE_PACKED_WIDEST}, {"avx2", MOE_PACKED_AVX2}, {"portable", MOE_PACKED_PORTABLE}, {NULL, 0}};
 static const flag_choice dtype_choices[] = {
     {"fp32", MOE_DTYPE_FP32}, {"bf16", MOE_DTYPE_BF16}, {"fp8", MOE_DTYPE_FP8}, {NULL, 0}};
 static const flag_choice norm_topk_choices[] = {
@@ -139,6 +142,7 @@ static const flag_spec flags[] = {
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
     {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
+    {"packed-isa", FLAG_CHOICE, FIELD(packed_isa), 0, 0, NULL, packed_isa_choices, "widest", "--gemm packed: its tiles, the widest the CPU has (AVX-512F 6x32, else AVX2 6x16), at most the AVX2 one, or the portable fmaf loop; the same bits from each", RUN},
     {"backward", FLAG_BOOL, FIELD(backward), 0, 0, NULL, NULL, "false", "a training step: the blocking forward, then the gradients for a synthetic dy in --waves W token chunks, its all-to-alls in flight behind the data and weight gradients (blocking with --blocking; docs/backward.md); bench: fwd+bwd per W", RUN},
     {"grad-output", FLAG_TEXT, FIELD(grad_output), 0, 0, "FILE", NULL, "", "--backward's upstream gradient: backward.dy (G*T, d) of FILE.safetensors instead of the synthetic one", RUN_ONLY},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, NULL, "false", "compare with the dense fp64 truth; exit 1 on FAIL", RUN},

@@ -281,22 +281,76 @@ static void tile_avx2(moe_index K, const float *const a[TILE_ROWS], const float 
 }
 #endif
 
-static bool packed_portable_forced;
+/* c (6, 32; ldc) = the rows a[0..5] times two panels side by side, b and
+ * b2 (K rows of 16 each); next (when not NULL) and next2 are prefetched. */
+typedef void tile2_fn(moe_index K, const float *const a[TILE_ROWS], const float *b,
+                      const float *b2, float *c, moe_index ldc, const float *next,
+                      const float *next2);
 
-void moe_sgemm_packed_force_portable(bool portable) { packed_portable_forced = portable; }
+#ifdef HAVE_AVX2_TILE
+/* The 6 x 16 tile's operations on two panels at once, 16 lanes at a time:
+ * each element the same fma chain over k ascending from zero. */
+#define WIDE_ROW(r, acc0, acc1)                                           {                                                                         const __m512 x = _mm512_set1_ps(a[r][k]);                             acc0 = _mm512_fmadd_ps(x, b0, acc0);                                  acc1 = _mm512_fmadd_ps(x, b1, acc1);                              }
+__attribute__((target("avx512f")))
+static void tile_avx512(moe_index K, const float *const a[TILE_ROWS], const float *b,
+                        const float *b2, float *c, moe_index ldc, const float *next,
+                        const float *next2)
+{
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (moe_index k = 0; k < K; k++) {
+        const __m512 b0 = _mm512_loadu_ps(b + k * PACK_COLS);
+        const __m512 b1 = _mm512_loadu_ps(b2 + k * PACK_COLS);
+        if (next) {
+            _mm_prefetch((const char *)(next + k * PACK_COLS), _MM_HINT_T0);
+            _mm_prefetch((const char *)(next2 + k * PACK_COLS), _MM_HINT_T0);
+        }
+        WIDE_ROW(0, c00, c01)
+        WIDE_ROW(1, c10, c11)
+        WIDE_ROW(2, c20, c21)
+        WIDE_ROW(3, c30, c31)
+        WIDE_ROW(4, c40, c41)
+        WIDE_ROW(5, c50, c51)
+    }
+    const __m512 acc[TILE_ROWS][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                                      {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int r = 0; r < TILE_ROWS; r++) {
+        _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+        _mm512_storeu_ps(c + r * ldc + PACK_COLS, acc[r][1]);
+    }
+}
+#undef WIDE_ROW
+#endif
+
+static enum moe_packed_isa packed_forced = MOE_PACKED_WIDEST;
+
+void moe_sgemm_packed_force(enum moe_packed_isa isa) { packed_forced = isa; }
 
 static tile_fn *packed_tile(void)
 {
 #ifdef HAVE_AVX2_TILE
-    if (!packed_portable_forced && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (packed_forced != MOE_PACKED_PORTABLE && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma"))
         return tile_avx2;
 #endif
     return tile_portable;
 }
 
+/* The two-panel tile, or NULL: none on this CPU, or a narrower one forced. */
+static tile2_fn *packed_wide_tile(void)
+{
+#ifdef HAVE_AVX2_TILE
+    if (packed_forced == MOE_PACKED_WIDEST && packed_tile() == tile_avx2 &&
+        __builtin_cpu_supports("avx512f"))
+        return tile_avx512;
+#endif
+    return NULL;
+}
+
 const char *moe_sgemm_packed_isa(void)
 {
-    return packed_tile() == tile_portable ? "portable fmaf" : "avx2+fma";
+    return packed_wide_tile() ? "avx512f+avx2+fma"
+                              : packed_tile() == tile_portable ? "portable fmaf" : "avx2+fma";
 }
 
 moe_index moe_sgemm_packed_floats(moe_index K, moe_index N)
@@ -338,34 +392,41 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
 }
 
 /* Panels [p0, p1) of C, all rows. */
-static void packed_columns(tile_fn *tile, moe_index M, moe_index N, moe_index K, const float *A,
-                           moe_index lda, const float *Bp, float *C, moe_index ldc, moe_index p0,
-                           moe_index p1)
+/* Panels [p0, p1) of C, all rows: two whole panels at a time with wide
+ * (when not NULL), else one. */
+static void packed_columns(tile_fn *tile, tile2_fn *wide, moe_index M, moe_index N, moe_index K,
+                           const float *A, moe_index lda, const float *Bp, float *C, moe_index ldc,
+                           moe_index p0, moe_index p1)
 {
     moe_index block_m = BLOCK_A_FLOATS / K / TILE_ROWS * TILE_ROWS;
     if (block_m < TILE_ROWS)
         block_m = TILE_ROWS;
-    float part[TILE_ROWS * PACK_COLS]; /* a tile that C cannot hold whole */
+    float part[TILE_ROWS * 2 * PACK_COLS]; /* a tile that C cannot hold whole */
+    const moe_index whole = N / PACK_COLS; /* panels without padding */
     for (moe_index m0 = 0; m0 < M; m0 += block_m) {
         const moe_index m1 = M - m0 < block_m ? M : m0 + block_m;
-        for (moe_index p = p0; p < p1; p++) {
+        for (moe_index p = p0, span; p < p1; p += span) {
+            span = wide && p + 1 < p1 && p + 1 < whole ? 2 : 1;
             const float *b = Bp + p * K * PACK_COLS;
-            const moe_index n0 = p * PACK_COLS;
-            const moe_index cols = N - n0 < PACK_COLS ? N - n0 : PACK_COLS;
+            const moe_index n0 = p * PACK_COLS, width = span * PACK_COLS;
+            const moe_index cols = N - n0 < width ? N - n0 : width;
             for (moe_index m = m0; m < m1; m += TILE_ROWS) {
                 const moe_index rows = m1 - m < TILE_ROWS ? m1 - m : TILE_ROWS;
                 const float *a[TILE_ROWS];
                 for (int r = 0; r < TILE_ROWS; r++) /* a short tile repeats its last row */
                     a[r] = A + (m + (r < rows ? r : rows - 1)) * lda;
-                float *c = C + m * ldc + n0;
-                const float *next = m == m0 && p + 1 < p1 ? b + K * PACK_COLS : NULL;
-                if (rows == TILE_ROWS && cols == PACK_COLS) {
-                    tile(K, a, b, c, ldc, next);
-                    continue;
-                }
-                tile(K, a, b, part, PACK_COLS, next);
-                for (moe_index r = 0; r < rows; r++)
-                    memcpy(c + r * ldc, part + r * PACK_COLS, sizeof(float) * (size_t)cols);
+                const bool full = rows == TILE_ROWS && cols == width;
+                float *c = full ? C + m * ldc + n0 : part;
+                const moe_index ldt = full ? ldc : width;
+                const float *next = m == m0 && p + span < p1 ? b + span * K * PACK_COLS : NULL;
+                if (span == 2)
+                    wide(K, a, b, b + K * PACK_COLS, c, ldt, next,
+                         next && p + span + 1 < p1 ? next + K * PACK_COLS : next);
+                else
+                    tile(K, a, b, c, ldt, next);
+                if (!full)
+                    for (moe_index r = 0; r < rows; r++)
+                        memcpy(C + (m + r) * ldc + n0, part + r * width, sizeof(float) * (size_t)cols);
             }
         }
     }
@@ -395,13 +456,14 @@ void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe
         return;
     }
     tile_fn *tile = packed_tile();
+    tile2_fn *wide = packed_wide_tile();
     const moe_index panels = (N + PACK_COLS - 1) / PACK_COLS;
     /* Threads split the panels, each keeping its share for the whole call. */
 #pragma omp parallel
     {
         moe_index p0, p1;
         thread_share(panels, &p0, &p1);
-        packed_columns(tile, M, N, K, A, lda, Bp, C, ldc, p0, p1);
+        packed_columns(tile, wide, M, N, K, A, lda, Bp, C, ldc, p0, p1);
     }
     sgemm_flops += 2.0 * (double)M * (double)N * (double)K;
 }
@@ -467,6 +529,48 @@ static void tile_t_avx2(moe_index N, const float *const a[TILE_ROWS], moe_index 
 #undef TILE_ROW
 #undef TILE_STEP
 #undef TILE_STORE
+
+/* t (6, 32) = the same columns times two panels of A's rows side by side,
+ * b and b2 (N rows of 16 each), 16 lanes at a time. */
+#define WIDE_ROW(r, acc0, acc1)                                       \
+    {                                                                 \
+        const __m512 x = _mm512_set1_ps(a##r[n]);                     \
+        acc0 = _mm512_fmadd_ps(x, b0, acc0);                          \
+        acc1 = _mm512_fmadd_ps(x, b1, acc1);                          \
+    }
+__attribute__((target("avx512f")))
+static void tile_t_avx512(moe_index N, const float *const a[TILE_ROWS], moe_index step,
+                          const float *b, const float *b2, float *t, const float *next)
+{
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (moe_index n0 = 0; n0 < N; n0 += PACK_COLS) {
+        const moe_index at = n0 / PACK_COLS * step, run = N - n0 < PACK_COLS ? N - n0 : PACK_COLS;
+        const float *a0 = a[0] + at, *a1 = a[1] + at, *a2 = a[2] + at, *a3 = a[3] + at,
+                    *a4 = a[4] + at, *a5 = a[5] + at, *bb = b + n0 * PACK_COLS,
+                    *bb2 = b2 + n0 * PACK_COLS;
+        if (next)
+            for (int l = 0; l < TILE_ROWS; l++)
+                _mm_prefetch((const char *)(next + at + l * PACK_COLS), _MM_HINT_T0);
+        for (moe_index n = 0; n < run; n++) {
+            const __m512 b0 = _mm512_loadu_ps(bb + n * PACK_COLS);
+            const __m512 b1 = _mm512_loadu_ps(bb2 + n * PACK_COLS);
+            WIDE_ROW(0, c00, c01)
+            WIDE_ROW(1, c10, c11)
+            WIDE_ROW(2, c20, c21)
+            WIDE_ROW(3, c30, c31)
+            WIDE_ROW(4, c40, c41)
+            WIDE_ROW(5, c50, c51)
+        }
+    }
+    const __m512 acc[TILE_ROWS][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                                      {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int r = 0; r < TILE_ROWS; r++) {
+        _mm512_storeu_ps(t + r * 2 * PACK_COLS, acc[r][0]);
+        _mm512_storeu_ps(t + r * 2 * PACK_COLS + PACK_COLS, acc[r][1]);
+    }
+}
+#undef WIDE_ROW
 #endif
 
 static tile_t_fn *packed_t_tile(void)
@@ -479,25 +583,45 @@ static tile_t_fn *packed_t_tile(void)
 #endif
 }
 
-/* Columns [k0, k1) of C in tiles of six, every row of A (At: its panels). */
-static void packed_t_columns(tile_t_fn *tile, moe_index M, moe_index N, moe_index K,
-                             const float *At, const float *Bp, float *C, moe_index ldc,
-                             moe_index k0, moe_index k1)
+/* The two-panel tile of moe_sgemm_packed_t, or NULL. */
+typedef void tile_t2_fn(moe_index N, const float *const a[TILE_ROWS], moe_index step,
+                        const float *b, const float *b2, float *t, const float *next);
+
+static tile_t2_fn *packed_t_wide_tile(void)
+{
+#ifdef HAVE_AVX2_TILE
+    if (packed_wide_tile())
+        return tile_t_avx512;
+#endif
+    return NULL;
+}
+
+/* Columns [k0, k1) of C in tiles of six, every row of A (At: its panels),
+ * two panels of rows at a time with wide (when not NULL). */
+static void packed_t_columns(tile_t_fn *tile, tile_t2_fn *wide, moe_index M, moe_index N,
+                             moe_index K, const float *At, const float *Bp, float *C,
+                             moe_index ldc, moe_index k0, moe_index k1)
 {
     const moe_index step = K * PACK_COLS, panels = (M + PACK_COLS - 1) / PACK_COLS;
-    float t[TILE_ROWS * PACK_COLS];
+    float t[TILE_ROWS * 2 * PACK_COLS];
     for (moe_index k = k0; k < k1; k += TILE_ROWS) {
         const moe_index cols = k1 - k < TILE_ROWS ? k1 - k : TILE_ROWS;
         const float *a[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) /* a short tile repeats its last column */
             a[r] = Bp + (k + (r < cols ? r : cols - 1)) * PACK_COLS;
         const float *next = k + TILE_ROWS < k1 ? Bp + (k + TILE_ROWS) * PACK_COLS : NULL;
-        for (moe_index p = 0; p < panels; p++) {
-            tile(N, a, step, At + p * N * PACK_COLS, t, p == 0 ? next : NULL);
-            const moe_index m0 = p * PACK_COLS, rows = M - m0 < PACK_COLS ? M - m0 : PACK_COLS;
+        for (moe_index p = 0, span; p < panels; p += span) {
+            span = wide && p + 1 < panels ? 2 : 1; /* At's padding rows are zeros */
+            const float *b = At + p * N * PACK_COLS;
+            if (span == 2)
+                wide(N, a, step, b, b + N * PACK_COLS, t, p == 0 ? next : NULL);
+            else
+                tile(N, a, step, b, t, p == 0 ? next : NULL);
+            const moe_index m0 = p * PACK_COLS, width = span * PACK_COLS;
+            const moe_index rows = M - m0 < width ? M - m0 : width;
             for (moe_index j = 0; j < rows; j++)
                 for (moe_index r = 0; r < cols; r++)
-                    C[(m0 + j) * ldc + k + r] = t[r * PACK_COLS + j];
+                    C[(m0 + j) * ldc + k + r] = t[r * width + j];
         }
     }
 }
@@ -525,6 +649,7 @@ void moe_sgemm_packed_t(moe_index M, moe_index N, moe_index K, const float *A, m
                     At[(p * N + n) * PACK_COLS + j] = m < M ? A[m * lda + n] : 0.0f;
             }
     tile_t_fn *tile = packed_t_tile();
+    tile_t2_fn *wide = packed_t_wide_tile();
     const moe_index tiles = (K + TILE_ROWS - 1) / TILE_ROWS;
     /* Threads split the columns of C, in whole tiles. */
 #pragma omp parallel
@@ -533,7 +658,7 @@ void moe_sgemm_packed_t(moe_index M, moe_index N, moe_index K, const float *A, m
         thread_share(tiles, &t0, &t1);
         const moe_index k1 = t1 * TILE_ROWS < K ? t1 * TILE_ROWS : K;
         if (t0 * TILE_ROWS < k1)
-            packed_t_columns(tile, M, N, K, At, Bp, C, ldc, t0 * TILE_ROWS, k1);
+            packed_t_columns(tile, wide, M, N, K, At, Bp, C, ldc, t0 * TILE_ROWS, k1);
     }
     free(At);
     sgemm_flops += 2.0 * (double)M * (double)N * (double)K;

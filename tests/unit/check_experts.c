@@ -133,8 +133,8 @@ START_TEST(packed_gemm_is_the_fma_chain)
         moe_synth_fill(5, MOE_TENSOR_GATE, 0, 0, N * K, 0.3f, B);
         moe_transpose(N, K, B, Bt);
         moe_sgemm_pack(N, K, B, Bp);
-        for (int portable = 0; portable < 2; portable++) {
-            moe_sgemm_packed_force_portable(portable);
+        for (int isa = MOE_PACKED_WIDEST; isa <= MOE_PACKED_PORTABLE; isa++) {
+            moe_sgemm_packed_force((enum moe_packed_isa)isa);
             memset(C, 0xff, sizeof(float) * M * N);
             moe_sgemm_packed(M, N, K, A, K, Bp, C, N);
             for (int m = 0; m < M; m++)
@@ -143,7 +143,7 @@ START_TEST(packed_gemm_is_the_fma_chain)
                     ck_assert_msg(memcmp(&want, &C[m * N + n], sizeof want) == 0,
                                   "%s, shape %dx%dx%d at (%d, %d): %a vs %a", moe_sgemm_packed_isa(),
                                   M, N, K, m, n, want, C[m * N + n]);
-                    if (!portable) {
+                    if (isa == MOE_PACKED_WIDEST) {
                         float plain = 0.0f;
                         for (int k = 0; k < K; k++)
                             plain += A[m * K + k] * Bt[k * N + n];
@@ -155,7 +155,7 @@ START_TEST(packed_gemm_is_the_fma_chain)
                 ck_assert_int_eq(memcmp(part, C + 3 * N, sizeof(float) * (M - 3) * N), 0);
             }
         }
-        moe_sgemm_packed_force_portable(false);
+        moe_sgemm_packed_force(MOE_PACKED_WIDEST);
         free(part);
         free(C);
         free(Bp);
@@ -214,7 +214,7 @@ START_TEST(transpose_and_row_packing_are_the_definitions)
 END_TEST
 
 /* C = A B read from B's forward panels (moe_sgemm_packed_t) has the bits of
- * moe_sgemm_packed on B laid out as its operand, on both tiles, at shapes
+ * moe_sgemm_packed on B laid out as its operand, on every tile, at shapes
  * with partial tiles and panels every way, with padded leading dimensions;
  * and values where an unfused multiply-add would round differently (A and
  * B of mixed magnitudes) so that a kernel without FMA would differ. */
@@ -233,16 +233,16 @@ START_TEST(packed_t_is_packed_on_the_transposed_operand)
             B[n] *= 4096.0f;
         moe_sgemm_pack(N, K, B, fwd);      /* as the forward holds B */
         moe_sgemm_pack_rows(N, K, B, bwd); /* B as the operand Bt of C = A B */
-        for (int portable = 0; portable < 2; portable++) {
-            moe_sgemm_packed_force_portable(portable);
+        for (int isa = MOE_PACKED_WIDEST; isa <= MOE_PACKED_PORTABLE; isa++) {
+            moe_sgemm_packed_force((enum moe_packed_isa)isa);
             memset(want, 0, sizeof(float) * M * ldc);
             memset(got, 0, sizeof(float) * M * ldc);
             moe_sgemm_packed(M, K, N, A, lda, bwd, want, ldc);
             moe_sgemm_packed_t(M, N, K, A, lda, fwd, got, ldc);
             ck_assert_msg(!memcmp(got, want, sizeof(float) * M * ldc), "%dx%dx%d, %s", M, N, K,
-                          portable ? "portable" : "native");
+                          moe_sgemm_packed_isa());
         }
-        moe_sgemm_packed_force_portable(false);
+        moe_sgemm_packed_force(MOE_PACKED_WIDEST);
         free(got);
         free(want);
         free(bwd);
