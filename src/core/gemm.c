@@ -290,7 +290,12 @@ typedef void tile2_fn(moe_index K, const float *const a[TILE_ROWS], const float 
 #ifdef HAVE_AVX2_TILE
 /* The 6 x 16 tile's operations on two panels at once, 16 lanes at a time:
  * each element the same fma chain over k ascending from zero. */
-#define WIDE_ROW(r, acc0, acc1)                                           {                                                                         const __m512 x = _mm512_set1_ps(a[r][k]);                             acc0 = _mm512_fmadd_ps(x, b0, acc0);                                  acc1 = _mm512_fmadd_ps(x, b1, acc1);                              }
+#define WIDE_ROW(r, acc0, acc1)                   \
+    {                                                 \
+        const __m512 x = _mm512_set1_ps(a[r][k]);     \
+        acc0 = _mm512_fmadd_ps(x, b0, acc0);          \
+        acc1 = _mm512_fmadd_ps(x, b1, acc1);          \
+    }
 __attribute__((target("avx512f")))
 static void tile_avx512(moe_index K, const float *const a[TILE_ROWS], const float *b,
                         const float *b2, float *c, moe_index ldc, const float *next,

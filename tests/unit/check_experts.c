@@ -121,7 +121,8 @@ static float fma_chain(const float *A, const float *Bt, int N, int K, int m, int
 START_TEST(packed_gemm_is_the_fma_chain)
 {
     static const int shapes[][3] = {{1, 1, 1},    {7, 37, 19},  {70, 64, 33}, {5, 95, 128},
-                                    {66, 31, 8},  {13, 16, 1},  {260, 20, 4096}};
+                                    {66, 31, 8},  {13, 16, 1},  {260, 20, 4096},
+                                    {13, 70, 1100}};
     long fused_shows = 0;
     for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
         const int M = shapes[c][0], N = shapes[c][1], K = shapes[c][2];
