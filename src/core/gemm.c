@@ -290,19 +290,35 @@ typedef void tile2_fn(moe_index K, const float *const a[TILE_ROWS], const float 
 #ifdef HAVE_AVX2_TILE
 /* The 6 x 16 tile's operations on two panels at once, 16 lanes at a time:
  * each element the same fma chain over k ascending from zero. */
-#define WIDE_ROW(r, acc0, acc1)                   \
-    {                                                 \
-        const __m512 x = _mm512_set1_ps(a[r][k]);     \
-        acc0 = _mm512_fmadd_ps(x, b0, acc0);          \
-        acc1 = _mm512_fmadd_ps(x, b1, acc1);          \
-    }
+#define WIDE_ACCUMULATORS                                                                   \
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00; \
+    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00
+#define WIDE_ROW(x, acc0, acc1)              \
+    acc0 = _mm512_fmadd_ps(x, b0, acc0);     \
+    acc1 = _mm512_fmadd_ps(x, b1, acc1);
+#define WIDE_STEP(p0, p1, p2, p3, p4, p5, i)                          \
+    WIDE_ROW(_mm512_set1_ps((p0)[i]), c00, c01)                       \
+    WIDE_ROW(_mm512_set1_ps((p1)[i]), c10, c11)                       \
+    WIDE_ROW(_mm512_set1_ps((p2)[i]), c20, c21)                       \
+    WIDE_ROW(_mm512_set1_ps((p3)[i]), c30, c31)                       \
+    WIDE_ROW(_mm512_set1_ps((p4)[i]), c40, c41)                       \
+    WIDE_ROW(_mm512_set1_ps((p5)[i]), c50, c51)
+#define WIDE_STORE(c, ldc)                                                            \
+    do {                                                                              \
+        const __m512 acc[TILE_ROWS][2] = {{c00, c01}, {c10, c11}, {c20, c21},         \
+                                          {c30, c31}, {c40, c41}, {c50, c51}};        \
+        for (int r = 0; r < TILE_ROWS; r++) {                                         \
+            _mm512_storeu_ps((c) + r * (ldc), acc[r][0]);                             \
+            _mm512_storeu_ps((c) + r * (ldc) + PACK_COLS, acc[r][1]);                 \
+        }                                                                             \
+    } while (0)
+
 __attribute__((target("avx512f")))
 static void tile_avx512(moe_index K, const float *const a[TILE_ROWS], const float *b,
                         const float *b2, float *c, moe_index ldc, const float *next,
                         const float *next2)
 {
-    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    WIDE_ACCUMULATORS;
     for (moe_index k = 0; k < K; k++) {
         const __m512 b0 = _mm512_loadu_ps(b + k * PACK_COLS);
         const __m512 b1 = _mm512_loadu_ps(b2 + k * PACK_COLS);
@@ -310,21 +326,10 @@ static void tile_avx512(moe_index K, const float *const a[TILE_ROWS], const floa
             _mm_prefetch((const char *)(next + k * PACK_COLS), _MM_HINT_T0);
             _mm_prefetch((const char *)(next2 + k * PACK_COLS), _MM_HINT_T0);
         }
-        WIDE_ROW(0, c00, c01)
-        WIDE_ROW(1, c10, c11)
-        WIDE_ROW(2, c20, c21)
-        WIDE_ROW(3, c30, c31)
-        WIDE_ROW(4, c40, c41)
-        WIDE_ROW(5, c50, c51)
+        WIDE_STEP(a[0], a[1], a[2], a[3], a[4], a[5], k)
     }
-    const __m512 acc[TILE_ROWS][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                                      {c30, c31}, {c40, c41}, {c50, c51}};
-    for (int r = 0; r < TILE_ROWS; r++) {
-        _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-        _mm512_storeu_ps(c + r * ldc + PACK_COLS, acc[r][1]);
-    }
+    WIDE_STORE(c, ldc);
 }
-#undef WIDE_ROW
 #endif
 
 static enum moe_packed_isa packed_forced = MOE_PACKED_WIDEST;
@@ -537,18 +542,11 @@ static void tile_t_avx2(moe_index N, const float *const a[TILE_ROWS], moe_index 
 
 /* t (6, 32) = the same columns times two panels of A's rows side by side,
  * b and b2 (N rows of 16 each), 16 lanes at a time. */
-#define WIDE_ROW(r, acc0, acc1)                                       \
-    {                                                                 \
-        const __m512 x = _mm512_set1_ps(a##r[n]);                     \
-        acc0 = _mm512_fmadd_ps(x, b0, acc0);                          \
-        acc1 = _mm512_fmadd_ps(x, b1, acc1);                          \
-    }
 __attribute__((target("avx512f")))
 static void tile_t_avx512(moe_index N, const float *const a[TILE_ROWS], moe_index step,
                           const float *b, const float *b2, float *t, const float *next)
 {
-    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    WIDE_ACCUMULATORS;
     for (moe_index n0 = 0; n0 < N; n0 += PACK_COLS) {
         const moe_index at = n0 / PACK_COLS * step, run = N - n0 < PACK_COLS ? N - n0 : PACK_COLS;
         const float *a0 = a[0] + at, *a1 = a[1] + at, *a2 = a[2] + at, *a3 = a[3] + at,
@@ -560,22 +558,15 @@ static void tile_t_avx512(moe_index N, const float *const a[TILE_ROWS], moe_inde
         for (moe_index n = 0; n < run; n++) {
             const __m512 b0 = _mm512_loadu_ps(bb + n * PACK_COLS);
             const __m512 b1 = _mm512_loadu_ps(bb2 + n * PACK_COLS);
-            WIDE_ROW(0, c00, c01)
-            WIDE_ROW(1, c10, c11)
-            WIDE_ROW(2, c20, c21)
-            WIDE_ROW(3, c30, c31)
-            WIDE_ROW(4, c40, c41)
-            WIDE_ROW(5, c50, c51)
+            WIDE_STEP(a0, a1, a2, a3, a4, a5, n)
         }
     }
-    const __m512 acc[TILE_ROWS][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                                      {c30, c31}, {c40, c41}, {c50, c51}};
-    for (int r = 0; r < TILE_ROWS; r++) {
-        _mm512_storeu_ps(t + r * 2 * PACK_COLS, acc[r][0]);
-        _mm512_storeu_ps(t + r * 2 * PACK_COLS + PACK_COLS, acc[r][1]);
-    }
+    WIDE_STORE(t, 2 * PACK_COLS);
 }
+#undef WIDE_ACCUMULATORS
 #undef WIDE_ROW
+#undef WIDE_STEP
+#undef WIDE_STORE
 #endif
 
 static tile_t_fn *packed_t_tile(void)
