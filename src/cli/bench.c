@@ -102,7 +102,8 @@ static void run_sgemm(void *arg)
 
 /* The FMA peak: per core (rank 0 alone, the others asleep) and all ranks at
  * once (their rates summed), at each width the CPU has; widest: the
- * largest of those rates, the one the anchor columns use. */
+ * largest of those rates, the one the anchor columns use (none measured,
+ * as on a CPU without x86 FMA: those columns read nan). */
 typedef struct {
     double alone[MOE_FMA_WIDTHS], together[MOE_FMA_WIDTHS]; /* FLOP/s, 0: not on this CPU */
     int widest;                                             /* index of the fastest width */
@@ -122,6 +123,12 @@ static void measure_fma_peak(const moe_comm *c, fma_peak *p)
         if (p->together[w] > p->together[p->widest])
             p->widest = w;
     }
+}
+
+/* The rate the peak columns divide by: NAN when nothing was measured. */
+static double peak_rate(const fma_peak *p)
+{
+    return p->together[p->widest] > 0 ? p->together[p->widest] : NAN;
 }
 
 static void print_fma_peak(FILE *out, const fma_peak *p, int ranks)
@@ -722,8 +729,8 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             .tokens_per_second = (double)c->ranks * (double)T / s->layer_seconds,
             .expert_gflops = s->expert_flops * 1e-9 / expert_time,
             .ceiling = gemm_anchor / s->layer_seconds,
-            .of_peak = anchor_flops / s->layer_seconds / peak.together[peak.widest],
-            .experts_of_peak = s->expert_flops / expert_time / peak.together[peak.widest],
+            .of_peak = anchor_flops / s->layer_seconds / peak_rate(&peak),
+            .experts_of_peak = s->expert_flops / expert_time / peak_rate(&peak),
             .gemm_efficiency = gemm_anchor_routed / expert_time,
             .a2a_bytes_per_second = travels ? bytes / s->comm_seconds : NAN,
             .a2a_efficiency = travels ? a2a_anchor_seconds / s->comm_seconds : NAN,
@@ -733,7 +740,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         };
         if (cfg->backward)
             training_row(&rows[n], s, anchor_flops / gemm_anchor, wgrad_anchor_rate,
-                         peak.together[peak.widest]);
+                         peak_rate(&peak));
     }
     moe_status local = {0};
     if (rc == MOE_EXIT_OK && c->rank == 0) {
