@@ -16,8 +16,8 @@ extern const int moe_fma_bits[MOE_FMA_WIDTHS];
 bool moe_fma_supported(int bits);
 
 /* fp32 FLOP/s (an FMA counts two) of one thread running independent FMA
- * chains at `bits`, enough of them to cover the FMA units' latency (16
- * registers of accumulators): the best of batches of about a millisecond,
+ * chains at `bits`, enough of them to cover the FMA units' latency (12
+ * registers of accumulators at 128 and 256 bits, 16 at 512): the best of batches of about a millisecond,
  * for about `seconds` in all. 0 when the width is not supported. */
 double moe_fma_rate(int bits, double seconds);
 

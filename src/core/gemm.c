@@ -401,7 +401,6 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
     }
 }
 
-/* Panels [p0, p1) of C, all rows. */
 /* Panels [p0, p1) of C, all rows: two whole panels at a time with wide
  * (when not NULL), else one. */
 static void packed_columns(tile_fn *tile, tile2_fn *wide, moe_index M, moe_index N, moe_index K,

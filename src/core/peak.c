@@ -111,36 +111,29 @@ double moe_fma_rate(int bits, double seconds)
 #endif
 }
 
-/* The value of /proc/cpuinfo's first line starting with key, or "". */
-static void cpuinfo(const char *key, char *value, size_t size)
+void moe_cpu_model(char *name, size_t size)
 {
-    snprintf(value, size, "%s", "");
+    /* The first processor's lines: its model name, family and model number */
+    static const char *const keys[] = {"model name", "cpu family", "model\t"};
+    char value[3][128] = {"", "", ""};
     FILE *f = fopen("/proc/cpuinfo", "r");
     char line[512];
-    while (f && fgets(line, sizeof line, f)) {
+    while (f && fgets(line, sizeof line, f) && line[0] != '\n') {
         const char *colon = strchr(line, ':');
-        if (strncmp(line, key, strlen(key)) != 0 || !colon)
-            continue;
-        colon += 1 + (colon[1] == ' ');
-        snprintf(value, size, "%.*s", (int)strcspn(colon, "\n"), colon);
-        break;
+        for (int n = 0; colon && n < 3; n++)
+            if (strncmp(line, keys[n], strlen(keys[n])) == 0) {
+                const char *v = colon + 1 + (colon[1] == ' ');
+                snprintf(value[n], sizeof value[n], "%.*s", (int)strcspn(v, "\n"), v);
+            }
     }
     if (f)
         fclose(f);
-}
-
-void moe_cpu_model(char *name, size_t size)
-{
-    char model[128], family[16], number[16];
-    cpuinfo("model name", model, sizeof model);
-    cpuinfo("cpu family", family, sizeof family);
-    cpuinfo("model\t", number, sizeof number);
-    if (!model[0])
+    if (!value[0][0])
         snprintf(name, size, "unknown CPU");
-    else if (family[0] && number[0])
-        snprintf(name, size, "%s (family %s, model %s)", model, family, number);
+    else if (value[1][0] && value[2][0])
+        snprintf(name, size, "%s (family %s, model %s)", value[0], value[1], value[2]);
     else
-        snprintf(name, size, "%s", model);
+        snprintf(name, size, "%s", value[0]);
 }
 
 const char *moe_blas_corename(void)

@@ -12,30 +12,35 @@
 #define PHILOX_W0 0x9E3779B9u /* golden ratio */
 #define PHILOX_W1 0xBB67AE85u /* sqrt(3) - 1 */
 
-static inline void philox_round(uint32_t c[4], const uint32_t k[2])
+/* The ten rounds on `lanes` counters at once, word n of counter b in
+ * c[n][b]: one definition for a single block and for a batch, whose loop
+ * over the lanes the compiler runs in vector registers (32 x 32 -> 64-bit
+ * products). */
+static inline void philox_rounds(int lanes, uint32_t *c0, uint32_t *c1, uint32_t *c2,
+                                 uint32_t *c3, const uint32_t key[2])
 {
-    uint64_t p0 = (uint64_t)PHILOX_M0 * c[0];
-    uint64_t p1 = (uint64_t)PHILOX_M1 * c[2];
-    uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
-    uint32_t hi1 = (uint32_t)(p1 >> 32), lo1 = (uint32_t)p1;
-    uint32_t c1 = c[1], c3 = c[3];
-    c[0] = hi1 ^ c1 ^ k[0];
-    c[1] = lo1;
-    c[2] = hi0 ^ c3 ^ k[1];
-    c[3] = lo0;
+    uint32_t k0 = key[0], k1 = key[1];
+    for (int round = 0; round < 10; round++) {
+        if (round > 0) {
+            k0 += PHILOX_W0;
+            k1 += PHILOX_W1;
+        }
+        for (int b = 0; b < lanes; b++) {
+            const uint64_t p0 = (uint64_t)PHILOX_M0 * c0[b], p1 = (uint64_t)PHILOX_M1 * c2[b];
+            const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1[b] ^ k0;
+            const uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3[b] ^ k1;
+            c1[b] = (uint32_t)p1;
+            c3[b] = (uint32_t)p0;
+            c0[b] = n0;
+            c2[b] = n2;
+        }
+    }
 }
 
 void moe_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4])
 {
     uint32_t c[4] = {counter[0], counter[1], counter[2], counter[3]};
-    uint32_t k[2] = {key[0], key[1]};
-    for (int round = 0; round < 10; round++) {
-        if (round > 0) {
-            k[0] += PHILOX_W0;
-            k[1] += PHILOX_W1;
-        }
-        philox_round(c, k);
-    }
+    philox_rounds(1, &c[0], &c[1], &c[2], &c[3], key);
     for (int n = 0; n < 4; n++)
         out[n] = c[n];
 }
@@ -65,9 +70,8 @@ float moe_synth_value(uint64_t seed, enum moe_tensor tensor, uint32_t entity, ui
     return word_to_value(words[index & 3], scale);
 }
 
-/* Blocks of a fill computed side by side: the same Philox rounds on
- * BATCH counters at once, written so that the compiler runs them in vector
- * lanes (32 x 32 -> 64-bit products); the integers, and so the values, are
+/* Blocks of a fill computed side by side: the Philox rounds on BATCH
+ * counters at once, in vector lanes; the integers, and so the values, are
  * those of moe_philox4x32_10 block by block. */
 enum { BATCH = 16 };
 
@@ -82,22 +86,8 @@ static void synth_batch(uint64_t seed, uint32_t tensor, uint32_t entity, uint64_
         c2[b] = tensor;
         c3[b] = entity;
     }
-    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-    for (int round = 0; round < 10; round++) {
-        if (round > 0) {
-            k0 += PHILOX_W0;
-            k1 += PHILOX_W1;
-        }
-        for (int b = 0; b < BATCH; b++) {
-            const uint64_t p0 = (uint64_t)PHILOX_M0 * c0[b], p1 = (uint64_t)PHILOX_M1 * c2[b];
-            const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1[b] ^ k0;
-            const uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3[b] ^ k1;
-            c1[b] = (uint32_t)p1;
-            c3[b] = (uint32_t)p0;
-            c0[b] = n0;
-            c2[b] = n2;
-        }
-    }
+    const uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+    philox_rounds(BATCH, c0, c1, c2, c3, key);
     for (int b = 0; b < BATCH; b++) {
         out[4 * b] = word_to_value(c0[b], scale);
         out[4 * b + 1] = word_to_value(c1[b], scale);
