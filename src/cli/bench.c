@@ -608,6 +608,127 @@ static void print_usage(FILE *out)
     moe_config_print_flags(out, MOE_CMD_BENCH);
 }
 
+/* One W of the sweep, as measured: the anchors come after the whole sweep. */
+typedef struct {
+    int waves;
+    moe_run_summary s;        /* the W's summary */
+    double rss_max;           /* peak RSS, max over ranks */
+    double rss_ratio;         /* max over ranks of the peak against the rank's least */
+    double a2a_anchor;        /* the plain MPI_Alltoallv pair of this W's counts, seconds */
+    bool travels;             /* something crosses ranks */
+} sweep_point;
+
+typedef struct {
+    double gemm;        /* the sgemm anchor: all expert FLOPs, max over ranks */
+    double gemm_routed; /* its share of the routed experts, max over ranks */
+    double flops;       /* its FLOPs, all ranks */
+    double wgrad_rate;  /* --backward: the wgrad-shape sgemms, FLOP/s per rank (min) */
+    fma_peak peak;      /* the cores' FMA peak */
+} anchors;
+
+/* The plain MPI_Alltoallv anchor with this W's counts. Dispatch: this W's
+ * rows per destination; combine: the pairs that come back from each rank,
+ * sent the other way (the same bytes between every two ranks, transposed). */
+static void measure_alltoall(const moe_run_context *ctx, sweep_point *p)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_config *cfg = &ctx->cfg;
+    const moe_index T = cfg->tokens;
+    double *dispatch_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
+    double *combine_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
+    moe_waves waves;
+    moe_waves_init_by(&waves, &ctx->ep.placement, p->waves, T, ctx->schedule.wave_by);
+    moe_rows_per_destination(&ctx->ep.placement, ctx->ids, T, (int)cfg->topk, &waves, dispatch_rows);
+    moe_waves_free(&waves);
+    moe_send_plan plan;
+    moe_send_plan_build(&plan, &ctx->ep.placement, ctx->ids, T, (int)cfg->topk, NULL, 0);
+    for (int r = 0; r < c->ranks; r++)
+        combine_rows[r] = (double)plan.pair_count[r];
+    moe_send_plan_free(&plan);
+    dispatch_rows[c->rank] = combine_rows[c->rank] = 0.0; /* as the forward: own rows stay */
+    a2a_anchor a = {moe_comm_alltoallv_prepare(c, dispatch_rows, moe_dispatch_row_bytes(cfg)),
+                    moe_comm_alltoallv_prepare(c, combine_rows, moe_combine_row_bytes(cfg))};
+    p->a2a_anchor = timed(c, run_alltoallv, &a, false);
+    /* nothing crosses ranks (one rank): no all-to-all figures */
+    p->travels = moe_comm_sum(c, (double)(ctx->last.rows_sent_remote + ctx->last.pairs_back_remote)) > 0;
+    moe_comm_alltoallv_free(a.combine);
+    moe_comm_alltoallv_free(a.dispatch);
+    free(combine_rows);
+    free(dispatch_rows);
+}
+
+/* The sgemm of the experts' FLOPs (M: the rows this rank's experts take,
+ * the routed pairs and its tokens once per shared expert), with
+ * --backward the wgrad-shape sgemms, and the FMA peak. */
+static void measure_anchors(const moe_run_context *ctx, anchors *a)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_config *cfg = &ctx->cfg;
+    const moe_forward_stats *probe = &ctx->last;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
+    const moe_index shared_rows = cfg->shared_experts * T;
+    sgemm_anchor g = {probe->pairs_received + shared_rows, 3 * f, d, NULL, NULL, NULL};
+    g.A = filled((size_t)(g.M * g.K) + 1);
+    g.B = filled((size_t)(g.N * g.K) + 1);
+    g.C = filled((size_t)(g.M * g.N) + 1);
+    const double own = timed(c, run_sgemm, &g, true);
+    a->gemm = moe_comm_max(c, own);
+    const double routed = g.M ? (double)probe->pairs_received / (double)g.M : 0.0;
+    a->gemm_routed = moe_comm_max(c, own * routed);
+    a->flops = moe_comm_sum(c, 2.0 * (double)g.M * (double)g.N * (double)g.K);
+    free(g.C);
+    free(g.B);
+    free(g.A);
+    measure_fma_peak(c, &a->peak);
+    if (!cfg->backward)
+        return;
+    const int EL = ctx->ep.local_experts;
+    wgrad_anchor w = {EL, EL ? (probe->pairs_received + EL - 1) / EL : 0, d, f, NULL, NULL, NULL};
+    w.A = filled((size_t)(2 * f * w.n) + 1 > (size_t)(d * w.n) + 1 ? (size_t)(2 * f * w.n) + 1
+                                                                    : (size_t)(d * w.n) + 1);
+    w.B = filled((size_t)(w.n * d) + 1);
+    w.C = filled((size_t)(2 * f * d) + 1);
+    const double wgrad_own = timed(c, run_wgrad_sgemms, &w, true);
+    const double flops = (double)EL * 6.0 * (double)w.n * (double)f * (double)d;
+    a->wgrad_rate = moe_comm_min(c, wgrad_own > 0 ? flops / wgrad_own : INFINITY);
+    free(w.C);
+    free(w.B);
+    free(w.A);
+}
+
+/* A table row from a W's measurements and the anchors. */
+static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const moe_config *cfg,
+                     int ranks)
+{
+    const moe_run_summary *s = &p->s;
+    /* the bytes that cross ranks, all ranks: rows with their ids out, outputs back */
+    const double bytes = s->rows_sent_remote * moe_dispatch_row_bytes(cfg) +
+                         s->pairs_back_remote * moe_combine_row_bytes(cfg);
+    /* the blocking forward of a step has no pipeline: its experts stage */
+    const double expert_time = cfg->backward ? s->stage_seconds[MOE_STAGE_EXPERTS] : s->compute_seconds;
+    *r = (bench_row){
+        .waves = p->waves,
+        .ranks = ranks,
+        .wave_kind = s->wave_kind,
+        .layer = s->layer_seconds,
+        .layer_min = s->layer_min,
+        .layer_max = s->layer_max,
+        .tokens_per_second = (double)ranks * (double)cfg->tokens / s->layer_seconds,
+        .expert_gflops = s->expert_flops * 1e-9 / expert_time,
+        .ceiling = a->gemm / s->layer_seconds,
+        .of_peak = a->flops / s->layer_seconds / peak_rate(&a->peak),
+        .experts_of_peak = s->expert_flops / expert_time / peak_rate(&a->peak),
+        .gemm_efficiency = a->gemm_routed / expert_time,
+        .a2a_bytes_per_second = p->travels ? bytes / s->comm_seconds : NAN,
+        .a2a_efficiency = p->travels ? p->a2a_anchor / s->comm_seconds : NAN,
+        .overlap = moe_overlap(s->pipeline_seconds, s->compute_seconds, s->comm_seconds),
+        .rss_mb = p->rss_max / 1048576.0,
+        .rss_ratio = p->rss_ratio,
+    };
+    if (cfg->backward)
+        training_row(r, s, a->flops / a->gemm, a->wgrad_rate, peak_rate(&a->peak));
+}
+
 int moe_cli_bench(const moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
@@ -624,23 +745,18 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         return rc;
     }
     const moe_config *cfg = &ctx.cfg;
-    const moe_run_summary *s = &ctx.summary;
     const moe_forward_stats *probe = &ctx.last; /* this rank's rows and pairs */
     bench_row rows[MOE_MAX_WAVE_RUNS + 1];
     memset(rows, 0, sizeof rows);
-    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
-    double gemm_anchor = 0.0;        /* the sgemm anchor: all expert FLOPs, max over ranks */
-    double gemm_anchor_routed = 0.0; /* its share of the routed experts, max over ranks */
-    double anchor_flops = 0.0;       /* its FLOPs, all ranks */
-    double wgrad_anchor_rate = 0.0;  /* --backward: the wgrad-shape sgemms, FLOP/s per rank (min) */
-    fma_peak peak;                   /* the cores' FMA peak, measured once */
+    sweep_point *points = moe_xcalloc((size_t)cfg->waves_count, sizeof *points);
     const int iters = (int)cfg->iters;
+    int measured = 0;
     for (int n = 0; rc == MOE_EXIT_OK && n < cfg->waves_count; n++) {
         ctx.schedule.waves = (int)cfg->waves_list[n];
         if (c->rank == 0)
             fprintf(stderr, "bench: W = %d: %lld warm-up and %d timed forwards\n",
                     ctx.schedule.waves, (long long)cfg->warmup, iters);
-        moe_peak_rss_reset(); /* this W's forwards only, not the anchors before */
+        moe_peak_rss_reset(); /* this W's forwards only, not the ones before */
         if (cfg->warmup > 0)
             rc = moe_context_timed_forwards(&ctx, (int)cfg->warmup);
         if (rc == MOE_EXIT_OK)
@@ -649,99 +765,30 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             break;
         if (!cfg->backward) /* the step's forward is the blocking one: no waves to re-post */
             moe_context_time_alltoalls(&ctx, iters);
-        /* Anchors: the sgemm once (the experts' FLOPs do not depend on W),
-         * the all-to-all per W (per-wave dedup changes the counts). */
+        sweep_point *p = &points[measured++];
+        p->waves = ctx.schedule.waves;
+        p->s = ctx.summary;
         const double rss = moe_peak_rss();
-        if (n == 0) {
-            /* M: the rows this rank's experts take, the routed pairs and
-             * its tokens once per shared expert */
-            const moe_index shared_rows = cfg->shared_experts * T;
-            sgemm_anchor g = {probe->pairs_received + shared_rows, 3 * f, d, NULL, NULL, NULL};
-            g.A = filled((size_t)(g.M * g.K) + 1);
-            g.B = filled((size_t)(g.N * g.K) + 1);
-            g.C = filled((size_t)(g.M * g.N) + 1);
-            const double own = timed(c, run_sgemm, &g, true);
-            gemm_anchor = moe_comm_max(c, own);
-            const double routed = g.M ? (double)probe->pairs_received / (double)g.M : 0.0;
-            gemm_anchor_routed = moe_comm_max(c, own * routed);
-            anchor_flops = moe_comm_sum(c, 2.0 * (double)g.M * (double)g.N * (double)g.K);
-            free(g.C);
-            free(g.B);
-            free(g.A);
-            measure_fma_peak(c, &peak);
-        }
-        if (n == 0 && cfg->backward) {
-            const int EL = ctx.ep.local_experts;
-            wgrad_anchor g = {EL, EL ? (probe->pairs_received + EL - 1) / EL : 0, d, f, NULL, NULL, NULL};
-            g.A = filled((size_t)(2 * f * g.n) + 1 > (size_t)(d * g.n) + 1 ? (size_t)(2 * f * g.n) + 1
-                                                                            : (size_t)(d * g.n) + 1);
-            g.B = filled((size_t)(g.n * d) + 1);
-            g.C = filled((size_t)(2 * f * d) + 1);
-            const double own = timed(c, run_wgrad_sgemms, &g, true);
-            const double flops = (double)EL * 6.0 * (double)g.n * (double)f * (double)d;
-            wgrad_anchor_rate = moe_comm_min(c, own > 0 ? flops / own : INFINITY);
-            free(g.C);
-            free(g.B);
-            free(g.A);
-        }
-        /* dispatch: this W's rows per destination; combine: the pairs that
-         * come back from each rank, sent the other way (the same bytes
-         * between every two ranks, transposed) */
-        double *dispatch_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
-        double *combine_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
-        moe_waves waves;
-        moe_waves_init_by(&waves, &ctx.ep.placement, ctx.schedule.waves, T, ctx.schedule.wave_by);
-        moe_rows_per_destination(&ctx.ep.placement, ctx.ids, T, (int)cfg->topk, &waves, dispatch_rows);
-        moe_waves_free(&waves);
-        moe_send_plan plan;
-        moe_send_plan_build(&plan, &ctx.ep.placement, ctx.ids, T, (int)cfg->topk, NULL, 0);
-        for (int r = 0; r < c->ranks; r++)
-            combine_rows[r] = (double)plan.pair_count[r];
-        moe_send_plan_free(&plan);
-        dispatch_rows[c->rank] = combine_rows[c->rank] = 0.0; /* as the forward: own rows stay */
-        a2a_anchor a = {moe_comm_alltoallv_prepare(c, dispatch_rows, moe_dispatch_row_bytes(cfg)),
-                        moe_comm_alltoallv_prepare(c, combine_rows, moe_combine_row_bytes(cfg))};
-        const double a2a_anchor_seconds = timed(c, run_alltoallv, &a, false);
-        /* nothing crosses ranks (one rank): no all-to-all figures */
-        const bool travels =
-            moe_comm_sum(c, (double)(probe->rows_sent_remote + probe->pairs_back_remote)) > 0;
-        moe_comm_alltoallv_free(a.combine);
-        moe_comm_alltoallv_free(a.dispatch);
-        free(combine_rows);
-        free(dispatch_rows);
-
         const double least = cfg->backward ? minimum_training_bytes(&ctx.ep, probe)
                                            : minimum_bytes(&ctx.ep, probe);
-        const double ratio = moe_comm_max(c, rss / least);
-        /* the bytes that cross ranks, all ranks: rows with their ids out, outputs back */
-        const double bytes = s->rows_sent_remote * moe_dispatch_row_bytes(cfg) +
-                             s->pairs_back_remote * moe_combine_row_bytes(cfg);
-        /* the blocking forward of a step has no pipeline: its experts stage */
-        const double expert_time =
-            cfg->backward ? s->stage_seconds[MOE_STAGE_EXPERTS] : s->compute_seconds;
-        rows[n] = (bench_row){
-            .waves = ctx.schedule.waves,
-            .ranks = c->ranks,
-            .wave_kind = s->wave_kind,
-            .layer = s->layer_seconds,
-            .layer_min = s->layer_min,
-            .layer_max = s->layer_max,
-            .tokens_per_second = (double)c->ranks * (double)T / s->layer_seconds,
-            .expert_gflops = s->expert_flops * 1e-9 / expert_time,
-            .ceiling = gemm_anchor / s->layer_seconds,
-            .of_peak = anchor_flops / s->layer_seconds / peak_rate(&peak),
-            .experts_of_peak = s->expert_flops / expert_time / peak_rate(&peak),
-            .gemm_efficiency = gemm_anchor_routed / expert_time,
-            .a2a_bytes_per_second = travels ? bytes / s->comm_seconds : NAN,
-            .a2a_efficiency = travels ? a2a_anchor_seconds / s->comm_seconds : NAN,
-            .overlap = moe_overlap(s->pipeline_seconds, s->compute_seconds, s->comm_seconds),
-            .rss_mb = moe_comm_max(c, rss) / 1048576.0,
-            .rss_ratio = ratio,
-        };
-        if (cfg->backward)
-            training_row(&rows[n], s, anchor_flops / gemm_anchor, wgrad_anchor_rate,
-                         peak_rate(&peak));
+        p->rss_max = moe_comm_max(c, rss);
+        p->rss_ratio = moe_comm_max(c, rss / least);
+        measure_alltoall(&ctx, p); /* per W: per-wave dedup changes the counts */
     }
+    /* The sgemm anchors and the FMA peak once, after the sweep: the
+     * experts' FLOPs do not depend on W, and OpenBLAS keeps the buffers it
+     * packs into for the life of the process (about 21 MB a rank at the
+     * peer workload), which no row's peak RSS may count. */
+    anchors a = {0};
+    if (rc == MOE_EXIT_OK)
+        measure_anchors(&ctx, &a);
+    for (int n = 0; n < measured; n++)
+        fill_row(&rows[n], &points[n], &a, cfg, c->ranks);
+    free(points);
+    const moe_run_summary *s = &ctx.summary;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
+    const double gemm_anchor = a.gemm, anchor_flops = a.flops, wgrad_anchor_rate = a.wgrad_rate;
+    const fma_peak peak = a.peak;
     moe_status local = {0};
     if (rc == MOE_EXIT_OK && c->rank == 0) {
         printf("moe-ep bench · preset %s · G=%d ranks · T=%lld d=%lld f=%lld E=%lld k=%lld · "
