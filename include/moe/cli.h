@@ -16,6 +16,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv);
 int moe_cli_plan(const moe_comm *c, int argc, char **argv);
 int moe_cli_verify(const moe_comm *c, int argc, char **argv);
 int moe_cli_bench(const moe_comm *c, int argc, char **argv);
+int moe_cli_explain(const moe_comm *c, int argc, char **argv);
 
 struct moe_ep_s;
 /* run --dump: the golden set of this run into cfg->dump, from this rank's

@@ -16,7 +16,7 @@
 #define MOE_NAME_MAX 256
 #define MOE_MAX_WAVE_RUNS 8 /* entries of --waves 1,2,4,8 */
 
-enum moe_command { MOE_CMD_RUN, MOE_CMD_PLAN, MOE_CMD_BENCH };
+enum moe_command { MOE_CMD_RUN, MOE_CMD_PLAN, MOE_CMD_BENCH, MOE_CMD_EXPLAIN };
 enum moe_progress_kind { MOE_PROGRESS_POLL, MOE_PROGRESS_THREAD };
 enum moe_dtype { MOE_DTYPE_FP32, MOE_DTYPE_BF16, MOE_DTYPE_FP8 };
 /* Whether the k gate weights are divided by their sum: auto follows the
@@ -105,6 +105,7 @@ typedef struct {
     char csv[MOE_NAME_MAX];      /* table as CSV, "" for none */
     char plot[MOE_NAME_MAX];     /* SVG plot of layer time and overlap against W */
     char dump[MOE_NAME_MAX];     /* golden set directory, "" for none */
+    char explain[MOE_NAME_MAX];  /* explain --token: global token ids, "N[,N...]" */
     char routing[MOE_NAME_MAX];  /* routing replay file (routing.h), "" for the router */
     bool dump_weights;           /* include the weights in the golden set */
     /* moe-ep plan: the whole model and its cluster */

@@ -96,6 +96,11 @@ void moe_ep_generate_grad_output(const moe_ep *ep, float *dy);
 void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
                   float *weights);
 
+/* out (S, rows, d) = each shared expert's output for x (rows, d), this
+ * rank's copy of its weights, as the forward's shared stage computes them
+ * (row for row the same bits with packed or exact GEMMs). Pure. */
+void moe_ep_shared_outputs(const moe_ep *ep, const float *x, moe_index rows, float *out);
+
 /* x (T, d) as the ranks receive it: x itself for --dispatch-dtype fp32,
  * else its quantised copy in scratch (T, d). */
 const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch);

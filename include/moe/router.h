@@ -29,6 +29,8 @@
 #include "moe/common.h"
 #include "moe/dims.h"
 
+#define MOE_ROUTER_MAX_EXPERTS 4096 /* the --experts bound */
+
 enum moe_router_kind { MOE_ROUTER_SOFTMAX, MOE_ROUTER_DEEPSEEK_V3 };
 
 typedef struct {
@@ -54,6 +56,13 @@ void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_
  * route_scale in fp32). Cannot fail: the configuration was validated. */
 void moe_router_select(const moe_router *r, const float *logits, moe_index tokens, float *scores,
                        int32_t *ids, float *weights);
+
+/* DeepSeek-V3's group limit for one token: group_score (groups) from its
+ * biased scores (E; the scores plus the correction bias): the sum of each
+ * group's two best with a bias, its best without; keep (groups) 1 for the
+ * topk_groups best groups (ties to the lower index), 0 for the others. */
+void moe_router_groups(const moe_router *r, const float *biased, float *group_score,
+                       unsigned char *keep);
 
 /* --skew: "" (none), "hot:E=+B[,E=B...]" (logit bias B on expert E) or
  * "zipf:S" (bias -S*ln(e+1): expert e chosen about (e+1)^-S as often).

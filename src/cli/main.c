@@ -27,6 +27,7 @@ static void print_usage(FILE *out)
             "  plan       the arithmetic of EP for a model on a cluster (--help for flags)\n"
             "  verify     a GPU port's tensors against a golden set (run --dump makes one)\n"
             "  bench      the wave pipeline at each W against in-run anchors (--help for flags)\n"
+            "  explain    follow tokens through the layer, stage by stage (--token N)\n"
             "\n"
             "  moe-ep --version | --help\n"
             "Exit status: 0 ok, 1 check failed, 2 bad flag or config, 3 runtime error.\n",
@@ -73,6 +74,8 @@ int main(int argc, char **argv)
         rc = moe_cli_plan(&c, argc - 2, argv + 2);
     } else if (!strcmp(command, "bench")) {
         rc = moe_cli_bench(&c, argc - 2, argv + 2);
+    } else if (!strcmp(command, "explain")) {
+        rc = moe_cli_explain(&c, argc - 2, argv + 2);
     } else if (!strcmp(command, "verify")) {
         rc = moe_cli_verify(&c, argc - 2, argv + 2);
     } else if (!strcmp(command, "--help") || !strcmp(command, "-h")) {
@@ -88,7 +91,7 @@ int main(int argc, char **argv)
         if (!*command)
             moe_fail(&st, MOE_EXIT_USAGE, "missing command (try: moe-ep run --preset tiny)");
         else
-            moe_fail(&st, MOE_EXIT_USAGE, "unknown command '%s' (commands: run, plan, verify, bench; see moe-ep --help)",
+            moe_fail(&st, MOE_EXIT_USAGE, "unknown command '%s' (commands: run, plan, verify, bench, explain; see moe-ep --help)",
                      command);
         moe_comm_print_error(&c, &st);
         rc = st.code;

@@ -369,6 +369,18 @@ void moe_ep_reduce(const moe_ep *ep, const float *const *slot_rows, const float 
                        cfg->tokens, (int)cfg->topk, cfg->hidden, y);
 }
 
+void moe_ep_shared_outputs(const moe_ep *ep, const float *x, moe_index rows, float *out)
+{
+    const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
+    float *scratch = moe_xmalloc(sizeof(float) * (size_t)(rows * 2 * f) + 1);
+    for (int s = 0; s < (int)ep->cfg->shared_experts; s++) {
+        const moe_expert_weights w = moe_ep_weights(ep, true, s);
+        moe_expert_forward(&w, ep->gemm, x, rows, d, f, scratch, out + (moe_index)s * rows * d, NULL,
+                           NULL);
+    }
+    free(scratch);
+}
+
 void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out,
                    moe_forward_stats *stats)
 {

@@ -35,9 +35,11 @@ enum flag_kind {
 };
 
 /* Which subcommands take a flag (and use its preset key). */
-/* bench takes every flag of run (it runs the same layer) and its own. */
+/* bench takes every flag of run (it runs the same layer) and its own;
+ * explain those that make the layer and its tokens (EXPLAIN). */
 enum {
     RUN = 1 << MOE_CMD_RUN | 1 << MOE_CMD_BENCH,
+    EXPLAIN = 1 << MOE_CMD_EXPLAIN,
     RUN_ONLY = 1 << MOE_CMD_RUN, /* run only: bench does not take it */
     PLAN = 1 << MOE_CMD_PLAN,
     BENCH = 1 << MOE_CMD_BENCH,
@@ -109,31 +111,31 @@ static bool takes_auto(const flag_spec *flag)
 #define FIELD(f) offsetof(moe_config, f)
 
 static const flag_spec flags[] = {
-    {"preset", FLAG_PRESET, FIELD(preset), 0, 0, "NAME", NULL, NULL, "data/presets/NAME.conf, or a path to a .conf file", BOTH},
-    {"tokens", FLAG_INT, FIELD(tokens), 1, 1 << 24, "T", NULL, "256", "tokens per rank", BOTH},
-    {"hidden", FLAG_INT, FIELD(hidden), 1, 65536, "d", NULL, "256", "hidden size", BOTH},
-    {"ffn", FLAG_INT, FIELD(ffn), 1, 65536, "f", NULL, "128", "FFN size of one expert", BOTH},
-    {"experts", FLAG_INT, FIELD(experts), 1, 4096, "E", NULL, "8", "routed experts", BOTH},
-    {"topk", FLAG_INT, FIELD(topk), 1, 4096, "k", NULL, "2", "experts per token, 1 <= k <= E", BOTH},
-    {"router", FLAG_CHOICE, FIELD(router), 0, 0, NULL, router_choices, "softmax", "the gate (router.h)", BOTH},
-    {"groups", FLAG_INT, FIELD(groups), 1, 4096, "N", NULL, "1", "deepseek-v3 expert groups (= nodes: node-limited routing)", BOTH},
-    {"topk-groups", FLAG_INT, FIELD(topk_groups), 1, 4096, "M", NULL, "1", "deepseek-v3 groups kept per token", BOTH},
-    {"route-scale", FLAG_REAL, FIELD(route_scale), 0, 1000, "S", NULL, "1", "scale of the k weights (every router, as V2 and V3 apply it)", RUN},
-    {"bias-scale", FLAG_REAL, FIELD(bias_scale), 0, 100, "B", NULL, "0.01", "deepseek-v3 correction bias, uniform in [-B, B); 0 = none (V2 style)", RUN},
-    {"norm-topk", FLAG_CHOICE, FIELD(norm_topk), 0, 0, NULL, norm_topk_choices, "auto", "divide the k weights by their sum; auto: as the gate's reference code (softmax and V3 yes, V2 no); alone: true", RUN},
-    {"weight-at", FLAG_CHOICE, FIELD(weight_at), 0, 0, NULL, weight_at_choices, "output", "gate weight on the expert output (V3 reference) or before L2 (fused kernels)", RUN},
-    {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", NULL, "", "logit bias: hot:EXPERT=+B[,...] or zipf:S", RUN},
-    {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", NULL, "0", "shared experts, applied to every token on its home rank", BOTH},
-    {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", NULL, "1", "data seed, 0 .. 2^64-1", RUN},
-    {"init-scale", FLAG_REAL, FIELD(init_scale), 0, 1000000000000000000LL, "S", NULL, "1", "input tokens uniform in [-S, S)", RUN},
-    {"input-dist", FLAG_CHOICE, FIELD(input_dist), 0, 0, NULL, input_dist_choices, "uniform", "input tokens: uniform, or activations (per-token binades, 1 channel in 32 an outlier x16; docs/data.md)", RUN},
-    {"gate-ties", FLAG_INT, FIELD(gate_ties), 0, 4095, "N", NULL, "0", "gate rows of experts 1..N copy expert 0's: they tie on every token (docs/data.md)", RUN},
+    {"preset", FLAG_PRESET, FIELD(preset), 0, 0, "NAME", NULL, NULL, "data/presets/NAME.conf, or a path to a .conf file", BOTH | EXPLAIN},
+    {"tokens", FLAG_INT, FIELD(tokens), 1, 1 << 24, "T", NULL, "256", "tokens per rank", BOTH | EXPLAIN},
+    {"hidden", FLAG_INT, FIELD(hidden), 1, 65536, "d", NULL, "256", "hidden size", BOTH | EXPLAIN},
+    {"ffn", FLAG_INT, FIELD(ffn), 1, 65536, "f", NULL, "128", "FFN size of one expert", BOTH | EXPLAIN},
+    {"experts", FLAG_INT, FIELD(experts), 1, 4096, "E", NULL, "8", "routed experts", BOTH | EXPLAIN},
+    {"topk", FLAG_INT, FIELD(topk), 1, 4096, "k", NULL, "2", "experts per token, 1 <= k <= E", BOTH | EXPLAIN},
+    {"router", FLAG_CHOICE, FIELD(router), 0, 0, NULL, router_choices, "softmax", "the gate (router.h)", BOTH | EXPLAIN},
+    {"groups", FLAG_INT, FIELD(groups), 1, 4096, "N", NULL, "1", "deepseek-v3 expert groups (= nodes: node-limited routing)", BOTH | EXPLAIN},
+    {"topk-groups", FLAG_INT, FIELD(topk_groups), 1, 4096, "M", NULL, "1", "deepseek-v3 groups kept per token", BOTH | EXPLAIN},
+    {"route-scale", FLAG_REAL, FIELD(route_scale), 0, 1000, "S", NULL, "1", "scale of the k weights (every router, as V2 and V3 apply it)", RUN | EXPLAIN},
+    {"bias-scale", FLAG_REAL, FIELD(bias_scale), 0, 100, "B", NULL, "0.01", "deepseek-v3 correction bias, uniform in [-B, B); 0 = none (V2 style)", RUN | EXPLAIN},
+    {"norm-topk", FLAG_CHOICE, FIELD(norm_topk), 0, 0, NULL, norm_topk_choices, "auto", "divide the k weights by their sum; auto: as the gate's reference code (softmax and V3 yes, V2 no); alone: true", RUN | EXPLAIN},
+    {"weight-at", FLAG_CHOICE, FIELD(weight_at), 0, 0, NULL, weight_at_choices, "output", "gate weight on the expert output (V3 reference) or before L2 (fused kernels)", RUN | EXPLAIN},
+    {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", NULL, "", "logit bias: hot:EXPERT=+B[,...] or zipf:S", RUN | EXPLAIN},
+    {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", NULL, "0", "shared experts, applied to every token on its home rank", BOTH | EXPLAIN},
+    {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", NULL, "1", "data seed, 0 .. 2^64-1", RUN | EXPLAIN},
+    {"init-scale", FLAG_REAL, FIELD(init_scale), 0, 1000000000000000000LL, "S", NULL, "1", "input tokens uniform in [-S, S)", RUN | EXPLAIN},
+    {"input-dist", FLAG_CHOICE, FIELD(input_dist), 0, 0, NULL, input_dist_choices, "uniform", "input tokens: uniform, or activations (per-token binades, 1 channel in 32 an outlier x16; docs/data.md)", RUN | EXPLAIN},
+    {"gate-ties", FLAG_INT, FIELD(gate_ties), 0, 4095, "N", NULL, "0", "gate rows of experts 1..N copy expert 0's: they tie on every token (docs/data.md)", RUN | EXPLAIN},
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", NULL, "1", "timed forward passes", RUN},
-    {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", NULL, "4", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH},
+    {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", NULL, "4", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH | EXPLAIN},
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN},
-    {"wave-by", FLAG_CHOICE, FIELD(wave_by), 0, 0, NULL, wave_by_choices, "auto", "waves as groups of expert slots (auto: when every rank has >= W experts) or chunks of tokens (keep the dedup)", RUN},
+    {"wave-by", FLAG_CHOICE, FIELD(wave_by), 0, 0, NULL, wave_by_choices, "auto", "waves as groups of expert slots (auto: when every rank has >= W experts) or chunks of tokens (keep the dedup)", RUN | EXPLAIN},
     {"dispatch", FLAG_CHOICE, FIELD(dispatch), 0, 0, NULL, dispatch_choices, "flat", "one all-to-all over all ranks, or two stages: once per node between nodes, then within each (waves of tokens; nodes of --ranks-per-node)", RUN},
-    {"combine", FLAG_CHOICE, FIELD(combine), 0, 0, NULL, combine_choices, "reduced", "per (token, rank) its experts' weighted outputs summed at the source (DeepEP), or every (token, expert) output (--mode low-latency: pairs)", RUN},
+    {"combine", FLAG_CHOICE, FIELD(combine), 0, 0, NULL, combine_choices, "reduced", "per (token, rank) its experts' weighted outputs summed at the source (DeepEP), or every (token, expert) output (--mode low-latency: pairs)", RUN | EXPLAIN},
     {"mode", FLAG_CHOICE, FIELD(mode), 0, 0, NULL, mode_choices, "normal", "the forward's path: count exchange and MPI_Alltoallv (prefill), or one-sided MPI into fixed per-expert buffers, no count exchange (decode; docs/low-latency.md)", RUN},
     {"max-tokens-per-rank", FLAG_INT, FIELD(max_tokens_per_rank), 1, 1 << 24, "N|auto", NULL, "auto", "--mode low-latency and --expert-layout masked: tokens per rank the fixed buffers hold (auto: --tokens); plan: their size", BOTH},
     {"rma", FLAG_CHOICE, FIELD(rma), 0, 0, NULL, rma_choices, "put", "--mode low-latency: the source writes rows into the owner's window (push), or the owner reads them from the source's (pull)", RUN},
@@ -141,18 +143,19 @@ static const flag_spec flags[] = {
     {"expert-alignment", FLAG_INT, FIELD(expert_alignment), 1, 1024, "A", NULL, "128", "--expert-layout contiguous: each expert's rows padded to a multiple of A, a power of two", RUN},
     {"blocking", FLAG_BOOL, FIELD(blocking), 0, 0, NULL, NULL, "false", "the blocking reference path (MPI_Alltoallv, no waves)", RUN},
     {"progress", FLAG_CHOICE, FIELD(progress), 0, 0, NULL, progress_choices, "poll", "who drives MPI progress while experts compute", RUN},
-    {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN},
-    {"packed-isa", FLAG_CHOICE, FIELD(packed_isa), 0, 0, NULL, packed_isa_choices, "widest", "--gemm packed: its tiles, the widest the CPU has (AVX-512F 6x32, else AVX2 6x16), at most the AVX2 one, or the portable fmaf loop; the same bits from each", RUN},
+    {"gemm", FLAG_CHOICE, FIELD(gemm), 0, 0, NULL, gemm_choices, "packed", "expert GEMM: OpenBLAS, the fixed-order kernel, or FMA over weights packed once", RUN | EXPLAIN},
+    {"packed-isa", FLAG_CHOICE, FIELD(packed_isa), 0, 0, NULL, packed_isa_choices, "widest", "--gemm packed: its tiles, the widest the CPU has (AVX-512F 6x32, else AVX2 6x16), at most the AVX2 one, or the portable fmaf loop; the same bits from each", RUN | EXPLAIN},
     {"backward", FLAG_BOOL, FIELD(backward), 0, 0, NULL, NULL, "false", "a training step: the blocking forward, then the gradients for a synthetic dy in --waves W token chunks, its all-to-alls in flight behind the data and weight gradients (blocking with --blocking; docs/backward.md); bench: fwd+bwd per W", RUN},
     {"grad-output", FLAG_TEXT, FIELD(grad_output), 0, 0, "FILE", NULL, "", "--backward's upstream gradient: backward.dy (G*T, d) of FILE.safetensors instead of the synthetic one", RUN_ONLY},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, NULL, "false", "compare with the dense fp64 truth; exit 1 on FAIL", RUN},
-    {"routing", FLAG_TEXT, FIELD(routing), 0, 0, "FILE", NULL, "", "replay top-k ids and weights from FILE.safetensors instead of the router (docs/golden.md)", RUN},
-    {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", NULL, "", "write the golden set of this run (docs/golden.md)", RUN},
-    {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, NULL, "true", "include the weights in --dump", RUN},
+    {"routing", FLAG_TEXT, FIELD(routing), 0, 0, "FILE", NULL, "", "replay top-k ids and weights from FILE.safetensors instead of the router (docs/golden.md)", RUN | EXPLAIN},
+    {"token", FLAG_TEXT, FIELD(explain), 0, 0, "N[,N...]", NULL, "0", "the tokens to follow, by global id (rank r's token i is r*T + i)", EXPLAIN},
+    {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", NULL, "", "write the golden set of this run (docs/golden.md)", RUN | EXPLAIN},
+    {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, NULL, "true", "include the weights in --dump", RUN | EXPLAIN},
     {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", NULL, "", "Chrome trace of the last forward or training step (Perfetto)", RUN},
     {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", NULL, "", "SVG Gantt chart of the last forward (with --backward: of the last training step)", RUN},
     {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", NULL, "", "emulated links: cb=RATIO[,inter-cb=RATIO] | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN},
-    {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R|auto", NULL, "auto", "ranks per node: virtual nodes of R consecutive ranks (0 = one node), or auto: the machines the ranks run on", RUN},
+    {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R|auto", NULL, "auto", "ranks per node: virtual nodes of R consecutive ranks (0 = one node), or auto: the machines the ranks run on", RUN | EXPLAIN},
     {"compare-serial", FLAG_BOOL, FIELD(compare_serial), 0, 0, NULL, NULL, "false", "add the same forward (with --backward: step) at W = 1 to the timeline", RUN},
     {"warmup", FLAG_INT, FIELD(warmup), 0, 1000, "N", NULL, "2", "untimed forwards before each wave count", BENCH},
     {"samples", FLAG_INT, FIELD(samples), 1, 1000000, "N", NULL, "200", "--mode low-latency: timed forwards per latency point (median and p99)", BENCH},
@@ -161,11 +164,11 @@ static const flag_spec flags[] = {
     {"plot", FLAG_TEXT, FIELD(plot), 0, 0, "FILE.svg", NULL, "", "plot layer time and overlap against W", BENCH},
     {"layers", FLAG_INT, FIELD(layers), 1, 1000, "L", NULL, "1", "transformer layers", PLAN},
     {"moe-layers", FLAG_INT, FIELD(moe_layers), 0, 1000, "L", NULL, "1", "of which MoE layers", PLAN},
-    {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, NULL, dtype_choices, "fp32", "weights and input tokens (run: fp32 or bf16)", BOTH},
-    {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, NULL, dtype_choices, "fp32", "dispatched rows (fp8: E4M3, one scale per 128 values)", BOTH},
-    {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, NULL, dtype_choices, "fp32", "expert outputs sent back (run: fp32 or bf16)", BOTH},
-    {"fp8-scale", FLAG_CHOICE, FIELD(fp8_scale), 0, 0, NULL, fp8_scale_choices, "float", "fp8 dispatch scales: amax/448, or a power of two", RUN},
-    {"fp8-recipe", FLAG_CHOICE, FIELD(fp8_recipe), 0, 0, NULL, fp8_recipe_choices, "moe", "whose fp8 quantiser, to the bit: moe-ep's, DeepEP's kernels, DeepGEMM's or V3's act_quant (docs/golden.md)", RUN},
+    {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, NULL, dtype_choices, "fp32", "weights and input tokens (run: fp32 or bf16)", BOTH | EXPLAIN},
+    {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, NULL, dtype_choices, "fp32", "dispatched rows (fp8: E4M3, one scale per 128 values)", BOTH | EXPLAIN},
+    {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, NULL, dtype_choices, "fp32", "expert outputs sent back (run: fp32 or bf16)", BOTH | EXPLAIN},
+    {"fp8-scale", FLAG_CHOICE, FIELD(fp8_scale), 0, 0, NULL, fp8_scale_choices, "float", "fp8 dispatch scales: amax/448, or a power of two", RUN | EXPLAIN},
+    {"fp8-recipe", FLAG_CHOICE, FIELD(fp8_recipe), 0, 0, NULL, fp8_recipe_choices, "moe", "whose fp8 quantiser, to the bit: moe-ep's, DeepEP's kernels, DeepGEMM's or V3's act_quant (docs/golden.md)", RUN | EXPLAIN},
     {"cluster", FLAG_CLUSTER, FIELD(cluster), 0, 0, "NAME", NULL, NULL, "data/clusters/NAME.conf, or a path", PLAN},
     {"gpus", FLAG_INT, FIELD(gpus), 1, 1 << 20, "N", NULL, "1", "GPUs in the cluster", PLAN},
     {"gpus-per-node", FLAG_INT, FIELD(gpus_per_node), 1, 1024, "N", NULL, "1", "GPUs per node (one NVLink domain)", PLAN},
@@ -531,7 +534,7 @@ int moe_config_load_preset(moe_config *cfg, enum moe_command command, const char
     return MOE_EXIT_OK;
 }
 
-static const char *const command_names[] = {"run", "plan", "bench"};
+static const char *const command_names[] = {"run", "plan", "bench", "explain"};
 
 /* Is next the value of a switch (a bool, or a choice that has true) rather
  * than the next argument? */

@@ -9,7 +9,6 @@
 
 #include "moe/exp.h"
 
-#define MOE_ROUTER_MAX_EXPERTS 4096 /* the --experts bound */
 
 /* The gate's logits. Each logit is one sequential fp64 sum over
  * j = 0 .. d-1 of x[i, j] * W_g[e, j], rounded to fp32 at the end: the bits
@@ -137,12 +136,10 @@ static void top_k(const float *values, int n, int k, int32_t *ids)
     }
 }
 
-/* DeepSeek-V3 group limit on biased (E): keep the best topk_groups groups,
- * mask the others' experts with -inf. */
-static void limit_groups(const moe_router *r, float *biased)
+void moe_router_groups(const moe_router *r, const float *biased, float *group_score,
+                       unsigned char *keep)
 {
     const int per_group = r->experts / r->groups;
-    float group_score[MOE_ROUTER_MAX_EXPERTS];
     int32_t kept[MOE_ROUTER_MAX_EXPERTS];
     for (int g = 0; g < r->groups; g++) {
         const float *member = biased + g * per_group;
@@ -157,9 +154,19 @@ static void limit_groups(const moe_router *r, float *biased)
         }
     }
     top_k(group_score, r->groups, r->topk_groups, kept);
-    unsigned char keep[MOE_ROUTER_MAX_EXPERTS] = {0};
+    memset(keep, 0, (size_t)r->groups);
     for (int n = 0; n < r->topk_groups; n++)
         keep[kept[n]] = 1;
+}
+
+/* DeepSeek-V3 group limit on biased (E): keep the best topk_groups groups,
+ * mask the others' experts with -inf. */
+static void limit_groups(const moe_router *r, float *biased)
+{
+    const int per_group = r->experts / r->groups;
+    float group_score[MOE_ROUTER_MAX_EXPERTS];
+    unsigned char keep[MOE_ROUTER_MAX_EXPERTS];
+    moe_router_groups(r, biased, group_score, keep);
     for (int g = 0; g < r->groups; g++)
         if (!keep[g])
             for (int e = g * per_group; e < (g + 1) * per_group; e++)
