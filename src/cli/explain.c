@@ -199,7 +199,8 @@ static int node_of(const moe_ep *ep, int rank)
 /* The waves of the pipeline that carry the token's row to rank r: one per
  * wave that holds any of its experts there (expert-slot waves may send a
  * row twice; one wave, or token chunks, send it once). */
-static void print_waves(const moe_ep *ep, const double *home, const home_layout *h, int r, int W)
+static void print_waves(const moe_ep *ep, const double *home, const home_layout *h, int r, int W,
+                        bool own)
 {
     int waves[MOE_ROUTER_MAX_EXPERTS], count = 0;
     for (int s = 0; s < h->k; s++) {
@@ -218,10 +219,12 @@ static void print_waves(const moe_ep *ep, const double *home, const home_layout 
             waves[m] = waves[m - 1];
             waves[m - 1] = t;
         }
-    printf("the wave pipeline sends it in wave%s", count == 1 ? "" : "s");
+    /* the wave path's experts read a rank's own rows from its tokens */
+    printf("the wave pipeline %s in wave%s", own ? "reads it in place" : "sends it", count == 1 ? "" : "s");
     for (int n = 0; n < count; n++)
         printf("%s %d", n ? "," : "", waves[n]);
-    printf(" of %d%s\n", W, count > 1 ? " (once per wave: more rows than one wave sends)" : "");
+    printf(" of %d%s\n", W,
+           count > 1 && !own ? " (once per wave: more rows than one wave sends)" : "");
 }
 
 /* Rank 0: the walk of token g from the home record and every rank's. */
@@ -292,7 +295,7 @@ static void print_token(const moe_run_context *ctx, int64_t g, const double *hom
             continue;
         printf("  %-11s rank %d%s: receive row %.0f of %.0f; ", "arrives", r,
                r == home_rank ? " (its own rank)" : "", rec[rl->row], rec[rl->rows]);
-        print_waves(ep, home, h, r, ctx->schedule.waves);
+        print_waves(ep, home, h, r, ctx->schedule.waves, r == home_rank);
         for (int p = 0; p < (int)rec[rl->pairs]; p++) {
             const double *pair = rec + rl->pair + (size_t)p * (1 + SHOW);
             int slot = 0;
