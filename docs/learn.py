@@ -1,9 +1,10 @@
-"""Fill the command outputs of docs/learn.md, or check that they are current.
+"""Fill the command outputs of docs/learn.md and the README, or check that they are current.
 
     /usr/bin/python3 docs/learn.py --write [--builddir DIR] [--mpirun CMD]   rewrite the outputs
     /usr/bin/python3 docs/learn.py --check [--builddir DIR] [--mpirun CMD]   exit 1 when one is stale
 
-Each step of docs/learn.md marks its command with a comment,
+Each step of docs/learn.md (and each generated example of the README) marks
+its command with a comment,
 
     <!-- learn: mpirun -np 4 ./moe-ep run --preset tiny | sed -n '/^routing/,/^traffic/p' -->
 
@@ -24,7 +25,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DOC = os.path.join(HERE, "learn.md")
+DOCS = [os.path.join(HERE, "learn.md"), os.path.join(HERE, "..", "README.md")]
 MARK = re.compile(r"^<!-- learn( timed)?: (.*) -->$")
 TIMED = re.compile(r"\d ?(ms|s|us|µs)\b|GFLOP/s|GB/s|tokens/s|peak resident|estimated up front|overlap|"
                    r"in MPI_Test|not computing|speed-up|ceiling|token chunks|expert slots|worst element|max_abs|^\s*[\d.\s]+$|\d+\.\d+x\b")
@@ -80,30 +81,33 @@ def main(argv):
     mpirun = argv[argv.index("--mpirun") + 1] if "--mpirun" in argv else None
     if mode not in ("--write", "--check"):
         sys.exit(__doc__)
-    lines = open(DOC, encoding="utf-8").read().split("\n")
     env = environment()
-    stale = []
-    for n, timed, command, first, last in reversed(steps(lines)):
-        output = run(command, builddir, env, mpirun)
-        block = ["```text", "$ " + command] + output.split("\n") + ["```"]
+    stale, count = [], 0
+    for doc in DOCS:
+        name = os.path.relpath(doc, os.path.join(HERE, ".."))
+        lines = open(doc, encoding="utf-8").read().split("\n")
+        found = steps(lines)
+        count += len(found)
+        for n, timed, command, first, last in reversed(found):
+            output = run(command, builddir, env, mpirun)
+            if mode == "--write":
+                lines[first : last + 1] = ["```text", "$ " + command] + output.split("\n") + ["```"]
+                continue
+            old = "\n".join(lines[first + 2 : last])
+            if (masked(old) != masked(output)) if timed else (old != output):
+                stale.append(("%s line %d" % (name, n + 1), command, old, output))
         if mode == "--write":
-            lines[first : last + 1] = block
-            continue
-        old = "\n".join(lines[first + 2 : last])
-        if (masked(old) != masked(output)) if timed else (old != output):
-            stale.append((n + 1, command, old, output))
+            with open(doc, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines))
     if mode == "--write":
-        with open(DOC, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines))
-        print("learn.py: %d outputs written to %s" % (len(steps(lines)), DOC))
+        print("learn.py: %d outputs written" % count)
         return 0
-    for line, command, old, new in reversed(stale):
-        print("STALE: docs/learn.md line %d: %s" % (line, command))
+    for where, command, old, new in reversed(stale):
+        print("STALE: %s: %s" % (where, command))
         for a, b in zip(old.split("\n"), new.split("\n")):
             if (masked(a) != masked(b)) if TIMED.search(a) else a != b:
                 print("  doc: %s\n  now: %s" % (a, b))
                 break
-    count = len(steps(lines))
     print("learn.py: %d of %d outputs current%s" % (count - len(stale), count,
           "" if not stale else "; refresh with: /usr/bin/python3 docs/learn.py --write"))
     return 1 if stale else 0
