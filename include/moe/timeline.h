@@ -16,6 +16,7 @@
 /* One run's events: events of rank r are events[offset[r] .. offset[r+1]). */
 typedef struct {
     const char *title;      /* e.g. "W = 4 waves, progress poll" */
+    const char *summary;    /* a second header line (layer time, speed-up, ...); NULL: none */
     int ranks;
     const int *offset;      /* (G+1) */
     const moe_event *events;

@@ -266,7 +266,8 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
     else
         snprintf(p->titles[0], sizeof p->titles[0], "W = %d, progress %s, %d ranks",
                  ctx->schedule.waves, progress_names[ctx->schedule.progress], c->ranks);
-    p->panels[p->count++] = (moe_timeline_panel){p->titles[0], c->ranks, p->offset[0], p->events[0]};
+    p->panels[p->count++] = (moe_timeline_panel){
+        .title = p->titles[0], .ranks = c->ranks, .offset = p->offset[0], .events = p->events[0]};
     if (!ctx->cfg.compare_serial)
         return MOE_EXIT_OK;
     moe_trace serial = {0};
@@ -296,7 +297,8 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
                  ctx->cfg.backward ? "the same step with the backward in W = 1 (its all-to-alls "
                                      "behind the shared experts and the weight gradients only)"
                                    : "the same forward at W = 1 (no overlap)");
-        p->panels[p->count++] = (moe_timeline_panel){p->titles[1], c->ranks, p->offset[1], p->events[1]};
+        p->panels[p->count++] = (moe_timeline_panel){
+            .title = p->titles[1], .ranks = c->ranks, .offset = p->offset[1], .events = p->events[1]};
     }
     moe_trace_free(&serial);
     return rc;
@@ -304,18 +306,37 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
 
 typedef struct {
     const pictures *pictures;
+    const moe_timeline_panel *panels; /* the pictures' panels, the first with its summary */
     const moe_timeline_curve *curve;
 } picture_files;
 
+/* The first panel's second header line: the forward's time and overlap,
+ * the speed-up against W = 1 when the --waves list has it, and the rows
+ * that waves of expert slots send beyond one wave's (the dedup they lose). */
+static void picture_summary(const moe_run_summary *s, char *text, size_t size)
+{
+    int at = snprintf(text, size, "layer %.2f ms (median) · overlap %.0f%%",
+                      1e3 * s->layer_seconds,
+                      100.0 * moe_overlap(s->pipeline_seconds, s->compute_seconds, s->comm_seconds));
+    for (int n = 0; n < s->curve_count; n++)
+        if (s->curve[n].waves == 1 && s->curve_count > 1 && s->curve[0].layer_seconds > 0)
+            at += snprintf(text + at, size - (size_t)at, " · %.2fx the speed of W = 1",
+                           s->curve[n].layer_seconds / s->curve[0].layer_seconds);
+    if (s->rows_one_wave > 0 && s->rows_sent > s->rows_one_wave)
+        snprintf(text + at, size - (size_t)at,
+                 " · %.0f rows more than one wave (+%.1f%%): the dedup expert-slot waves lose",
+                 s->rows_sent - s->rows_one_wave, 100.0 * (s->rows_sent / s->rows_one_wave - 1.0));
+}
+
 static void write_trace(FILE *out, const void *arg)
 {
-    moe_write_chrome_trace(out, &((const picture_files *)arg)->pictures->panels[0]);
+    moe_write_chrome_trace(out, &((const picture_files *)arg)->panels[0]);
 }
 
 static void write_svg(FILE *out, const void *arg)
 {
     const picture_files *files = arg;
-    moe_write_timeline_svg(out, files->pictures->panels, files->pictures->count, files->curve);
+    moe_write_timeline_svg(out, files->panels, files->pictures->count, files->curve);
 }
 
 /* Rank 0 writes the files (the curve under the timeline); all agree. */
@@ -330,7 +351,13 @@ static int write_pictures(const moe_comm *c, const moe_config *cfg, const pictur
         bound[n] = moe_curve_bound(&s->curve[n]);
     }
     const moe_timeline_curve curve = {s->curve_count, waves, measured, bound};
-    const picture_files files = {p, &curve};
+    moe_timeline_panel panels[2];
+    memcpy(panels, p->panels, sizeof panels);
+    char summary[320] = "";
+    if (!cfg->backward)
+        picture_summary(s, summary, sizeof summary);
+    panels[0].summary = summary;
+    const picture_files files = {p, panels, &curve};
     moe_status local = {0};
     if (c->rank == 0) {
         if (cfg->trace[0])

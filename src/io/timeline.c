@@ -34,6 +34,36 @@ static double first_start(const moe_timeline_panel *panel)
 
 static bool is_comm(int kind) { return moe_event_is_comm(kind); }
 
+/* The forward experts' stages, which the compute lane merges per wave past 4 ranks. */
+static bool is_expert_stage(int kind)
+{
+    return kind == MOE_EVENT_L1 || kind == MOE_EVENT_ACTIVATION || kind == MOE_EVENT_L2;
+}
+
+/* Back-to-back expert stages of one wave on one rank (wave -1: none yet). */
+typedef struct {
+    double start, end;
+    int wave;
+} expert_run;
+
+static void draw_run(FILE *out, const expert_run *run, int rank, int left, double t0, double scale,
+                     int y, int h)
+{
+    if (run->wave < 0)
+        return;
+    const double x = left + (run->start - t0) * scale;
+    const double w = fmax((run->end - run->start) * scale, 0.5);
+    fprintf(out, "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" "
+                 "stroke=\"white\" stroke-width=\"0.5\"><title>rank %d experts w%d (L1, activation, "
+                 "L2): %.3f-%.3f ms</title></rect>\n",
+            x, y + 1, w, h - 2, colours[MOE_EVENT_L1], rank, run->wave, 1e3 * (run->start - t0),
+            1e3 * (run->end - t0));
+    if (w > 10)
+        fprintf(out, "<text x=\"%.2f\" y=\"%.1f\" text-anchor=\"middle\" font-size=\"%d\" "
+                     "fill=\"#222\">%d</text>\n",
+                x + w / 2, y + h / 2.0 + 3.5, h >= 14 ? 10 : 8, run->wave);
+}
+
 /* " w3" for wave 3; nothing for a stage of the whole step (wave -1). */
 static const char *wave_suffix(int wave, char *text, size_t size)
 {
@@ -151,7 +181,13 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
     /* Lanes shrink with the rank count so that 16 ranks still fit a screen. */
     const int lane = ranks <= 4 ? 22 : ranks <= 8 ? 16 : 11;
     const int gap = lane / 2, left = 92, right = 24, plot = 960;
-    const int panel_head = 34, axis = 30;
+    bool summaries = false; /* a second header line in any panel */
+    for (int p = 0; p < n_panels; p++)
+        summaries = summaries || (panels[p].summary && panels[p].summary[0]);
+    const int panel_head = summaries ? 46 : 34, axis = 30;
+    /* Past 4 ranks the lanes are too thin for every expert's L1, activation
+     * and L2: a wave's back-to-back expert stages are drawn as one block. */
+    const bool merge = ranks > 4;
     const int panel_height = panel_head + ranks * (2 * lane + gap) + axis;
     const int width = left + plot + right, legend = 34;
     const bool with_curve = curve && curve->count > 1;
@@ -167,8 +203,15 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
         const moe_timeline_panel *panel = &panels[p];
         const double t0 = first_start(panel);
         const int top = p * panel_height;
-        fprintf(out, "<text x=\"%d\" y=\"%d\" font-size=\"14\" font-weight=\"bold\">%s</text>\n",
-                left, top + 20, panel->title);
+        double end = t0;
+        for (int n = 0; n < panel->offset[panel->ranks]; n++)
+            end = panel->events[n].end > end ? panel->events[n].end : end;
+        fprintf(out, "<text x=\"%d\" y=\"%d\" font-size=\"14\" font-weight=\"bold\">%s"
+                     "<tspan font-weight=\"normal\">&#160; · &#160;%.2f ms first event to last</tspan></text>\n",
+                left, top + 20, panel->title, 1e3 * (end - t0));
+        if (panel->summary && panel->summary[0])
+            fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#333\">%s</text>\n", left, top + 36,
+                    panel->summary);
         for (int r = 0; r < panel->ranks; r++) {
             const int y0 = top + panel_head + r * (2 * lane + gap);
             fprintf(out, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">rank %d comm</text>\n",
@@ -177,8 +220,19 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
                     left - 6, y0 + 2 * lane - 6);
             fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"#f4f4f4\"/>\n",
                     left, y0, plot, 2 * lane);
+            expert_run run = {.wave = -1};
             for (int n = panel->offset[r]; n < panel->offset[r + 1]; n++) {
                 const moe_event *e = &panel->events[n];
+                if (merge && is_expert_stage(e->kind)) {
+                    /* a wave's L1, activation and L2 back to back: one block */
+                    if (run.wave == e->wave && (e->start - run.end) * scale < 1.0) {
+                        run.end = e->end;
+                        continue;
+                    }
+                    draw_run(out, &run, r, left, t0, scale, y0 + lane, lane);
+                    run = (expert_run){e->start, e->end, e->wave};
+                    continue;
+                }
                 const double x = left + (e->start - t0) * scale;
                 double w = (e->end - e->start) * scale;
                 if (w < 0.5)
@@ -206,6 +260,7 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
                                  "font-size=\"%d\" fill=\"#222\">%d</text>\n",
                             x + w / 2, y + h / 2.0 + 4, h >= 20 ? 11 : 9, e->wave);
             }
+            draw_run(out, &run, r, left, t0, scale, y0 + lane, lane);
         }
         const int axis_y = top + panel_head + panel->ranks * (2 * lane + gap);
         fprintf(out, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#444\"/>\n", left,
@@ -223,6 +278,8 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
     for (int p = 0; p < n_panels; p++)
         for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
             shown[panels[p].events[n].kind] = true;
+    if (merge) /* drawn as one block in L1's colour */
+        shown[MOE_EVENT_ACTIVATION] = shown[MOE_EVENT_L2] = false;
     int entries = 0;
     for (int kind = 0; kind < MOE_EVENT_KINDS; kind++) {
         if (!shown[kind])
@@ -231,7 +288,8 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
         fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>\n", x, ly,
                 colours[kind]);
         fprintf(out, "<text x=\"%d\" y=\"%d\">%s%s</text>\n", x + 20, ly + 11,
-                moe_event_names[kind], is_comm(kind) ? " (comm)" : "");
+                merge && kind == MOE_EVENT_L1 ? "experts (L1, act., L2)" : moe_event_names[kind],
+                is_comm(kind) ? " (comm)" : "");
     }
     bool tiers = false;
     for (int p = 0; p < n_panels; p++)
