@@ -105,6 +105,7 @@ typedef struct {
     char csv[MOE_NAME_MAX];      /* table as CSV, "" for none */
     char plot[MOE_NAME_MAX];     /* SVG plot of layer time and overlap against W */
     char dump[MOE_NAME_MAX];     /* golden set directory, "" for none */
+    char report[MOE_NAME_MAX];   /* self-contained HTML page of the run, "" for none */
     char explain[MOE_NAME_MAX];  /* explain --token: global token ids, "N[,N...]" */
     char routing[MOE_NAME_MAX];  /* routing replay file (routing.h), "" for the router */
     bool dump_weights;           /* include the weights in the golden set */

@@ -11,6 +11,7 @@
 #include "moe/layout.h"
 #include "moe/link.h"
 #include "moe/stats.h"
+#include "moe/timeline.h"
 #include "moe/truth.h"
 
 typedef struct {
@@ -77,6 +78,7 @@ typedef struct {
     const double *matrix;        /* (G, G) dispatch bytes, row rank to column rank */
     const double *nodes_hist;    /* (nodes + 1) tokens whose experts span n nodes */
     const double *rank_expert_seconds; /* (G) each rank's expert time, last forward */
+    const double *tokens_expert;       /* (E) (token, expert) pairs of each expert, all ranks */
     moe_spread tokens_per_expert;
     /* what --dtype, --dispatch-dtype, --combine-dtype cost against fp32 */
     double dump_bytes, dump_seconds; /* --dump */
@@ -110,6 +112,14 @@ typedef struct {
 } moe_run_summary;
 
 void moe_report_print(FILE *out, const moe_run_summary *s);
+
+/* `run --report`: one self-contained HTML page (inline CSS and SVG, no
+ * script, nothing fetched): the configuration and verdict, the stage
+ * times, the timeline of the panels (none: left out), the dispatch matrix
+ * as a heat map, tokens per expert, KiB received and expert time per rank,
+ * and the nodes-per-token histogram. */
+void moe_report_write_html(FILE *out, const moe_run_summary *s, const moe_timeline_panel *panels,
+                           int n_panels, const moe_timeline_curve *curve);
 
 /* The report's `machine` line: ranks on this host, cores, threads per rank,
  * binding, and a note when the binding and the threads do not fit. */

@@ -22,7 +22,7 @@ static int check_outputs(const moe_config *cfg, moe_status *st)
     const struct {
         const char *flag, *path;
     } out[] = {{"--dump", cfg->dump}, {"--trace", cfg->trace}, {"--timeline", cfg->timeline},
-               {"--csv", cfg->csv}, {"--plot", cfg->plot}};
+               {"--csv", cfg->csv}, {"--plot", cfg->plot}, {"--report", cfg->report}};
     enum { N = sizeof out / sizeof out[0] };
     char where[N][PATH_MAX + 8];
     for (int n = 0; n < N; n++) {

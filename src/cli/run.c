@@ -308,6 +308,7 @@ typedef struct {
     const pictures *pictures;
     const moe_timeline_panel *panels; /* the pictures' panels, the first with its summary */
     const moe_timeline_curve *curve;
+    const moe_run_summary *summary;
 } picture_files;
 
 /* The first panel's second header line: the forward's time and overlap,
@@ -339,6 +340,12 @@ static void write_svg(FILE *out, const void *arg)
     moe_write_timeline_svg(out, files->panels, files->pictures->count, files->curve);
 }
 
+static void write_html(FILE *out, const void *arg)
+{
+    const picture_files *files = arg;
+    moe_report_write_html(out, files->summary, files->panels, files->pictures->count, files->curve);
+}
+
 /* Rank 0 writes the files (the curve under the timeline); all agree. */
 static int write_pictures(const moe_comm *c, const moe_config *cfg, const pictures *p,
                           const moe_run_summary *s, moe_status *st)
@@ -357,13 +364,15 @@ static int write_pictures(const moe_comm *c, const moe_config *cfg, const pictur
     if (!cfg->backward)
         picture_summary(s, summary, sizeof summary);
     panels[0].summary = summary;
-    const picture_files files = {p, panels, &curve};
+    const picture_files files = {p, panels, &curve, s};
     moe_status local = {0};
     if (c->rank == 0) {
         if (cfg->trace[0])
             moe_write_file_atomic(cfg->trace, write_trace, &files, &local);
         if (cfg->timeline[0] && local.code == MOE_EXIT_OK)
             moe_write_file_atomic(cfg->timeline, write_svg, &files, &local);
+        if (cfg->report[0] && local.code == MOE_EXIT_OK)
+            moe_write_file_atomic(cfg->report, write_html, &files, &local);
     }
     if (moe_comm_agree(c, &local))
         *st = local;
@@ -376,6 +385,7 @@ typedef struct {
     double *matrix;       /* (G, G) on rank 0 */
     double *nodes_hist;   /* (nodes + 1) */
     double *rank_seconds; /* (G) on rank 0 */
+    double *per_expert;   /* (E) */
 } traffic_detail;
 
 static void routing_detail(moe_run_context *ctx, traffic_detail *out)
@@ -432,7 +442,7 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
         s->tokens_per_expert.max = per_expert[e] > s->tokens_per_expert.max ? per_expert[e] : s->tokens_per_expert.max;
         s->tokens_per_expert.mean += per_expert[e] / E;
     }
-    free(per_expert);
+    out->per_expert = per_expert;
 
     out->rank_seconds = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)G) : NULL;
     moe_comm_gather_doubles(c, &ctx->last_expert_seconds, 1, out->rank_seconds);
@@ -441,6 +451,7 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     s->matrix = out->matrix;
     s->nodes_hist = out->nodes_hist;
     s->rank_expert_seconds = out->rank_seconds;
+    s->tokens_expert = out->per_expert;
 }
 
 int moe_cli_run(const moe_comm *c, int argc, char **argv)
@@ -458,11 +469,13 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);
     if (rc == MOE_EXIT_OK)
         moe_context_time_alltoalls(&ctx, (int)cfg->iters);
-    traffic_detail detail = {NULL, NULL, NULL};
+    traffic_detail detail = {NULL, NULL, NULL, NULL};
     if (rc == MOE_EXIT_OK)
         routing_detail(&ctx, &detail);
     pictures pics = {.count = 0};
-    const bool drawing = cfg->trace[0] || cfg->timeline[0];
+    /* the report draws the timeline where the forward records one */
+    const bool drawing = cfg->trace[0] || cfg->timeline[0] ||
+                         (cfg->report[0] && !cfg->blocking && cfg->mode == MOE_MODE_NORMAL);
     if (rc == MOE_EXIT_OK && drawing)
         rc = collect_pictures(&ctx, &pics);
     if (rc == MOE_EXIT_OK && cfg->check) {
@@ -502,7 +515,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     ctx.schedule = first_schedule;
     memcpy(s->curve, curve, sizeof(moe_curve_point) * (size_t)points);
     s->curve_count = points;
-    if (rc == MOE_EXIT_OK && drawing)
+    if (rc == MOE_EXIT_OK && (drawing || cfg->report[0]))
         rc = write_pictures(c, cfg, &pics, s, &ctx.status);
 
     if (rc == MOE_EXIT_OK) {
@@ -525,6 +538,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     free(detail.matrix);
     free(detail.nodes_hist);
     free(detail.rank_seconds);
+    free(detail.per_expert);
     moe_context_close(&ctx);
     return rc;
 }
