@@ -16,8 +16,9 @@ exactly: routing, counts, bytes and values do not depend on the machine
 (the packed GEMMs and the fixed-order truth give the same bits everywhere).
 With `learn timed:` the output holds times, or figures of --check's BLAS
 truth (its last bits follow the BLAS kernel); --check compares it with
-every number on such a line replaced by "#" (TIMED says which lines), and
-every other line exactly.
+every number on such a line replaced by "#" (TIMED says which lines), the
+lines that name the machine left out (MACHINE), and every other line
+exactly.
 """
 import os
 import re
@@ -29,6 +30,8 @@ DOCS = [os.path.join(HERE, name) for name in ("learn.md", "plan.md", os.path.joi
 MARK = re.compile(r"^<!-- learn( timed)?: (.*) -->$")
 TIMED = re.compile(r"\d ?(ms|s|us|µs)\b|GFLOP/s|GB/s|tokens/s|peak resident|estimated up front|overlap|"
                    r"in MPI_Test|not computing|speed-up|ceiling|token chunks|expert slots|worst element|max_abs|^\s*[\d.\s]+$|\d+\.\d+x\b")
+# Lines that name the machine (its cores, vector units, BLAS kernel): left out of a timed block's comparison.
+MACHINE = re.compile(r"^machine |· gemm packed \(|OpenBLAS kernel")
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?(e[-+]?\d+)?%?")
 
 
@@ -55,7 +58,8 @@ def run(command, builddir, env, mpirun):
 
 def masked(text):
     """Numbers on timed lines as "#", and their spacing (columns move with the widths) as one space."""
-    return "\n".join(" ".join(NUMBER.sub("#", line).split()) if TIMED.search(line) else line
+    return "\n".join("(machine)" if MACHINE.search(line)
+                     else " ".join(NUMBER.sub("#", line).split()) if TIMED.search(line) else line
                      for line in text.split("\n"))
 
 

@@ -163,7 +163,7 @@ static void fill_home(const moe_run_context *ctx, const moe_waves *waves, moe_in
 static void fill_rank(const moe_ep_capture *cap, int64_t g, moe_index d, const rank_layout *r,
                       double *rec)
 {
-    rec[r->row] = -1;
+    memset(rec, 0, sizeof(double) * r->size);
     rec[r->rows] = (double)cap->rows;
     moe_index row = -1;
     for (moe_index n = 0; n < cap->rows && row < 0; n++)
