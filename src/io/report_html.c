@@ -42,6 +42,19 @@ static void bars(FILE *out, const char *label, const double *v, int n, const cha
     fprintf(out, "</svg>\n");
 }
 
+/* text with the characters HTML reserves escaped (a preset may be any path). */
+static void html_text(FILE *out, const char *text)
+{
+    for (const char *c = text; *c; c++) {
+        const char *entity = *c == '<' ? "&lt;" : *c == '>' ? "&gt;" : *c == '&' ? "&amp;"
+                             : *c == '"' ? "&quot;" : NULL;
+        if (entity)
+            fputs(entity, out);
+        else
+            fputc(*c, out);
+    }
+}
+
 /* The dispatch matrix (bytes) as a table, each cell shaded from the
  * smallest cell (pale) to the largest (dark), so that an uneven row or
  * column stands out even when all cells are of a size. */
@@ -85,10 +98,12 @@ void moe_report_write_html(FILE *out, const moe_run_summary *s, const moe_timeli
             ".pass{color:#2a7d2a}.fail{color:#c22}</style></head><body>\n",
             G, (long long)cfg->tokens, (long long)cfg->hidden, (long long)cfg->ffn, E,
             (long long)cfg->topk);
-    fprintf(out, "<h1>moe-ep run · %s</h1>\n<p>G = %d ranks · T = %lld tokens per rank · d = %lld · "
+    fprintf(out, "<h1>moe-ep run · ");
+    html_text(out, cfg->preset[0] ? cfg->preset : "(no preset)");
+    fprintf(out, "</h1>\n<p>G = %d ranks · T = %lld tokens per rank · d = %lld · "
                  "f = %lld · E = %d routed experts · k = %lld · S = %lld shared · router %s · "
                  "W = %d · seed %llu</p>\n",
-            cfg->preset[0] ? cfg->preset : "(no preset)", G, (long long)cfg->tokens,
+            G, (long long)cfg->tokens,
             (long long)cfg->hidden, (long long)cfg->ffn, E, (long long)cfg->topk,
             (long long)cfg->shared_experts, moe_config_choice_name("router", cfg->router), s->waves,
             (unsigned long long)cfg->seed);
