@@ -14,5 +14,6 @@ Suite *make_link_suite(void);
 Suite *make_cluster_suite(void);
 Suite *make_quant_suite(void);
 Suite *make_golden_suite(void);
+Suite *make_eplb_suite(void);
 
 #endif
