@@ -98,6 +98,9 @@ typedef struct {
     int norm_topk;               /* enum moe_norm_topk */
     char skew[MOE_NAME_MAX];     /* --skew spec, "" for none */
     int weight_at;               /* enum moe_weight_at */
+    int64_t redundant_experts;   /* N: E + N physical experts placed by EPLB (eplb.h); 0 = none */
+    int64_t eplb_window;         /* batches of fresh tokens whose routing is EPLB's load */
+    char expert_load[MOE_NAME_MAX]; /* EPLB's load from a file instead, "" for the window */
     /* moe-ep bench */
     int64_t warmup;              /* untimed forwards before each wave count */
     int64_t samples;             /* --mode low-latency: timed forwards per latency point */

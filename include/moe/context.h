@@ -25,7 +25,10 @@ typedef struct {
     float *x;                /* (T, d) */
     float *logits;           /* (T, E) */
     float *scores;           /* (T, E) */
-    int32_t *ids;            /* (T, k) */
+    int32_t *ids;            /* (T, k) the router's logical expert ids */
+    int32_t *placed;         /* (T, k) the physical experts the pairs go to (moe_ep_place):
+                                ids itself without --redundant-experts */
+    double *expert_load;     /* (E) --redundant-experts: the load EPLB placed by; else NULL */
     float *weights;          /* (T, k) */
     float *y;                /* (T, d) */
     uint64_t y_digest;       /* of the first timed forward's output */

@@ -25,6 +25,7 @@
 
 #include "moe/comm.h"
 #include "moe/config.h"
+#include "moe/eplb.h"
 #include "moe/experts.h"
 #include "moe/layout.h"
 #include "moe/link.h"
@@ -36,11 +37,14 @@ struct moe_ep_workspace; /* the paths' buffers, kept across forwards (ep_stages.
 typedef struct moe_ep_s {
     const moe_config *cfg; /* validated, never written */
     moe_comm comm;
-    moe_placement placement;
+    moe_placement placement; /* of the physical experts: the logical ones, or with
+                                --redundant-experts the E + N slots, (E + N)/G a rank */
+    moe_replicas replicas;   /* --redundant-experts: slot p holds a copy of logical expert
+                                replicas.phy2log[p]; physical = 0 without */
     moe_router router;
     enum moe_gemm_kind gemm;
     int local_experts; /* EL */
-    int first_expert;  /* global id of local expert 0 */
+    int first_expert;  /* physical id of local expert 0 */
     /* Expert weights in the layout of ep->gemm (moe_expert_layout): W1^T
      * (d, 2f) and W2^T (f, d), transposed, (in, out), and for packed in
      * moe_sgemm_pack's panels; moe_expert_w1_floats and _w2_floats each. */
@@ -81,6 +85,27 @@ moe_schedule moe_schedule_default(const moe_ep *ep);
  * have passed moe_config_validate and outlive ep. */
 int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_status *st);
 void moe_ep_free(moe_ep *ep);
+
+/* --redundant-experts: moe_ep_init leaves the routed experts' weights
+ * ungenerated until moe_ep_place_replicas places the copies.
+ *
+ * load (E) = the tokens routed to each logical expert (k pairs a token) in
+ * cfg->eplb_window earlier batches of fresh tokens, summed over ranks: batch
+ * s = 1 .. S is rows s*G*T + rank*T + i of the token stream (rng.h), the
+ * run's own batch s = 0. Collective. */
+void moe_ep_window_load(const moe_ep *ep, double *load);
+
+/* Place the E + N physical experts with EPLB for load (E) (eplb.h: the
+ * router's groups, nodes of ep->link.ranks_per_node ranks when they divide
+ * G), the same on every rank, and generate the weights of this rank's
+ * copies. load NULL: moe_ep_window_load's (collective then). */
+void moe_ep_place_replicas(moe_ep *ep, const double *load);
+
+/* Stage place: placed (T, k) = the physical expert of each of this rank's
+ * (token, slot) pairs of ids (T, k): moe_replica_of with the token's global
+ * id and its home rank's node; the logical ids themselves without
+ * replicas. Pure. */
+void moe_ep_place(const moe_ep *ep, const int32_t *ids, int32_t *placed);
 
 /* x (T, d) = this rank's tokens, global ids rank*T + i. */
 void moe_ep_generate_tokens(const moe_ep *ep, float *x);

@@ -8,6 +8,7 @@
 #include <stdio.h>
 
 #include "moe/config.h"
+#include "moe/eplb.h"
 #include "moe/layout.h"
 #include "moe/link.h"
 #include "moe/stats.h"
@@ -80,6 +81,13 @@ typedef struct {
     const double *rank_expert_seconds; /* (G) each rank's expert time, last forward */
     const double *tokens_expert;       /* (E) (token, expert) pairs of each expert, all ranks */
     moe_spread tokens_per_expert;
+    /* --redundant-experts, filled on rank 0 (replicas NULL without) */
+    const moe_replicas *replicas;
+    const double *expert_load;         /* (E) the load EPLB placed by */
+    const double *rank_pairs[2];       /* (G) (token, expert) pairs each rank computes: with
+                                          the logical experts E/G a rank, and with the copies */
+    moe_spread tokens_per_physical;    /* pairs of each physical expert */
+    double expert_bytes;               /* one routed expert's weights in memory */
     /* what --dtype, --dispatch-dtype, --combine-dtype cost against fp32 */
     double dump_bytes, dump_seconds; /* --dump */
     double rss_peak;                 /* the most any rank held resident (moe_peak_rss) */

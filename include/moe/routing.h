@@ -1,6 +1,7 @@
 /* routing.h — inputs replayed from files: top-k ids and weights
  * (`moe-ep run --routing FILE.safetensors`) instead of the synthetic router,
- * and the upstream gradient of a training step (`--grad-output`).
+ * the upstream gradient of a training step (`--grad-output`), and the
+ * load of redundant experts (`--expert-load`).
  *
  * The file holds router.topk_ids (N, k), any integer dtype, and
  * router.topk_weights (N, k), any real dtype, for all N = G·T tokens in
@@ -29,5 +30,12 @@ int moe_routing_load(const char *path, moe_index tokens, int topk, int experts, 
  * MOE_EXIT_OK, or MOE_EXIT_USAGE naming --grad-output and what is wrong. */
 int moe_grad_output_load(const char *path, moe_index tokens, moe_index hidden, moe_index first,
                          moe_index count, float *dy, moe_status *st);
+
+/* `--expert-load FILE`: EPLB's load, a text file of E numbers (tokens
+ * routed to each expert, in expert order) separated by spaces, commas or
+ * newlines, '#' starting a comment to the end of its line; each finite and
+ * >= 0. Into load (E). Returns MOE_EXIT_OK, or MOE_EXIT_USAGE naming
+ * --expert-load, the file and what is wrong (with its line). */
+int moe_expert_load_read(const char *path, int experts, double *load, moe_status *st);
 
 #endif

@@ -279,21 +279,21 @@ static void summarize_backward(moe_run_context *ctx, int iters, bool identical)
 static int forward(moe_run_context *ctx, double origin)
 {
     if (ctx->cfg.mode == MOE_MODE_LOW_LATENCY)
-        return moe_ep_forward_ll(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
+        return moe_ep_forward_ll(&ctx->ep, ctx->x, ctx->placed, ctx->weights, ctx->y, &ctx->last,
                                  &ctx->status);
     if (ctx->cfg.blocking && ctx->cfg.dispatch == MOE_DISPATCH_HIERARCHICAL)
-        return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
+        return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->placed, ctx->weights, ctx->y, &ctx->last,
                                    &ctx->status);
     ctx->schedule.trace = &ctx->trace;
     ctx->schedule.origin = origin;
     if (ctx->cfg.backward)
         return moe_ep_backward_step(&ctx->ep, ctx->cfg.blocking ? NULL : &ctx->schedule, ctx->x,
-                                    ctx->logits, ctx->ids, ctx->weights, ctx->dy, ctx->y,
+                                    ctx->logits, ctx->placed, ctx->weights, ctx->dy, ctx->y,
                                     &ctx->grads, &ctx->last, &ctx->last_bwd, &ctx->status);
     if (ctx->cfg.blocking)
-        return moe_ep_forward_ref(&ctx->ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &ctx->last,
+        return moe_ep_forward_ref(&ctx->ep, ctx->x, ctx->placed, ctx->weights, ctx->y, &ctx->last,
                                   NULL, &ctx->status);
-    return moe_ep_forward_waves(&ctx->ep, &ctx->schedule, ctx->x, ctx->ids, ctx->weights, ctx->y,
+    return moe_ep_forward_waves(&ctx->ep, &ctx->schedule, ctx->x, ctx->placed, ctx->weights, ctx->y,
                                 &ctx->last, &ctx->status);
 }
 
@@ -315,6 +315,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
         moe_comm_barrier(c);
         const double origin = moe_comm_time();
         moe_ep_route(&ctx->ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
+        moe_ep_place(&ctx->ep, ctx->ids, ctx->placed);
         const double route = moe_comm_time() - origin;
         rc = forward(ctx, origin);
         const double layer = ctx->last.done - origin; /* to y complete */
@@ -368,8 +369,9 @@ static int calibrate_link(moe_run_context *ctx)
     moe_schedule unlinked = ctx->schedule;
     unlinked.link = false;
     moe_ep_route(ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
+    moe_ep_place(ep, ctx->ids, ctx->placed);
     moe_forward_stats f;
-    const int rc = moe_ep_forward_waves(ep, &unlinked, ctx->x, ctx->ids, ctx->weights, ctx->y,
+    const int rc = moe_ep_forward_waves(ep, &unlinked, ctx->x, ctx->placed, ctx->weights, ctx->y,
                                         &f, &ctx->status);
     if (rc)
         return rc;
@@ -393,6 +395,7 @@ static void buffers_init(moe_run_context *ctx)
     ctx->logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
     ctx->scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
     ctx->ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    ctx->placed = cfg->redundant_experts > 0 ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : ctx->ids;
     ctx->weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
     ctx->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     if (cfg->backward) {
@@ -411,12 +414,38 @@ void moe_context_close(moe_run_context *ctx)
     moe_ep_grads_free(&ctx->grads);
     free(ctx->y);
     free(ctx->weights);
+    if (ctx->placed != ctx->ids)
+        free(ctx->placed);
     free(ctx->ids);
+    free(ctx->expert_load);
     free(ctx->scores);
     free(ctx->logits);
     free(ctx->x);
     moe_ep_free(&ctx->ep);
     memset(ctx, 0, sizeof *ctx);
+}
+
+/* --redundant-experts: EPLB's load, from --expert-load (every rank reads
+ * and checks the whole file: one verdict) or the --eplb-window batches,
+ * and the copies placed by it. On failure the error is printed and ep freed. */
+static int place_replicas(moe_run_context *ctx)
+{
+    const moe_comm *c = ctx->comm;
+    ctx->expert_load = moe_xmalloc(sizeof(double) * (size_t)ctx->cfg.experts);
+    if (ctx->cfg.expert_load[0]) {
+        moe_expert_load_read(ctx->cfg.expert_load, (int)ctx->cfg.experts, ctx->expert_load, &ctx->status);
+        if (moe_comm_agree(c, &ctx->status)) {
+            moe_comm_print_error(c, &ctx->status);
+            free(ctx->expert_load);
+            ctx->expert_load = NULL;
+            moe_ep_free(&ctx->ep);
+            return ctx->status.code;
+        }
+    } else {
+        moe_ep_window_load(&ctx->ep, ctx->expert_load);
+    }
+    moe_ep_place_replicas(&ctx->ep, ctx->expert_load);
+    return MOE_EXIT_OK;
 }
 
 int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command command,
@@ -444,6 +473,8 @@ int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command c
             return ctx->status.code;
         }
     }
+    if (ctx->cfg.redundant_experts > 0 && place_replicas(ctx))
+        return ctx->status.code;
     const int threads = moe_comm_threads_for(c, ctx->ep.gemm);
     buffers_init(ctx);
     if (ctx->cfg.grad_output[0]) { /* every rank reads and checks the whole file: one verdict */

@@ -190,8 +190,8 @@ static int compare_with_reference(moe_run_context *ctx)
                                 ep->cfg->dispatch == MOE_DISPATCH_HIERARCHICAL;
     s->ref_two_stage = two_stage_sums;
     int rc = two_stage_sums
-                 ? moe_ep_forward_hier(ep, ctx->x, ctx->ids, ctx->weights, y_ref, &f, &ctx->status)
-                 : moe_ep_forward_ref(ep, ctx->x, ctx->ids, ctx->weights, y_ref, &f, NULL, &ctx->status);
+                 ? moe_ep_forward_hier(ep, ctx->x, ctx->placed, ctx->weights, y_ref, &f, &ctx->status)
+                 : moe_ep_forward_ref(ep, ctx->x, ctx->placed, ctx->weights, y_ref, &f, NULL, &ctx->status);
     double differ = 0.0, max_diff = 0.0;
     for (moe_index m = 0; rc == MOE_EXIT_OK && m < n; m++)
         if (memcmp(&y[m], &y_ref[m], sizeof(float)) != 0) {
@@ -287,7 +287,7 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
                                   ctx->weights, ctx->dy, y, &g, &f, &bwd, &ctx->status);
         moe_ep_grads_free(&g);
     } else {
-        rc = moe_ep_forward_waves(&ctx->ep, &one_wave, ctx->x, ctx->ids, ctx->weights, y, &f,
+        rc = moe_ep_forward_waves(&ctx->ep, &one_wave, ctx->x, ctx->placed, ctx->weights, y, &f,
                                   &ctx->status);
     }
     free(y);
@@ -386,14 +386,51 @@ typedef struct {
     double *nodes_hist;   /* (nodes + 1) */
     double *rank_seconds; /* (G) on rank 0 */
     double *per_expert;   /* (E) */
+    double *rank_pairs;   /* (2, G) --redundant-experts: pairs per rank without and with copies */
 } traffic_detail;
+
+/* --redundant-experts: pairs per rank with E/G logical experts a rank and
+ * with the copies, and per physical expert, for the same routing. */
+static void replica_detail(moe_run_context *ctx, traffic_detail *out)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_ep *ep = &ctx->ep;
+    const moe_config *cfg = &ctx->cfg;
+    moe_run_summary *s = &ctx->summary;
+    const int G = c->ranks, P = ep->replicas.physical;
+    const moe_index pairs = cfg->tokens * cfg->topk;
+    moe_placement logical;
+    moe_placement_init(&logical, (int)cfg->experts, G);
+    double *per_physical = moe_xcalloc((size_t)P, sizeof(double));
+    out->rank_pairs = moe_xcalloc(2 * (size_t)G, sizeof(double));
+    for (moe_index n = 0; n < pairs; n++) {
+        out->rank_pairs[logical.expert_rank[ctx->ids[n]]] += 1.0;
+        out->rank_pairs[G + ep->placement.expert_rank[ctx->placed[n]]] += 1.0;
+        per_physical[ctx->placed[n]] += 1.0;
+    }
+    moe_comm_sum_array(c, out->rank_pairs, 2 * G);
+    moe_comm_sum_array(c, per_physical, P);
+    s->tokens_per_physical = (moe_spread){per_physical[0], 0.0, per_physical[0]};
+    for (int p = 0; p < P; p++) {
+        s->tokens_per_physical.min = fmin(s->tokens_per_physical.min, per_physical[p]);
+        s->tokens_per_physical.max = fmax(s->tokens_per_physical.max, per_physical[p]);
+        s->tokens_per_physical.mean += per_physical[p] / P;
+    }
+    s->replicas = &ep->replicas;
+    s->expert_load = ctx->expert_load;
+    s->rank_pairs[0] = out->rank_pairs;
+    s->rank_pairs[1] = out->rank_pairs + G;
+    s->expert_bytes = 4.0 * 3.0 * (double)cfg->hidden * (double)cfg->ffn;
+    free(per_physical);
+    moe_placement_free(&logical);
+}
 
 static void routing_detail(moe_run_context *ctx, traffic_detail *out)
 {
     const moe_comm *c = ctx->comm;
     const moe_ep *ep = &ctx->ep;
     const moe_config *cfg = &ctx->cfg;
-    const int32_t *ids = ctx->ids;
+    const int32_t *ids = ctx->placed; /* the physical experts: where the rows go */
     moe_run_summary *s = &ctx->summary;
     const int G = c->ranks, E = (int)cfg->experts, k = (int)cfg->topk;
     const moe_index T = cfg->tokens;
@@ -434,7 +471,7 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
 
     double *per_expert = moe_xcalloc((size_t)E, sizeof(double));
     for (moe_index n = 0; n < T * k; n++)
-        per_expert[ids[n]] += 1.0;
+        per_expert[ctx->ids[n]] += 1.0; /* per logical expert */
     moe_comm_sum_array(c, per_expert, E);
     s->tokens_per_expert = (moe_spread){per_expert[0], 0.0, per_expert[0]};
     for (int e = 0; e < E; e++) {
@@ -452,6 +489,8 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     s->nodes_hist = out->nodes_hist;
     s->rank_expert_seconds = out->rank_seconds;
     s->tokens_expert = out->per_expert;
+    if (ep->replicas.physical)
+        replica_detail(ctx, out);
 }
 
 int moe_cli_run(const moe_comm *c, int argc, char **argv)
@@ -469,7 +508,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);
     if (rc == MOE_EXIT_OK)
         moe_context_time_alltoalls(&ctx, (int)cfg->iters);
-    traffic_detail detail = {NULL, NULL, NULL, NULL};
+    traffic_detail detail = {NULL, NULL, NULL, NULL, NULL};
     if (rc == MOE_EXIT_OK)
         routing_detail(&ctx, &detail);
     pictures pics = {.count = 0};
@@ -539,6 +578,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     free(detail.nodes_hist);
     free(detail.rank_seconds);
     free(detail.per_expert);
+    free(detail.rank_pairs);
     moe_context_close(&ctx);
     return rc;
 }

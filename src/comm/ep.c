@@ -72,12 +72,42 @@ bool moe_ep_agreed(const moe_comm *c, const char *stage, moe_status *local)
     return moe_comm_agree(c, local) == MOE_EXIT_OK;
 }
 
+/* The weights of this rank's experts n = from .. to-1, laid out for
+ * ep->gemm: routed n < EL (each slot the logical expert it copies), then
+ * shared. */
+static void generate_experts(moe_ep *ep, int from, int to)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index d = cfg->hidden, f = cfg->ffn;
+    const size_t w1_size = (size_t)moe_expert_w1_floats(ep->gemm, d, f);
+    const size_t w2_size = (size_t)moe_expert_w2_floats(ep->gemm, d, f);
+    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));
+    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
+    for (int n = from; n < to; n++) {
+        const bool shared = n >= ep->local_experts;
+        float *dst1 = shared ? ep->shared_w1 + (n - ep->local_experts) * w1_size : ep->w1 + n * w1_size;
+        float *dst2 = shared ? ep->shared_w2 + (n - ep->local_experts) * w2_size : ep->w2 + n * w2_size;
+        const int slot = ep->first_expert + n;
+        if (shared)
+            moe_shared_expert_generate(cfg->seed, n - ep->local_experts, d, f, w1, w2);
+        else
+            moe_expert_generate(cfg->seed, ep->replicas.physical ? ep->replicas.phy2log[slot] : slot,
+                                d, f, w1, w2);
+        moe_precision_weights(cfg->param_dtype, w1, 2 * f * d);
+        moe_precision_weights(cfg->param_dtype, w2, d * f);
+        moe_expert_layout(ep->gemm, d, f, w1, w2, dst1, dst2);
+    }
+    free(w2);
+    free(w1);
+}
+
 int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_status *st)
 {
     memset(ep, 0, sizeof *ep);
     ep->cfg = cfg;
     ep->comm = *comm;
-    moe_placement_init(&ep->placement, (int)cfg->experts, comm->ranks);
+    const int physical = (int)(cfg->experts + cfg->redundant_experts);
+    moe_placement_init(&ep->placement, physical, comm->ranks);
     ep->router = (moe_router){.kind = (enum moe_router_kind)cfg->router,
                               .experts = (int)cfg->experts,
                               .topk = (int)cfg->topk,
@@ -109,22 +139,9 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
         moe_ep_free(ep);
         return st->code;
     }
-    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));
-    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
-    for (int n = 0; n < ep->local_experts + (int)S; n++) {
-        const bool shared = n >= ep->local_experts;
-        float *dst1 = shared ? ep->shared_w1 + (n - ep->local_experts) * w1_size : ep->w1 + n * w1_size;
-        float *dst2 = shared ? ep->shared_w2 + (n - ep->local_experts) * w2_size : ep->w2 + n * w2_size;
-        if (shared)
-            moe_shared_expert_generate(cfg->seed, n - ep->local_experts, d, f, w1, w2);
-        else
-            moe_expert_generate(cfg->seed, ep->first_expert + n, d, f, w1, w2);
-        moe_precision_weights(cfg->param_dtype, w1, 2 * f * d);
-        moe_precision_weights(cfg->param_dtype, w2, d * f);
-        moe_expert_layout(ep->gemm, d, f, w1, w2, dst1, dst2);
-    }
-    free(w2);
-    free(w1);
+    /* with --redundant-experts the routed ones wait for moe_ep_place_replicas */
+    generate_experts(ep, cfg->redundant_experts > 0 ? ep->local_experts : 0,
+                     ep->local_experts + (int)S);
     moe_synth_fill(cfg->seed, MOE_TENSOR_GATE, 0, 0, cfg->experts * d,
                    moe_synth_weight_scale(d), ep->gate);
     moe_precision_weights(cfg->param_dtype, ep->gate, cfg->experts * d);
@@ -156,6 +173,7 @@ void moe_ep_free(moe_ep *ep)
     free(ep->replay_ids);
     free(ep->replay_weights);
     moe_placement_free(&ep->placement);
+    moe_replicas_free(&ep->replicas);
     if (ep->work) {
         struct moe_ep_workspace *work = ep->work;
         moe_ep_forget_waves(work);
@@ -174,6 +192,65 @@ void moe_ep_free(moe_ep *ep)
     ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = ep->bias = ep->skew = NULL;
     ep->replay_ids = NULL;
     ep->replay_weights = NULL;
+}
+
+void moe_ep_window_load(const moe_ep *ep, double *load)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
+    const int G = ep->comm.ranks;
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    memset(load, 0, sizeof(double) * (size_t)E);
+    for (int64_t s = 1; s <= cfg->eplb_window; s++) {
+        const uint64_t first = ((uint64_t)s * (uint64_t)G + (uint64_t)ep->comm.rank) * (uint64_t)T;
+        moe_synth_tokens(cfg->seed, first, T, d, (float)cfg->init_scale, cfg->input_dist, x);
+        moe_precision_weights(cfg->param_dtype, x, T * d);
+        moe_router_logits(x, ep->gate, T, d, (int)E, logits);
+        moe_router_select(&ep->router, logits, T, scores, ids, weights);
+        for (moe_index n = 0; n < T * k; n++)
+            load[ids[n]] += 1.0;
+    }
+    moe_comm_sum_array(&ep->comm, load, (int)E);
+    free(weights);
+    free(ids);
+    free(scores);
+    free(logits);
+    free(x);
+}
+
+void moe_ep_place_replicas(moe_ep *ep, const double *load)
+{
+    const moe_config *cfg = ep->cfg;
+    const int G = ep->comm.ranks, R = ep->link.ranks_per_node;
+    double *window = NULL;
+    if (!load) {
+        load = window = moe_xmalloc(sizeof(double) * (size_t)cfg->experts);
+        moe_ep_window_load(ep, window);
+    }
+    moe_eplb_place(load, (int)cfg->experts, ep->placement.experts, (int)cfg->groups,
+                   G % R == 0 ? G / R : 1, G, &ep->replicas);
+    free(window);
+    generate_experts(ep, 0, ep->local_experts);
+}
+
+void moe_ep_place(const moe_ep *ep, const int32_t *ids, int32_t *placed)
+{
+    const moe_index T = ep->cfg->tokens, k = ep->cfg->topk;
+    if (!ep->replicas.physical) {
+        if (placed != ids)
+            memcpy(placed, ids, sizeof(int32_t) * (size_t)(T * k));
+        return;
+    }
+    const int R = ep->link.ranks_per_node, node = ep->comm.rank / R;
+    const uint64_t first = (uint64_t)ep->comm.rank * (uint64_t)T;
+    for (moe_index i = 0; i < T; i++)
+        for (moe_index s = 0; s < k; s++)
+            placed[i * k + s] = moe_replica_of(&ep->replicas, ids[i * k + s], first + (uint64_t)i,
+                                               node, R);
 }
 
 void moe_ep_generate_tokens(const moe_ep *ep, float *x)

@@ -575,7 +575,7 @@ int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float
 {
     const moe_config *cfg = ep->cfg;
     const moe_comm *c = &ep->comm;
-    const int G = c->ranks, R = ep->link.ranks_per_node, E = (int)cfg->experts;
+    const int G = c->ranks, R = ep->link.ranks_per_node, E = ep->placement.experts; /* physical */
     MOE_ASSERT(G % R == 0); /* moe_config_validate */
     hier_forward f = {.ep = ep, .blocking = sched == NULL,
                       .reduced = cfg->combine == MOE_COMBINE_REDUCED, .W = sched ? sched->waves : 1,

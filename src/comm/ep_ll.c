@@ -94,7 +94,7 @@ static struct moe_ll_state *ll_open(const moe_ep *ep, moe_status *st)
     struct moe_ll_state *s = moe_xcalloc(1, sizeof *s);
     const moe_wire dw = moe_wire_dispatch(cfg), cw = moe_wire_combine(cfg);
     s->G = ep->comm.ranks;
-    s->E = (int)cfg->experts;
+    s->E = ep->placement.experts; /* physical */
     s->k = (int)cfg->topk;
     s->EL = (s->E + s->G - 1) / s->G; /* the fullest rank's (layout.h) */
     s->N = moe_config_max_tokens(cfg);

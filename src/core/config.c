@@ -7,6 +7,7 @@
 #include "moe/config.h"
 #include "moe/experts.h"
 #include "moe/gemm.h"
+#include "moe/layout.h"
 #include "moe/link.h"
 #include "moe/router.h"
 #include "moe/wire.h"
@@ -125,6 +126,9 @@ static const flag_spec flags[] = {
     {"norm-topk", FLAG_CHOICE, FIELD(norm_topk), 0, 0, NULL, norm_topk_choices, "auto", "divide the k weights by their sum; auto: as the gate's reference code (softmax and V3 yes, V2 no); alone: true", RUN | EXPLAIN},
     {"weight-at", FLAG_CHOICE, FIELD(weight_at), 0, 0, NULL, weight_at_choices, "output", "gate weight on the expert output (V3 reference) or before L2 (fused kernels)", RUN | EXPLAIN},
     {"skew", FLAG_TEXT, FIELD(skew), 0, 0, "SPEC", NULL, "", "logit bias: hot:EXPERT=+B[,...] or zipf:S", RUN | EXPLAIN},
+    {"redundant-experts", FLAG_INT, FIELD(redundant_experts), 0, 32767, "N", NULL, "0", "E + N physical experts, each rank (E + N)/G, placed by DeepSeek's EPLB from a measured load: hot experts get copies (docs/load-balance.md)", RUN_ONLY},
+    {"eplb-window", FLAG_INT, FIELD(eplb_window), 1, 1000, "S", NULL, "1", "--redundant-experts: the load is the routing counts of S earlier batches of fresh tokens", RUN_ONLY},
+    {"expert-load", FLAG_TEXT, FIELD(expert_load), 0, 0, "FILE", NULL, "", "--redundant-experts: the load from FILE (E numbers, tokens per expert) instead of --eplb-window", RUN_ONLY},
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", NULL, "0", "shared experts, applied to every token on its home rank", BOTH | EXPLAIN},
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", NULL, "1", "data seed, 0 .. 2^64-1", RUN | EXPLAIN},
     {"init-scale", FLAG_REAL, FIELD(init_scale), 0, 1000000000000000000LL, "S", NULL, "1", "input tokens uniform in [-S, S)", RUN | EXPLAIN},
@@ -675,6 +679,37 @@ static int validate_backward(const moe_config *cfg, moe_status *st)
     return MOE_EXIT_OK;
 }
 
+/* --redundant-experts: E + N slots, the same number on every rank, each a
+ * 16-bit id on the wire; inference only. */
+static int validate_replicas(const moe_config *cfg, int ranks, moe_status *st)
+{
+    const int64_t N = cfg->redundant_experts, E = cfg->experts, P = E + N;
+    if (N == 0) {
+        if (cfg->expert_load[0] || cfg->eplb_window != 1)
+            return moe_fail(st, MOE_EXIT_USAGE, "--%s is the load of redundant experts: add --redundant-experts N",
+                            cfg->expert_load[0] ? "expert-load" : "eplb-window");
+        return MOE_EXIT_OK;
+    }
+    if (P % ranks != 0) {
+        const int64_t next = (P + ranks - 1) / ranks * ranks - E;
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--redundant-experts %lld: the %lld + %lld = %lld physical experts must be a "
+                        "multiple of the %d ranks (each rank the same number of slots): the next N "
+                        "that fits is %lld", (long long)N, (long long)E, (long long)N, (long long)P,
+                        ranks, (long long)next);
+    }
+    if (P > MOE_META_MAX_EXPERTS)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--redundant-experts must be at most %lld (E + N physical ids travel as 16 bits), got %lld",
+                        (long long)(MOE_META_MAX_EXPERTS - E), (long long)N);
+    const char *other = cfg->backward ? "--backward (the copies' weight gradients would need summing)"
+                        : cfg->dump[0] ? "--dump (a golden set names experts by their logical id)"
+                                       : NULL;
+    if (other)
+        return moe_fail(st, MOE_EXIT_USAGE, "--redundant-experts serves inference: drop %s", other);
+    return MOE_EXIT_OK;
+}
+
 int moe_config_layout(const moe_config *cfg)
 {
     if (cfg->expert_layout != MOE_LAYOUT_AUTO)
@@ -784,7 +819,8 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dispatch hierarchical runs waves of tokens (a relay forwards a token once "
                         "per wave): drop --wave-by experts");
-    const int64_t fewest = cfg->experts / ranks; /* local experts of the rank with the fewest */
+    /* local experts of the rank with the fewest */
+    const int64_t fewest = (cfg->experts + cfg->redundant_experts) / ranks;
     for (int n = 0; n < cfg->waves_count && cfg->wave_by == MOE_WAVE_BY_EXPERTS; n++)
         if (cfg->waves_list[n] > fewest)
             return moe_fail(st, MOE_EXIT_USAGE,
@@ -802,6 +838,8 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                         "divide the %d ranks, got %lld", ranks, (long long)R);
     if (cfg->grad_output[0] && !cfg->backward)
         return moe_fail(st, MOE_EXIT_USAGE, "--grad-output is the gradient of a training step: add --backward");
+    if (validate_replicas(cfg, ranks, st))
+        return st->code;
     if (cfg->backward && validate_backward(cfg, st))
         return st->code;
     if (validate_layout(cfg, st) || validate_low_latency(cfg, st))
@@ -837,7 +875,7 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
     const double G = ranks, T = (double)cfg->tokens, d = (double)cfg->hidden, f = (double)cfg->ffn;
     const double E = (double)cfg->experts, k = (double)cfg->topk, S = (double)cfg->shared_experts;
     const double N = G * T;                                   /* all ranks' tokens */
-    const double EL = (double)((cfg->experts + ranks - 1) / ranks);
+    const double EL = (double)((cfg->experts + cfg->redundant_experts + ranks - 1) / ranks);
     const double expert_bytes = 3.0 * f * d * 4.0;            /* W1 (2f,d) + W2 (d,f), fp32 */
     const double meta = 4.0 * (2.0 * k + 1.0);                /* a row's ids and weights */
     double W = 1.0;                                           /* the most waves of one forward */

@@ -128,6 +128,53 @@ static void print_router(FILE *out, const moe_config *cfg)
     fprintf(out, "\n");
 }
 
+/* max / mean of v (n). */
+static double imbalance(const double *v, int n)
+{
+    double max = 0.0, sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        max = v[i] > max ? v[i] : max;
+        sum += v[i];
+    }
+    return sum > 0 ? max * n / sum : 0.0;
+}
+
+/* --redundant-experts: the policy, the copies, the balance they buy, their
+ * memory, and the placement table (G <= 16). */
+static void print_replicas(FILE *out, const moe_run_summary *s)
+{
+    const moe_replicas *r = s->replicas;
+    const moe_config *cfg = s->cfg;
+    const int G = s->ranks, E = r->logical, P = r->physical, per_rank = P / G;
+    fprintf(out, "replicas  EPLB %s: %d logical + %d redundant = %d physical experts, %d per rank; "
+                 "load: %s\n",
+            r->hierarchical ? "hierarchical (groups onto nodes, copies within each node, then onto its ranks)"
+                            : "global (copies, then onto ranks)",
+            E, P - E, P, per_rank,
+            cfg->expert_load[0] ? cfg->expert_load : "the routing of the --eplb-window batches before this one");
+    fprintf(out, "          copies:");
+    int shown = 0;
+    for (int e = 0; e < E; e++)
+        if (r->copies[e] > 1 && shown++ < 12)
+            fprintf(out, " e%d x%d (load %.0f)", e, r->copies[e], s->expert_load[e]);
+    fprintf(out, "%s\n", shown > 12 ? " ..." : shown ? "; the others one" : " none (the load is even)");
+    print_spread(out, "tokens per physical expert", s->tokens_per_physical);
+    fprintf(out, "          pairs per rank, max/mean: %.2f without copies (E/G experts a rank), %.2f with them\n",
+            imbalance(s->rank_pairs[0], G), imbalance(s->rank_pairs[1], G));
+    const double extra = (double)(P - E) * s->expert_bytes;
+    fprintf(out, "          memory: the copies' weights, %.2f MiB in all, %.2f MiB a rank (%d experts a rank "
+                 "instead of %.4g)\n", extra / 1048576.0, extra / G / 1048576.0, per_rank, (double)E / G);
+    if (G > 16)
+        return;
+    for (int g = 0; g < G; g++) {
+        fprintf(out, "          rank %-3d %7.0f pairs:", g, s->rank_pairs[1][g]);
+        for (int p = g * per_rank; p < (g + 1) * per_rank; p++)
+            fprintf(out, " %s%d", r->copies[r->phy2log[p]] > 1 ? "*" : "e", r->phy2log[p]);
+        fprintf(out, "\n");
+    }
+    fprintf(out, "          (*: an expert with copies; each rank's experts in slot order)\n");
+}
+
 static void print_routing(FILE *out, const moe_run_summary *s)
 {
     const int G = s->ranks;
@@ -136,6 +183,8 @@ static void print_routing(FILE *out, const moe_run_summary *s)
     print_spread(out, "tokens per expert", s->tokens_per_expert);
     print_spread(out, "dispatch rows received per rank", s->rows_received);
     print_spread(out, "expert pairs computed per rank", s->pairs_received);
+    if (s->replicas)
+        print_replicas(out, s);
     const int layout = moe_config_layout(s->cfg);
     const double filled = s->pairs_received.mean * G, empty = s->layout_slots - filled;
     if (layout != MOE_LAYOUT_ROWS) {
@@ -350,9 +399,13 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     fprintf(out, "config    preset %s · G=%d ranks · T=%lld tokens per rank (%.0f in all) · d=%lld · f=%lld\n",
             cfg->preset[0] ? cfg->preset : "(none)", s->ranks, (long long)cfg->tokens, G * (double)cfg->tokens,
             (long long)cfg->hidden, (long long)cfg->ffn);
-    fprintf(out, "          E=%lld routed experts (%d..%d per rank) · k=%lld · S=%lld shared · "
+    char redundant[48] = "";
+    if (cfg->redundant_experts)
+        snprintf(redundant, sizeof redundant, " + %lld redundant", (long long)cfg->redundant_experts);
+    fprintf(out, "          E=%lld routed experts%s (%d..%d per rank) · k=%lld · S=%lld shared · "
                  "seed %llu · %lld iters\n",
-            (long long)cfg->experts, s->local_experts_min, s->local_experts_max,
+            (long long)cfg->experts, redundant,
+            s->local_experts_min, s->local_experts_max,
             (long long)cfg->topk, (long long)cfg->shared_experts,
             (unsigned long long)cfg->seed, (long long)cfg->iters);
     moe_report_print_machine(out, s);

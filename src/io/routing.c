@@ -1,10 +1,12 @@
 /* routing.c — reading and validating a routing file (see routing.h). */
 #include "moe/routing.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "moe/safetensors.h"
 
@@ -107,5 +109,50 @@ int moe_grad_output_load(const char *path, moe_index tokens, moe_index hidden, m
     }
     free(data);
     moe_st_close(&f);
+    return rc;
+}
+
+int moe_expert_load_read(const char *path, int experts, double *load, moe_status *st)
+{
+    FILE *file = fopen(path, "r");
+    if (!file)
+        return moe_fail(st, MOE_EXIT_USAGE, "--expert-load: cannot read '%s': %s", path, strerror(errno));
+    char line[4096];
+    int count = 0, line_no = 0, rc = MOE_EXIT_OK;
+    while (rc == MOE_EXIT_OK && fgets(line, sizeof line, file)) {
+        line_no++;
+        if (!strchr(line, '\n') && !feof(file)) {
+            rc = moe_fail(st, MOE_EXIT_USAGE, "--expert-load: line %d of '%s' is longer than %zu bytes",
+                          line_no, path, sizeof line - 2);
+            break;
+        }
+        line[strcspn(line, "#")] = '\0';
+        for (char *p = line; rc == MOE_EXIT_OK;) {
+            p += strspn(p, " \t\r\n,");
+            if (!*p)
+                break;
+            char *end;
+            errno = 0;
+            const double v = strtod(p, &end);
+            const size_t len = strcspn(p, " \t\r\n,");
+            if (end != p + len || errno == ERANGE || !isfinite(v) || v < 0)
+                rc = moe_fail(st, MOE_EXIT_USAGE,
+                              "--expert-load: line %d of '%s': '%.*s' is not a load (a finite number >= 0)",
+                              line_no, path, (int)(len < 40 ? len : 40), p);
+            else if (count >= experts)
+                rc = moe_fail(st, MOE_EXIT_USAGE,
+                              "--expert-load: '%s' holds more than the %d numbers of --experts (line %d)",
+                              path, experts, line_no);
+            else
+                load[count++] = v;
+            p = end;
+        }
+    }
+    if (rc == MOE_EXIT_OK && ferror(file))
+        rc = moe_fail(st, MOE_EXIT_USAGE, "--expert-load: cannot read '%s'", path);
+    if (rc == MOE_EXIT_OK && count != experts)
+        rc = moe_fail(st, MOE_EXIT_USAGE, "--expert-load: '%s' holds %d numbers, --experts is %d",
+                      path, count, experts);
+    fclose(file);
     return rc;
 }

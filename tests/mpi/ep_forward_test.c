@@ -97,10 +97,11 @@ static void route(const moe_ep *ep, const moe_placement *home_placement, moe_ind
     free(logits);
 }
 
-/* y (T, d) of the layer on communicator c for its ranks' tokens. */
+/* y (T, d) of the layer on communicator c for its ranks' tokens; ids the
+ * logical experts, placed (T, k) the physical ones the pairs went to. */
 static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement *home_placement,
                    moe_index tokens_per_rank, const test_options *opt, float *x, int32_t *ids,
-                   float *weights, float *y, moe_forward_stats *stats)
+                   int32_t *placed, float *weights, float *y, moe_forward_stats *stats)
 {
     moe_ep ep;
     moe_status st = {0};
@@ -108,16 +109,19 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
         return 1;
     }
+    if (cfg->redundant_experts)
+        moe_ep_place_replicas(&ep, NULL);
     moe_ep_generate_tokens(&ep, x);
     route(&ep, home_placement, tokens_per_rank, (moe_index)c->rank * cfg->tokens, x, opt, ids,
           weights);
+    moe_ep_place(&ep, ids, placed);
     const moe_schedule sched = moe_schedule_default(&ep);
     int rc = cfg->mode == MOE_MODE_LOW_LATENCY
-                 ? moe_ep_forward_ll(&ep, x, ids, weights, y, stats, &st)
-             : !cfg->blocking ? moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, stats, &st)
+                 ? moe_ep_forward_ll(&ep, x, placed, weights, y, stats, &st)
+             : !cfg->blocking ? moe_ep_forward_waves(&ep, &sched, x, placed, weights, y, stats, &st)
              : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
-                 ? moe_ep_forward_hier(&ep, x, ids, weights, y, stats, &st)
-                 : moe_ep_forward_ref(&ep, x, ids, weights, y, stats, NULL, &st);
+                 ? moe_ep_forward_hier(&ep, x, placed, weights, y, stats, &st)
+                 : moe_ep_forward_ref(&ep, x, placed, weights, y, stats, NULL, &st);
     if (rc)
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
     moe_ep_free(&ep);
@@ -142,8 +146,11 @@ static int sweep_waves(const moe_comm *world, const moe_config *cfg, const moe_p
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
         return 1;
     }
+    if (cfg->redundant_experts)
+        moe_ep_place_replicas(&ep, NULL);
     moe_ep_generate_tokens(&ep, x);
     route(&ep, home, T, (moe_index)world->rank * T, x, opt, ids, weights);
+    moe_ep_place(&ep, ids, ids); /* the truth is the caller's: only the physical ids here */
     moe_forward_stats stats;
     /* The two-stage dispatch with a reduced combine sums at the relay too:
      * its waves match its own blocking run, not the flat path's sums. */
@@ -235,7 +242,8 @@ int main(int argc, char **argv)
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
     moe_forward_stats stats;
     const double posted_before = moe_comm_posted_bytes();
-    if (forward(&world, &cfg, &home, T, &opt, x, ids, weights, y, &stats))
+    int32_t *placed = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    if (forward(&world, &cfg, &home, T, &opt, x, ids, placed, weights, y, &stats))
         failures++;
     /* The bytes MPI was asked to move to other ranks (counts times the wire
      * row types) are the bytes the traffic figures report (wire.h). */
@@ -252,10 +260,10 @@ int main(int argc, char **argv)
      * they must be (layout.h, moe_node_copies), to the row. */
     if (cfg.dispatch == MOE_DISPATCH_HIERARCHICAL) {
         moe_placement placement;
-        moe_placement_init(&placement, (int)cfg.experts, world.ranks);
+        moe_placement_init(&placement, (int)(cfg.experts + cfg.redundant_experts), world.ranks);
         moe_node_rows want = {0};
         const int R = cfg.ranks_per_node > 0 ? (int)cfg.ranks_per_node : world.ranks;
-        moe_node_copies(&placement, ids, cfg.tokens, (int)cfg.topk, R, world.rank, &want);
+        moe_node_copies(&placement, placed, cfg.tokens, (int)cfg.topk, R, world.rank, &want);
         moe_comm_sum_array(&world, &want.flat_inter, 4);
         const double inter = moe_comm_sum(&world, (double)stats.rows_inter);
         const double intra = moe_comm_sum(&world, (double)stats.rows_intra);
@@ -359,6 +367,8 @@ int main(int argc, char **argv)
                 one.max_tokens_per_rank = -1;
         }
         one.ranks_per_node = 0;
+        one.redundant_experts = 0; /* copies hold the same weights: the same bits without them */
+        one.eplb_window = 1;
         float *x1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * d));
         float *y1 = moe_xmalloc(sizeof(float) * (size_t)(G * T * d));
         int32_t *ids1 = moe_xmalloc(sizeof(int32_t) * (size_t)(G * T * k));
@@ -371,7 +381,7 @@ int main(int argc, char **argv)
 #ifdef _OPENMP
         omp_set_num_threads(threads);
 #endif
-        if (forward(&self, &one, &home, T, &opt, x1, ids1, w1, y1, &stats1))
+        if (forward(&self, &one, &home, T, &opt, x1, ids1, ids1, w1, y1, &stats1))
             failures++;
 #ifdef _OPENMP
         omp_set_num_threads(world.threads);
@@ -412,6 +422,7 @@ int main(int argc, char **argv)
     free(allow);
     free(truth);
     free(weights);
+    free(placed);
     free(ids);
     free(y);
     free(x);
