@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DOCS = [os.path.join(HERE, name) for name in ("learn.md", "plan.md", os.path.join("..", "README.md"))]
+DOCS = [os.path.join(HERE, name) for name in ("learn.md", "plan.md", "load-balance.md", os.path.join("..", "README.md"))]
 MARK = re.compile(r"^<!-- learn( timed)?: (.*) -->$")
 TIMED = re.compile(r"\d ?(ms|s|us|µs)\b|GFLOP/s|GB/s|tokens/s|peak resident|estimated up front|overlap|"
                    r"in MPI_Test|not computing|speed-up|ceiling|token chunks|expert slots|worst element|max_abs|^\s*[\d.\s]+$|\d+\.\d+x\b")

@@ -66,4 +66,10 @@ int moe_cluster_nodes_mean(const char *hist, int nodes, double *mean, moe_status
  * reached from cfg->nodes_per_token when given (valid), else sampled. */
 void moe_cluster_compute(const moe_config *cfg, moe_cluster *p);
 
+/* load (E) = the (token, expert) pairs of each expert over the seed's first
+ * `tokens` tokens routed as `moe-ep run` routes them (the synthetic gate and
+ * correction bias, groups, --skew): the synthetic load `plan` places
+ * redundant experts by. */
+void moe_cluster_sample_load(const moe_config *cfg, moe_index tokens, double *load);
+
 #endif

@@ -10,7 +10,10 @@
 
 #include "moe/cli.h"
 #include "moe/cluster.h"
+#include "moe/eplb.h"
 #include "moe/layout.h"
+#include "moe/router.h"
+#include "moe/routing.h"
 #include "moe/wire.h"
 
 static void print_usage(FILE *out)
@@ -147,6 +150,75 @@ static void print_plan(const moe_config *cfg, const moe_cluster *p)
            moe_format_bytes(moe_ll_buffer_bytes(&decode, (int)cfg->ep), bytes, sizeof bytes));
 }
 
+/* Tokens the synthetic load of --redundant-experts is sampled over. */
+enum { LOAD_SAMPLE = 1024 };
+
+/* max / mean of v (n). */
+static double max_over_mean(const double *v, int n)
+{
+    double max = 0.0, sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        max = fmax(max, v[i]);
+        sum += v[i];
+    }
+    return sum > 0 ? max * n / sum : 0.0;
+}
+
+/* --redundant-experts: EPLB's placement on the EP group for load (E), the
+ * imbalance it predicts (EPLB's own model: an expert's load split evenly
+ * over its copies), the copies' memory, and where the copies sit. */
+static void print_replicas(const moe_config *cfg, const moe_cluster *p, const double *load)
+{
+    const int E = (int)cfg->experts, G = (int)cfg->ep, P = E + (int)cfg->redundant_experts;
+    const int per_node = (int)(cfg->gpus_per_node < cfg->ep ? cfg->gpus_per_node : cfg->ep);
+    const int nodes = G % per_node == 0 ? G / per_node : 1, per_gpu = P / G;
+    moe_replicas r;
+    moe_eplb_place(load, E, P, (int)cfg->groups, nodes, G, &r);
+    moe_placement logical;
+    moe_placement_init(&logical, E, G);
+    double *gpu = moe_xcalloc(2 * (size_t)G, sizeof(double)); /* without, with copies */
+    for (int e = 0; e < E; e++)
+        gpu[logical.expert_rank[e]] += load[e];
+    for (int q = 0; q < P; q++)
+        gpu[G + q / per_gpu] += load[r.phy2log[q]] / r.copies[r.phy2log[q]];
+    char a[32], b[32], c[32];
+    printf("replicas  EPLB %s: %d + %lld redundant = %d physical experts, %d per GPU; load: %s\n",
+           r.hierarchical ? "hierarchical (groups onto nodes, copies within each node, then onto its GPUs)"
+                          : "global (copies, then onto GPUs)",
+           E, (long long)cfg->redundant_experts, P, per_gpu,
+           cfg->expert_load[0] ? cfg->expert_load : "the router on the seed's first 1024 tokens");
+    printf("          (token, expert) pairs per GPU, max/mean: %.2f with E/EP experts a GPU, %.2f with "
+           "the copies (an expert's load split evenly over its copies)\n",
+           max_over_mean(gpu, G), max_over_mean(gpu + G, G));
+    const double extra = (double)cfg->redundant_experts * p->params_per_expert * (double)cfg->moe_layers;
+    printf("          memory: the copies' %s params in %lld MoE layers = %s in %s, %s per GPU\n",
+           count(extra, a, sizeof a), (long long)cfg->moe_layers,
+           bytes(extra * moe_dtype_bytes(cfg->param_dtype), b, sizeof b), dtype_names[cfg->param_dtype],
+           bytes(extra * moe_dtype_bytes(cfg->param_dtype) / G, c, sizeof c));
+    for (int n = 0; n < (G <= 16 ? G : nodes); n++) {
+        const int first = G <= 16 ? n : n * (G / nodes), last = G <= 16 ? n + 1 : (n + 1) * (G / nodes);
+        if (G <= 16)
+            printf("          GPU %-3d %8.0f pairs:", n, gpu[G + n]);
+        else
+            printf("          node %d (GPUs %d-%d): %d slots, copies of", n, first, last - 1,
+                   (last - first) * per_gpu);
+        int shown = 0;
+        for (int q = first * per_gpu; q < last * per_gpu; q++) {
+            const int e = r.phy2log[q];
+            if (G <= 16)
+                printf(" %s%d", r.copies[e] > 1 ? "*" : "e", e);
+            else if (r.copies[e] > 1 && r.replica[q] == 0 && shown++ < 12)
+                printf(" e%d x%d", e, r.copies[e]);
+        }
+        printf("%s\n", G <= 16 ? "" : shown > 12 ? " ..." : shown ? "" : " none");
+    }
+    if (G <= 16)
+        printf("          (*: an expert with copies)\n");
+    free(gpu);
+    moe_placement_free(&logical);
+    moe_replicas_free(&r);
+}
+
 int moe_cli_plan(const moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
@@ -180,6 +252,28 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
     if (st.code == MOE_EXIT_OK && cfg.topk > cfg.experts)
         moe_fail(&st, MOE_EXIT_USAGE, "--topk must be in [1, %lld] (at most --experts), got %lld",
                  (long long)cfg.experts, (long long)cfg.topk);
+    if (st.code == MOE_EXIT_OK && cfg.skew[0]) {
+        float skew[MOE_ROUTER_MAX_EXPERTS];
+        moe_skew_parse(cfg.skew, (int)cfg.experts, skew, &st);
+    }
+    const int64_t physical = cfg.experts + cfg.redundant_experts;
+    if (st.code == MOE_EXIT_OK && cfg.redundant_experts > 0 && physical % cfg.ep != 0)
+        moe_fail(&st, MOE_EXIT_USAGE,
+                 "--redundant-experts %lld: the %lld + %lld = %lld physical experts must be a "
+                 "multiple of --ep %lld (each GPU the same number of slots): the next N that fits is %lld",
+                 (long long)cfg.redundant_experts, (long long)cfg.experts,
+                 (long long)cfg.redundant_experts, (long long)physical, (long long)cfg.ep,
+                 (long long)((physical + cfg.ep - 1) / cfg.ep * cfg.ep - cfg.experts));
+    if (st.code == MOE_EXIT_OK && cfg.expert_load[0] && cfg.redundant_experts == 0)
+        moe_fail(&st, MOE_EXIT_USAGE, "--expert-load is the load of redundant experts: add --redundant-experts N");
+    double *load = NULL;
+    if (st.code == MOE_EXIT_OK && cfg.redundant_experts > 0) {
+        load = moe_xmalloc(sizeof(double) * (size_t)cfg.experts);
+        if (cfg.expert_load[0])
+            moe_expert_load_read(cfg.expert_load, (int)cfg.experts, load, &st);
+        else
+            moe_cluster_sample_load(&cfg, LOAD_SAMPLE, load);
+    }
     double mean;
     if (st.code == MOE_EXIT_OK && cfg.nodes_per_token[0])
         moe_cluster_nodes_mean(cfg.nodes_per_token, (int)((cfg.ep + cfg.gpus_per_node - 1) / cfg.gpus_per_node),
@@ -191,11 +285,16 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
     }
     if (st.code) {
         moe_comm_print_error(c, &st);
+        free(load);
         return st.code;
     }
     moe_cluster plan;
     moe_cluster_compute(&cfg, &plan);
-    if (c->rank == 0)
+    if (c->rank == 0) {
         print_plan(&cfg, &plan);
+        if (load)
+            print_replicas(&cfg, &plan, load);
+    }
+    free(load);
     return MOE_EXIT_OK;
 }

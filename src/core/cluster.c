@@ -11,19 +11,17 @@
 #include "moe/router.h"
 #include "moe/wire.h"
 
-/* The nodes a token's k experts reach, on average, sampled: the seed's first
- * PLAN_SAMPLE tokens through the router cfg describes (its synthetic gate and
- * correction bias, groups, kept groups), as `moe-ep run` routes them, with
- * E/EP experts per GPU and gpus-per-node GPUs per node. */
-enum { PLAN_SAMPLE = 256 };
-
-static double sample_nodes_reached(const moe_config *cfg, int nodes)
+/* ids (T, k): the first T tokens of the seed through the router cfg
+ * describes (its synthetic gate and correction bias, groups, kept groups,
+ * --skew), as `moe-ep run` routes them. */
+static int32_t *sample_routing(const moe_config *cfg, moe_index T)
 {
-    const moe_index T = PLAN_SAMPLE, d = cfg->hidden;
+    const moe_index d = cfg->hidden;
     const int E = (int)cfg->experts, k = (int)cfg->topk;
     float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     float *gate = moe_xmalloc(sizeof(float) * (size_t)(E * d));
     float *bias = moe_xmalloc(sizeof(float) * (size_t)E);
+    float *skew = moe_xmalloc(sizeof(float) * (size_t)E);
     float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
     float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
     int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
@@ -33,12 +31,35 @@ static double sample_nodes_reached(const moe_config *cfg, int nodes)
     const bool biased = cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0;
     if (biased)
         moe_synth_fill(cfg->seed, MOE_TENSOR_BIAS, 0, 0, E, (float)cfg->bias_scale, bias);
+    moe_status ignored = {0}; /* validated */
+    const bool skewed = cfg->skew[0] && moe_skew_parse(cfg->skew, E, skew, &ignored) == MOE_EXIT_OK;
     const moe_router router = {.kind = (enum moe_router_kind)cfg->router, .experts = E, .topk = k,
                                .normalize = moe_config_norm_topk(cfg), .groups = (int)cfg->groups,
                                .topk_groups = (int)cfg->topk_groups,
-                               .route_scale = (float)cfg->route_scale, .bias = biased ? bias : NULL};
+                               .route_scale = (float)cfg->route_scale, .bias = biased ? bias : NULL,
+                               .skew = skewed ? skew : NULL};
     moe_router_logits(x, gate, T, d, E, logits);
     moe_router_select(&router, logits, T, scores, ids, weights);
+    free(weights);
+    free(scores);
+    free(logits);
+    free(skew);
+    free(bias);
+    free(gate);
+    free(x);
+    return ids;
+}
+
+/* The nodes a token's k experts reach, on average, over the seed's first
+ * PLAN_SAMPLE tokens, with E/EP experts per GPU and gpus-per-node GPUs per
+ * node. */
+enum { PLAN_SAMPLE = 256 };
+
+static double sample_nodes_reached(const moe_config *cfg, int nodes)
+{
+    const moe_index T = PLAN_SAMPLE;
+    const int E = (int)cfg->experts, k = (int)cfg->topk;
+    int32_t *ids = sample_routing(cfg, T);
     const double experts_per_node = (double)E / (double)nodes;
     double reached = 0.0;
     bool *seen = moe_xcalloc((size_t)nodes, sizeof(bool));
@@ -52,14 +73,18 @@ static double sample_nodes_reached(const moe_config *cfg, int nodes)
         }
     }
     free(seen);
-    free(weights);
     free(ids);
-    free(scores);
-    free(logits);
-    free(bias);
-    free(gate);
-    free(x);
     return reached / (double)T;
+}
+
+void moe_cluster_sample_load(const moe_config *cfg, moe_index tokens, double *load)
+{
+    const int E = (int)cfg->experts, k = (int)cfg->topk;
+    int32_t *ids = sample_routing(cfg, tokens);
+    memset(load, 0, sizeof(double) * (size_t)E);
+    for (moe_index n = 0; n < tokens * k; n++)
+        load[ids[n]] += 1.0;
+    free(ids);
 }
 
 int moe_cluster_nodes_mean(const char *hist, int nodes, double *mean, moe_status *st)
