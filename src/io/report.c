@@ -158,6 +158,10 @@ static void print_replicas(FILE *out, const moe_run_summary *s)
         if (r->copies[e] > 1 && shown++ < 12)
             fprintf(out, " e%d x%d (load %.0f)", e, r->copies[e], s->expert_load[e]);
     fprintf(out, "%s\n", shown > 12 ? " ..." : shown ? "; the others one" : " none (the load is even)");
+    if (r->hierarchical && s->ranks_per_node == 1)
+        fprintf(out, "          nodes of one rank (--ranks-per-node 1): the hierarchical policy keeps an "
+                     "expert's copies on its own rank, where they balance nothing; nodes of several "
+                     "ranks let them spread\n");
     print_spread(out, "tokens per physical expert", s->tokens_per_physical);
     fprintf(out, "          pairs per rank, max/mean: %.2f without copies (E/G experts a rank), %.2f with them\n",
             imbalance(s->rank_pairs[0], G), imbalance(s->rank_pairs[1], G));
