@@ -80,6 +80,9 @@ void moe_buffer_free(moe_buffer *b);
  * enough to tell whether two outputs are the same bits. */
 uint64_t moe_digest64(const void *data, size_t n);
 
+/* max(v) / mean(v) over n values, 0 when they sum to 0: a load's imbalance. */
+double moe_max_over_mean(const double *v, int n);
+
 /* counts (n) and displs (n) as MPI wants them (ints) from row counts count (n). */
 void moe_to_counts(const moe_index *count, int n, int *counts, int *displs);
 

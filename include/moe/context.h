@@ -69,4 +69,10 @@ void moe_context_time_alltoalls(moe_run_context *ctx, int iters);
 /* The median of v (n); sorts v. */
 double moe_median(double *v, int n);
 
+/* --steps N and --bias-update (src/cli/steps.c): N forwards on stream
+ * batches 0 .. N-1 on the configured path, each followed by the bias update,
+ * then the table of the steps' balance on rank 0 and --steps-csv and
+ * --steps-plot. ctx->x is the run's batch again afterwards. Collective. */
+int moe_run_steps(moe_run_context *ctx);
+
 #endif

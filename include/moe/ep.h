@@ -90,9 +90,10 @@ void moe_ep_free(moe_ep *ep);
  * ungenerated until moe_ep_place_replicas places the copies.
  *
  * load (E) = the tokens routed to each logical expert (k pairs a token) in
- * cfg->eplb_window earlier batches of fresh tokens, summed over ranks: batch
- * s = 1 .. S is rows s*G*T + rank*T + i of the token stream (rng.h), the
- * run's own batch s = 0. Collective. */
+ * cfg->eplb_window batches of fresh tokens, summed over ranks: window batch
+ * s = 1 .. S is stream batch b = steps + s - 1, rows b*G*T + rank*T + i of
+ * the token stream (rng.h); the run's own batch and --steps' are b = 0 ..
+ * steps - 1, so none of them is one EPLB measured. Collective. */
 void moe_ep_window_load(const moe_ep *ep, double *load);
 
 /* Place the E + N physical experts with EPLB for load (E) (eplb.h: the
@@ -106,6 +107,10 @@ void moe_ep_place_replicas(moe_ep *ep, const double *load);
  * id and its home rank's node; the logical ids themselves without
  * replicas. Pure. */
 void moe_ep_place(const moe_ep *ep, const int32_t *ids, int32_t *placed);
+
+/* x (T, d) = this rank's tokens of stream batch b: rows (b*G + rank)*T + i
+ * of the token stream (rng.h). Batch 0 is the run's. */
+void moe_ep_generate_batch(const moe_ep *ep, uint64_t batch, float *x);
 
 /* x (T, d) = this rank's tokens, global ids rank*T + i. */
 void moe_ep_generate_tokens(const moe_ep *ep, float *x);

@@ -70,4 +70,38 @@ void moe_router_groups(const moe_router *r, const float *biased, float *group_sc
  * --skew. */
 int moe_skew_parse(const char *spec, int experts, float *skew, moe_status *st);
 
+/* DeepSeek-V3's auxiliary-loss-free balancing, after each step: bias (E)
+ * += gamma * sign(mean load - load_i) for load (E), the tokens routed to
+ * each expert in the step (0 at the mean): an overloaded expert's bias
+ * goes down, an underloaded one's up. Selection only; the weights stay the
+ * unbiased scores. fp32, the same on every rank for the same load. */
+void moe_router_bias_update(float *bias, const double *load, int experts, float gamma);
+
+/* The balance losses of one batch, as metrics (nothing is trained). A rank
+ * adds its tokens' shares into these sums; summed over ranks they give the
+ * layer's figures (moe_balance_losses). p'(t, i) is token t's score of
+ * expert i over the sum of its scores (the softmax probability itself; V3's
+ * normalised sigmoid score). */
+typedef struct {
+    double tokens;      /* N, summed over ranks */
+    double z_sum;       /* sum over tokens of logsumexp(logits)^2 */
+    double seq_sum;     /* sum over sequences (a rank's T tokens) of sum_i f_i P_i */
+    double sequences;
+} moe_balance_sums;
+
+/* pairs (E) += the (token, expert) pairs of ids (T, k); prob (E) += the sum
+ * over tokens of p'(t, i); sums as above, for this rank's T tokens as one
+ * sequence: f_i = E / (k T) x its pairs of i, P_i = its mean p'(t, i). */
+void moe_router_balance(const moe_router *r, const float *logits, const float *scores,
+                        const int32_t *ids, moe_index tokens, double *pairs, double *prob,
+                        moe_balance_sums *sums);
+
+/* From the layer's sums: the GShard/Switch auxiliary loss E sum_i f_i P_i
+ * (f_i = pairs_i / (N k), P_i = prob_i / N), the router z-loss (the mean
+ * over tokens of logsumexp(logits)^2), and V3's sequence-wise balance loss
+ * sum_i f_i P_i averaged over sequences (to be multiplied by its alpha).
+ * Both balance figures are 1 for perfectly even routing. */
+void moe_balance_losses(const double *pairs, const double *prob, int experts, int topk,
+                        const moe_balance_sums *sums, double *aux, double *z, double *seq);
+
 #endif

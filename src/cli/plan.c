@@ -153,17 +153,6 @@ static void print_plan(const moe_config *cfg, const moe_cluster *p)
 /* Tokens the synthetic load of --redundant-experts is sampled over. */
 enum { LOAD_SAMPLE = 1024 };
 
-/* max / mean of v (n). */
-static double max_over_mean(const double *v, int n)
-{
-    double max = 0.0, sum = 0.0;
-    for (int i = 0; i < n; i++) {
-        max = fmax(max, v[i]);
-        sum += v[i];
-    }
-    return sum > 0 ? max * n / sum : 0.0;
-}
-
 /* --redundant-experts: EPLB's placement on the EP group for load (E), the
  * imbalance it predicts (EPLB's own model: an expert's load split evenly
  * over its copies), the copies' memory, and where the copies sit. */
@@ -189,7 +178,7 @@ static void print_replicas(const moe_config *cfg, const moe_cluster *p, const do
            cfg->expert_load[0] ? cfg->expert_load : "the router on the seed's first 1024 tokens");
     printf("          (token, expert) pairs per GPU, max/mean: %.2f with E/EP experts a GPU, %.2f with "
            "the copies (an expert's load split evenly over its copies)\n",
-           max_over_mean(gpu, G), max_over_mean(gpu + G, G));
+           moe_max_over_mean(gpu, G), moe_max_over_mean(gpu + G, G));
     const double extra = (double)cfg->redundant_experts * p->params_per_expert * (double)cfg->moe_layers;
     printf("          memory: the copies' %s params in %lld MoE layers = %s in %s, %s per GPU\n",
            count(extra, a, sizeof a), (long long)cfg->moe_layers,

@@ -504,8 +504,11 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     const moe_config *cfg = &ctx.cfg;
     moe_run_summary *s = &ctx.summary;
 
+    if (cfg->steps > 1 || cfg->bias_update > 0)
+        rc = moe_run_steps(&ctx);
     /* The first wave count: report, pictures, check. */
-    rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);
+    if (rc == MOE_EXIT_OK)
+        rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);
     if (rc == MOE_EXIT_OK)
         moe_context_time_alltoalls(&ctx, (int)cfg->iters);
     traffic_detail detail = {NULL, NULL, NULL, NULL, NULL};

@@ -198,7 +198,6 @@ void moe_ep_window_load(const moe_ep *ep, double *load)
 {
     const moe_config *cfg = ep->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
-    const int G = ep->comm.ranks;
     float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     float *logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
     float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
@@ -206,9 +205,7 @@ void moe_ep_window_load(const moe_ep *ep, double *load)
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
     memset(load, 0, sizeof(double) * (size_t)E);
     for (int64_t s = 1; s <= cfg->eplb_window; s++) {
-        const uint64_t first = ((uint64_t)s * (uint64_t)G + (uint64_t)ep->comm.rank) * (uint64_t)T;
-        moe_synth_tokens(cfg->seed, first, T, d, (float)cfg->init_scale, cfg->input_dist, x);
-        moe_precision_weights(cfg->param_dtype, x, T * d);
+        moe_ep_generate_batch(ep, (uint64_t)(cfg->steps + s - 1), x); /* after every --steps batch */
         moe_router_logits(x, ep->gate, T, d, (int)E, logits);
         moe_router_select(&ep->router, logits, T, scores, ids, weights);
         for (moe_index n = 0; n < T * k; n++)
@@ -253,13 +250,18 @@ void moe_ep_place(const moe_ep *ep, const int32_t *ids, int32_t *placed)
                                                node, R);
 }
 
-void moe_ep_generate_tokens(const moe_ep *ep, float *x)
+void moe_ep_generate_batch(const moe_ep *ep, uint64_t batch, float *x)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
-    const uint64_t first_token = (uint64_t)ep->comm.rank * (uint64_t)T;
+    const uint64_t first_token = (batch * (uint64_t)ep->comm.ranks + (uint64_t)ep->comm.rank) * (uint64_t)T;
     moe_synth_tokens(ep->cfg->seed, first_token, T, d, (float)ep->cfg->init_scale,
                      ep->cfg->input_dist, x);
     moe_precision_weights(ep->cfg->param_dtype, x, T * d);
+}
+
+void moe_ep_generate_tokens(const moe_ep *ep, float *x)
+{
+    moe_ep_generate_batch(ep, 0, x);
 }
 
 void moe_ep_generate_grad_output(const moe_ep *ep, float *dy)

@@ -260,3 +260,13 @@ double moe_peak_rss(void)
     }
     return kib * 1024.0;
 }
+
+double moe_max_over_mean(const double *v, int n)
+{
+    double max = 0.0, sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        max = v[i] > max ? v[i] : max;
+        sum += v[i];
+    }
+    return sum > 0 ? max * n / sum : 0.0;
+}

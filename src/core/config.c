@@ -129,6 +129,10 @@ static const flag_spec flags[] = {
     {"redundant-experts", FLAG_INT, FIELD(redundant_experts), 0, 32767, "N", NULL, "0", "E + N physical experts, each rank (E + N)/G, placed by DeepSeek's EPLB from a measured load: hot experts get copies (docs/load-balance.md)", RUN_ONLY | PLAN},
     {"eplb-window", FLAG_INT, FIELD(eplb_window), 1, 1000, "S", NULL, "1", "--redundant-experts: the load is the routing counts of S earlier batches of fresh tokens", RUN_ONLY},
     {"expert-load", FLAG_TEXT, FIELD(expert_load), 0, 0, "FILE", NULL, "", "--redundant-experts: the load from FILE (E numbers, tokens per expert) instead of --eplb-window", RUN_ONLY | PLAN},
+    {"steps", FLAG_INT, FIELD(steps), 1, 10000, "N", NULL, "1", "N steps of route, forward and --bias-update on fresh batches before the timed forwards, each step's balance printed (docs/load-balance.md)", RUN_ONLY},
+    {"bias-update", FLAG_REAL, FIELD(bias_update), 0, 1, "GAMMA", NULL, "0", "deepseek-v3: after each step, bias_i += GAMMA sign(mean load - load_i) (V3's auxiliary-loss-free balancing); 0 = none", RUN_ONLY},
+    {"steps-csv", FLAG_TEXT, FIELD(steps_csv), 0, 0, "FILE", NULL, "", "--steps: each step's imbalance, expert time, balance losses and bias as CSV", RUN_ONLY},
+    {"steps-plot", FLAG_TEXT, FIELD(steps_plot), 0, 0, "FILE.svg", NULL, "", "--steps: max/mean load per expert and per rank against the step", RUN_ONLY},
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", NULL, "0", "shared experts, applied to every token on its home rank", BOTH | EXPLAIN},
     {"seed", FLAG_SEED, FIELD(seed), 0, 0, "S", NULL, "1", "data seed, 0 .. 2^64-1", RUN | EXPLAIN},
     {"init-scale", FLAG_REAL, FIELD(init_scale), 0, 1000000000000000000LL, "S", NULL, "1", "input tokens uniform in [-S, S)", RUN | EXPLAIN},
@@ -710,6 +714,26 @@ static int validate_replicas(const moe_config *cfg, int ranks, moe_status *st)
     return MOE_EXIT_OK;
 }
 
+/* --steps and --bias-update: the bias is the deepseek-v3 router's; the
+ * steps route fresh batches of the router's own. */
+static int validate_steps(const moe_config *cfg, moe_status *st)
+{
+    if (cfg->bias_update > 0 && (cfg->router != MOE_ROUTER_DEEPSEEK_V3 || !(cfg->bias_scale > 0)))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--bias-update moves deepseek-v3's correction bias: add --router deepseek-v3 "
+                        "with --bias-scale above 0 (without a bias the router is V2's)");
+    if (cfg->steps == 1 && !(cfg->bias_update > 0) && (cfg->steps_csv[0] || cfg->steps_plot[0]))
+        return moe_fail(st, MOE_EXIT_USAGE, "--%s records the steps: add --steps N",
+                        cfg->steps_csv[0] ? "steps-csv" : "steps-plot");
+    if ((cfg->steps > 1 || cfg->bias_update > 0) && cfg->routing[0])
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--steps routes fresh batches with the router: drop --routing");
+    if ((cfg->steps > 1 || cfg->bias_update > 0) && (cfg->backward || cfg->dump[0]))
+        return moe_fail(st, MOE_EXIT_USAGE, "--steps and --bias-update run forwards: drop %s",
+                        cfg->backward ? "--backward" : "--dump");
+    return MOE_EXIT_OK;
+}
+
 int moe_config_layout(const moe_config *cfg)
 {
     if (cfg->expert_layout != MOE_LAYOUT_AUTO)
@@ -838,7 +862,7 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                         "divide the %d ranks, got %lld", ranks, (long long)R);
     if (cfg->grad_output[0] && !cfg->backward)
         return moe_fail(st, MOE_EXIT_USAGE, "--grad-output is the gradient of a training step: add --backward");
-    if (validate_replicas(cfg, ranks, st))
+    if (validate_replicas(cfg, ranks, st) || validate_steps(cfg, st))
         return st->code;
     if (cfg->backward && validate_backward(cfg, st))
         return st->code;

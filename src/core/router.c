@@ -255,3 +255,60 @@ int moe_skew_parse(const char *spec, int experts, float *skew, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE, "--skew hot: needs EXPERT=+B, got '%s'", spec);
     return MOE_EXIT_OK;
 }
+
+void moe_router_bias_update(float *bias, const double *load, int experts, float gamma)
+{
+    double mean = 0.0;
+    for (int e = 0; e < experts; e++)
+        mean += load[e];
+    mean /= experts;
+    for (int e = 0; e < experts; e++)
+        bias[e] += load[e] < mean ? gamma : load[e] > mean ? -gamma : 0.0f;
+}
+
+void moe_router_balance(const moe_router *r, const float *logits, const float *scores,
+                        const int32_t *ids, moe_index tokens, double *pairs, double *prob,
+                        moe_balance_sums *sums)
+{
+    const int E = r->experts, k = r->topk;
+    double *count = moe_xcalloc((size_t)E, sizeof(double));
+    double *mean_p = moe_xcalloc((size_t)E, sizeof(double));
+    for (moe_index t = 0; t < tokens; t++) {
+        const float *logit = logits + t * E, *score = scores + t * E;
+        double most = -INFINITY, total = 0.0, exps = 0.0;
+        for (int e = 0; e < E; e++) {
+            most = fmax(most, (double)logit[e]);
+            total += score[e];
+        }
+        for (int e = 0; e < E; e++)
+            exps += exp((double)logit[e] - most);
+        const double lse = most + log(exps);
+        sums->z_sum += lse * lse;
+        for (int e = 0; e < E; e++)
+            mean_p[e] += total > 0 ? score[e] / total : 0.0;
+        for (int s = 0; s < k; s++)
+            count[ids[t * k + s]] += 1.0;
+    }
+    double seq = 0.0;
+    for (int e = 0; e < E && tokens > 0; e++) {
+        seq += (double)E / ((double)k * (double)tokens) * count[e] * (mean_p[e] / (double)tokens);
+        pairs[e] += count[e];
+        prob[e] += mean_p[e];
+    }
+    sums->tokens += (double)tokens;
+    sums->seq_sum += seq;
+    sums->sequences += tokens > 0;
+    free(mean_p);
+    free(count);
+}
+
+void moe_balance_losses(const double *pairs, const double *prob, int experts, int topk,
+                        const moe_balance_sums *sums, double *aux, double *z, double *seq)
+{
+    const double N = sums->tokens;
+    *aux = 0.0;
+    for (int e = 0; e < experts && N > 0; e++)
+        *aux += (double)experts * (pairs[e] / (N * topk)) * (prob[e] / N);
+    *z = N > 0 ? sums->z_sum / N : 0.0;
+    *seq = sums->sequences > 0 ? sums->seq_sum / sums->sequences : 0.0;
+}

@@ -128,17 +128,6 @@ static void print_router(FILE *out, const moe_config *cfg)
     fprintf(out, "\n");
 }
 
-/* max / mean of v (n). */
-static double imbalance(const double *v, int n)
-{
-    double max = 0.0, sum = 0.0;
-    for (int i = 0; i < n; i++) {
-        max = v[i] > max ? v[i] : max;
-        sum += v[i];
-    }
-    return sum > 0 ? max * n / sum : 0.0;
-}
-
 /* --redundant-experts: the policy, the copies, the balance they buy, their
  * memory, and the placement table (G <= 16). */
 static void print_replicas(FILE *out, const moe_run_summary *s)
@@ -164,7 +153,7 @@ static void print_replicas(FILE *out, const moe_run_summary *s)
                      "ranks let them spread\n");
     print_spread(out, "tokens per physical expert", s->tokens_per_physical);
     fprintf(out, "          pairs per rank, max/mean: %.2f without copies (E/G experts a rank), %.2f with them\n",
-            imbalance(s->rank_pairs[0], G), imbalance(s->rank_pairs[1], G));
+            moe_max_over_mean(s->rank_pairs[0], G), moe_max_over_mean(s->rank_pairs[1], G));
     const double extra = (double)(P - E) * s->expert_bytes;
     fprintf(out, "          memory: the copies' weights, %.2f MiB in all, %.2f MiB a rank (%d experts a rank "
                  "instead of %.4g)\n", extra / 1048576.0, extra / G / 1048576.0, per_rank, (double)E / G);

@@ -221,6 +221,53 @@ START_TEST(skew_moves_the_choice)
 }
 END_TEST
 
+/* The bias update on a hand-made load: mean 10; over it down, under it up,
+ * at it unchanged; gamma applied in fp32. */
+START_TEST(bias_update_follows_the_sign_of_the_load)
+{
+    const double load[4] = {4.0, 10.0, 16.0, 10.0};
+    float bias[4] = {0.5f, -0.25f, 0.0f, 1.0f};
+    moe_router_bias_update(bias, load, 4, 0.001f);
+    ck_assert_float_eq(bias[0], 0.5f + 0.001f);
+    ck_assert_float_eq(bias[1], -0.25f);
+    ck_assert_float_eq(bias[2], 0.0f - 0.001f);
+    ck_assert_float_eq(bias[3], 1.0f);
+}
+END_TEST
+
+/* The balance losses on hand-made routings: even routing gives 1 for the
+ * auxiliary and the sequence-wise loss; every token on experts 0 and 1 with
+ * their probability mass there gives E/k = 2 for both; z-loss from equal
+ * logits is ln(E)^2. */
+START_TEST(balance_losses_on_hand_made_routings)
+{
+    enum { E = 4, k = 2, T = 4 };
+    const moe_router r = {.kind = MOE_ROUTER_SOFTMAX, .experts = E, .topk = k};
+    float logits[T * E] = {0}, scores[T * E];
+    for (int n = 0; n < T * E; n++)
+        scores[n] = 0.25f;
+    const int32_t even[T * k] = {0, 1, 2, 3, 1, 0, 3, 2};
+    double pairs[E] = {0}, prob[E] = {0}, aux, z, seq;
+    moe_balance_sums sums = {0};
+    moe_router_balance(&r, logits, scores, even, T, pairs, prob, &sums);
+    moe_balance_losses(pairs, prob, E, k, &sums, &aux, &z, &seq);
+    ck_assert_double_eq_tol(aux, 1.0, 1e-12);
+    ck_assert_double_eq_tol(seq, 1.0, 1e-12);
+    ck_assert_double_eq_tol(z, log(4.0) * log(4.0), 1e-12);
+    /* all on experts 0 and 1, probabilities 0.5, 0.5, 0, 0 */
+    for (int t = 0; t < T; t++)
+        for (int e = 0; e < E; e++)
+            scores[t * E + e] = e < 2 ? 0.5f : 0.0f;
+    const int32_t skewed[T * k] = {0, 1, 1, 0, 0, 1, 1, 0};
+    double pairs2[E] = {0}, prob2[E] = {0};
+    moe_balance_sums sums2 = {0};
+    moe_router_balance(&r, logits, scores, skewed, T, pairs2, prob2, &sums2);
+    moe_balance_losses(pairs2, prob2, E, k, &sums2, &aux, &z, &seq);
+    ck_assert_double_eq_tol(aux, 2.0, 1e-12);
+    ck_assert_double_eq_tol(seq, 2.0, 1e-12);
+}
+END_TEST
+
 Suite *make_router_suite(void)
 {
     Suite *s = suite_create("router");
@@ -237,6 +284,8 @@ Suite *make_router_suite(void)
     tcase_add_test(tc, v2_style_without_bias);
     tcase_add_test(tc, skew_specs);
     tcase_add_test(tc, skew_moves_the_choice);
+    tcase_add_test(tc, bias_update_follows_the_sign_of_the_load);
+    tcase_add_test(tc, balance_losses_on_hand_made_routings);
     suite_add_tcase(s, tc);
     return s;
 }
