@@ -162,6 +162,14 @@ int64_t moe_config_max_tokens(const moe_config *cfg);
  * types). Ranks without an expert (E < G) are allowed. */
 int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st);
 
+/* --redundant-experts, --eplb-window and --expert-load for `ranks` members
+ * of the EP group (`group` names them in the error: "ranks", "GPUs of
+ * --ep"): E + N slots, the same number on each, each a 16-bit id on the
+ * wire; inference only. Part of moe_config_validate; `plan` calls it for
+ * its EP group. Returns MOE_EXIT_OK or MOE_EXIT_USAGE with st set. */
+int moe_config_check_replicas(const moe_config *cfg, int ranks, const char *group,
+                              moe_status *st);
+
 /* --ranks-per-node auto (stored as MOE_RANKS_PER_NODE_AUTO) becomes the
  * ranks of a real node: node_ranks, R when every machine holds R
  * consecutive ranks (0: they do not, a usage error). */

@@ -245,16 +245,8 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
         float skew[MOE_ROUTER_MAX_EXPERTS];
         moe_skew_parse(cfg.skew, (int)cfg.experts, skew, &st);
     }
-    const int64_t physical = cfg.experts + cfg.redundant_experts;
-    if (st.code == MOE_EXIT_OK && cfg.redundant_experts > 0 && physical % cfg.ep != 0)
-        moe_fail(&st, MOE_EXIT_USAGE,
-                 "--redundant-experts %lld: the %lld + %lld = %lld physical experts must be a "
-                 "multiple of --ep %lld (each GPU the same number of slots): the next N that fits is %lld",
-                 (long long)cfg.redundant_experts, (long long)cfg.experts,
-                 (long long)cfg.redundant_experts, (long long)physical, (long long)cfg.ep,
-                 (long long)((physical + cfg.ep - 1) / cfg.ep * cfg.ep - cfg.experts));
-    if (st.code == MOE_EXIT_OK && cfg.expert_load[0] && cfg.redundant_experts == 0)
-        moe_fail(&st, MOE_EXIT_USAGE, "--expert-load is the load of redundant experts: add --redundant-experts N");
+    if (st.code == MOE_EXIT_OK)
+        moe_config_check_replicas(&cfg, (int)cfg.ep, "GPUs of --ep", &st);
     double *load = NULL;
     if (st.code == MOE_EXIT_OK && cfg.redundant_experts > 0) {
         load = moe_xmalloc(sizeof(double) * (size_t)cfg.experts);

@@ -389,6 +389,18 @@ typedef struct {
     double *rank_pairs;   /* (2, G) --redundant-experts: pairs per rank without and with copies */
 } traffic_detail;
 
+/* min, mean and max of v (n > 0). */
+static moe_spread spread_of(const double *v, int n)
+{
+    moe_spread s = {v[0], 0.0, v[0]};
+    for (int i = 0; i < n; i++) {
+        s.min = fmin(s.min, v[i]);
+        s.max = fmax(s.max, v[i]);
+        s.mean += v[i] / n;
+    }
+    return s;
+}
+
 /* --redundant-experts: pairs per rank with E/G logical experts a rank and
  * with the copies, and per physical expert, for the same routing. */
 static void replica_detail(moe_run_context *ctx, traffic_detail *out)
@@ -410,12 +422,7 @@ static void replica_detail(moe_run_context *ctx, traffic_detail *out)
     }
     moe_comm_sum_array(c, out->rank_pairs, 2 * G);
     moe_comm_sum_array(c, per_physical, P);
-    s->tokens_per_physical = (moe_spread){per_physical[0], 0.0, per_physical[0]};
-    for (int p = 0; p < P; p++) {
-        s->tokens_per_physical.min = fmin(s->tokens_per_physical.min, per_physical[p]);
-        s->tokens_per_physical.max = fmax(s->tokens_per_physical.max, per_physical[p]);
-        s->tokens_per_physical.mean += per_physical[p] / P;
-    }
+    s->tokens_per_physical = spread_of(per_physical, P);
     s->replicas = &ep->replicas;
     s->expert_load = ctx->expert_load;
     s->rank_pairs[0] = out->rank_pairs;
@@ -473,12 +480,7 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     for (moe_index n = 0; n < T * k; n++)
         per_expert[ctx->ids[n]] += 1.0; /* per logical expert */
     moe_comm_sum_array(c, per_expert, E);
-    s->tokens_per_expert = (moe_spread){per_expert[0], 0.0, per_expert[0]};
-    for (int e = 0; e < E; e++) {
-        s->tokens_per_expert.min = per_expert[e] < s->tokens_per_expert.min ? per_expert[e] : s->tokens_per_expert.min;
-        s->tokens_per_expert.max = per_expert[e] > s->tokens_per_expert.max ? per_expert[e] : s->tokens_per_expert.max;
-        s->tokens_per_expert.mean += per_expert[e] / E;
-    }
+    s->tokens_per_expert = spread_of(per_expert, E);
     out->per_expert = per_expert;
 
     out->rank_seconds = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)G) : NULL;

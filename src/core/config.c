@@ -683,9 +683,8 @@ static int validate_backward(const moe_config *cfg, moe_status *st)
     return MOE_EXIT_OK;
 }
 
-/* --redundant-experts: E + N slots, the same number on every rank, each a
- * 16-bit id on the wire; inference only. */
-static int validate_replicas(const moe_config *cfg, int ranks, moe_status *st)
+int moe_config_check_replicas(const moe_config *cfg, int ranks, const char *group,
+                              moe_status *st)
 {
     const int64_t N = cfg->redundant_experts, E = cfg->experts, P = E + N;
     if (N == 0) {
@@ -698,9 +697,9 @@ static int validate_replicas(const moe_config *cfg, int ranks, moe_status *st)
         const int64_t next = (P + ranks - 1) / ranks * ranks - E;
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--redundant-experts %lld: the %lld + %lld = %lld physical experts must be a "
-                        "multiple of the %d ranks (each rank the same number of slots): the next N "
-                        "that fits is %lld", (long long)N, (long long)E, (long long)N, (long long)P,
-                        ranks, (long long)next);
+                        "multiple of the %d %s (each the same number of slots): the next N that fits "
+                        "is %lld", (long long)N, (long long)E, (long long)N, (long long)P, ranks,
+                        group, (long long)next);
     }
     if (P > MOE_META_MAX_EXPERTS)
         return moe_fail(st, MOE_EXIT_USAGE,
@@ -862,7 +861,7 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                         "divide the %d ranks, got %lld", ranks, (long long)R);
     if (cfg->grad_output[0] && !cfg->backward)
         return moe_fail(st, MOE_EXIT_USAGE, "--grad-output is the gradient of a training step: add --backward");
-    if (validate_replicas(cfg, ranks, st) || validate_steps(cfg, st))
+    if (moe_config_check_replicas(cfg, ranks, "ranks", st) || validate_steps(cfg, st))
         return st->code;
     if (cfg->backward && validate_backward(cfg, st))
         return st->code;
