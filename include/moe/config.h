@@ -105,6 +105,9 @@ typedef struct {
     double bias_update;          /* gamma of the aux-loss-free bias update after each step; 0 = none */
     char steps_csv[MOE_NAME_MAX];  /* the steps' figures and bias per step as CSV, "" for none */
     char steps_plot[MOE_NAME_MAX]; /* SVG of the steps' imbalance, "" for none */
+    double capacity_factor;      /* C: each expert takes ceil(C T k / E) pairs of a rank's
+                                    tokens (capacity.h); 0 = none (dropless) */
+    int drop_policy;             /* enum moe_drop_policy: which pairs stay */
     /* moe-ep bench */
     int64_t warmup;              /* untimed forwards before each wave count */
     int64_t samples;             /* --mode low-latency: timed forwards per latency point */

@@ -27,8 +27,10 @@ typedef struct {
     float *scores;           /* (T, E) */
     int32_t *ids;            /* (T, k) the router's logical expert ids */
     int32_t *placed;         /* (T, k) the physical experts the pairs go to (moe_ep_place):
-                                ids itself without --redundant-experts */
+                                ids itself without --redundant-experts and
+                                --capacity-factor; MOE_DROPPED for a dropped pair */
     double *expert_load;     /* (E) --redundant-experts: the load EPLB placed by; else NULL */
+    moe_index dropped;       /* --capacity-factor: this rank's pairs dropped by the last place */
     float *weights;          /* (T, k) */
     float *y;                /* (T, d) */
     uint64_t y_digest;       /* of the first timed forward's output */

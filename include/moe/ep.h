@@ -23,6 +23,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "moe/capacity.h"
 #include "moe/comm.h"
 #include "moe/config.h"
 #include "moe/eplb.h"
@@ -105,8 +106,12 @@ void moe_ep_place_replicas(moe_ep *ep, const double *load);
 /* Stage place: placed (T, k) = the physical expert of each of this rank's
  * (token, slot) pairs of ids (T, k): moe_replica_of with the token's global
  * id and its home rank's node; the logical ids themselves without
- * replicas. Pure. */
-void moe_ep_place(const moe_ep *ep, const int32_t *ids, int32_t *placed);
+ * replicas. With --capacity-factor, first the pairs over their expert's
+ * capacity on this rank's tokens become MOE_DROPPED (capacity.h, by
+ * --drop-policy on weights (T, k)): every path skips them (never sent,
+ * never computed, nothing added); weights NULL: no drops (what the
+ * forward would send without them). Returns the pairs dropped. Pure. */
+moe_index moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weights, int32_t *placed);
 
 /* x (T, d) = this rank's tokens of stream batch b: rows (b*G + rank)*T + i
  * of the token stream (rng.h). Batch 0 is the run's. */

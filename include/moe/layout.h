@@ -233,7 +233,7 @@ void moe_combine_locate(const moe_send_plan *plan, const float *const *from, moe
 
 /* y (T, d) = sum over slots s = 0 .. k-1, in that order, of
  * weights[i,s] * slot_rows[i,s][0 .. d), fp32; weights NULL: plain sum (the
- * weights were applied before L2). */
+ * weights were applied before L2). A NULL row (a dropped pair) adds nothing. */
 void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe_index tokens,
                         int topk, moe_index hidden, float *y);
 

@@ -88,6 +88,15 @@ typedef struct {
                                           the logical experts E/G a rank, and with the copies */
     moe_spread tokens_per_physical;    /* pairs of each physical expert */
     double expert_bytes;               /* one routed expert's weights in memory */
+    /* --capacity-factor, filled on rank 0 (capacity 0 without) */
+    moe_index capacity;                /* pairs an expert takes of each rank's tokens */
+    double pairs_dropped;              /* summed over ranks */
+    const double *expert_dropped;      /* (E) pairs dropped of each logical expert */
+    const double *rank_pairs_routed;   /* (G) pairs each rank's experts were routed */
+    const double *rank_pairs_kept;     /* (G) and computed */
+    double rows_undropped;             /* dispatch rows the forward would send without drops */
+    bool drop_error_measured;          /* --check: y against the truth of every pair */
+    double drop_max_abs, drop_max_rel_rms;
     /* what --dtype, --dispatch-dtype, --combine-dtype cost against fp32 */
     double dump_bytes, dump_seconds; /* --dump */
     double rss_peak;                 /* the most any rank held resident (moe_peak_rss) */

@@ -47,6 +47,15 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
                        const float *x_dispatched, const int32_t *ids, const float *weights,
                        moe_index tokens, int ranks, double *y, double *allow);
 
+/* The same with --combine reduced's sums per (token, rank) as the pairs
+ * were placed: pair_rank (T, k) the rank each pair is computed on (with
+ * --redundant-experts a copy's, which the logical placement cannot say);
+ * only the rounding of those sums, and allow, read it. */
+void moe_truth_forward_placed(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                              const float *x_dispatched, const int32_t *ids, const float *weights,
+                              moe_index tokens, int ranks, const int32_t *pair_rank, double *y,
+                              double *allow);
+
 /* The same, literally: every expert on every token, its zero-gate terms
  * 0 * output added (E/k times the work). */
 void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,

@@ -316,7 +316,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
         moe_comm_barrier(c);
         const double origin = moe_comm_time();
         moe_ep_route(&ctx->ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
-        moe_ep_place(&ctx->ep, ctx->ids, ctx->placed);
+        ctx->dropped = moe_ep_place(&ctx->ep, ctx->ids, ctx->weights, ctx->placed);
         const double route = moe_comm_time() - origin;
         rc = forward(ctx, origin);
         const double layer = ctx->last.done - origin; /* to y complete */
@@ -370,7 +370,7 @@ static int calibrate_link(moe_run_context *ctx)
     moe_schedule unlinked = ctx->schedule;
     unlinked.link = false;
     moe_ep_route(ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
-    moe_ep_place(ep, ctx->ids, ctx->placed);
+    ctx->dropped = moe_ep_place(ep, ctx->ids, ctx->weights, ctx->placed);
     moe_forward_stats f;
     const int rc = moe_ep_forward_waves(ep, &unlinked, ctx->x, ctx->placed, ctx->weights, ctx->y,
                                         &f, &ctx->status);
@@ -396,7 +396,7 @@ static void buffers_init(moe_run_context *ctx)
     ctx->logits = moe_xmalloc(sizeof(float) * (size_t)(T * E));
     ctx->scores = moe_xmalloc(sizeof(float) * (size_t)(T * E));
     ctx->ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
-    ctx->placed = cfg->redundant_experts > 0 ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : ctx->ids;
+    ctx->placed = cfg->redundant_experts > 0 || cfg->capacity_factor > 0 ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : ctx->ids;
     ctx->weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
     ctx->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     if (cfg->backward) {

@@ -41,9 +41,22 @@ static void print_usage(FILE *out)
             moe_config_data_path("presets"));
 }
 
-/* The dense truth with the run's rounding, then (when the run emulates a
- * lower precision) the fp32 truth, for what the precision itself costs.
- * Collective. */
+/* max |y - ref| over all ranks, and over the rms of ref. Collective. */
+static void error_against(const moe_comm *c, const float *y, const double *ref, moe_index n,
+                          double *max_abs, double *rel_rms)
+{
+    double local = 0.0;
+    for (moe_index m = 0; m < n; m++)
+        local = fmax(local, fabs((double)y[m] - ref[m]));
+    const double rms = sqrt(moe_comm_sum(c, moe_sum_squares(ref, n)) / ((double)c->ranks * (double)n));
+    *max_abs = moe_comm_max(c, local);
+    *rel_rms = rms > 0 ? *max_abs / rms : 0.0;
+}
+
+/* The dense truth with the run's rounding and drops, then (with
+ * --capacity-factor) the truth of every pair, for what the drops cost, and
+ * (when the run emulates a lower precision) the fp32 truth, for what the
+ * precision itself costs. Collective. */
 static void check_against_truth(moe_run_context *ctx)
 {
     const moe_comm *c = ctx->comm;
@@ -51,13 +64,35 @@ static void check_against_truth(moe_run_context *ctx)
     const float *x = ctx->x, *weights = ctx->weights, *y = ctx->y;
     const int32_t *ids = ctx->ids;
     moe_run_summary *s = &ctx->summary;
-    const moe_index T = cfg->tokens, d = cfg->hidden, n = T * d;
+    const moe_index T = cfg->tokens, d = cfg->hidden, n = T * d, k = cfg->topk;
     double *truth = moe_xmalloc(sizeof(double) * (size_t)n); /* (T, d) */
     double *allow = cfg->combine_dtype == MOE_DTYPE_FP32 ? NULL : moe_xmalloc(sizeof(double) * (size_t)n);
     float *scratch = moe_xmalloc(sizeof(float) * (size_t)n);
-    moe_truth_forward(cfg, MOE_TRUTH_BLAS, x, moe_ep_dispatched_tokens(&ctx->ep, x, scratch), ids,
-                      weights, T, c->ranks, truth, allow);
+    int32_t *kept = NULL;
+    if (cfg->capacity_factor > 0) { /* the drops, decided again from the routing alone */
+        kept = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+        const int E = (int)cfg->experts;
+        moe_capacity_drop(ids, weights, T, (int)k, E,
+                          moe_expert_capacity(cfg->capacity_factor, T, (int)k, E),
+                          cfg->drop_policy, kept);
+    }
+    const float *dispatched = moe_ep_dispatched_tokens(&ctx->ep, x, scratch);
+    int32_t *pair_rank = NULL; /* with copies, the rank of each pair's copy: where it is summed */
+    if (ctx->ep.replicas.physical) {
+        pair_rank = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+        for (moe_index m = 0; m < T * k; m++)
+            pair_rank[m] = ctx->placed[m] == MOE_DROPPED ? -1
+                                                         : ctx->ep.placement.expert_rank[ctx->placed[m]];
+    }
+    moe_truth_forward_placed(cfg, MOE_TRUTH_BLAS, x, dispatched, kept ? kept : ids, weights, T,
+                             c->ranks, pair_rank, truth, allow);
+    free(pair_rank);
     moe_check_collective(c, cfg, y, truth, allow, s);
+    if (kept) {
+        moe_truth_forward(cfg, MOE_TRUTH_BLAS, x, dispatched, ids, weights, T, c->ranks, truth, NULL);
+        error_against(c, y, truth, n, &s->drop_max_abs, &s->drop_max_rel_rms);
+        s->drop_error_measured = true;
+    }
     s->quantised = cfg->param_dtype != MOE_DTYPE_FP32 || cfg->dispatch_dtype != MOE_DTYPE_FP32 ||
                    cfg->combine_dtype != MOE_DTYPE_FP32;
     if (s->quantised) {
@@ -65,15 +100,11 @@ static void check_against_truth(moe_run_context *ctx)
         full.param_dtype = full.dispatch_dtype = full.combine_dtype = MOE_DTYPE_FP32;
         moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, (float)cfg->init_scale,
                          cfg->input_dist, scratch);
-        moe_truth_forward(&full, MOE_TRUTH_BLAS, scratch, scratch, ids, weights, T, c->ranks, truth, NULL);
-        double max_abs = 0.0;
-        for (moe_index m = 0; m < n; m++)
-            max_abs = fmax(max_abs, fabs((double)y[m] - truth[m]));
-        const double rms = sqrt(moe_comm_sum(c, moe_sum_squares(truth, n)) /
-                                ((double)c->ranks * (double)n));
-        s->quant_max_abs = moe_comm_max(c, max_abs);
-        s->quant_max_rel_rms = rms > 0 ? s->quant_max_abs / rms : 0.0;
+        moe_truth_forward(&full, MOE_TRUTH_BLAS, scratch, scratch, kept ? kept : ids, weights, T,
+                          c->ranks, truth, NULL);
+        error_against(c, y, truth, n, &s->quant_max_abs, &s->quant_max_rel_rms);
     }
+    free(kept);
     free(scratch);
     free(allow);
     free(truth);
@@ -387,6 +418,8 @@ typedef struct {
     double *rank_seconds; /* (G) on rank 0 */
     double *per_expert;   /* (E) */
     double *rank_pairs;   /* (2, G) --redundant-experts: pairs per rank without and with copies */
+    double *drops;        /* (E + 2G) --capacity-factor: pairs dropped per expert, then pairs
+                             per rank routed and kept */
 } traffic_detail;
 
 /* min, mean and max of v (n > 0). */
@@ -416,6 +449,8 @@ static void replica_detail(moe_run_context *ctx, traffic_detail *out)
     double *per_physical = moe_xcalloc((size_t)P, sizeof(double));
     out->rank_pairs = moe_xcalloc(2 * (size_t)G, sizeof(double));
     for (moe_index n = 0; n < pairs; n++) {
+        if (ctx->placed[n] == MOE_DROPPED) /* both counts: the pairs computed */
+            continue;
         out->rank_pairs[logical.expert_rank[ctx->ids[n]]] += 1.0;
         out->rank_pairs[G + ep->placement.expert_rank[ctx->placed[n]]] += 1.0;
         per_physical[ctx->placed[n]] += 1.0;
@@ -430,6 +465,48 @@ static void replica_detail(moe_run_context *ctx, traffic_detail *out)
     s->expert_bytes = 4.0 * 3.0 * (double)cfg->hidden * (double)cfg->ffn;
     free(per_physical);
     moe_placement_free(&logical);
+}
+
+/* --capacity-factor: the pairs dropped per logical expert, the pairs per
+ * rank routed and kept, and the dispatch rows (as this forward sends them:
+ * waves, or a row per pair with --mode low-latency) without the drops. */
+static void drop_detail(moe_run_context *ctx, const moe_waves *waves, traffic_detail *out)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_ep *ep = &ctx->ep;
+    const moe_config *cfg = &ctx->cfg;
+    moe_run_summary *s = &ctx->summary;
+    const int G = c->ranks, E = (int)cfg->experts, k = (int)cfg->topk;
+    const moe_index T = cfg->tokens;
+    int32_t *every = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)); /* the pairs undropped */
+    moe_ep_place(ep, ctx->ids, NULL, every);
+    double *dropped = out->drops = moe_xcalloc((size_t)(E + 2 * G), sizeof(double));
+    double *routed = dropped + E, *kept = routed + G;
+    for (moe_index n = 0; n < T * k; n++) {
+        routed[ep->placement.expert_rank[every[n]]] += 1.0;
+        if (ctx->placed[n] == MOE_DROPPED)
+            dropped[ctx->ids[n]] += 1.0;
+        else
+            kept[ep->placement.expert_rank[ctx->placed[n]]] += 1.0;
+    }
+    double *rows = moe_xmalloc(sizeof(double) * (size_t)G), undropped = (double)(T * k);
+    if (cfg->mode != MOE_MODE_LOW_LATENCY) {
+        moe_rows_per_destination(&ep->placement, every, T, k, waves, rows);
+        undropped = 0.0;
+        for (int r = 0; r < G; r++)
+            undropped += rows[r];
+    }
+    moe_comm_sum_array(c, dropped, E + 2 * G);
+    s->rows_undropped = moe_comm_sum(c, undropped);
+    s->capacity = moe_expert_capacity(cfg->capacity_factor, T, k, E);
+    s->pairs_dropped = 0.0;
+    for (int e = 0; e < E; e++)
+        s->pairs_dropped += dropped[e];
+    s->expert_dropped = dropped;
+    s->rank_pairs_routed = routed;
+    s->rank_pairs_kept = kept;
+    free(rows);
+    free(every);
 }
 
 static void routing_detail(moe_run_context *ctx, traffic_detail *out)
@@ -456,10 +533,13 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     if (cfg->mode == MOE_MODE_LOW_LATENCY) { /* a row per pair, with its own meta */
         memset(rows, 0, sizeof(double) * (size_t)G);
         for (moe_index n = 0; n < T * k; n++)
-            rows[ep->placement.expert_rank[ids[n]]] += 1.0;
+            if (ids[n] != MOE_DROPPED)
+                rows[ep->placement.expert_rank[ids[n]]] += 1.0;
     } else {
         moe_rows_per_destination(&ep->placement, ids, T, k, cfg->blocking ? NULL : &waves, rows);
     }
+    if (cfg->capacity_factor > 0)
+        drop_detail(ctx, cfg->blocking ? NULL : &waves, out);
     if (!cfg->blocking)
         moe_waves_free(&waves);
     const double ll_row = moe_ll_row_bytes(cfg);
@@ -513,7 +593,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);
     if (rc == MOE_EXIT_OK)
         moe_context_time_alltoalls(&ctx, (int)cfg->iters);
-    traffic_detail detail = {NULL, NULL, NULL, NULL, NULL};
+    traffic_detail detail = {NULL, NULL, NULL, NULL, NULL, NULL};
     if (rc == MOE_EXIT_OK)
         routing_detail(&ctx, &detail);
     pictures pics = {.count = 0};
@@ -584,6 +664,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     free(detail.rank_seconds);
     free(detail.per_expert);
     free(detail.rank_pairs);
+    free(detail.drops);
     moe_context_close(&ctx);
     return rc;
 }

@@ -138,7 +138,8 @@ int moe_run_steps(moe_run_context *ctx)
         moe_balance_sums sums = {0};
         moe_router_balance(&ep->router, ctx->logits, ctx->scores, ctx->ids, T, load, prob, &sums);
         for (moe_index p = 0; p < T * k; p++)
-            rank_pairs[ep->placement.expert_rank[ctx->placed[p]]] += 1.0;
+            if (ctx->placed[p] != MOE_DROPPED)
+                rank_pairs[ep->placement.expert_rank[ctx->placed[p]]] += 1.0;
         moe_comm_sum_array(c, load, 2 * E + G);
         moe_comm_sum_array(c, &sums.tokens, 4);
         step_row *row = &rows[s];

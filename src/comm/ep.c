@@ -234,20 +234,27 @@ void moe_ep_place_replicas(moe_ep *ep, const double *load)
     generate_experts(ep, 0, ep->local_experts);
 }
 
-void moe_ep_place(const moe_ep *ep, const int32_t *ids, int32_t *placed)
+moe_index moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weights, int32_t *placed)
 {
-    const moe_index T = ep->cfg->tokens, k = ep->cfg->topk;
-    if (!ep->replicas.physical) {
-        if (placed != ids)
-            memcpy(placed, ids, sizeof(int32_t) * (size_t)(T * k));
-        return;
-    }
+    const moe_config *cfg = ep->cfg;
+    const moe_index T = cfg->tokens, k = cfg->topk;
+    moe_index dropped = 0;
+    if (cfg->capacity_factor > 0 && weights)
+        dropped = moe_capacity_drop(ids, weights, T, (int)k, (int)cfg->experts,
+                                    moe_expert_capacity(cfg->capacity_factor, T, (int)k, (int)cfg->experts),
+                                    cfg->drop_policy, placed);
+    else if (placed != ids)
+        memcpy(placed, ids, sizeof(int32_t) * (size_t)(T * k));
+    if (!ep->replicas.physical)
+        return dropped;
     const int R = ep->link.ranks_per_node, node = ep->comm.rank / R;
     const uint64_t first = (uint64_t)ep->comm.rank * (uint64_t)T;
     for (moe_index i = 0; i < T; i++)
         for (moe_index s = 0; s < k; s++)
-            placed[i * k + s] = moe_replica_of(&ep->replicas, ids[i * k + s], first + (uint64_t)i,
-                                               node, R);
+            if (placed[i * k + s] != MOE_DROPPED)
+                placed[i * k + s] = moe_replica_of(&ep->replicas, placed[i * k + s],
+                                                   first + (uint64_t)i, node, R);
+    return dropped;
 }
 
 void moe_ep_generate_batch(const moe_ep *ep, uint64_t batch, float *x)

@@ -375,14 +375,15 @@ static void relay_combine(hier_forward *f, int w)
     } else { /* per relayed row, the outputs of its slots on this node, in slot order */
         h->back1 = 0;
         for (moe_index n = 0; n < h->rows1 * k; n++)
-            h->back1 += f->in_node.expert_rank[h->ids1[n]] < R;
+            h->back1 += h->ids1[n] != MOE_DROPPED && f->in_node.expert_rank[h->ids1[n]] < R;
         h->ret1 = fit(f, w, MOE_HIER_RET1, out_row * (size_t)h->back1, "outputs for home");
         moe_index at = 0, i = 0;
         for (int m = 0; m < f->nodes; m++) {
             send[m] = 0;
             for (int n = 0; n < relayed[m]; n++, i++)
                 for (int s = 0; s < k; s++)
-                    if (f->in_node.expert_rank[h->ids1[i * k + s]] < R) {
+                    if (h->ids1[i * k + s] != MOE_DROPPED &&
+                        f->in_node.expert_rank[h->ids1[i * k + s]] < R) {
                         memcpy(h->ret1 + (size_t)at++ * out_row,
                                h->back2_wire + (size_t)h->p2.slot_pair[i * k + s] * out_row, out_row);
                         send[m]++;
@@ -488,6 +489,7 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
     const double t = MPI_Wtime();
     const float **slot_rows = grow(f, &ep->work->slot_rows, sizeof(float *) * (size_t)(T * k),
                                    "the reduce table");
+    memset(slot_rows, 0, sizeof(float *) * (size_t)(T * k)); /* a dropped pair's stays NULL */
     const bool narrow = f->out_wire.dtype != MOE_DTYPE_FP32;
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)(f->W * f->nodes));
     for (int w = 0; w < f->W; w++) {

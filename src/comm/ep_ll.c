@@ -220,16 +220,18 @@ static void mark_ready(const struct moe_ll_state *s, int me, int which)
 }
 
 /* Stages plan and pack: the pairs grouped by expert, each expert's in token
- * order (pos: each pair's place), encoded into SEND with their meta;
- * TABLE_OUT says where each expert's block starts and its length. */
-static void ll_pack(const moe_ep *ep, struct moe_ll_state *s, const float *x, const int32_t *ids,
-                    const float *weights, moe_index *pos)
+ * order (pos: each pair's place, -1 for a dropped one), encoded into SEND
+ * with their meta; TABLE_OUT says where each expert's block starts and its
+ * length. Returns the pairs packed. */
+static moe_index ll_pack(const moe_ep *ep, struct moe_ll_state *s, const float *x,
+                         const int32_t *ids, const float *weights, moe_index *pos)
 {
     const moe_index T = ep->cfg->tokens, pairs = T * s->k;
     moe_index *start = moe_xcalloc((size_t)s->E + 1, sizeof(moe_index));
     moe_index *token = moe_xmalloc(sizeof(moe_index) * (size_t)pairs + 1);
     for (moe_index n = 0; n < pairs; n++)
-        start[ids[n] + 1]++;
+        if (ids[n] != MOE_DROPPED)
+            start[ids[n] + 1]++;
     for (int e = 0; e < s->E; e++) {
         *table_out(s, e) = (int32_t)start[e + 1];
         start[e + 1] += start[e];
@@ -237,6 +239,9 @@ static void ll_pack(const moe_ep *ep, struct moe_ll_state *s, const float *x, co
     }
     int32_t *meta = (int32_t *)(s->base + s->send_meta);
     for (moe_index n = 0; n < pairs; n++) {
+        pos[n] = -1;
+        if (ids[n] == MOE_DROPPED)
+            continue;
         const moe_index p = start[ids[n]]++;
         pos[n] = p;
         token[p] = n / s->k;
@@ -248,12 +253,14 @@ static void ll_pack(const moe_ep *ep, struct moe_ll_state *s, const float *x, co
     const moe_wire dw = moe_wire_dispatch(ep->cfg);
     uint8_t *encoded = moe_xmalloc(dw.bytes * (size_t)T + 1);
     moe_wire_encode(&dw, x, NULL, T, encoded);
-    for (moe_index p = 0; p < pairs; p++)
+    const moe_index sent = s->E > 0 ? start[s->E - 1] : 0; /* the pairs not dropped */
+    for (moe_index p = 0; p < sent; p++)
         memcpy(s->base + s->send + (MPI_Aint)p * (MPI_Aint)s->row,
                encoded + (size_t)token[p] * dw.bytes, dw.bytes);
     free(encoded);
     free(token);
     free(start);
+    return sent;
 }
 
 /* Stage dispatch, push: every expert's block, its meta and this rank's
@@ -476,7 +483,7 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     s->forwards++;
     double t = MPI_Wtime();
     moe_index *pos = moe_xmalloc(sizeof(moe_index) * (size_t)pairs + 1);
-    ll_pack(ep, s, x, ids, weights, pos);
+    const moe_index sent = ll_pack(ep, s, x, ids, weights, pos); /* the rows that travel */
     stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
 
     /* The hook: the dispatch posted (put: the rows and the arrivals are on
@@ -541,9 +548,9 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     const moe_wire cw = moe_wire_combine(cfg);
     float *back = moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1);
     const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)pairs + 1);
-    moe_wire_decode(&cw, s->base + s->back, pairs, back);
+    moe_wire_decode(&cw, s->base + s->back, sent, back);
     for (moe_index n = 0; n < pairs; n++)
-        slot_rows[n] = back + pos[n] * d;
+        slot_rows[n] = pos[n] < 0 ? NULL : back + pos[n] * d;
     moe_ep_reduce(ep, slot_rows, weights, y);
     for (moe_index e = 0; e < cfg->shared_experts; e++) /* as moe_ep_shared adds them */
         for (moe_index n = 0; n < T * d; n++)
@@ -557,12 +564,12 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     for (int l = 0; l < ep->local_experts; l++)
         own += table_out(s, ep->first_expert + l)[0];
     const double row_bytes = moe_ll_row_bytes(cfg);
-    stats->rows_sent = pairs;
-    stats->rows_sent_remote = pairs - own;
+    stats->rows_sent = sent;
+    stats->rows_sent_remote = sent - own;
     stats->rows_received = computed;
     stats->pairs_received = computed;
-    stats->pairs_back_remote = pairs - own;
-    stats->bytes_dispatched = (double)pairs * row_bytes;
+    stats->pairs_back_remote = sent - own;
+    stats->bytes_dispatched = (double)sent * row_bytes;
     stats->bytes_combined = (double)computed * (double)s->out;
     free(slot_rows);
     free(back);

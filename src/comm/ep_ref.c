@@ -275,7 +275,7 @@ static void ref_reduce(const moe_ep *ep, moe_ref_forward *f, const float *x, con
     const int G = ep->comm.ranks;
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     const double t = MPI_Wtime();
-    const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * ep->cfg->topk)); /* (T, k) */
+    const float **slot_rows = moe_xcalloc((size_t)(T * ep->cfg->topk) + 1, sizeof(float *)); /* (T, k) */
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)G);
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
     const moe_index *offset = reduced ? f->send.row_offset : f->send.pair_offset;

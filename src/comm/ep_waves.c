@@ -235,8 +235,10 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
     }
     for (moe_index i = 0; i < T; i++)
         for (int slot = 0; slot < k; slot++) {
-            const int e = ids[i * k + slot], r = ep->placement.expert_rank[e];
-            const int l = e - ep->placement.first_expert[r];
+            const int e = ids[i * k + slot];
+            if (e == MOE_DROPPED)
+                continue;
+            const int r = ep->placement.expert_rank[e], l = e - ep->placement.first_expert[r];
             counts_out[(r * W + moe_wave_of(&f->waves, i, e)) * stride + 1 + l]++;
         }
     const double counts_posted = MPI_Wtime();
@@ -313,6 +315,8 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
     f->expert_in = moe_buffer_fit(&work->expert_in, sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", me, local);
     f->scratch = moe_buffer_fit(&work->scratch, sizeof(float) * (size_t)(most * 2 * ffn), "expert activations", me, local);
     f->slot_rows = moe_buffer_fit(&work->slot_rows, sizeof(float *) * (size_t)(T * k), "the reduce table", me, local);
+    if (f->slot_rows) /* a dropped pair's slot stays NULL: no wave fills it */
+        memset(f->slot_rows, 0, sizeof(float *) * (size_t)(T * k));
     if (cfg->dispatch_dtype != MOE_DTYPE_FP32)
         f->x_scratch = moe_buffer_fit(&work->x_scratch, sizeof(float) * (size_t)(T * d), "the quantised tokens", me, local);
     free(counts_in);
@@ -367,7 +371,8 @@ static int row_waves(const moe_ep *ep, const waves_forward *f, const int32_t *me
     int last = -1;
     for (int slot = 0; slot < k; slot++) {
         const int e = moe_meta_id(meta, slot);
-        const int v = ep->placement.expert_rank[e] == ep->comm.rank ? moe_wave_of(&f->waves, token, e) : -1;
+        const int v = e != MOE_DROPPED && ep->placement.expert_rank[e] == ep->comm.rank
+                          ? moe_wave_of(&f->waves, token, e) : -1;
         if (wave)
             wave[slot] = v;
         last = v > last ? v : last;

@@ -5,6 +5,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/config.h"
+#include "moe/capacity.h"
 #include "moe/experts.h"
 #include "moe/gemm.h"
 #include "moe/layout.h"
@@ -72,6 +73,8 @@ static const flag_choice input_dist_choices[] = {
 static const flag_choice fp8_recipe_choices[] = {
     {"moe", MOE_FP8_RECIPE_MOE}, {"deepep", MOE_FP8_RECIPE_DEEPEP},
     {"deepgemm", MOE_FP8_RECIPE_DEEPGEMM}, {"v3", MOE_FP8_RECIPE_V3}, {NULL, 0}};
+static const flag_choice drop_policy_choices[] = {
+    {"probs", MOE_DROP_PROBS}, {"position", MOE_DROP_POSITION}, {NULL, 0}};
 static const flag_choice wave_by_choices[] = {
     {"auto", MOE_WAVE_BY_AUTO}, {"experts", MOE_WAVE_BY_EXPERTS}, {"tokens", MOE_WAVE_BY_TOKENS}, {NULL, 0}};
 static const flag_choice dispatch_choices[] = {
@@ -102,11 +105,23 @@ typedef struct {
     unsigned commands; /* RUN, PLAN or BOTH */
 } flag_spec;
 
+static bool value_name_ends(const flag_spec *flag, const char *word)
+{
+    const char *name = flag->value_name;
+    return name && strlen(name) > strlen(word) && !strcmp(name + strlen(name) - strlen(word), word);
+}
+
 /* A FLAG_INT whose value name ends in "|auto" also takes "auto", stored as -1. */
 static bool takes_auto(const flag_spec *flag)
 {
-    const char *name = flag->value_name;
-    return name && strlen(name) > 5 && !strcmp(name + strlen(name) - 5, "|auto");
+    return value_name_ends(flag, "|auto");
+}
+
+/* A FLAG_REAL whose value name ends in "|none" takes "none", stored as 0,
+ * or a number above its min (0 is not one: "none" says it). */
+static bool takes_none(const flag_spec *flag)
+{
+    return value_name_ends(flag, "|none");
 }
 
 #define FIELD(f) offsetof(moe_config, f)
@@ -130,7 +145,9 @@ static const flag_spec flags[] = {
     {"eplb-window", FLAG_INT, FIELD(eplb_window), 1, 1000, "S", NULL, "1", "--redundant-experts: the load is the routing counts of S earlier batches of fresh tokens", RUN_ONLY},
     {"expert-load", FLAG_TEXT, FIELD(expert_load), 0, 0, "FILE", NULL, "", "--redundant-experts: the load from FILE (E numbers, tokens per expert) instead of --eplb-window", RUN_ONLY | PLAN},
     {"steps", FLAG_INT, FIELD(steps), 1, 10000, "N", NULL, "1", "N steps of route, forward and --bias-update on fresh batches before the timed forwards, each step's balance printed (docs/load-balance.md)", RUN_ONLY},
-    {"bias-update", FLAG_REAL, FIELD(bias_update), 0, 1, "GAMMA", NULL, "0", "deepseek-v3: after each step, bias_i += GAMMA sign(mean load - load_i) (V3's auxiliary-loss-free balancing); 0 = none", RUN_ONLY},
+    {"bias-update", FLAG_REAL, FIELD(bias_update), 0, 1, "GAMMA|none", NULL, "none", "deepseek-v3: after each step, bias_i += GAMMA sign(mean load - load_i) (V3's auxiliary-loss-free balancing)", RUN_ONLY},
+    {"capacity-factor", FLAG_REAL, FIELD(capacity_factor), 0, 1000, "C|none", NULL, "none", "each expert takes at most ceil(C T k / E) pairs of each rank's T tokens, the rest are dropped (Megatron-Core's capacity; docs/load-balance.md)", RUN_ONLY},
+    {"drop-policy", FLAG_CHOICE, FIELD(drop_policy), 0, 0, NULL, drop_policy_choices, "probs", "--capacity-factor: the pairs an expert keeps: the largest gate weights, or the first tokens", RUN_ONLY},
     {"steps-csv", FLAG_TEXT, FIELD(steps_csv), 0, 0, "FILE", NULL, "", "--steps: each step's imbalance, expert time, balance losses and bias as CSV", RUN_ONLY},
     {"steps-plot", FLAG_TEXT, FIELD(steps_plot), 0, 0, "FILE.svg", NULL, "", "--steps: max/mean load per expert and per rank against the step", RUN_ONLY},
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", NULL, "0", "shared experts, applied to every token on its home rank", BOTH | EXPLAIN},
@@ -356,13 +373,18 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
         return MOE_EXIT_OK;
     }
     case FLAG_REAL: {
+        if (takes_none(flag) && !strcmp(value, "none")) {
+            *(double *)base = 0.0;
+            return MOE_EXIT_OK;
+        }
         errno = 0;
         double v = strtod(value, &end);
         if (!number_start(value, true) || strpbrk(value, "xX") || *end != '\0' || errno == ERANGE ||
-            !(v >= (double)flag->min) ||
+            !(takes_none(flag) ? v > (double)flag->min : v >= (double)flag->min) ||
             !(v <= (double)flag->max))
-            return moe_fail(st, MOE_EXIT_USAGE, "%s must be a number in [%lld, %lld], got '%s'",
-                            where, (long long)flag->min, (long long)flag->max, value);
+            return moe_fail(st, MOE_EXIT_USAGE, "%s must be a number in %c%lld, %lld]%s, got '%s'",
+                            where, takes_none(flag) ? '(' : '[', (long long)flag->min,
+                            (long long)flag->max, takes_none(flag) ? " or none" : "", value);
         *(double *)base = v;
         return MOE_EXIT_OK;
     }
@@ -733,6 +755,21 @@ static int validate_steps(const moe_config *cfg, moe_status *st)
     return MOE_EXIT_OK;
 }
 
+/* --capacity-factor: the forward drops pairs; what reads every pair of
+ * the routing refuses. */
+static int validate_capacity(const moe_config *cfg, moe_status *st)
+{
+    if (!(cfg->capacity_factor > 0))
+        return MOE_EXIT_OK;
+    const char *other = cfg->backward ? "--backward (the gradient of a dropped pair is not built)"
+                        : cfg->dump[0] ? "--dump (a golden set holds every pair of the routing)"
+                                       : NULL;
+    if (other)
+        return moe_fail(st, MOE_EXIT_USAGE, "--capacity-factor drops pairs of the forward: drop %s",
+                        other);
+    return MOE_EXIT_OK;
+}
+
 int moe_config_layout(const moe_config *cfg)
 {
     if (cfg->expert_layout != MOE_LAYOUT_AUTO)
@@ -861,7 +898,8 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                         "divide the %d ranks, got %lld", ranks, (long long)R);
     if (cfg->grad_output[0] && !cfg->backward)
         return moe_fail(st, MOE_EXIT_USAGE, "--grad-output is the gradient of a training step: add --backward");
-    if (moe_config_check_replicas(cfg, ranks, "ranks", st) || validate_steps(cfg, st))
+    if (moe_config_check_replicas(cfg, ranks, "ranks", st) || validate_steps(cfg, st) ||
+        validate_capacity(cfg, st))
         return st->code;
     if (cfg->backward && validate_backward(cfg, st))
         return st->code;
@@ -981,7 +1019,8 @@ void moe_config_print_flags(FILE *out, enum moe_command command)
         const char *value = value_text(flag, names, sizeof names);
         snprintf(left, sizeof left, "--%s%s%s", flag->name, *value ? " " : "", value);
         if (flag->kind == FLAG_INT || flag->kind == FLAG_REAL)
-            snprintf(range, sizeof range, " [%lld..%lld]", (long long)flag->min, (long long)flag->max);
+            snprintf(range, sizeof range, " %c%lld..%lld]", takes_none(flag) ? '(' : '[',
+                     (long long)flag->min, (long long)flag->max);
         if (flag->default_value && *flag->default_value)
             snprintf(fallback, sizeof fallback, " (default %s)", flag->default_value);
         fprintf(out, "  %-31s %s%s%s\n", left, flag->help, range, fallback);
@@ -1011,7 +1050,10 @@ void moe_config_describe(const moe_config *cfg, enum moe_command command,
             snprintf(value, sizeof value, "%s", *(const bool *)base ? "true" : "false");
             break;
         case FLAG_REAL:
-            snprintf(value, sizeof value, "%.17g", *(const double *)base);
+            if (takes_none(flag) && *(const double *)base == 0.0)
+                snprintf(value, sizeof value, "none");
+            else
+                snprintf(value, sizeof value, "%.17g", *(const double *)base);
             break;
         case FLAG_CHOICE:
             snprintf(value, sizeof value, "%s", "");

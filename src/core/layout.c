@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/capacity.h"
 #include "moe/common.h"
 #include "moe/config.h"
 
@@ -72,9 +73,11 @@ moe_index moe_wave_first_token(const moe_waves *w, int wave)
     return w->kind == MOE_WAVES_TOKEN_CHUNKS ? (moe_index)wave * w->tokens / w->waves : 0;
 }
 
+/* Whether pair (token, expert) travels in this wave; a dropped pair
+ * (capacity.h) in none. */
 static bool in_wave(const moe_waves *w, int wave, moe_index token, int expert)
 {
-    return !w || moe_wave_of(w, token, expert) == wave;
+    return expert != MOE_DROPPED && (!w || moe_wave_of(w, token, expert) == wave);
 }
 
 static void prefix_sums(const moe_index *count, int n, moe_index *offset)
@@ -105,7 +108,7 @@ void moe_send_plan_build(moe_send_plan *plan, const moe_placement *p, const int3
     for (moe_index i = 0; i < tokens; i++)
         for (int s = 0; s < topk; s++) {
             int32_t e = ids[i * topk + s];
-            MOE_ASSERT(e >= 0 && e < p->experts);
+            MOE_ASSERT(e == MOE_DROPPED || (e >= 0 && e < p->experts));
             if (!in_wave(waves, wave, i, e))
                 continue;
             int r = p->expert_rank[e];
@@ -289,7 +292,8 @@ void moe_pack_meta(const int32_t *ids, const float *weights, int topk, const moe
         out[id_words - 1] = 0; /* the unused half of an odd k's last id word */
         for (int s = 0; s < topk; s++) {
             const int32_t e = ids[row_token[n] * topk + s];
-            MOE_ASSERT(e >= 0 && e <= MOE_META_MAX_EXPERTS); /* --experts is at most 4096 */
+            /* --experts is at most 4096; a dropped pair travels as -1, no one's */
+            MOE_ASSERT(e >= MOE_DROPPED && e <= MOE_META_MAX_EXPERTS);
             const int16_t id = (int16_t)e;
             memcpy((char *)out + 2 * s, &id, sizeof id);
         }
@@ -325,7 +329,10 @@ int moe_token_destinations(const moe_placement *p, const moe_waves *waves, const
 {
     int n = 0;
     for (int s = 0; s < topk; s++) { /* insertion into the sorted list */
-        const int e = ids[token * topk + s], r = p->expert_rank[e];
+        const int e = ids[token * topk + s];
+        if (e == MOE_DROPPED)
+            continue;
+        const int r = p->expert_rank[e];
         const int v = waves ? moe_wave_of(waves, token, e) : 0;
         int at = 0;
         while (at < n && dest[at] < r)
@@ -351,6 +358,8 @@ void moe_nodes_per_token(const moe_placement *p, const int32_t *ids, moe_index t
     for (moe_index i = 0; i < tokens; i++) {
         int reached = 0;
         for (int s = 0; s < topk; s++) {
+            if (ids[i * topk + s] == MOE_DROPPED)
+                continue;
             const int node = p->expert_rank[ids[i * topk + s]] / ranks_per_node;
             if (last_token[node] != i) {
                 last_token[node] = i;
@@ -370,10 +379,14 @@ void moe_node_copies(const moe_placement *p, const int32_t *ids, moe_index token
     bool *to_node = moe_xcalloc((size_t)(p->ranks / R + 1), sizeof(bool));
     for (moe_index i = 0; i < tokens; i++) {
         for (int s = 0; s < topk; s++) {
+            if (ids[i * topk + s] == MOE_DROPPED)
+                continue;
             const int r = p->expert_rank[ids[i * topk + s]];
             to_rank[r] = to_node[r / R] = true;
         }
         for (int s = 0; s < topk; s++) {
+            if (ids[i * topk + s] == MOE_DROPPED)
+                continue;
             const int r = p->expert_rank[ids[i * topk + s]], n = r / R;
             const int relay = n * R + home % R; /* the rank of the home's local index there */
             if (to_rank[r]) { /* each destination rank once */
@@ -426,6 +439,8 @@ void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe
             out[j] = 0.0f;
         for (int s = 0; s < topk; s++) {
             const float *row = slot_rows[i * topk + s]; /* (d) */
+            if (!row)
+                continue;
             if (!weights) {
 #pragma omp simd
                 for (moe_index j = 0; j < hidden; j++)

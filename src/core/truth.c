@@ -90,7 +90,8 @@ static void flush(const moe_config *cfg, double *to, double *allow, double *part
  * (literal) on every token, its unselected terms 0 * out added. */
 static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                           const float *x_dispatched, const int32_t *ids, const float *weights,
-                          moe_index tokens, int ranks, bool literal, double *y, double *allow)
+                          moe_index tokens, int ranks, const int32_t *pair_rank, bool literal,
+                          double *y, double *allow)
 {
     const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
     const int E = (int)cfg->experts, k = (int)cfg->topk;
@@ -119,12 +120,15 @@ static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const
         moe_placement_init(&placement, E, ranks);
     if (allow)
         memset(allow, 0, sizeof(double) * (size_t)(T * d));
+    /* With pair_rank, a rank's sums are its pairs': one pass per rank. */
+    const int passes = reduced && pair_rank ? ranks : 1;
+    for (int pass = 0; pass < passes; pass++)
     for (int e = 0; e < E; e++) {
         moe_index n = 0;
         for (moe_index i = 0; i < T; i++) {
             double g = 0.0;
             for (int s = 0; s < k; s++)
-                if (ids[i * k + s] == e)
+                if (ids[i * k + s] == e && (passes == 1 || pair_rank[i * k + s] == pass))
                     g = weights[i * k + s];
             if (g != 0.0 || literal) {
                 row[n] = i;
@@ -144,10 +148,13 @@ static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const
         }
         if (!reduced)
             continue;
-        const int rank = placement.expert_rank[e];
-        if (e == E - 1 || placement.expert_rank[e + 1] != rank)
+        /* the last expert of a rank (of its pass), and of a node */
+        const int rank = passes > 1 ? pass : placement.expert_rank[e];
+        const bool last = passes > 1 ? e == E - 1 : e == E - 1 || placement.expert_rank[e + 1] != rank;
+        if (last)
             flush(cfg, by_node ? node_partial : y, allow, partial, T * d);
-        if (by_node && (e == E - 1 || placement.expert_rank[e + 1] / R != rank / R))
+        const int next = passes > 1 ? pass + 1 : e == E - 1 ? ranks : placement.expert_rank[e + 1];
+        if (by_node && last && (next == ranks || next / R != rank / R))
             flush(cfg, y, allow, node_partial, T * d);
     }
     if (reduced)
@@ -179,14 +186,23 @@ void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const fl
                        const float *x_dispatched, const int32_t *ids, const float *weights,
                        moe_index tokens, int ranks, double *y, double *allow)
 {
-    truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, false, y, allow);
+    truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, NULL, false, y, allow);
+}
+
+void moe_truth_forward_placed(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                              const float *x_dispatched, const int32_t *ids, const float *weights,
+                              moe_index tokens, int ranks, const int32_t *pair_rank, double *y,
+                              double *allow)
+{
+    truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, pair_rank, false, y,
+                  allow);
 }
 
 void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                                const float *x_dispatched, const int32_t *ids, const float *weights,
                                moe_index tokens, int ranks, double *y, double *allow)
 {
-    truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, true, y, allow);
+    truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, NULL, true, y, allow);
 }
 
 moe_tolerance moe_tolerance_of_length(double length, double ref_rms)

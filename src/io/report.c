@@ -4,6 +4,7 @@
 #include "config.h"
 
 #include <math.h>
+#include "moe/capacity.h"
 #include "moe/experts.h"
 #include "moe/layout.h"
 #include "moe/router.h"
@@ -168,6 +169,58 @@ static void print_replicas(FILE *out, const moe_run_summary *s)
     fprintf(out, "          (*: an expert with copies; each rank's experts in slot order)\n");
 }
 
+/* --capacity-factor: what was dropped, where, and what it saved. */
+static void print_drops(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
+    const int G = s->ranks, E = (int)cfg->experts;
+    const double pairs = (double)cfg->tokens * (double)cfg->topk * G;
+    const double kept = pairs - s->pairs_dropped;
+    fprintf(out, "drops     capacity factor %g: each expert takes %lld of each rank's %lld x %lld "
+                 "pairs (Megatron-Core's ceil(C T k / E)), keeping the %s\n",
+            cfg->capacity_factor, (long long)s->capacity, (long long)cfg->tokens,
+            (long long)cfg->topk,
+            cfg->drop_policy == MOE_DROP_PROBS ? "largest gate weights (--drop-policy probs)"
+                                               : "first tokens (--drop-policy position)");
+    fprintf(out, "          dropped %.0f of %.0f pairs (%.2f%%)", s->pairs_dropped, pairs,
+            pairs > 0 ? 100.0 * s->pairs_dropped / pairs : 0.0);
+    int shown = 0;
+    for (int e = 0; e < E; e++) {
+        const double routed = s->tokens_expert[e];
+        if (s->expert_dropped[e] > 0 && shown++ < 8)
+            fprintf(out, "%s e%d %.1f%%", shown == 1 ? "; of expert" : ",", e,
+                    100.0 * s->expert_dropped[e] / routed);
+    }
+    fprintf(out, "%s\n", shown > 8 ? ", ..." : "");
+    double busiest = 0.0; /* the most pairs an expert computes */
+    for (int e = 0; e < E; e++)
+        busiest = fmax(busiest, s->tokens_expert[e] - s->expert_dropped[e]);
+    fprintf(out, "          max/mean: pairs per expert %.2f routed, %.2f computed; per rank %.2f routed, "
+                 "%.2f computed", moe_max_over_mean(s->tokens_expert, E),
+            kept > 0 ? busiest / (kept / E) : 0.0, moe_max_over_mean(s->rank_pairs_routed, G),
+            moe_max_over_mean(s->rank_pairs_kept, G));
+    for (int g = 0; g < G && G <= 16; g++)
+        fprintf(out, "%s%.1f%%", g ? " " : "; dropped per rank: ",
+                s->rank_pairs_routed[g] > 0
+                    ? 100.0 * (1.0 - s->rank_pairs_kept[g] / s->rank_pairs_routed[g]) : 0.0);
+    fprintf(out, "\n");
+    /* a dispatch row's bytes, and a combine row's (a row per dispatch row
+     * with --combine reduced, per pair otherwise) */
+    const bool per_row = cfg->combine == MOE_COMBINE_REDUCED && cfg->mode == MOE_MODE_NORMAL;
+    const double in_row = s->rows_sent > 0 ? s->bytes_dispatched / s->rows_sent : 0.0;
+    const double back_rows = per_row ? s->rows_sent : kept;
+    const double out_row = back_rows > 0 ? s->bytes_combined / back_rows : 0.0;
+    const double saved_rows = s->rows_undropped - s->rows_sent;
+    const double saved_back = per_row ? saved_rows : s->pairs_dropped;
+    const double saved_flops = s->pairs_dropped * 6.0 * (double)cfg->hidden * (double)cfg->ffn;
+    char b1[32], b2[32];
+    fprintf(out, "          saved: dispatch rows %.0f -> %.0f (%s), combine %s, expert GEMMs %.3f "
+                 "GFLOP (%.1f%%)\n",
+            s->rows_undropped, s->rows_sent, moe_format_bytes(saved_rows * in_row, b1, sizeof b1),
+            moe_format_bytes(saved_back * out_row, b2, sizeof b2), saved_flops / 1e9,
+            s->expert_flops + saved_flops > 0 ? 100.0 * saved_flops / (s->expert_flops + saved_flops) : 0.0);
+}
+
 static void print_routing(FILE *out, const moe_run_summary *s)
 {
     const int G = s->ranks;
@@ -178,6 +231,8 @@ static void print_routing(FILE *out, const moe_run_summary *s)
     print_spread(out, "expert pairs computed per rank", s->pairs_received);
     if (s->replicas)
         print_replicas(out, s);
+    if (s->capacity > 0)
+        print_drops(out, s);
     const int layout = moe_config_layout(s->cfg);
     const double filled = s->pairs_received.mean * G, empty = s->layout_slots - filled;
     if (layout != MOE_LAYOUT_ROWS) {
@@ -522,6 +577,10 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     if (s->nonfinite)
         fprintf(out, "          non-finite output at token %lld (rank %d) column %lld\n",
                 s->worst_token, s->worst_rank, s->worst_column);
+    if (s->drop_error_measured)
+        fprintf(out, "          the truth drops the same pairs, decided again from the routing; against "
+                     "the truth of every pair max |diff| %.3e = %.2e x rms (the cost of the drops, not "
+                     "checked)\n", s->drop_max_abs, s->drop_max_rel_rms);
     if (s->quantised)
         fprintf(out, "precision weights and tokens %s, dispatch %s%s%s%s%s, combine %s: against the fp32 "
                      "truth max |diff| %.3e = %.2e x rms (the cost of the precision, not checked)\n",

@@ -114,7 +114,7 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
     moe_ep_generate_tokens(&ep, x);
     route(&ep, home_placement, tokens_per_rank, (moe_index)c->rank * cfg->tokens, x, opt, ids,
           weights);
-    moe_ep_place(&ep, ids, placed);
+    moe_ep_place(&ep, ids, weights, placed);
     const moe_schedule sched = moe_schedule_default(&ep);
     int rc = cfg->mode == MOE_MODE_LOW_LATENCY
                  ? moe_ep_forward_ll(&ep, x, placed, weights, y, stats, &st)
@@ -150,7 +150,7 @@ static int sweep_waves(const moe_comm *world, const moe_config *cfg, const moe_p
         moe_ep_place_replicas(&ep, NULL);
     moe_ep_generate_tokens(&ep, x);
     route(&ep, home, T, (moe_index)world->rank * T, x, opt, ids, weights);
-    moe_ep_place(&ep, ids, ids); /* the truth is the caller's: only the physical ids here */
+    moe_ep_place(&ep, ids, weights, ids); /* the truth is the caller's: only the physical ids here */
     moe_forward_stats stats;
     /* The two-stage dispatch with a reduced combine sums at the relay too:
      * its waves match its own blocking run, not the flat path's sums. */
@@ -275,6 +275,19 @@ int main(int argc, char **argv)
         moe_placement_free(&placement);
     }
 
+    /* --capacity-factor: the drops, decided here from the routing alone */
+    moe_index dropped = 0;
+    if (cfg.capacity_factor > 0) {
+        const int E = (int)cfg.experts;
+        dropped = moe_capacity_drop(ids, weights, T, (int)k, E,
+                                    moe_expert_capacity(cfg.capacity_factor, T, (int)k, E),
+                                    cfg.drop_policy, ids);
+        dropped = (moe_index)moe_comm_sum(&world, (double)dropped);
+        if (r == 0)
+            printf("capacity factor %g: %lld of %lld pairs dropped\n", cfg.capacity_factor,
+                   (long long)dropped, (long long)(G * T * k));
+    }
+
     /* 1. Against the dense fp64 truth. */
     double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
     double *allow = moe_xmalloc(sizeof(double) * (size_t)(T * d));
@@ -297,13 +310,14 @@ int main(int argc, char **argv)
                s.tol.abs, s.tol.rel);
     failures += !truth_ok;
 
-    /* 2. Rows and pairs add up: every (token, slot) computed exactly once. */
+    /* 2. Rows and pairs add up: every (token, slot) not dropped computed
+     * exactly once. */
     double pairs = moe_comm_sum(&world, (double)stats.pairs_received);
     double self_rows = moe_comm_sum(&world, (double)(stats.rows_sent - stats.rows_sent_remote));
-    if (pairs != (double)G * (double)T * (double)k) {
+    if (pairs != (double)G * (double)T * (double)k - (double)dropped) {
         if (r == 0)
-            printf("FAIL: %.0f pairs computed, expected G*T*k = %.0f\n", pairs,
-                   (double)G * (double)T * (double)k);
+            printf("FAIL: %.0f pairs computed, expected G*T*k - dropped = %.0f\n", pairs,
+                   (double)G * (double)T * (double)k - (double)dropped);
         failures++;
     }
     if (opt.route_elsewhere && self_rows != 0.0) {
@@ -349,7 +363,9 @@ int main(int argc, char **argv)
      * sums differ (rounded to bf16, by more than the fp32 tolerance). */
     if (r == 0 && cfg.combine == MOE_COMBINE_REDUCED)
         printf("np=1: not compared (a reduced combine's sums depend on the layout; the truth above is)\n");
-    if (r == 0 && cfg.combine == MOE_COMBINE_PAIRS) {
+    else if (r == 0 && cfg.capacity_factor > 0)
+        printf("np=1: not compared (the capacity is per rank's tokens: one rank drops other pairs)\n");
+    if (r == 0 && cfg.combine == MOE_COMBINE_PAIRS && !(cfg.capacity_factor > 0)) {
         moe_comm self;
         moe_comm_attach(&self, MPI_COMM_SELF);
         self.threads = world.threads;

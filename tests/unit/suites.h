@@ -15,5 +15,6 @@ Suite *make_cluster_suite(void);
 Suite *make_quant_suite(void);
 Suite *make_golden_suite(void);
 Suite *make_eplb_suite(void);
+Suite *make_capacity_suite(void);
 
 #endif

@@ -1,0 +1,63 @@
+/* capacity.c — expert capacity and token dropping (see capacity.h). */
+#include "moe/capacity.h"
+#include "moe/common.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+moe_index moe_expert_capacity(double factor, moe_index tokens, int topk, int experts)
+{
+    return (moe_index)ceil((double)(tokens * topk) / (double)experts * factor);
+}
+
+typedef struct {
+    float weight;  /* NaN ranks below every number */
+    moe_index pair; /* i * k + s: ascending pair is ascending token */
+} ranked_pair;
+
+/* Larger weight first, then the lower token. */
+static int by_weight(const void *a, const void *b)
+{
+    const ranked_pair *p = a, *q = b;
+    const float u = isnan(p->weight) ? -INFINITY : p->weight;
+    const float v = isnan(q->weight) ? -INFINITY : q->weight;
+    if (u != v)
+        return u > v ? -1 : 1;
+    return (p->pair > q->pair) - (p->pair < q->pair);
+}
+
+moe_index moe_capacity_drop(const int32_t *ids, const float *weights, moe_index tokens, int topk,
+                            int experts, moe_index capacity, enum moe_drop_policy policy,
+                            int32_t *kept)
+{
+    const moe_index pairs = tokens * topk;
+    if (kept != ids)
+        memcpy(kept, ids, sizeof(int32_t) * (size_t)pairs);
+    /* Each expert's pairs in token order (a counting sort). */
+    moe_index *start = moe_xcalloc((size_t)experts + 1, sizeof(moe_index));
+    for (moe_index n = 0; n < pairs; n++)
+        start[ids[n] + 1]++;
+    for (int e = 0; e < experts; e++)
+        start[e + 1] += start[e];
+    ranked_pair *order = moe_xmalloc(sizeof(ranked_pair) * (size_t)pairs + 1);
+    moe_index *next = moe_xmalloc(sizeof(moe_index) * (size_t)experts);
+    memcpy(next, start, sizeof(moe_index) * (size_t)experts);
+    for (moe_index n = 0; n < pairs; n++)
+        order[next[ids[n]]++] = (ranked_pair){weights[n], n};
+    moe_index dropped = 0;
+    for (int e = 0; e < experts; e++) {
+        const moe_index count = start[e + 1] - start[e];
+        if (count <= capacity)
+            continue;
+        if (policy == MOE_DROP_PROBS)
+            qsort(order + start[e], (size_t)count, sizeof *order, by_weight);
+        for (moe_index m = start[e] + capacity; m < start[e + 1]; m++)
+            kept[order[m].pair] = MOE_DROPPED;
+        dropped += count - capacity;
+    }
+    free(next);
+    free(order);
+    free(start);
+    return dropped;
+}
