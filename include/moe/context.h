@@ -55,6 +55,12 @@ int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command c
                      int argc, char **argv);
 void moe_context_close(moe_run_context *ctx);
 
+/* --redundant-experts after --steps with --bias-update: EPLB measures its
+ * window again, on the batches after the steps' under the final bias, and
+ * places the copies again for that load (as a server re-runs EPLB when the
+ * load drifts). Collective. */
+void moe_context_replace_replicas(moe_run_context *ctx);
+
 /* iters forwards on the path the configuration asks for (the wave pipeline
  * under ctx->schedule, or the blocking reference path with --blocking),
  * each from an aligned start (barrier): route, then the layer; with

@@ -449,6 +449,13 @@ static int place_replicas(moe_run_context *ctx)
     return MOE_EXIT_OK;
 }
 
+void moe_context_replace_replicas(moe_run_context *ctx)
+{
+    moe_replicas_free(&ctx->ep.replicas);
+    moe_ep_window_load(&ctx->ep, ctx->expert_load);
+    moe_ep_place_replicas(&ctx->ep, ctx->expert_load);
+}
+
 int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command command,
                      int argc, char **argv)
 {

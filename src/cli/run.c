@@ -588,6 +588,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
 
     if (cfg->steps > 1 || cfg->bias_update > 0)
         rc = moe_run_steps(&ctx);
+    if (rc == MOE_EXIT_OK && cfg->bias_update > 0 && cfg->redundant_experts > 0 && !cfg->expert_load[0])
+        moe_context_replace_replicas(&ctx);
     /* The first wave count: report, pictures, check. */
     if (rc == MOE_EXIT_OK)
         rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);

@@ -141,7 +141,10 @@ static void print_replicas(FILE *out, const moe_run_summary *s)
             r->hierarchical ? "hierarchical (groups onto nodes, copies within each node, then onto its ranks)"
                             : "global (copies, then onto ranks)",
             E, P - E, P, per_rank,
-            cfg->expert_load[0] ? cfg->expert_load : "the routing of the --eplb-window batches before this one");
+            cfg->expert_load[0] ? cfg->expert_load
+            : cfg->bias_update > 0 ? "the routing of the --eplb-window batches after the steps', under the "
+                                     "final bias (placed again after the steps)"
+                                   : "the routing of the --eplb-window batches of fresh tokens");
     fprintf(out, "          copies:");
     int shown = 0;
     for (int e = 0; e < E; e++)
