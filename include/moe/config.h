@@ -101,6 +101,7 @@ typedef struct {
     int64_t redundant_experts;   /* N: E + N physical experts placed by EPLB (eplb.h); 0 = none */
     int64_t eplb_window;         /* batches of fresh tokens whose routing is EPLB's load */
     char expert_load[MOE_NAME_MAX]; /* EPLB's load from a file instead, "" for the window */
+    int replica_choice;          /* enum moe_replica_choice: which copy a pair goes to */
     int64_t steps;               /* routing steps on fresh batches before the timed forwards */
     double bias_update;          /* gamma of the aux-loss-free bias update after each step; 0 = none */
     char steps_csv[MOE_NAME_MAX];  /* the steps' figures and bias per step as CSV, "" for none */

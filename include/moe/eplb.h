@@ -63,11 +63,26 @@ void moe_eplb_place(const double *load, int logical, int physical, int groups, i
 
 void moe_replicas_free(moe_replicas *r);
 
+/* --replica-choice: moe_replica_of per pair, or moe_replicas_of_token. */
+enum moe_replica_choice { MOE_REPLICA_SPREAD, MOE_REPLICA_DEDUP };
+
 /* The physical expert that serves logical expert `expert` for the token with
  * global id `token` whose home rank is on node `node` (nodes of
  * ranks_per_node consecutive ranks): among the expert's copies on that node,
  * if any, else among all its copies (each list in copy order), the one at
  * token mod its length. Deterministic, from the routing alone. */
 int moe_replica_of(const moe_replicas *r, int expert, uint64_t token, int node, int ranks_per_node);
+
+/* The copies of one token's k pairs, sharing its rows: placed (k) for ids
+ * (k) (-1: a dropped pair, kept -1; placed may be ids). The pairs of experts with one copy
+ * first fix the ranks the token visits anyway; then, in slot order, each
+ * pair of an expert with copies goes to a copy on a rank the token already
+ * visits, among the candidates of moe_replica_of (the copies on its node if
+ * any, else all), the one at token mod their number, and to
+ * moe_replica_of's copy when none is on such a rank. A token sends a rank
+ * one row whatever pairs it holds there, so a copy where it goes anyway
+ * costs no row. Deterministic, from the routing alone. */
+void moe_replicas_of_token(const moe_replicas *r, const int32_t *ids, int topk, uint64_t token,
+                           int node, int ranks_per_node, int32_t *placed);
 
 #endif

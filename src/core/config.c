@@ -6,6 +6,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "moe/config.h"
 #include "moe/capacity.h"
+#include "moe/eplb.h"
 #include "moe/experts.h"
 #include "moe/gemm.h"
 #include "moe/layout.h"
@@ -73,6 +74,8 @@ static const flag_choice input_dist_choices[] = {
 static const flag_choice fp8_recipe_choices[] = {
     {"moe", MOE_FP8_RECIPE_MOE}, {"deepep", MOE_FP8_RECIPE_DEEPEP},
     {"deepgemm", MOE_FP8_RECIPE_DEEPGEMM}, {"v3", MOE_FP8_RECIPE_V3}, {NULL, 0}};
+static const flag_choice replica_choices[] = {
+    {"spread", MOE_REPLICA_SPREAD}, {"dedup", MOE_REPLICA_DEDUP}, {NULL, 0}};
 static const flag_choice drop_policy_choices[] = {
     {"probs", MOE_DROP_PROBS}, {"position", MOE_DROP_POSITION}, {NULL, 0}};
 static const flag_choice wave_by_choices[] = {
@@ -144,6 +147,7 @@ static const flag_spec flags[] = {
     {"redundant-experts", FLAG_INT, FIELD(redundant_experts), 0, 32767, "N", NULL, "0", "E + N physical experts, each rank (E + N)/G, placed by DeepSeek's EPLB from a measured load: hot experts get copies (docs/load-balance.md)", RUN_ONLY | PLAN},
     {"eplb-window", FLAG_INT, FIELD(eplb_window), 1, 1000, "S", NULL, "1", "--redundant-experts: the load is the routing counts of S earlier batches of fresh tokens", RUN_ONLY},
     {"expert-load", FLAG_TEXT, FIELD(expert_load), 0, 0, "FILE", NULL, "", "--redundant-experts: the load from FILE (E numbers, tokens per expert) instead of --eplb-window", RUN_ONLY | PLAN},
+    {"replica-choice", FLAG_CHOICE, FIELD(replica_choice), 0, 0, NULL, replica_choices, "spread", "--redundant-experts: each pair to a copy on its token's node, spread by token id; or dedup: to a copy on a rank the token's rows go to anyway when there is one (fewer rows, a less even split)", RUN_ONLY},
     {"steps", FLAG_INT, FIELD(steps), 1, 10000, "N", NULL, "1", "N steps of route, forward and --bias-update on fresh batches before the timed forwards, each step's balance printed (docs/load-balance.md)", RUN_ONLY},
     {"bias-update", FLAG_REAL, FIELD(bias_update), 0, 1, "GAMMA|none", NULL, "none", "deepseek-v3: after each step, bias_i += GAMMA sign(mean load - load_i) (V3's auxiliary-loss-free balancing)", RUN_ONLY},
     {"capacity-factor", FLAG_REAL, FIELD(capacity_factor), 0, 1000, "C|none", NULL, "none", "each expert takes at most ceil(C T k / E) pairs of each rank's T tokens, the rest are dropped (Megatron-Core's capacity; docs/load-balance.md)", RUN_ONLY},

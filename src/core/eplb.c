@@ -184,6 +184,42 @@ void moe_eplb_place(const double *load, int logical, int physical, int groups, i
     replicas_index(out);
 }
 
+void moe_replicas_of_token(const moe_replicas *r, const int32_t *ids, int topk, uint64_t token,
+                           int node, int ranks_per_node, int32_t *placed)
+{
+    const int per_rank = r->physical / r->ranks;
+    int visited[topk > 0 ? topk : 1], n = 0; /* ranks the token's rows go to so far */
+    int32_t logical[topk > 0 ? topk : 1];    /* placed may be ids */
+    memcpy(logical, ids, sizeof(int32_t) * (size_t)topk);
+    ids = logical;
+    for (int s = 0; s < topk; s++) {
+        placed[s] = ids[s] < 0 ? ids[s] : -2; /* -2: a pair with copies, still open */
+        if (ids[s] >= 0 && r->copies[ids[s]] == 1)
+            visited[n++] = (placed[s] = r->log2phy[(size_t)ids[s] * (size_t)r->max_copies]) / per_rank;
+    }
+    for (int s = 0; s < topk; s++) {
+        if (placed[s] != -2)
+            continue;
+        const int *copy = r->log2phy + (size_t)ids[s] * (size_t)r->max_copies;
+        const int copies = r->copies[ids[s]];
+        int on_node = 0;
+        for (int c = 0; c < copies; c++)
+            on_node += copy[c] / per_rank / ranks_per_node == node;
+        int shared[copies], m = 0; /* the candidates on a visited rank */
+        for (int c = 0; c < copies; c++) {
+            const int rank = copy[c] / per_rank;
+            bool seen = false;
+            for (int v = 0; v < n && !seen; v++)
+                seen = visited[v] == rank;
+            if (seen && (on_node == 0 || rank / ranks_per_node == node))
+                shared[m++] = copy[c];
+        }
+        placed[s] = m > 0 ? shared[token % (uint64_t)m]
+                          : moe_replica_of(r, ids[s], token, node, ranks_per_node);
+        visited[n++] = placed[s] / per_rank;
+    }
+}
+
 int moe_replica_of(const moe_replicas *r, int expert, uint64_t token, int node, int ranks_per_node)
 {
     const int *copy = r->log2phy + (size_t)expert * (size_t)r->max_copies;

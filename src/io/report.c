@@ -145,6 +145,10 @@ static void print_replicas(FILE *out, const moe_run_summary *s)
             : cfg->bias_update > 0 ? "the routing of the --eplb-window batches after the steps', under the "
                                      "final bias (placed again after the steps)"
                                    : "the routing of the --eplb-window batches of fresh tokens");
+    fprintf(out, "          a pair goes to %s\n",
+            cfg->replica_choice == MOE_REPLICA_DEDUP
+                ? "a copy on a rank its token's rows go to anyway, if any (--replica-choice dedup)"
+                : "a copy on its token's node, spread by token id (--replica-choice spread)");
     fprintf(out, "          copies:");
     int shown = 0;
     for (int e = 0; e < E; e++)

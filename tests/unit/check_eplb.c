@@ -118,6 +118,41 @@ START_TEST(replica_choice_prefers_the_node_then_spreads)
 }
 END_TEST
 
+/* --replica-choice dedup: a pair of the hot expert goes to a copy on the
+ * rank its token visits anyway for a single-copy expert when there is one
+ * (spread among those by token id), else where moe_replica_of sends it; a
+ * dropped pair stays dropped; ids may be placed. */
+START_TEST(dedup_choice_shares_the_row)
+{
+    enum { E = 4, G = 4, P = 8 };
+    const double load[E] = {100.0, 3.0, 2.0, 1.0};
+    moe_replicas r;
+    moe_eplb_place(load, E, P, 1, 1, G, &r);
+    ck_assert_int_eq(r.copies[0], 5);
+    int shared = 0;
+    for (int x = 1; x < E; x++)
+        for (uint64_t token = 0; token < 6; token++) {
+            int32_t pair[3] = {x, 0, -1};
+            moe_replicas_of_token(&r, pair, 3, token, 0, G, pair);
+            const int rank = r.log2phy[x * r.max_copies] / (P / G);
+            ck_assert_int_eq(pair[0], r.log2phy[x * r.max_copies]);
+            ck_assert_int_eq(pair[2], -1);
+            ck_assert_int_eq(r.phy2log[pair[1]], 0);
+            bool copy_there = false;
+            for (int c = 0; c < r.copies[0]; c++)
+                copy_there = copy_there || r.log2phy[c] / (P / G) == rank;
+            if (copy_there) {
+                ck_assert_int_eq(pair[1] / (P / G), rank);
+                shared++;
+            } else {
+                ck_assert_int_eq(pair[1], moe_replica_of(&r, 0, token, 0, G));
+            }
+        }
+    ck_assert_int_gt(shared, 0); /* the case tests the preference */
+    moe_replicas_free(&r);
+}
+END_TEST
+
 Suite *make_eplb_suite(void)
 {
     Suite *s = suite_create("eplb");
@@ -126,6 +161,7 @@ Suite *make_eplb_suite(void)
     tcase_add_test(tc, one_hot_expert_takes_every_copy);
     tcase_add_test(tc, unplaceable_sizes_say_why);
     tcase_add_test(tc, replica_choice_prefers_the_node_then_spreads);
+    tcase_add_test(tc, dedup_choice_shares_the_row);
     suite_add_tcase(s, tc);
     return s;
 }
