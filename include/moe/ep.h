@@ -105,8 +105,8 @@ void moe_ep_place_replicas(moe_ep *ep, const double *load);
 
 /* Stage place: placed (T, k) = the physical expert of each of this rank's
  * (token, slot) pairs of ids (T, k): moe_replica_of with the token's global
- * id and its home rank's node; the logical ids themselves without
- * replicas. With --capacity-factor, first the pairs over their expert's
+ * id and its home rank's node (--replica-choice dedup:
+ * moe_replicas_of_token); the logical ids themselves without replicas. With --capacity-factor, first the pairs over their expert's
  * capacity on this rank's tokens become MOE_DROPPED (capacity.h, by
  * --drop-policy on weights (T, k)): every path skips them (never sent,
  * never computed, nothing added); weights NULL: no drops (what the

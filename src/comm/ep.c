@@ -249,15 +249,17 @@ moe_index moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weight
         return dropped;
     const int R = ep->link.ranks_per_node, node = ep->comm.rank / R;
     const uint64_t first = (uint64_t)ep->comm.rank * (uint64_t)T;
-    for (moe_index i = 0; i < T; i++)
-        if (cfg->replica_choice == MOE_REPLICA_DEDUP)
+    for (moe_index i = 0; i < T; i++) {
+        if (cfg->replica_choice == MOE_REPLICA_DEDUP) {
             moe_replicas_of_token(&ep->replicas, placed + i * k, (int)k, first + (uint64_t)i, node,
                                   R, placed + i * k);
-        else
-            for (moe_index s = 0; s < k; s++)
-                if (placed[i * k + s] != MOE_DROPPED)
-                    placed[i * k + s] = moe_replica_of(&ep->replicas, placed[i * k + s],
-                                                       first + (uint64_t)i, node, R);
+            continue;
+        }
+        for (moe_index s = 0; s < k; s++)
+            if (placed[i * k + s] != MOE_DROPPED)
+                placed[i * k + s] = moe_replica_of(&ep->replicas, placed[i * k + s],
+                                                   first + (uint64_t)i, node, R);
+    }
     return dropped;
 }
 
