@@ -760,9 +760,17 @@ static int validate_steps(const moe_config *cfg, moe_status *st)
 }
 
 /* --capacity-factor: the forward drops pairs; what reads every pair of
- * the routing refuses. */
+ * the routing refuses. --drop-policy and --replica-choice say nothing
+ * without the capacity or the copies they choose for. */
 static int validate_capacity(const moe_config *cfg, moe_status *st)
 {
+    if (cfg->drop_policy != MOE_DROP_PROBS && !(cfg->capacity_factor > 0))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--drop-policy chooses what --capacity-factor drops: add --capacity-factor C");
+    if (cfg->replica_choice != MOE_REPLICA_SPREAD && cfg->redundant_experts == 0)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--replica-choice chooses among the copies of --redundant-experts: add "
+                        "--redundant-experts N");
     if (!(cfg->capacity_factor > 0))
         return MOE_EXIT_OK;
     const char *other = cfg->backward ? "--backward (the gradient of a dropped pair is not built)"
