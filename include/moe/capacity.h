@@ -31,6 +31,7 @@
 
 #include <stdint.h>
 
+#include "moe/config.h"
 #include "moe/dims.h"
 
 #define MOE_DROPPED (-1) /* the expert id of a dropped pair */
@@ -47,5 +48,11 @@ moe_index moe_expert_capacity(double factor, moe_index tokens, int topk, int exp
 moe_index moe_capacity_drop(const int32_t *ids, const float *weights, moe_index tokens, int topk,
                             int experts, moe_index capacity, enum moe_drop_policy policy,
                             int32_t *kept);
+
+/* The drops --capacity-factor and --drop-policy ask for on a rank's
+ * `tokens` tokens: moe_capacity_drop at moe_expert_capacity(C, tokens, k,
+ * E) (C > 0). Returns the pairs dropped. */
+moe_index moe_capacity_apply(const moe_config *cfg, const int32_t *ids, const float *weights,
+                             moe_index tokens, int32_t *kept);
 
 #endif

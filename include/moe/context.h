@@ -30,7 +30,6 @@ typedef struct {
                                 ids itself without --redundant-experts and
                                 --capacity-factor; MOE_DROPPED for a dropped pair */
     double *expert_load;     /* (E) --redundant-experts: the load EPLB placed by; else NULL */
-    moe_index dropped;       /* --capacity-factor: this rank's pairs dropped by the last place */
     float *weights;          /* (T, k) */
     float *y;                /* (T, d) */
     uint64_t y_digest;       /* of the first timed forward's output */

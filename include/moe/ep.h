@@ -100,18 +100,20 @@ void moe_ep_window_load(const moe_ep *ep, double *load);
 /* Place the E + N physical experts with EPLB for load (E) (eplb.h: the
  * router's groups, nodes of ep->link.ranks_per_node ranks when they divide
  * G), the same on every rank, and generate the weights of this rank's
- * copies. load NULL: moe_ep_window_load's (collective then). */
+ * copies, in place of a placement before. load NULL: moe_ep_window_load's
+ * (collective then). */
 void moe_ep_place_replicas(moe_ep *ep, const double *load);
 
 /* Stage place: placed (T, k) = the physical expert of each of this rank's
  * (token, slot) pairs of ids (T, k): moe_replica_of with the token's global
  * id and its home rank's node (--replica-choice dedup:
- * moe_replicas_of_token); the logical ids themselves without replicas. With --capacity-factor, first the pairs over their expert's
- * capacity on this rank's tokens become MOE_DROPPED (capacity.h, by
+ * moe_replicas_of_token); the logical ids themselves without replicas.
+ * With --capacity-factor, first the pairs over their expert's capacity on
+ * this rank's tokens become MOE_DROPPED (moe_capacity_apply, by
  * --drop-policy on weights (T, k)): every path skips them (never sent,
  * never computed, nothing added); weights NULL: no drops (what the
- * forward would send without them). Returns the pairs dropped. Pure. */
-moe_index moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weights, int32_t *placed);
+ * forward would send without them). Pure. */
+void moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weights, int32_t *placed);
 
 /* x (T, d) = this rank's tokens of stream batch b: rows (b*G + rank)*T + i
  * of the token stream (rng.h). Batch 0 is the run's. */

@@ -316,7 +316,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
         moe_comm_barrier(c);
         const double origin = moe_comm_time();
         moe_ep_route(&ctx->ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
-        ctx->dropped = moe_ep_place(&ctx->ep, ctx->ids, ctx->weights, ctx->placed);
+        moe_ep_place(&ctx->ep, ctx->ids, ctx->weights, ctx->placed);
         const double route = moe_comm_time() - origin;
         rc = forward(ctx, origin);
         const double layer = ctx->last.done - origin; /* to y complete */
@@ -370,7 +370,7 @@ static int calibrate_link(moe_run_context *ctx)
     moe_schedule unlinked = ctx->schedule;
     unlinked.link = false;
     moe_ep_route(ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
-    ctx->dropped = moe_ep_place(ep, ctx->ids, ctx->weights, ctx->placed);
+    moe_ep_place(ep, ctx->ids, ctx->weights, ctx->placed);
     moe_forward_stats f;
     const int rc = moe_ep_forward_waves(ep, &unlinked, ctx->x, ctx->placed, ctx->weights, ctx->y,
                                         &f, &ctx->status);
@@ -451,7 +451,6 @@ static int place_replicas(moe_run_context *ctx)
 
 void moe_context_replace_replicas(moe_run_context *ctx)
 {
-    moe_replicas_free(&ctx->ep.replicas);
     moe_ep_window_load(&ctx->ep, ctx->expert_load);
     moe_ep_place_replicas(&ctx->ep, ctx->expert_load);
 }

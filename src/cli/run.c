@@ -71,10 +71,7 @@ static void check_against_truth(moe_run_context *ctx)
     int32_t *kept = NULL;
     if (cfg->capacity_factor > 0) { /* the drops, decided again from the routing alone */
         kept = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
-        const int E = (int)cfg->experts;
-        moe_capacity_drop(ids, weights, T, (int)k, E,
-                          moe_expert_capacity(cfg->capacity_factor, T, (int)k, E),
-                          cfg->drop_policy, kept);
+        moe_capacity_apply(cfg, ids, weights, T, kept);
     }
     const float *dispatched = moe_ep_dispatched_tokens(&ctx->ep, x, scratch);
     int32_t *pair_rank = NULL; /* with copies, the rank of each pair's copy: where it is summed */

@@ -228,25 +228,23 @@ void moe_ep_place_replicas(moe_ep *ep, const double *load)
         load = window = moe_xmalloc(sizeof(double) * (size_t)cfg->experts);
         moe_ep_window_load(ep, window);
     }
+    moe_replicas_free(&ep->replicas); /* a placement before this one */
     moe_eplb_place(load, (int)cfg->experts, ep->placement.experts, (int)cfg->groups,
                    G % R == 0 ? G / R : 1, G, &ep->replicas);
     free(window);
     generate_experts(ep, 0, ep->local_experts);
 }
 
-moe_index moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weights, int32_t *placed)
+void moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weights, int32_t *placed)
 {
     const moe_config *cfg = ep->cfg;
     const moe_index T = cfg->tokens, k = cfg->topk;
-    moe_index dropped = 0;
     if (cfg->capacity_factor > 0 && weights)
-        dropped = moe_capacity_drop(ids, weights, T, (int)k, (int)cfg->experts,
-                                    moe_expert_capacity(cfg->capacity_factor, T, (int)k, (int)cfg->experts),
-                                    cfg->drop_policy, placed);
+        moe_capacity_apply(cfg, ids, weights, T, placed);
     else if (placed != ids)
         memcpy(placed, ids, sizeof(int32_t) * (size_t)(T * k));
     if (!ep->replicas.physical)
-        return dropped;
+        return;
     const int R = ep->link.ranks_per_node, node = ep->comm.rank / R;
     const uint64_t first = (uint64_t)ep->comm.rank * (uint64_t)T;
     for (moe_index i = 0; i < T; i++) {
@@ -260,7 +258,6 @@ moe_index moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weight
                 placed[i * k + s] = moe_replica_of(&ep->replicas, placed[i * k + s],
                                                    first + (uint64_t)i, node, R);
     }
-    return dropped;
 }
 
 void moe_ep_generate_batch(const moe_ep *ep, uint64_t batch, float *x)

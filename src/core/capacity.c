@@ -27,6 +27,15 @@ static int by_weight(const void *a, const void *b)
     return (p->pair > q->pair) - (p->pair < q->pair);
 }
 
+moe_index moe_capacity_apply(const moe_config *cfg, const int32_t *ids, const float *weights,
+                             moe_index tokens, int32_t *kept)
+{
+    const int k = (int)cfg->topk, E = (int)cfg->experts;
+    return moe_capacity_drop(ids, weights, tokens, k, E,
+                             moe_expert_capacity(cfg->capacity_factor, tokens, k, E),
+                             (enum moe_drop_policy)cfg->drop_policy, kept);
+}
+
 moe_index moe_capacity_drop(const int32_t *ids, const float *weights, moe_index tokens, int topk,
                             int experts, moe_index capacity, enum moe_drop_policy policy,
                             int32_t *kept)

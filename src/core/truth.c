@@ -148,13 +148,15 @@ static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const
         }
         if (!reduced)
             continue;
-        /* the last expert of a rank (of its pass), and of a node */
+        /* the rank whose sum this expert adds to, and the next expert's
+         * (`ranks` past the last): a rank's sum, and a node's, end here
+         * when they differ */
         const int rank = passes > 1 ? pass : placement.expert_rank[e];
-        const bool last = passes > 1 ? e == E - 1 : e == E - 1 || placement.expert_rank[e + 1] != rank;
-        if (last)
+        const int next = e < E - 1 ? (passes > 1 ? pass : placement.expert_rank[e + 1])
+                                   : passes > 1 ? pass + 1 : ranks;
+        if (next != rank)
             flush(cfg, by_node ? node_partial : y, allow, partial, T * d);
-        const int next = passes > 1 ? pass + 1 : e == E - 1 ? ranks : placement.expert_rank[e + 1];
-        if (by_node && last && (next == ranks || next / R != rank / R))
+        if (by_node && next != rank && (next == ranks || next / R != rank / R))
             flush(cfg, y, allow, node_partial, T * d);
     }
     if (reduced)

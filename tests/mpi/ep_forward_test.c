@@ -278,10 +278,7 @@ int main(int argc, char **argv)
     /* --capacity-factor: the drops, decided here from the routing alone */
     moe_index dropped = 0;
     if (cfg.capacity_factor > 0) {
-        const int E = (int)cfg.experts;
-        dropped = moe_capacity_drop(ids, weights, T, (int)k, E,
-                                    moe_expert_capacity(cfg.capacity_factor, T, (int)k, E),
-                                    cfg.drop_policy, ids);
+        dropped = moe_capacity_apply(&cfg, ids, weights, T, ids);
         dropped = (moe_index)moe_comm_sum(&world, (double)dropped);
         if (r == 0)
             printf("capacity factor %g: %lld of %lld pairs dropped\n", cfg.capacity_factor,
