@@ -1,0 +1,228 @@
+/* kernel.c — the expert GEMM alone on one core: moe-ep's packed kernel at
+ * each tile width, OpenBLAS's sgemm and, when built with it, libxsmm's JIT
+ * kernels, on the experts' shapes with E experts' weights streaming through
+ * the caches as in a layer. Prints GFLOP/s, the fraction of the core's fp32
+ * FMA peak (measured here, at the widest vector width), and whether each
+ * kernel's C is bit for bit the packed kernel's (the per-element fmaf chain
+ * of gemm.h). Not part of moe-ep: `make bench/kernel` builds it, with
+ * libxsmm when configure found it (docs/performance.md). Exit 1 when a
+ * packed tile's bits differ from the widest tile's.
+ *
+ *   bench/kernel [ROWS [K [N [EXPERTS [SECONDS]]]]]   default 96 1024 2048 32 1
+ */
+#include "config.h"
+
+#include <float.h>
+#include <stdbool.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "moe/gemm.h"
+#include "moe/peak.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef HAVE_LIBXSMM
+#include <libxsmm.h>
+#endif
+
+static double now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static moe_index arg(int argc, char **argv, int i, moe_index fallback)
+{
+    return argc > i ? (moe_index)strtoll(argv[i], NULL, 10) : fallback;
+}
+
+typedef struct {
+    moe_index M, K, N;
+    int experts;
+    const float *A;      /* (M, K) */
+    const float *plain;  /* experts x (K, N) row-major */
+    const float *packed; /* experts x moe_sgemm_packed_floats(K, N) */
+    float *C;            /* (M, N) */
+#ifdef HAVE_LIBXSMM
+    libxsmm_smmfunction xsmm; /* one block of xsmm_cols columns */
+    moe_index xsmm_cols;
+    bool xsmm_packed; /* reading the packed panels (xsmm_cols 16) */
+#endif
+} shape;
+
+typedef void kernel_fn(const shape *s, int e);
+
+static void run_packed(const shape *s, int e)
+{
+    moe_sgemm_packed(s->M, s->N, s->K, s->A, s->K,
+                     s->packed + (size_t)e * (size_t)moe_sgemm_packed_floats(s->K, s->N), s->C,
+                     s->N);
+}
+
+static void run_blas(const shape *s, int e)
+{
+    moe_sgemm_nn(s->M, s->N, s->K, s->A, s->K, s->plain + (size_t)e * (size_t)(s->K * s->N), s->N,
+                 s->C, s->N);
+}
+
+#ifdef HAVE_LIBXSMM
+/* Row-major C (M, N) = A (M, K) Bt (K, N) is column-major C' (N, M) =
+ * Bt' (N, K) A' (K, M): libxsmm's m is our N, in blocks of s->xsmm_cols
+ * columns, its n our M. On the unpacked weights a block reads its columns
+ * in place (lda N); on the packed ones a block is one 16-column panel (lda
+ * 16), the layout the packed kernel reads. The prefetching kernels are
+ * given the next block's operands. */
+static void run_xsmm(const shape *s, int e)
+{
+    const moe_index cols = s->xsmm_cols;
+    const float *bt = s->xsmm_packed ? s->packed + (size_t)e * (size_t)moe_sgemm_packed_floats(s->K, s->N)
+                                     : s->plain + (size_t)e * (size_t)(s->K * s->N);
+    const moe_index step = s->xsmm_packed ? cols * s->K : cols;
+    for (moe_index n0 = 0, b = 0; n0 < s->N; n0 += cols, b += step) {
+        const moe_index next = n0 + cols < s->N ? b + step : b;
+        s->xsmm(bt + b, s->A, s->C + n0, bt + next, s->A, s->C + (n0 + cols < s->N ? n0 + cols : n0));
+    }
+}
+#endif
+
+/* GFLOP/s of `kernel` cycling over the experts for about `seconds`: the
+ * best of five batches. */
+static double rate(kernel_fn *kernel, const shape *s, double seconds)
+{
+    const double flops = 2.0 * (double)s->M * (double)s->N * (double)s->K;
+    double best = 0.0;
+    for (int batch = 0; batch < 5; batch++) {
+        const double t0 = now();
+        long calls = 0;
+        do
+            kernel(s, (int)(calls++ % s->experts));
+        while (now() - t0 < seconds / 5);
+        const double r = flops * (double)calls / (now() - t0) / 1e9;
+        if (r > best)
+            best = r;
+    }
+    return best;
+}
+
+static void fill(float *v, size_t n, uint32_t seed)
+{
+    for (size_t i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        v[i] = (float)((int32_t)seed >> 8) * 0x1p-23f; /* in [-1, 1): every bit in play */
+    }
+}
+
+/* Prints the rate; returns whether the bits differed from `reference`. */
+static bool report(const char *name, kernel_fn *kernel, const shape *s, double seconds,
+                   double peak, const float *reference)
+{
+    memset(s->C, 0, sizeof(float) * (size_t)(s->M * s->N));
+    kernel(s, 0);
+    moe_index differ = 0;
+    for (moe_index i = 0; i < s->M * s->N; i++)
+        differ += memcmp(&s->C[i], &reference[i], sizeof(float)) != 0;
+    const double r = rate(kernel, s, seconds);
+    printf("%-30s %8.1f GFLOP/s  %5.1f %% of the FMA peak  %s\n", name, r, 100.0 * r / peak,
+           differ ? "bits differ from the packed kernel" : "same bits as the packed kernel");
+    if (differ)
+        printf("%-30s %lld of %lld elements differ\n", "", (long long)differ,
+               (long long)(s->M * s->N));
+    return differ != 0;
+}
+
+int main(int argc, char **argv)
+{
+    shape s = {.M = arg(argc, argv, 1, 96), .K = arg(argc, argv, 2, 1024),
+               .N = arg(argc, argv, 3, 2048), .experts = (int)arg(argc, argv, 4, 32)};
+    const double seconds = argc > 5 ? atof(argv[5]) : 1.0;
+    if (s.M < 1 || s.K < 1 || s.N < 1 || s.experts < 1 || !(seconds > 0)) {
+        fprintf(stderr, "usage: %s [ROWS [K [N [EXPERTS [SECONDS]]]]] (all positive)\n", argv[0]);
+        return 2;
+    }
+    moe_gemm_set_threads(1);
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+    const size_t plain = (size_t)(s.K * s.N), packed = (size_t)moe_sgemm_packed_floats(s.K, s.N);
+    float *A = malloc(sizeof(float) * (size_t)(s.M * s.K));
+    float *W = malloc(sizeof(float) * plain * (size_t)s.experts);
+    float *P = malloc(sizeof(float) * packed * (size_t)s.experts);
+    float *ref = malloc(sizeof(float) * (size_t)(s.M * s.N));
+    s.C = malloc(sizeof(float) * (size_t)(s.M * s.N));
+    if (!A || !W || !P || !ref || !s.C) {
+        fprintf(stderr, "%s: out of memory\n", argv[0]);
+        return 1;
+    }
+    fill(A, (size_t)(s.M * s.K), 1);
+    fill(W, plain * (size_t)s.experts, 2);
+    for (int e = 0; e < s.experts; e++)
+        moe_sgemm_pack_rows(s.K, s.N, W + (size_t)e * plain, P + (size_t)e * packed);
+    s.A = A, s.plain = W, s.packed = P;
+
+    char cpu[256];
+    moe_cpu_model(cpu, sizeof cpu);
+    int widest = 0;
+    for (int i = 0; i < MOE_FMA_WIDTHS; i++)
+        if (moe_fma_supported(moe_fma_bits[i]))
+            widest = moe_fma_bits[i];
+    const double peak = widest ? moe_fma_rate(widest, 0.5) / 1e9 : NAN;
+    printf("%s, OpenBLAS kernel %s; one core, fp32 FMA peak %.1f GFLOP/s at %d bits\n", cpu,
+           moe_blas_corename(), peak, widest);
+    printf("C (%lld, %lld) = A (%lld, %lld) x B (%lld, %lld), %d experts' weights (%.1f MiB) "
+           "in turn\n",
+           (long long)s.M, (long long)s.N, (long long)s.M, (long long)s.K, (long long)s.K,
+           (long long)s.N, s.experts, 4.0 * (double)plain * s.experts / 1048576.0);
+
+    run_packed(&s, 0);
+    memcpy(ref, s.C, sizeof(float) * (size_t)(s.M * s.N));
+    report("packed, widest tile", run_packed, &s, seconds, peak, ref);
+    moe_sgemm_packed_force(MOE_PACKED_AVX2);
+    const bool tiles_differ = report("packed, 6 x 16 AVX2 tile", run_packed, &s, seconds, peak, ref);
+    moe_sgemm_packed_force(MOE_PACKED_WIDEST);
+    report("OpenBLAS sgemm", run_blas, &s, seconds, peak, ref);
+#ifdef HAVE_LIBXSMM
+    libxsmm_init();
+    printf("libxsmm %s, JIT target %s\n", LIBXSMM_VERSION, libxsmm_get_target_arch());
+    static const struct {
+        int cols;
+        bool packed;
+        int prefetch;
+        const char *name;
+    } variants[] = {
+        {16, true, LIBXSMM_GEMM_PREFETCH_NONE, "libxsmm, packed panels"},
+        {16, true, LIBXSMM_GEMM_PREFETCH_AL2, "libxsmm, packed, prefetch"},
+        {32, false, LIBXSMM_GEMM_PREFETCH_NONE, "libxsmm, 32 columns"},
+        {64, false, LIBXSMM_GEMM_PREFETCH_NONE, "libxsmm, 64 columns"},
+        {64, false, LIBXSMM_GEMM_PREFETCH_AL2, "libxsmm, 64 columns, prefetch"},
+        {128, false, LIBXSMM_GEMM_PREFETCH_NONE, "libxsmm, 128 columns"},
+    };
+    for (size_t v = 0; v < sizeof variants / sizeof variants[0]; v++) {
+        if (s.N % variants[v].cols) {
+            printf("%-30s N is not a multiple of %d\n", variants[v].name, variants[v].cols);
+            continue;
+        }
+        const libxsmm_blasint m = variants[v].cols, n = (libxsmm_blasint)s.M;
+        const libxsmm_blasint k = (libxsmm_blasint)s.K, ldb = k, ldc = (libxsmm_blasint)s.N;
+        const libxsmm_blasint lda = variants[v].packed ? m : ldc;
+        const float alpha = 1.0f, beta = 0.0f;
+        const int flags = LIBXSMM_GEMM_FLAG_NONE;
+        s.xsmm_cols = m;
+        s.xsmm_packed = variants[v].packed;
+        s.xsmm = libxsmm_smmdispatch(m, n, k, &lda, &ldb, &ldc, &alpha, &beta, &flags,
+                                     &variants[v].prefetch);
+        if (s.xsmm)
+            report(variants[v].name, run_xsmm, &s, seconds, peak, ref);
+        else
+            printf("%-30s no kernel\n", variants[v].name);
+    }
+#endif
+    free(A), free(W), free(P), free(ref), free(s.C);
+    return tiles_differ ? 1 : 0;
+}
