@@ -392,8 +392,16 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
             scale[m] = moe_meta_weight(recv_meta + recv->expert_row[first + m] * MOE_META_WORDS(k),
                                        k, recv->expert_slot[first + m]);
     }
-    moe_gather_row_ptrs(row_at, d, recv->expert_row + first, n, in);
-    moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);
+    if (!block && ep->gemm == MOE_GEMM_PACKED) { /* the rows read where they arrived */
+        const float **rows = moe_xmalloc(sizeof(float *) * (size_t)n);
+        for (moe_index m = 0; m < n; m++)
+            rows[m] = row_at[recv->expert_row[first + m]];
+        moe_expert_forward_rows(&w, rows, n, d, f, scratch, out, scale, hooks);
+        free(rows);
+    } else {
+        moe_gather_row_ptrs(row_at, d, recv->expert_row + first, n, in);
+        moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);
+    }
     if (ep->cfg->combine == MOE_COMBINE_PAIRS) /* reduced: the sums are rounded instead */
         moe_precision_combine(ep->cfg->combine_dtype, out, n * d);
     moe_scatter_rows(out, d, recv->expert_pair + first, n, expert_out);

@@ -211,7 +211,8 @@ float *moe_ep_layout_block(const moe_ep *ep, const moe_ep_layout *t, int l);
 void moe_ep_layout_close(moe_ep_layout *t);
 
 /* Stage experts, for local expert l: lay the rows recv assigns it out
- * into its block of the layout tensor (block NULL, rows: into work), from
+ * into its block of the layout tensor (block NULL, rows: into work; with
+ * --gemm packed the rows layout reads them in place instead), from
  * where row_at (received rows) says each received row is, run the SwiGLU
  * FFN on them (with the gate weight from recv_meta (rows, MOE_META_WORDS(k))
  * applied before L2 when cfg->weight_at says so), round as --combine-dtype

@@ -76,9 +76,12 @@ void moe_expert_gemm(enum moe_gemm_kind gemm, moe_index M, moe_index N, moe_inde
     }
 }
 
-void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
-                        moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
-                        const float *act_scale, const moe_ffn_hooks *hooks)
+/* moe_expert_forward, with x's rows at x_rows[n] when x_rows is set
+ * (packed only). */
+static void expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
+                           const float *const *x_rows, moe_index rows, moe_index hidden,
+                           moe_index ffn, float *scratch, float *y, const float *act_scale,
+                           const moe_ffn_hooks *hooks)
 {
     if (rows == 0)
         return;
@@ -88,13 +91,32 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
     for (moe_index first = 0; first < rows; first += chunk) {
         const moe_index n = rows - first < chunk ? rows - first : chunk;
         float *h = scratch + first * 2 * ffn;
-        moe_expert_gemm(gemm, n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, h, 2 * ffn);
+        if (x_rows)
+            moe_sgemm_packed_rows(n, 2 * ffn, hidden, x_rows + first, w->w1t, h, 2 * ffn);
+        else
+            moe_expert_gemm(gemm, n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, h,
+                            2 * ffn);
         after(hooks, MOE_FFN_L1);
         swiglu(h, n, ffn, act_scale ? act_scale + first : NULL);
         after(hooks, MOE_FFN_ACTIVATION);
         moe_expert_gemm(gemm, n, hidden, ffn, h, 2 * ffn, w->w2t, y + first * hidden, hidden);
         after(hooks, MOE_FFN_L2);
     }
+}
+
+void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
+                        moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
+                        const float *act_scale, const moe_ffn_hooks *hooks)
+{
+    expert_forward(w, gemm, x, NULL, rows, hidden, ffn, scratch, y, act_scale, hooks);
+}
+
+void moe_expert_forward_rows(const moe_expert_weights *w, const float *const *x_rows,
+                             moe_index rows, moe_index hidden, moe_index ffn, float *scratch,
+                             float *y, const float *act_scale, const moe_ffn_hooks *hooks)
+{
+    expert_forward(w, MOE_GEMM_PACKED, NULL, x_rows, rows, hidden, ffn, scratch, y, act_scale,
+                   hooks);
 }
 
 void moe_expert_forward_f64(enum moe_truth_gemm gemm, const double *w1, const double *w2,

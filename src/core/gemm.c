@@ -402,10 +402,11 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
 }
 
 /* Panels [p0, p1) of C, all rows: two whole panels at a time with wide
- * (when not NULL), else one. */
+ * (when not NULL), else one. A's row m is at rows[m], or A + m * lda when
+ * rows is NULL. */
 static void packed_columns(tile_fn *tile, tile2_fn *wide, moe_index M, moe_index N, moe_index K,
-                           const float *A, moe_index lda, const float *Bp, float *C, moe_index ldc,
-                           moe_index p0, moe_index p1)
+                           const float *A, moe_index lda, const float *const *rows_at,
+                           const float *Bp, float *C, moe_index ldc, moe_index p0, moe_index p1)
 {
     moe_index block_m = BLOCK_A_FLOATS / K / TILE_ROWS * TILE_ROWS;
     if (block_m < TILE_ROWS)
@@ -422,8 +423,10 @@ static void packed_columns(tile_fn *tile, tile2_fn *wide, moe_index M, moe_index
             for (moe_index m = m0; m < m1; m += TILE_ROWS) {
                 const moe_index rows = m1 - m < TILE_ROWS ? m1 - m : TILE_ROWS;
                 const float *a[TILE_ROWS];
-                for (int r = 0; r < TILE_ROWS; r++) /* a short tile repeats its last row */
-                    a[r] = A + (m + (r < rows ? r : rows - 1)) * lda;
+                for (int r = 0; r < TILE_ROWS; r++) { /* a short tile repeats its last row */
+                    const moe_index row = m + (r < rows ? r : rows - 1);
+                    a[r] = rows_at ? rows_at[row] : A + row * lda;
+                }
                 const bool full = rows == TILE_ROWS && cols == width;
                 float *c = full ? C + m * ldc + n0 : part;
                 const moe_index ldt = full ? ldc : width;
@@ -453,10 +456,10 @@ static void thread_share(moe_index n, moe_index *lo, moe_index *hi)
 #endif
 }
 
-void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
-                      const float *Bp, float *C, moe_index ldc)
+/* moe_sgemm_packed, with A's rows at rows_at[m] when it is not NULL. */
+static void sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                         const float *const *rows_at, const float *Bp, float *C, moe_index ldc)
 {
-    check_shape(M, N, K, lda, N, ldc, N);
     if (M == 0 || N == 0)
         return;
     if (K == 0) {
@@ -472,9 +475,24 @@ void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe
     {
         moe_index p0, p1;
         thread_share(panels, &p0, &p1);
-        packed_columns(tile, wide, M, N, K, A, lda, Bp, C, ldc, p0, p1);
+        packed_columns(tile, wide, M, N, K, A, lda, rows_at, Bp, C, ldc, p0, p1);
     }
     sgemm_flops += 2.0 * (double)M * (double)N * (double)K;
+}
+
+void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                      const float *Bp, float *C, moe_index ldc)
+{
+    check_shape(M, N, K, lda, N, ldc, N);
+    sgemm_packed(M, N, K, A, lda, NULL, Bp, C, ldc);
+}
+
+void moe_sgemm_packed_rows(moe_index M, moe_index N, moe_index K, const float *const *rows,
+                           const float *Bp, float *C, moe_index ldc)
+{
+    check_shape(M, N, K, K, N, ldc, N);
+    MOE_ASSERT(rows || M == 0);
+    sgemm_packed(M, N, K, NULL, K, rows, Bp, C, ldc);
 }
 
 /* In square blocks: walking a whole column of B at once reads rows a power

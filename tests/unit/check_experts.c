@@ -155,6 +155,19 @@ START_TEST(packed_gemm_is_the_fma_chain)
                 moe_sgemm_packed(M - 3, N, K, A + 3 * K, K, Bp, part, N);
                 ck_assert_int_eq(memcmp(part, C + 3 * N, sizeof(float) * (M - 3) * N), 0);
             }
+            { /* the rows read in place from anywhere: here stored in reverse, K + 5 apart */
+                float *far = malloc(sizeof(float) * M * (K + 5));
+                const float **rows = malloc(sizeof(float *) * M);
+                for (int m = 0; m < M; m++) {
+                    memcpy(far + (M - 1 - m) * (K + 5), A + m * K, sizeof(float) * K);
+                    rows[m] = far + (M - 1 - m) * (K + 5);
+                }
+                memset(part, 0xff, sizeof(float) * M * N);
+                moe_sgemm_packed_rows(M, N, K, rows, Bp, part, N);
+                ck_assert_int_eq(memcmp(part, C, sizeof(float) * M * N), 0);
+                free(rows);
+                free(far);
+            }
         }
         moe_sgemm_packed_force(MOE_PACKED_WIDEST);
         free(part);
@@ -292,7 +305,8 @@ START_TEST(packed_gemm_is_thread_independent)
 END_TEST
 #endif
 
-/* exact and packed: the FFN of a batch is the same in chunks of 7 rows. */
+/* exact and packed: the FFN of a batch is the same in chunks of 7 rows
+ * (packed: also with the rows read in place). */
 START_TEST(row_independent_ffn_is_chunk_independent)
 {
     enum { ROWS = 45, D = 48, F = 24 };
@@ -308,6 +322,17 @@ START_TEST(row_independent_ffn_is_chunk_independent)
     const moe_ffn_hooks hooks = {NULL, NULL, 7};
     moe_expert_forward(&w, kind, x, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
     ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
+    if (kind == MOE_GEMM_PACKED) { /* the rows read in place, in chunks: every other row of far */
+        float far[2 * ROWS * D];
+        const float *rows[ROWS];
+        for (int n = 0; n < ROWS; n++) {
+            memcpy(far + 2 * n * D, x + n * D, sizeof(float) * D);
+            rows[n] = far + 2 * n * D;
+        }
+        memset(y_chunked, 0xff, sizeof y_chunked);
+        moe_expert_forward_rows(&w, rows, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
+        ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
+    }
     /* and it computes the FFN: close to the blas path */
     float y_blas[ROWS * D];
     moe_expert_layout(MOE_GEMM_BLAS, D, F, w1, w2, w1t, w2t);
