@@ -327,11 +327,19 @@ typedef void tile2_fn(moe_index K, const float *const a[TILE_ROWS], const float 
         }                                                                             \
     } while (0)
 
-__attribute__((target("avx512f")))
-static void tile_avx512(moe_index K, const float *const a[TILE_ROWS], const float *b,
-                        const float *b2, float *c, moe_index ldc, prefetch_share pf)
+/* The two-panel tile for the first R rows of a (R constant, 1 to 6: each
+ * R its own function below, its accumulators in registers): a block's
+ * last rows run a tile of their own height instead of repeating a row,
+ * which at 24 rows an expert wasted a tenth of the FMAs. */
+__attribute__((target("avx512f"), always_inline))
+static inline void wide_rows(const int R, moe_index K, const float *const a[TILE_ROWS],
+                             const float *b, const float *b2, float *c, moe_index ldc,
+                             prefetch_share pf)
 {
-    WIDE_ACCUMULATORS;
+    __m512 acc[TILE_ROWS][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     moe_index due = 0;
     for (moe_index k = 0; k < K; k++) {
         const __m512 b0 = _mm512_loadu_ps(b + k * PACK_COLS);
@@ -344,10 +352,38 @@ static void tile_avx512(moe_index K, const float *const a[TILE_ROWS], const floa
             pf.lines--;
             due += pf.every;
         }
-        WIDE_STEP(a[0], a[1], a[2], a[3], a[4], a[5], k)
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const __m512 x = _mm512_set1_ps(a[r][k]);
+            acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+        }
     }
-    WIDE_STORE(c, ldc);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+        _mm512_storeu_ps(c + r * ldc + PACK_COLS, acc[r][1]);
+    }
 }
+
+#define WIDE_TILE(R)                                                                        \
+    __attribute__((target("avx512f"))) static void tile_avx512_##R(                          \
+        moe_index K, const float *const a[TILE_ROWS], const float *b, const float *b2,       \
+        float *c, moe_index ldc, prefetch_share pf)                                          \
+    {                                                                                        \
+        wide_rows(R, K, a, b, b2, c, ldc, pf);                                               \
+    }
+WIDE_TILE(1)
+WIDE_TILE(2)
+WIDE_TILE(3)
+WIDE_TILE(4)
+WIDE_TILE(5)
+WIDE_TILE(6)
+#undef WIDE_TILE
+
+/* The two-panel tiles by height: wide_tiles[r] computes r rows. */
+static tile2_fn *const wide_tiles[TILE_ROWS + 1] = {
+    NULL, tile_avx512_1, tile_avx512_2, tile_avx512_3, tile_avx512_4, tile_avx512_5, tile_avx512_6};
 #endif
 
 static enum moe_packed_isa packed_forced = MOE_PACKED_WIDEST;
@@ -364,20 +400,21 @@ static tile_fn *packed_tile(void)
     return tile_portable;
 }
 
-/* The two-panel tile, or NULL: none on this CPU, or a narrower one forced. */
-static tile2_fn *packed_wide_tile(void)
+/* The two-panel tiles by height, or NULL: none on this CPU, or a narrower
+ * one forced. */
+static tile2_fn *const *packed_wide_tiles(void)
 {
 #ifdef HAVE_AVX2_TILE
     if (packed_forced == MOE_PACKED_WIDEST && packed_tile() == tile_avx2 &&
         __builtin_cpu_supports("avx512f"))
-        return tile_avx512;
+        return wide_tiles;
 #endif
     return NULL;
 }
 
 const char *moe_sgemm_packed_isa(void)
 {
-    return packed_wide_tile() ? "avx512f+avx2+fma"
+    return packed_wide_tiles() ? "avx512f+avx2+fma"
                               : packed_tile() == tile_portable ? "portable fmaf" : "avx2+fma";
 }
 
@@ -419,10 +456,11 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
     }
 }
 
-/* Panels [p0, p1) of C, all rows: two whole panels at a time with wide
- * (when not NULL), else one. A's row m is at rows[m], or A + m * lda when
- * rows is NULL. */
-static void packed_columns(tile_fn *tile, tile2_fn *wide, moe_index M, moe_index N, moe_index K,
+/* Panels [p0, p1) of C, all rows: two whole panels at a time with the wide
+ * tiles (when not NULL; wide[r] for r rows), else one. A's row m is at
+ * rows[m], or A + m * lda when rows is NULL. */
+static void packed_columns(tile_fn *tile, tile2_fn *const *wide, moe_index M, moe_index N,
+                           moe_index K,
                            const float *A, moe_index lda, const float *const *rows_at,
                            const float *Bp, float *C, moe_index ldc, moe_index p0, moe_index p1)
 {
@@ -450,7 +488,8 @@ static void packed_columns(tile_fn *tile, tile2_fn *wide, moe_index M, moe_index
                     const moe_index row = m + (r < rows ? r : rows - 1);
                     a[r] = rows_at ? rows_at[row] : A + row * lda;
                 }
-                const bool full = rows == TILE_ROWS && cols == width;
+                /* a panel pair is whole (no padding), and its tiles have every height */
+                const bool full = span == 2 || (rows == TILE_ROWS && cols == width);
                 float *c = full ? C + m * ldc + n0 : part;
                 const moe_index ldt = full ? ldc : width;
                 const moe_index first = (m - m0) / TILE_ROWS * share;
@@ -461,7 +500,7 @@ static void packed_columns(tile_fn *tile, tile2_fn *wide, moe_index M, moe_index
                     pf.lines = K - first < share ? K - first : share;
                 }
                 if (span == 2)
-                    wide(K, a, b, b + K * PACK_COLS, c, ldt, pf);
+                    wide[rows](K, a, b, b + K * PACK_COLS, c, ldt, pf);
                 else
                     tile(K, a, b, c, ldt, pf);
                 if (!full)
@@ -496,7 +535,7 @@ static void sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, 
         return;
     }
     tile_fn *tile = packed_tile();
-    tile2_fn *wide = packed_wide_tile();
+    tile2_fn *const *wide = packed_wide_tiles();
     const moe_index panels = (N + PACK_COLS - 1) / PACK_COLS;
     /* Threads split the panels, each keeping its share for the whole call. */
 #pragma omp parallel
@@ -631,7 +670,7 @@ typedef void tile_t2_fn(moe_index N, const float *const a[TILE_ROWS], moe_index 
 static tile_t2_fn *packed_t_wide_tile(void)
 {
 #ifdef HAVE_AVX2_TILE
-    if (packed_wide_tile())
+    if (packed_wide_tiles())
         return tile_t_avx512;
 #endif
     return NULL;
