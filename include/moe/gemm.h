@@ -98,7 +98,8 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
 
 /* The tiles moe_sgemm_packed and moe_sgemm_packed_t run: the widest the
  * CPU has (AVX-512F: 6 x 32 over two panels, where two whole panels are
- * left; AVX2+FMA: 6 x 16), or the portable fmaf loop. Every tile computes
+ * left, and 1 to 5 x 32 for a row block's last rows; AVX2+FMA: 6 x 16),
+ * or the portable fmaf loop. Every tile computes
  * each element as the same fmaf chain, so the bits do not depend on which
  * ran; tests and bench force the narrower ones to compare them. */
 enum moe_packed_isa { MOE_PACKED_WIDEST, MOE_PACKED_AVX2, MOE_PACKED_PORTABLE };

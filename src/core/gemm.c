@@ -415,7 +415,7 @@ static tile2_fn *const *packed_wide_tiles(void)
 const char *moe_sgemm_packed_isa(void)
 {
     return packed_wide_tiles() ? "avx512f+avx2+fma"
-                              : packed_tile() == tile_portable ? "portable fmaf" : "avx2+fma";
+                               : packed_tile() == tile_portable ? "portable fmaf" : "avx2+fma";
 }
 
 moe_index moe_sgemm_packed_floats(moe_index K, moe_index N)
@@ -460,8 +460,7 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
  * tiles (when not NULL; wide[r] for r rows), else one. A's row m is at
  * rows[m], or A + m * lda when rows is NULL. */
 static void packed_columns(tile_fn *tile, tile2_fn *const *wide, moe_index M, moe_index N,
-                           moe_index K,
-                           const float *A, moe_index lda, const float *const *rows_at,
+                           moe_index K, const float *A, moe_index lda, const float *const *rows_at,
                            const float *Bp, float *C, moe_index ldc, moe_index p0, moe_index p1)
 {
     moe_index block_m = BLOCK_A_FLOATS / K / TILE_ROWS * TILE_ROWS;
