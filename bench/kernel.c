@@ -12,7 +12,6 @@
  */
 #include "config.h"
 
-#include <float.h>
 #include <stdbool.h>
 #include <math.h>
 #include <stdint.h>
