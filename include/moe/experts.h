@@ -77,13 +77,15 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
                         moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
                         const float *act_scale, const moe_ffn_hooks *hooks);
 
-/* The same with --gemm packed, x's row n at x_rows[n] (d floats each): the
- * rows an expert received, read where they arrived instead of gathered into
- * one block (moe_sgemm_packed_rows). The same bits as moe_expert_forward
- * with packed on the gathered rows; y is not one of the rows. */
-void moe_expert_forward_rows(const moe_expert_weights *w, const float *const *x_rows,
-                             moe_index rows, moe_index hidden, moe_index ffn, float *scratch,
-                             float *y, const float *act_scale, const moe_ffn_hooks *hooks);
+/* The same with --gemm packed, x's row n at row_at[index[n]] (d floats
+ * each; index NULL: row_at[n]): the rows an expert received, read where
+ * they arrived through the row table instead of gathered into one block
+ * (moe_sgemm_packed_rows). The same bits as moe_expert_forward with packed
+ * on the gathered rows; y is not one of the rows. */
+void moe_expert_forward_rows(const moe_expert_weights *w, const float *const *row_at,
+                             const moe_index *index, moe_index rows, moe_index hidden,
+                             moe_index ffn, float *scratch, float *y, const float *act_scale,
+                             const moe_ffn_hooks *hooks);
 
 /* The fp64 GEMM of the dense truth. */
 enum moe_truth_gemm {

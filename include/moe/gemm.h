@@ -66,11 +66,12 @@ void moe_sgemm_exact(moe_index M, moe_index N, moe_index K, const float *A, moe_
 void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
                       const float *Bp, float *C, moe_index ldc);
 
-/* The same with A's row m at rows[m] (K floats each): an expert's
- * dispatched rows read where they arrived, without gathering them into one
- * (M, K) block first. The same bits as moe_sgemm_packed on the gathered rows. */
-void moe_sgemm_packed_rows(moe_index M, moe_index N, moe_index K, const float *const *rows,
-                           const float *Bp, float *C, moe_index ldc);
+/* The same with A's row m at row_at[index[m]] (K floats each; index NULL:
+ * row_at[m]): an expert's dispatched rows read where they arrived, through
+ * the row table, without gathering them into one (M, K) block first. The
+ * same bits as moe_sgemm_packed on the gathered rows. */
+void moe_sgemm_packed_rows(moe_index M, moe_index N, moe_index K, const float *const *row_at,
+                           const moe_index *index, const float *Bp, float *C, moe_index ldc);
 
 /* C (M, K) = A (M, N) * B (N, K), with B given as moe_sgemm_pack(N, K, B)
  * packed it for moe_sgemm_packed's C' = A' B^T: the backward's products

@@ -393,11 +393,8 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
                                        k, recv->expert_slot[first + m]);
     }
     if (!block && ep->gemm == MOE_GEMM_PACKED) { /* the rows read where they arrived */
-        const float **rows = moe_xmalloc(sizeof(float *) * (size_t)n);
-        for (moe_index m = 0; m < n; m++)
-            rows[m] = row_at[recv->expert_row[first + m]];
-        moe_expert_forward_rows(&w, rows, n, d, f, scratch, out, scale, hooks);
-        free(rows);
+        moe_expert_forward_rows(&w, row_at, recv->expert_row + first, n, d, f, scratch, out, scale,
+                                hooks);
     } else {
         moe_gather_row_ptrs(row_at, d, recv->expert_row + first, n, in);
         moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);

@@ -76,12 +76,12 @@ void moe_expert_gemm(enum moe_gemm_kind gemm, moe_index M, moe_index N, moe_inde
     }
 }
 
-/* moe_expert_forward, with x's rows at x_rows[n] when x_rows is set
- * (packed only). */
+/* moe_expert_forward, with x's rows through row_at and index when row_at
+ * is set (packed only; moe_expert_forward_rows). */
 static void expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
-                           const float *const *x_rows, moe_index rows, moe_index hidden,
-                           moe_index ffn, float *scratch, float *y, const float *act_scale,
-                           const moe_ffn_hooks *hooks)
+                           const float *const *row_at, const moe_index *index, moe_index rows,
+                           moe_index hidden, moe_index ffn, float *scratch, float *y,
+                           const float *act_scale, const moe_ffn_hooks *hooks)
 {
     if (rows == 0)
         return;
@@ -91,8 +91,9 @@ static void expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm,
     for (moe_index first = 0; first < rows; first += chunk) {
         const moe_index n = rows - first < chunk ? rows - first : chunk;
         float *h = scratch + first * 2 * ffn;
-        if (x_rows)
-            moe_sgemm_packed_rows(n, 2 * ffn, hidden, x_rows + first, w->w1t, h, 2 * ffn);
+        if (row_at) /* the chunk's rows: index + first, or row_at + first without an index */
+            moe_sgemm_packed_rows(n, 2 * ffn, hidden, index ? row_at : row_at + first,
+                                  index ? index + first : NULL, w->w1t, h, 2 * ffn);
         else
             moe_expert_gemm(gemm, n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, h,
                             2 * ffn);
@@ -108,15 +109,16 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
                         moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
                         const float *act_scale, const moe_ffn_hooks *hooks)
 {
-    expert_forward(w, gemm, x, NULL, rows, hidden, ffn, scratch, y, act_scale, hooks);
+    expert_forward(w, gemm, x, NULL, NULL, rows, hidden, ffn, scratch, y, act_scale, hooks);
 }
 
-void moe_expert_forward_rows(const moe_expert_weights *w, const float *const *x_rows,
-                             moe_index rows, moe_index hidden, moe_index ffn, float *scratch,
-                             float *y, const float *act_scale, const moe_ffn_hooks *hooks)
+void moe_expert_forward_rows(const moe_expert_weights *w, const float *const *row_at,
+                             const moe_index *index, moe_index rows, moe_index hidden,
+                             moe_index ffn, float *scratch, float *y, const float *act_scale,
+                             const moe_ffn_hooks *hooks)
 {
-    expert_forward(w, MOE_GEMM_PACKED, NULL, x_rows, rows, hidden, ffn, scratch, y, act_scale,
-                   hooks);
+    expert_forward(w, MOE_GEMM_PACKED, NULL, row_at, index, rows, hidden, ffn, scratch, y,
+                   act_scale, hooks);
 }
 
 void moe_expert_forward_f64(enum moe_truth_gemm gemm, const double *w1, const double *w2,

@@ -456,12 +456,27 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
     }
 }
 
+/* A's row m: row_at[index[m]] (index NULL: row_at[m]), or A + m * lda when
+ * row_at is NULL. */
+typedef struct {
+    const float *A;
+    moe_index lda;
+    const float *const *row_at;
+    const moe_index *index;
+} rows_of_a;
+
+static const float *row_of(const rows_of_a *a, moe_index m)
+{
+    if (!a->row_at)
+        return a->A + m * a->lda;
+    return a->row_at[a->index ? a->index[m] : m];
+}
+
 /* Panels [p0, p1) of C, all rows: two whole panels at a time with the wide
- * tiles (when not NULL; wide[r] for r rows), else one. A's row m is at
- * rows[m], or A + m * lda when rows is NULL. */
+ * tiles (when not NULL; wide[r] for r rows), else one. */
 static void packed_columns(tile_fn *tile, tile2_fn *const *wide, moe_index M, moe_index N,
-                           moe_index K, const float *A, moe_index lda, const float *const *rows_at,
-                           const float *Bp, float *C, moe_index ldc, moe_index p0, moe_index p1)
+                           moe_index K, const rows_of_a *A, const float *Bp, float *C,
+                           moe_index ldc, moe_index p0, moe_index p1)
 {
     moe_index block_m = BLOCK_A_FLOATS / K / TILE_ROWS * TILE_ROWS;
     if (block_m < TILE_ROWS)
@@ -485,7 +500,7 @@ static void packed_columns(tile_fn *tile, tile2_fn *const *wide, moe_index M, mo
                 const float *a[TILE_ROWS];
                 for (int r = 0; r < TILE_ROWS; r++) { /* a short tile repeats its last row */
                     const moe_index row = m + (r < rows ? r : rows - 1);
-                    a[r] = rows_at ? rows_at[row] : A + row * lda;
+                    a[r] = row_of(A, row);
                 }
                 /* a panel pair is whole (no padding), and its tiles have every height */
                 const bool full = span == 2 || (rows == TILE_ROWS && cols == width);
@@ -522,9 +537,9 @@ static void thread_share(moe_index n, moe_index *lo, moe_index *hi)
 #endif
 }
 
-/* moe_sgemm_packed, with A's rows at rows_at[m] when it is not NULL. */
-static void sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
-                         const float *const *rows_at, const float *Bp, float *C, moe_index ldc)
+/* moe_sgemm_packed on the rows A names. */
+static void sgemm_packed(moe_index M, moe_index N, moe_index K, const rows_of_a *A,
+                         const float *Bp, float *C, moe_index ldc)
 {
     if (M == 0 || N == 0)
         return;
@@ -541,7 +556,7 @@ static void sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, 
     {
         moe_index p0, p1;
         thread_share(panels, &p0, &p1);
-        packed_columns(tile, wide, M, N, K, A, lda, rows_at, Bp, C, ldc, p0, p1);
+        packed_columns(tile, wide, M, N, K, A, Bp, C, ldc, p0, p1);
     }
     sgemm_flops += 2.0 * (double)M * (double)N * (double)K;
 }
@@ -550,15 +565,17 @@ void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe
                       const float *Bp, float *C, moe_index ldc)
 {
     check_shape(M, N, K, lda, N, ldc, N);
-    sgemm_packed(M, N, K, A, lda, NULL, Bp, C, ldc);
+    const rows_of_a rows = {A, lda, NULL, NULL};
+    sgemm_packed(M, N, K, &rows, Bp, C, ldc);
 }
 
-void moe_sgemm_packed_rows(moe_index M, moe_index N, moe_index K, const float *const *rows,
-                           const float *Bp, float *C, moe_index ldc)
+void moe_sgemm_packed_rows(moe_index M, moe_index N, moe_index K, const float *const *row_at,
+                           const moe_index *index, const float *Bp, float *C, moe_index ldc)
 {
     check_shape(M, N, K, K, N, ldc, N);
-    MOE_ASSERT(rows || M == 0);
-    sgemm_packed(M, N, K, NULL, K, rows, Bp, C, ldc);
+    MOE_ASSERT(row_at || M == 0);
+    const rows_of_a rows = {NULL, K, row_at, index};
+    sgemm_packed(M, N, K, &rows, Bp, C, ldc);
 }
 
 /* In square blocks: walking a whole column of B at once reads rows a power

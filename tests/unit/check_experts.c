@@ -164,7 +164,7 @@ START_TEST(packed_gemm_is_the_fma_chain)
                     rows[m] = far + (M - 1 - m) * (K + 5);
                 }
                 memset(part, 0xff, sizeof(float) * M * N);
-                moe_sgemm_packed_rows(M, N, K, rows, Bp, part, N);
+                moe_sgemm_packed_rows(M, N, K, rows, NULL, Bp, part, N);
                 ck_assert_int_eq(memcmp(part, C, sizeof(float) * M * N), 0);
                 free(rows);
                 free(far);
@@ -323,15 +323,26 @@ START_TEST(row_independent_ffn_is_chunk_independent)
     const moe_ffn_hooks hooks = {NULL, NULL, 7};
     moe_expert_forward(&w, kind, x, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
     ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
-    if (kind == MOE_GEMM_PACKED) { /* the rows read in place, in chunks: every other row of far */
+    if (kind == MOE_GEMM_PACKED) {
+        /* the rows read in place, in chunks, through a row table and an index:
+         * row n stored in reverse order, every other row of far */
         float far[2 * ROWS * D];
-        const float *rows[ROWS];
+        const float *row_at[ROWS];
+        moe_index index[ROWS];
         for (int n = 0; n < ROWS; n++) {
-            memcpy(far + 2 * n * D, x + n * D, sizeof(float) * D);
-            rows[n] = far + 2 * n * D;
+            row_at[n] = far + 2 * n * D;
+            index[n] = ROWS - 1 - n;
+            memcpy(far + 2 * index[n] * D, x + n * D, sizeof(float) * D);
         }
         memset(y_chunked, 0xff, sizeof y_chunked);
-        moe_expert_forward_rows(&w, rows, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
+        moe_expert_forward_rows(&w, row_at, index, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
+        ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
+        /* and without an index, the table in row order */
+        const float *in_order[ROWS];
+        for (int n = 0; n < ROWS; n++)
+            in_order[n] = row_at[index[n]];
+        memset(y_chunked, 0xff, sizeof y_chunked);
+        moe_expert_forward_rows(&w, in_order, NULL, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
         ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
     }
     /* and it computes the FFN: close to the blas path */
