@@ -46,9 +46,14 @@ typedef struct {
 } moe_router;
 
 /* logits (T, E) = x (T, d) * gate (E, d)^T, each element a fixed-order fp64
- * sum over j = 0 .. d-1 rounded to fp32. OpenMP over tokens. */
+ * sum over j = 0 .. d-1 rounded to fp32. OpenMP over batches of tokens. */
 void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_index hidden,
                        int experts, float *logits);
+
+/* The widest registers moe_router_logits may use from now on (for tests;
+ * every choice gives the same bits). */
+enum moe_gate_isa { MOE_GATE_WIDEST, MOE_GATE_AVX2, MOE_GATE_PORTABLE };
+void moe_router_logits_force(enum moe_gate_isa isa);
 
 /* From logits (T, E): scores (T, E) (after skew, before bias: softmax or
  * sigmoid in fp64 rounded to fp32); ids (T, k) in selection order; weights

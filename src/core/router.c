@@ -12,92 +12,159 @@
 
 /* The gate's logits. Each logit is one sequential fp64 sum over
  * j = 0 .. d-1 of x[i, j] * W_g[e, j], rounded to fp32 at the end: the bits
- * of a dot product computed one term at a time, whatever the blocking. For
- * speed the sums of GATE_TOKENS tokens by GATE_EXPERTS experts run side by
- * side in registers over a transposed fp64 copy of the gate, so every gate
- * value loaded serves several tokens and every token value several experts;
- * the additions into one sum still happen in j order. */
-#define GATE_TOKENS 4
-#define GATE_EXPERTS 8
+ * of a dot product computed one term at a time, whatever the blocking (a
+ * product of two floats is exact in fp64, so only the additions round, in
+ * j order). For speed the gate is copied once per call into fp64 strips of
+ * GATE_STRIP experts, each strip (d, GATE_STRIP) contiguous; a batch of
+ * GATE_BATCH tokens, converted to fp64 once, runs against one strip at a
+ * time while the strip stays in the L2 cache, a few tokens by the whole
+ * strip side by side in registers: every gate value loaded serves several
+ * tokens and every token value the strip's experts. Lane e of a register
+ * only ever adds its own term, in j order, as the scalar loop does. */
+#define GATE_STRIP 16
+#define GATE_BATCH 32
 
+static enum moe_gate_isa gate_forced = MOE_GATE_WIDEST;
+
+void moe_router_logits_force(enum moe_gate_isa isa) { gate_forced = isa; }
+
+typedef double lanes2 __attribute__((vector_size(16)));
+typedef double lanes2_unaligned __attribute__((vector_size(16), aligned(8), may_alias));
+
+/* The strip's sums of tokens [t, n) of xd (n, d), one token at a time in
+ * eight 2-lane sums: the portable path, and the tails. sum (n, GATE_STRIP). */
+static void strip_one(const double *xd, const double *strip, moe_index hidden, int t, int n,
+                      double (*sum)[GATE_STRIP])
+{
+    for (; t < n; t++) {
+        lanes2 a[GATE_STRIP / 2] = {{0}};
+        const double *x = xd + t * hidden;
+        for (moe_index j = 0; j < hidden; j++) {
+            const lanes2_unaligned *g = (const lanes2_unaligned *)(strip + j * GATE_STRIP);
+#pragma GCC unroll 8
+            for (int v = 0; v < GATE_STRIP / 2; v++)
+                a[v] += x[j] * g[v];
+        }
+        lanes2_unaligned *out = (lanes2_unaligned *)sum[t];
+        for (int v = 0; v < GATE_STRIP / 2; v++)
+            out[v] = a[v];
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_GATE_SIMD 1
 typedef double lanes4 __attribute__((vector_size(32)));
 typedef double lanes4_unaligned __attribute__((vector_size(32), aligned(8), may_alias));
+typedef double lanes8 __attribute__((vector_size(64)));
+typedef double lanes8_unaligned __attribute__((vector_size(64), aligned(8), may_alias));
 
-/* sum (n, ne) of tokens xd (n, d) in fp64 against experts [e0, e0 + ne) of
- * gate_t (d, E); n <= GATE_TOKENS, ne <= GATE_EXPERTS. A full block keeps its
- * 4 x 8 sums in eight 4-lane registers; lane e of a register only ever adds
- * its own term, in j order, as the scalar loop does. */
-__attribute__((target_clones("avx2", "default")))
-static void gate_block(const double *xd, const double *gate_t, moe_index hidden, moe_index E,
-                       moe_index e0, int n, int ne, double sum[GATE_TOKENS][GATE_EXPERTS])
+/* Two tokens by the strip: eight 4-lane sums. Returns the tokens done. */
+__attribute__((target("avx2")))
+static int strip_pairs(const double *xd, const double *strip, moe_index hidden, int n,
+                       double (*sum)[GATE_STRIP])
 {
-    if (n == GATE_TOKENS && ne == GATE_EXPERTS) {
-        lanes4 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0},
-               a31 = {0};
-        const double *x0 = xd, *x1 = xd + hidden, *x2 = xd + 2 * hidden, *x3 = xd + 3 * hidden;
+    int t = 0;
+    for (; t + 2 <= n; t += 2) {
+        lanes4 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0},
+               a13 = {0};
+        const double *x0 = xd + t * hidden, *x1 = x0 + hidden;
         for (moe_index j = 0; j < hidden; j++) {
-            const double *g = gate_t + j * E + e0;
-            const lanes4 g0 = *(const lanes4_unaligned *)g, g1 = *(const lanes4_unaligned *)(g + 4);
+            const lanes4_unaligned *g = (const lanes4_unaligned *)(strip + j * GATE_STRIP);
+            const lanes4 g0 = g[0], g1 = g[1], g2 = g[2], g3 = g[3];
             a00 += x0[j] * g0;
             a01 += x0[j] * g1;
+            a02 += x0[j] * g2;
+            a03 += x0[j] * g3;
             a10 += x1[j] * g0;
             a11 += x1[j] * g1;
-            a20 += x2[j] * g0;
-            a21 += x2[j] * g1;
-            a30 += x3[j] * g0;
-            a31 += x3[j] * g1;
+            a12 += x1[j] * g2;
+            a13 += x1[j] * g3;
         }
-        lanes4_unaligned *out = (lanes4_unaligned *)&sum[0][0]; /* rows of 8: two lanes4 */
-        out[0] = a00;
-        out[1] = a01;
-        out[2] = a10;
-        out[3] = a11;
-        out[4] = a20;
-        out[5] = a21;
-        out[6] = a30;
-        out[7] = a31;
-        return;
+        lanes4_unaligned *o0 = (lanes4_unaligned *)sum[t], *o1 = (lanes4_unaligned *)sum[t + 1];
+        o0[0] = a00, o0[1] = a01, o0[2] = a02, o0[3] = a03;
+        o1[0] = a10, o1[1] = a11, o1[2] = a12, o1[3] = a13;
     }
-    for (int t = 0; t < n; t++)
-        for (int e = 0; e < ne; e++) {
-            double acc = 0.0;
-            for (moe_index j = 0; j < hidden; j++)
-                acc += xd[t * hidden + j] * gate_t[j * E + e0 + e];
-            sum[t][e] = acc;
+    return t;
+}
+
+/* Eight tokens by the strip: sixteen 8-lane sums. Returns the tokens done. */
+__attribute__((target("avx512f")))
+static int strip_eights(const double *xd, const double *strip, moe_index hidden, int n,
+                        double (*sum)[GATE_STRIP])
+{
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        lanes8 a[8][2] = {{{0}}};
+        const double *x = xd + t * hidden;
+        for (moe_index j = 0; j < hidden; j++) {
+            const lanes8_unaligned *g = (const lanes8_unaligned *)(strip + j * GATE_STRIP);
+            const lanes8 g0 = g[0], g1 = g[1];
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) {
+                const double xr = x[r * hidden + j];
+                a[r][0] += xr * g0;
+                a[r][1] += xr * g1;
+            }
         }
+        for (int r = 0; r < 8; r++) {
+            lanes8_unaligned *o = (lanes8_unaligned *)sum[t + r];
+            o[0] = a[r][0];
+            o[1] = a[r][1];
+        }
+    }
+    return t;
+}
+#endif
+
+/* sum (n, GATE_STRIP) of tokens xd (n, d) against one strip (d, GATE_STRIP). */
+static void strip_sums(const double *xd, const double *strip, moe_index hidden, int n,
+                       double (*sum)[GATE_STRIP])
+{
+    int t = 0;
+#ifdef HAVE_GATE_SIMD
+    if (gate_forced == MOE_GATE_WIDEST && __builtin_cpu_supports("avx512f"))
+        t = strip_eights(xd, strip, hidden, n, sum);
+    if (gate_forced != MOE_GATE_PORTABLE && __builtin_cpu_supports("avx2"))
+        t += strip_pairs(xd + t * hidden, strip, hidden, n - t, sum + t);
+#endif
+    strip_one(xd, strip, hidden, t, n, sum);
 }
 
 void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_index hidden,
                        int experts, float *logits)
 {
-    const moe_index E = experts;
-    double *gate_t = moe_xmalloc(sizeof(double) * (size_t)(hidden * E)); /* (d, E) */
+    const moe_index E = experts, strips = (E + GATE_STRIP - 1) / GATE_STRIP;
+    /* (strips, d, GATE_STRIP); experts past E are zero columns, computed and dropped */
+    double *panel = moe_xcalloc((size_t)(strips * hidden * GATE_STRIP), sizeof(double));
 #pragma omp parallel for schedule(static)
-    for (moe_index j = 0; j < hidden; j++)
-        for (moe_index e = 0; e < E; e++)
-            gate_t[j * E + e] = gate[e * hidden + j];
+    for (moe_index s = 0; s < strips; s++)
+        for (moe_index l = 0; l < GATE_STRIP && s * GATE_STRIP + l < E; l++)
+            for (moe_index j = 0; j < hidden; j++)
+                panel[(s * hidden + j) * GATE_STRIP + l] = gate[(s * GATE_STRIP + l) * hidden + j];
 #pragma omp parallel
     {
-        double *xd = moe_xmalloc(sizeof(double) * (size_t)(GATE_TOKENS * hidden)); /* (4, d) */
-        double sum[GATE_TOKENS][GATE_EXPERTS];
+        double *xd = moe_xmalloc(sizeof(double) * (size_t)(GATE_BATCH * hidden));
+        double (*sum)[GATE_STRIP] = moe_xmalloc(sizeof(double) * GATE_BATCH * GATE_STRIP);
 #pragma omp for schedule(static)
-        for (moe_index i0 = 0; i0 < tokens; i0 += GATE_TOKENS) {
-            const int n = tokens - i0 < GATE_TOKENS ? (int)(tokens - i0) : GATE_TOKENS;
+        for (moe_index i0 = 0; i0 < tokens; i0 += GATE_BATCH) {
+            const int n = tokens - i0 < GATE_BATCH ? (int)(tokens - i0) : GATE_BATCH;
             const float *xi = x + i0 * hidden;
 #pragma omp simd
             for (moe_index m = 0; m < n * hidden; m++)
                 xd[m] = xi[m];
-            for (moe_index e0 = 0; e0 < E; e0 += GATE_EXPERTS) {
-                const int ne = E - e0 < GATE_EXPERTS ? (int)(E - e0) : GATE_EXPERTS;
-                gate_block(xd, gate_t, hidden, E, e0, n, ne, sum);
+            for (moe_index s = 0; s < strips; s++) {
+                const moe_index e0 = s * GATE_STRIP;
+                const int ne = E - e0 < GATE_STRIP ? (int)(E - e0) : GATE_STRIP;
+                strip_sums(xd, panel + s * hidden * GATE_STRIP, hidden, n, sum);
                 for (int t = 0; t < n; t++)
                     for (int e = 0; e < ne; e++)
                         logits[(i0 + t) * E + e0 + e] = (float)sum[t][e];
             }
         }
+        free(sum);
         free(xd);
     }
-    free(gate_t);
+    free(panel);
 }
 
 static void softmax_row(const float *logits, int experts, float *scores)
@@ -106,11 +173,13 @@ static void softmax_row(const float *logits, int experts, float *scores)
     for (int e = 1; e < experts; e++)
         if (logits[e] > max)
             max = logits[e];
-    double sum = 0.0;
+    double p[MOE_ROUTER_MAX_EXPERTS], sum = 0.0;
+    for (int e = 0; e < experts; e++) {
+        p[e] = moe_exp_fp64((double)logits[e] - max);
+        sum += p[e];
+    }
     for (int e = 0; e < experts; e++)
-        sum += moe_exp_fp64((double)logits[e] - max);
-    for (int e = 0; e < experts; e++)
-        scores[e] = (float)(moe_exp_fp64((double)logits[e] - max) / sum);
+        scores[e] = (float)(p[e] / sum);
 }
 
 static void sigmoid_row(const float *logits, int experts, float *scores)

@@ -1,5 +1,6 @@
 /* check_router.c — gate logits and softmax top-k on hand-made cases. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "moe/router.h"
@@ -19,14 +20,18 @@ START_TEST(logits_are_exact_dot_products)
 END_TEST
 
 /* The blocked, vectorised gate against the plain definition, bit for bit,
- * on a shape with full 4-token x 8-expert blocks and tails of both. Every
- * third term is +2^40 g and the next -2^40 g, so the running sum loses low
- * bits in a way that depends on the order of the terms (checked: summing
- * backwards changes some logits). */
-START_TEST(logits_are_the_j_ordered_sum_whatever_the_blocking)
+ * with each register width the CPU has, on shapes with full 8- and 2-token
+ * by 16-expert blocks and tails of both, within one batch of tokens and
+ * across batches. Every third term is +2^40 g and the next -2^40 g, so the
+ * running sum loses low bits in a way that depends on the order of the
+ * terms (checked: summing backwards changes some logits). */
+static void check_gate_shape(int T, int E, int D)
 {
-    enum { T = 7, E = 13, D = 301 };
-    static float x[T * D], gate[E * D];
+    float *x = malloc(sizeof(float) * (size_t)(T * D));
+    float *gate = malloc(sizeof(float) * (size_t)(E * D));
+    float *logits = malloc(sizeof(float) * (size_t)(T * E));
+    float *want = malloc(sizeof(float) * (size_t)(T * E));
+    float *backwards = malloc(sizeof(float) * (size_t)(T * E));
     for (int i = 0; i < T; i++)
         for (int j = 0; j < D; j++)
             x[i * D + j] = j % 3 == 1   ? 0x1p40f
@@ -36,8 +41,6 @@ START_TEST(logits_are_the_j_ordered_sum_whatever_the_blocking)
         for (int j = 0; j < D; j++)
             gate[e * D + j] = j % 3 == 2 ? gate[e * D + j - 1]
                                          : (float)((e * 31 + j * 131) % 1999 - 999) / 999.0f;
-    float logits[T * E], want[T * E], backwards[T * E];
-    moe_router_logits(x, gate, T, D, E, logits);
     for (int i = 0; i < T; i++)
         for (int e = 0; e < E; e++) {
             double acc = 0.0, back = 0.0;
@@ -48,8 +51,28 @@ START_TEST(logits_are_the_j_ordered_sum_whatever_the_blocking)
             want[i * E + e] = (float)acc;
             backwards[i * E + e] = (float)back;
         }
-    ck_assert_int_ne(memcmp(want, backwards, sizeof want), 0);
-    ck_assert_int_eq(memcmp(logits, want, sizeof want), 0);
+    ck_assert_int_ne(memcmp(want, backwards, sizeof(float) * (size_t)(T * E)), 0);
+    const enum moe_gate_isa isas[] = {MOE_GATE_WIDEST, MOE_GATE_AVX2, MOE_GATE_PORTABLE};
+    for (size_t w = 0; w < sizeof isas / sizeof isas[0]; w++) {
+        moe_router_logits_force(isas[w]);
+        memset(logits, 0xff, sizeof(float) * (size_t)(T * E));
+        moe_router_logits(x, gate, T, D, E, logits);
+        ck_assert_msg(memcmp(logits, want, sizeof(float) * (size_t)(T * E)) == 0,
+                      "T=%d E=%d d=%d, isa %zu: logits differ from the j-ordered sum", T, E, D, w);
+    }
+    moe_router_logits_force(MOE_GATE_WIDEST);
+    free(backwards);
+    free(want);
+    free(logits);
+    free(gate);
+    free(x);
+}
+
+START_TEST(logits_are_the_j_ordered_sum_whatever_the_blocking)
+{
+    check_gate_shape(7, 13, 301);  /* one batch: 2-token blocks and a 1-token tail, part of a strip */
+    check_gate_shape(19, 37, 97);  /* 8-token blocks, a 2-token one and a tail; strips 16, 16, 5 */
+    check_gate_shape(75, 16, 64);  /* three batches, the last of 11 tokens; one full strip */
 }
 END_TEST
 
