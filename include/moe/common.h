@@ -63,6 +63,12 @@ void *moe_calloc_check(size_t count, size_t size, const char *file, int line);
  * agree on it; a first failure is kept. A zero size gives a valid pointer. */
 void *moe_try_malloc(size_t bytes, const char *what, int rank, moe_status *st);
 
+/* moe_try_malloc for a large block that will be touched whole (the experts'
+ * weights): from 2 MiB up, 2 MiB-aligned and, on Linux, marked for
+ * transparent huge pages (MADV_HUGEPAGE), so that its first touch faults
+ * once per 2 MiB rather than once per 4 KiB page. Freed with free(). */
+void *moe_try_malloc_huge(size_t bytes, const char *what, int rank, moe_status *st);
+
 /* A buffer kept across calls: moe_buffer_fit gives it at least `bytes`,
  * reusing the block it has when that is big enough and not more than a third
  * larger (so a smaller need hands memory back rather than holding it). The

@@ -127,10 +127,10 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     const size_t w1_size = (size_t)moe_expert_w1_floats(ep->gemm, d, f);
     const size_t w2_size = (size_t)moe_expert_w2_floats(ep->gemm, d, f);
     moe_status local = {0};
-    ep->w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)ep->local_experts, "expert W1", comm->rank, &local);
-    ep->w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)ep->local_experts, "expert W2", comm->rank, &local);
-    ep->shared_w1 = moe_try_malloc(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
-    ep->shared_w2 = moe_try_malloc(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
+    ep->w1 = moe_try_malloc_huge(sizeof(float) * w1_size * (size_t)ep->local_experts, "expert W1", comm->rank, &local);
+    ep->w2 = moe_try_malloc_huge(sizeof(float) * w2_size * (size_t)ep->local_experts, "expert W2", comm->rank, &local);
+    ep->shared_w1 = moe_try_malloc_huge(sizeof(float) * w1_size * (size_t)S, "shared W1", comm->rank, &local);
+    ep->shared_w2 = moe_try_malloc_huge(sizeof(float) * w2_size * (size_t)S, "shared W2", comm->rank, &local);
     ep->gate = moe_try_malloc(sizeof(float) * (size_t)(cfg->experts * d), "the gate", comm->rank, &local);
     ep->work = moe_xcalloc(1, sizeof *ep->work);
     moe_fault_here(comm, "generate", &local);

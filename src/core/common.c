@@ -1,5 +1,6 @@
 /* common.c — status, invariant and allocation helpers (see common.h). */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
 #include "moe/common.h"
 
 #include <errno.h>
@@ -11,6 +12,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -153,6 +155,19 @@ void *moe_try_malloc(size_t bytes, const char *what, int rank, moe_status *st)
                  moe_format_bytes((double)bytes, text, sizeof text), what, rank);
     }
     return p;
+}
+
+void *moe_try_malloc_huge(size_t bytes, const char *what, int rank, moe_status *st)
+{
+#ifdef MADV_HUGEPAGE
+    enum { HUGE_PAGE = 2 << 20 };
+    void *p = NULL;
+    if (bytes >= HUGE_PAGE && posix_memalign(&p, HUGE_PAGE, bytes) == 0) {
+        (void)madvise(p, bytes / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE); /* a hint: may be refused */
+        return p;
+    }
+#endif
+    return moe_try_malloc(bytes, what, rank, st);
 }
 
 void moe_to_counts(const moe_index *count, int n, int *counts, int *displs)
