@@ -111,6 +111,15 @@ typedef struct {
 
 enum { PEAK_SECONDS_MS = 100 }; /* per width and way */
 
+/* A rank's share of a core when more ranks than cores share its host. Each
+ * rank's rate is its best batch, which falls in a time slice it had a core
+ * to itself; summed as they are, the host's cores would count once per rank
+ * instead of once each. */
+static double core_share(const moe_comm *c)
+{
+    return c->ranks_on_host > c->cores ? (double)c->cores / c->ranks_on_host : 1.0;
+}
+
 static void measure_fma_peak(const moe_comm *c, fma_peak *p)
 {
     memset(p, 0, sizeof *p);
@@ -119,7 +128,8 @@ static void measure_fma_peak(const moe_comm *c, fma_peak *p)
             p->alone[w] = moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3);
         moe_comm_barrier_idle(c);
         moe_comm_barrier(c);
-        p->together[w] = moe_comm_sum(c, moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3));
+        p->together[w] =
+            moe_comm_sum(c, core_share(c) * moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3));
         if (p->together[w] > p->together[p->widest])
             p->widest = w;
     }
@@ -131,12 +141,15 @@ static double peak_rate(const fma_peak *p)
     return p->together[p->widest] > 0 ? p->together[p->widest] : NAN;
 }
 
-static void print_fma_peak(FILE *out, const fma_peak *p, int ranks)
+static void print_fma_peak(FILE *out, const fma_peak *p, const moe_comm *c)
 {
-    char cpu[128];
+    char cpu[128], shared[96] = "";
     moe_cpu_model(cpu, sizeof cpu);
+    if (core_share(c) < 1.0)
+        snprintf(shared, sizeof shared, " (%d on %d cores: each rank's rate times %d/%d)",
+                 c->ranks_on_host, c->cores, c->cores, c->ranks_on_host);
     fprintf(out, "          fp32 FMA peak on %s (OpenBLAS kernel %s), GFLOP/s per core (rank 0 "
-                 "alone) / all %d ranks at once:", cpu, moe_blas_corename(), ranks);
+                 "alone) / all %d ranks at once%s:", cpu, moe_blas_corename(), c->ranks, shared);
     bool any = false;
     for (int w = 0; w < MOE_FMA_WIDTHS; w++)
         if (p->together[w] > 0) {
@@ -804,7 +817,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
                    ? "the flat dispatch's counts (one hop; the two-stage forward makes four)"
                    : "the same counts");
-        print_fma_peak(stdout, &peak, c->ranks);
+        print_fma_peak(stdout, &peak, c);
         if (cfg->backward) {
             print_training(stdout, rows, wgrad_anchor_rate);
         } else {
