@@ -182,9 +182,9 @@ int main(int argc, char **argv)
     run_packed(&s, 0);
     memcpy(ref, s.C, sizeof(float) * (size_t)(s.M * s.N));
     report("packed, widest tile", run_packed, &s, seconds, peak, ref);
-    moe_sgemm_packed_force(MOE_PACKED_AVX2);
+    moe_sgemm_packed_force(MOE_ISA_AVX2);
     const bool tiles_differ = report("packed, 6 x 16 AVX2 tile", run_packed, &s, seconds, peak, ref);
-    moe_sgemm_packed_force(MOE_PACKED_WIDEST);
+    moe_sgemm_packed_force(MOE_ISA_WIDEST);
     report("OpenBLAS sgemm", run_blas, &s, seconds, peak, ref);
 #ifdef HAVE_LIBXSMM
     libxsmm_init();

@@ -22,6 +22,24 @@ enum {
     MOE_EXIT_RUNTIME = 3, /* MPI, I/O or memory failure while running */
 };
 
+/* The widest registers a kernel chosen at run time may use (the packed
+ * GEMM's tiles, the gate's logits): whatever the CPU has, at most AVX2 with
+ * FMA, or no SIMD beyond what every x86-64 (or other) CPU has. Every choice
+ * gives the same bits; tests, bench and --packed-isa force the narrower
+ * ones to compare them. */
+enum moe_isa { MOE_ISA_WIDEST, MOE_ISA_AVX2, MOE_ISA_PORTABLE };
+
+/* Defined where the compiler builds the x86 kernels and the CPU is asked at
+ * run time which may run (GCC or Clang on x86-64). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MOE_X86_KERNELS 1
+#endif
+
+/* Whether a kernel held to `limit` may use AVX2 with FMA, or AVX-512F (with
+ * AVX2 and FMA), on this CPU. */
+bool moe_isa_avx2(enum moe_isa limit);
+bool moe_isa_avx512(enum moe_isa limit);
+
 #define MOE_MESSAGE_MAX 512
 
 typedef struct {

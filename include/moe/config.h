@@ -78,7 +78,7 @@ typedef struct {
     int64_t expert_alignment;  /* --expert-layout contiguous: rows of an expert padded to a multiple */
     int progress;              /* enum moe_progress_kind */
     int gemm;                  /* enum moe_gemm_kind */
-    int packed_isa;            /* enum moe_packed_isa: --gemm packed's widest tile */
+    int packed_isa;            /* enum moe_isa: --gemm packed's widest tile */
     uint64_t seed;
     double init_scale;           /* tokens uniform in [-init_scale, init_scale) */
     int input_dist;              /* enum moe_input_dist */

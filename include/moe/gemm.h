@@ -15,6 +15,7 @@
 
 #include <stdbool.h>
 
+#include "moe/common.h"
 #include "moe/dims.h"
 
 /* C (M, N) = A (M, K) * Bt (K, N), fp32, OpenBLAS sgemm: the experts' layout
@@ -103,11 +104,10 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
  * or the portable fmaf loop. Every tile computes
  * each element as the same fmaf chain, so the bits do not depend on which
  * ran; tests and bench force the narrower ones to compare them. */
-enum moe_packed_isa { MOE_PACKED_WIDEST, MOE_PACKED_AVX2, MOE_PACKED_PORTABLE };
 /* What runs here: "avx512f+avx2+fma", "avx2+fma" or "portable fmaf". */
 const char *moe_sgemm_packed_isa(void);
-/* At most `isa` from now on (MOE_PACKED_WIDEST: whatever the CPU has). */
-void moe_sgemm_packed_force(enum moe_packed_isa isa);
+/* At most `isa` from now on (MOE_ISA_WIDEST: whatever the CPU has). */
+void moe_sgemm_packed_force(enum moe_isa isa);
 
 /* Bt (K, N) = B (N, K)^T: the experts' weights as generated, transposed. */
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt);

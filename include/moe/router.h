@@ -52,8 +52,7 @@ void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_
 
 /* The widest registers moe_router_logits may use from now on (for tests;
  * every choice gives the same bits). */
-enum moe_gate_isa { MOE_GATE_WIDEST, MOE_GATE_AVX2, MOE_GATE_PORTABLE };
-void moe_router_logits_force(enum moe_gate_isa isa);
+void moe_router_logits_force(enum moe_isa isa);
 
 /* From logits (T, E): scores (T, E) (after skew, before bias: softmax or
  * sigmoid in fp64 rounded to fp32); ids (T, k) in selection order; weights

@@ -116,7 +116,7 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
                               .topk_groups = (int)cfg->topk_groups,
                               .route_scale = (float)cfg->route_scale};
     ep->gemm = (enum moe_gemm_kind)cfg->gemm;
-    moe_sgemm_packed_force((enum moe_packed_isa)cfg->packed_isa);
+    moe_sgemm_packed_force((enum moe_isa)cfg->packed_isa);
     ep->link.ranks_per_node = cfg->ranks_per_node > 0 ? (int)cfg->ranks_per_node : comm->ranks;
     moe_status ignored; /* validated by moe_config_validate */
     moe_link_parse(&ep->link, cfg->link, &ignored);

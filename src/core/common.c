@@ -285,3 +285,24 @@ double moe_max_over_mean(const double *v, int n)
     }
     return sum > 0 ? max * n / sum : 0.0;
 }
+
+bool moe_isa_avx2(enum moe_isa limit)
+{
+#ifdef MOE_X86_KERNELS
+    return limit != MOE_ISA_PORTABLE && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma");
+#else
+    (void)limit;
+    return false;
+#endif
+}
+
+bool moe_isa_avx512(enum moe_isa limit)
+{
+#ifdef MOE_X86_KERNELS
+    return limit == MOE_ISA_WIDEST && moe_isa_avx2(limit) && __builtin_cpu_supports("avx512f");
+#else
+    (void)limit;
+    return false;
+#endif
+}

@@ -64,7 +64,7 @@ static const flag_choice progress_choices[] = {
 static const flag_choice gemm_choices[] = {
     {"blas", MOE_GEMM_BLAS}, {"exact", MOE_GEMM_EXACT}, {"packed", MOE_GEMM_PACKED}, {NULL, 0}};
 static const flag_choice packed_isa_choices[] = {
-    {"widest", MOE_PACKED_WIDEST}, {"avx2", MOE_PACKED_AVX2}, {"portable", MOE_PACKED_PORTABLE}, {NULL, 0}};
+    {"widest", MOE_ISA_WIDEST}, {"avx2", MOE_ISA_AVX2}, {"portable", MOE_ISA_PORTABLE}, {NULL, 0}};
 static const flag_choice dtype_choices[] = {
     {"fp32", MOE_DTYPE_FP32}, {"bf16", MOE_DTYPE_BF16}, {"fp8", MOE_DTYPE_FP8}, {NULL, 0}};
 static const flag_choice norm_topk_choices[] = {

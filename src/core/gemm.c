@@ -12,12 +12,10 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define HAVE_AVX2_TILE 1
-#endif
-
 #include "moe/common.h"
+#ifdef MOE_X86_KERNELS
+#include <immintrin.h>
+#endif
 
 static double sgemm_flops;
 static const char *blas_forbidden; /* why BLAS may not be called now, or NULL */
@@ -248,7 +246,7 @@ static void tile_portable(moe_index K, const float *const a[TILE_ROWS], const fl
         memcpy(c + r * ldc, acc[r], sizeof acc[r]);
 }
 
-#ifdef HAVE_AVX2_TILE
+#ifdef MOE_X86_KERNELS
 /* The 6 x 16 tile's 12 accumulators, named so that they stay in registers;
  * a step adds one element of each of the six rows times 16 of b (b0, b1). */
 #define TILE_ACCUMULATORS                                                                   \
@@ -301,7 +299,7 @@ static void tile_avx2(moe_index K, const float *const a[TILE_ROWS], const float 
 typedef void tile2_fn(moe_index K, const float *const a[TILE_ROWS], const float *b,
                       const float *b2, float *c, moe_index ldc, prefetch_share pf);
 
-#ifdef HAVE_AVX2_TILE
+#ifdef MOE_X86_KERNELS
 /* The 6 x 16 tile's operations on two panels at once, 16 lanes at a time:
  * each element the same fma chain over k ascending from zero. */
 #define WIDE_ACCUMULATORS                                                                   \
@@ -386,15 +384,14 @@ static tile2_fn *const wide_tiles[TILE_ROWS + 1] = {
     NULL, tile_avx512_1, tile_avx512_2, tile_avx512_3, tile_avx512_4, tile_avx512_5, tile_avx512_6};
 #endif
 
-static enum moe_packed_isa packed_forced = MOE_PACKED_WIDEST;
+static enum moe_isa packed_forced = MOE_ISA_WIDEST;
 
-void moe_sgemm_packed_force(enum moe_packed_isa isa) { packed_forced = isa; }
+void moe_sgemm_packed_force(enum moe_isa isa) { packed_forced = isa; }
 
 static tile_fn *packed_tile(void)
 {
-#ifdef HAVE_AVX2_TILE
-    if (packed_forced != MOE_PACKED_PORTABLE && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma"))
+#ifdef MOE_X86_KERNELS
+    if (moe_isa_avx2(packed_forced))
         return tile_avx2;
 #endif
     return tile_portable;
@@ -404,9 +401,8 @@ static tile_fn *packed_tile(void)
  * one forced. */
 static tile2_fn *const *packed_wide_tiles(void)
 {
-#ifdef HAVE_AVX2_TILE
-    if (packed_forced == MOE_PACKED_WIDEST && packed_tile() == tile_avx2 &&
-        __builtin_cpu_supports("avx512f"))
+#ifdef MOE_X86_KERNELS
+    if (moe_isa_avx512(packed_forced))
         return wide_tiles;
 #endif
     return NULL;
@@ -614,7 +610,7 @@ static void tile_t_portable(moe_index N, const float *const a[TILE_ROWS], moe_in
     memcpy(t, acc, sizeof acc);
 }
 
-#ifdef HAVE_AVX2_TILE
+#ifdef MOE_X86_KERNELS
 __attribute__((target("avx2,fma")))
 static void tile_t_avx2(moe_index N, const float *const a[TILE_ROWS], moe_index step,
                         const float *b, float *t, const float *next)
@@ -672,7 +668,7 @@ static void tile_t_avx512(moe_index N, const float *const a[TILE_ROWS], moe_inde
 static tile_t_fn *packed_t_tile(void)
 {
     return packed_tile() == tile_portable ? tile_t_portable
-#ifdef HAVE_AVX2_TILE
+#ifdef MOE_X86_KERNELS
                                           : tile_t_avx2;
 #else
                                           : tile_t_portable;
@@ -685,7 +681,7 @@ typedef void tile_t2_fn(moe_index N, const float *const a[TILE_ROWS], moe_index 
 
 static tile_t2_fn *packed_t_wide_tile(void)
 {
-#ifdef HAVE_AVX2_TILE
+#ifdef MOE_X86_KERNELS
     if (packed_wide_tiles())
         return tile_t_avx512;
 #endif

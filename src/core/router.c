@@ -24,9 +24,9 @@
 #define GATE_STRIP 16
 #define GATE_BATCH 32
 
-static enum moe_gate_isa gate_forced = MOE_GATE_WIDEST;
+static enum moe_isa gate_forced = MOE_ISA_WIDEST;
 
-void moe_router_logits_force(enum moe_gate_isa isa) { gate_forced = isa; }
+void moe_router_logits_force(enum moe_isa isa) { gate_forced = isa; }
 
 typedef double lanes2 __attribute__((vector_size(16)));
 typedef double lanes2_unaligned __attribute__((vector_size(16), aligned(8), may_alias));
@@ -51,8 +51,7 @@ static void strip_one(const double *xd, const double *strip, moe_index hidden, i
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HAVE_GATE_SIMD 1
+#ifdef MOE_X86_KERNELS
 typedef double lanes4 __attribute__((vector_size(32)));
 typedef double lanes4_unaligned __attribute__((vector_size(32), aligned(8), may_alias));
 typedef double lanes8 __attribute__((vector_size(64)));
@@ -121,10 +120,10 @@ static void strip_sums(const double *xd, const double *strip, moe_index hidden, 
                        double (*sum)[GATE_STRIP])
 {
     int t = 0;
-#ifdef HAVE_GATE_SIMD
-    if (gate_forced == MOE_GATE_WIDEST && __builtin_cpu_supports("avx512f"))
+#ifdef MOE_X86_KERNELS
+    if (moe_isa_avx512(gate_forced))
         t = strip_eights(xd, strip, hidden, n, sum);
-    if (gate_forced != MOE_GATE_PORTABLE && __builtin_cpu_supports("avx2"))
+    if (moe_isa_avx2(gate_forced))
         t += strip_pairs(xd + t * hidden, strip, hidden, n - t, sum + t);
 #endif
     strip_one(xd, strip, hidden, t, n, sum);

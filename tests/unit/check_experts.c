@@ -135,8 +135,8 @@ START_TEST(packed_gemm_is_the_fma_chain)
         moe_synth_fill(5, MOE_TENSOR_GATE, 0, 0, N * K, 0.3f, B);
         moe_transpose(N, K, B, Bt);
         moe_sgemm_pack(N, K, B, Bp);
-        for (int isa = MOE_PACKED_WIDEST; isa <= MOE_PACKED_PORTABLE; isa++) {
-            moe_sgemm_packed_force((enum moe_packed_isa)isa);
+        for (int isa = MOE_ISA_WIDEST; isa <= MOE_ISA_PORTABLE; isa++) {
+            moe_sgemm_packed_force((enum moe_isa)isa);
             memset(C, 0xff, sizeof(float) * M * N);
             moe_sgemm_packed(M, N, K, A, K, Bp, C, N);
             for (int m = 0; m < M; m++)
@@ -145,7 +145,7 @@ START_TEST(packed_gemm_is_the_fma_chain)
                     ck_assert_msg(memcmp(&want, &C[m * N + n], sizeof want) == 0,
                                   "%s, shape %dx%dx%d at (%d, %d): %a vs %a", moe_sgemm_packed_isa(),
                                   M, N, K, m, n, want, C[m * N + n]);
-                    if (isa == MOE_PACKED_WIDEST) {
+                    if (isa == MOE_ISA_WIDEST) {
                         float plain = 0.0f;
                         for (int k = 0; k < K; k++)
                             plain += A[m * K + k] * Bt[k * N + n];
@@ -170,7 +170,7 @@ START_TEST(packed_gemm_is_the_fma_chain)
                 free(far);
             }
         }
-        moe_sgemm_packed_force(MOE_PACKED_WIDEST);
+        moe_sgemm_packed_force(MOE_ISA_WIDEST);
         free(part);
         free(C);
         free(Bp);
@@ -248,8 +248,8 @@ START_TEST(packed_t_is_packed_on_the_transposed_operand)
             B[n] *= 4096.0f;
         moe_sgemm_pack(N, K, B, fwd);      /* as the forward holds B */
         moe_sgemm_pack_rows(N, K, B, bwd); /* B as the operand Bt of C = A B */
-        for (int isa = MOE_PACKED_WIDEST; isa <= MOE_PACKED_PORTABLE; isa++) {
-            moe_sgemm_packed_force((enum moe_packed_isa)isa);
+        for (int isa = MOE_ISA_WIDEST; isa <= MOE_ISA_PORTABLE; isa++) {
+            moe_sgemm_packed_force((enum moe_isa)isa);
             memset(want, 0, sizeof(float) * M * ldc);
             memset(got, 0, sizeof(float) * M * ldc);
             moe_sgemm_packed(M, K, N, A, lda, bwd, want, ldc);
@@ -257,7 +257,7 @@ START_TEST(packed_t_is_packed_on_the_transposed_operand)
             ck_assert_msg(!memcmp(got, want, sizeof(float) * M * ldc), "%dx%dx%d, %s", M, N, K,
                           moe_sgemm_packed_isa());
         }
-        moe_sgemm_packed_force(MOE_PACKED_WIDEST);
+        moe_sgemm_packed_force(MOE_ISA_WIDEST);
         free(got);
         free(want);
         free(bwd);

@@ -52,7 +52,7 @@ static void check_gate_shape(int T, int E, int D)
             backwards[i * E + e] = (float)back;
         }
     ck_assert_int_ne(memcmp(want, backwards, sizeof(float) * (size_t)(T * E)), 0);
-    const enum moe_gate_isa isas[] = {MOE_GATE_WIDEST, MOE_GATE_AVX2, MOE_GATE_PORTABLE};
+    const enum moe_isa isas[] = {MOE_ISA_WIDEST, MOE_ISA_AVX2, MOE_ISA_PORTABLE};
     for (size_t w = 0; w < sizeof isas / sizeof isas[0]; w++) {
         moe_router_logits_force(isas[w]);
         memset(logits, 0xff, sizeof(float) * (size_t)(T * E));
@@ -60,7 +60,7 @@ static void check_gate_shape(int T, int E, int D)
         ck_assert_msg(memcmp(logits, want, sizeof(float) * (size_t)(T * E)) == 0,
                       "T=%d E=%d d=%d, isa %zu: logits differ from the j-ordered sum", T, E, D, w);
     }
-    moe_router_logits_force(MOE_GATE_WIDEST);
+    moe_router_logits_force(MOE_ISA_WIDEST);
     free(backwards);
     free(want);
     free(logits);
