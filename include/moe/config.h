@@ -155,6 +155,11 @@ int moe_config_load_preset(moe_config *cfg, enum moe_command command, const char
  * false). */
 bool moe_config_norm_topk(const moe_config *cfg);
 
+/* A comma-separated list of decimal integers in [min, max], strictly (no
+ * spaces, signs or empty items), into out: their count; -1 when an item is
+ * not such an integer, -2 when there are more than `capacity`. */
+int moe_parse_int_list(const char *text, int64_t min, int64_t max, int64_t *out, int capacity);
+
 /* The tensor the expert GEMMs read: --expert-layout, auto resolved (rows,
  * or masked with --mode low-latency); and the tokens per rank the masked
  * layout and the low-latency buffers hold (--max-tokens-per-rank, auto:

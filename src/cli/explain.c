@@ -14,7 +14,6 @@
  * which is what tests/mpi/explain checks the printed numbers against.
  */
 #define _POSIX_C_SOURCE 200809L
-#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,24 +53,13 @@ static void print_usage(FILE *out)
 /* --token: a list of global ids in [0, N). Returns the count, or 0 with st set. */
 static int parse_tokens(const char *text, int64_t N, int64_t *out, moe_status *st)
 {
-    int count = 0;
-    for (const char *item = text;; item++) {
-        char *end;
-        errno = 0;
-        const long long v = strtoll(item, &end, 10);
-        if (*item < '0' || *item > '9' || (*end != ',' && *end != '\0') || errno == ERANGE ||
-            v >= N || count == MAX_TOKENS) {
-            moe_fail(st, MOE_EXIT_USAGE,
-                     "--token must be a global token id in [0, %lld] (G*T - 1) or a list of at "
-                     "most %d of them, got '%s'",
-                     (long long)(N - 1), MAX_TOKENS, text);
-            return 0;
-        }
-        out[count++] = v;
-        if (*end == '\0')
-            return count;
-        item = end;
-    }
+    const int count = moe_parse_int_list(text, 0, N - 1, out, MAX_TOKENS);
+    if (count < 0)
+        moe_fail(st, MOE_EXIT_USAGE,
+                 "--token must be a global token id in [0, %lld] (G*T - 1) or a list of at most "
+                 "%d of them, got '%s'",
+                 (long long)(N - 1), MAX_TOKENS, text);
+    return count < 0 ? 0 : count;
 }
 
 /* What the token's home rank knows, in doubles: x, logits, scores, ids,

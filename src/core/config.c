@@ -310,6 +310,25 @@ static bool number_start(const char *value, bool sign)
     return isdigit((unsigned char)*c);
 }
 
+int moe_parse_int_list(const char *text, int64_t min, int64_t max, int64_t *out, int capacity)
+{
+    int count = 0;
+    for (const char *item = text;; item++) {
+        char *end;
+        errno = 0;
+        const long long v = strtoll(item, &end, 10);
+        if (!number_start(item, false) || (*end != ',' && *end != '\0') || errno == ERANGE ||
+            v < min || v > max)
+            return -1;
+        if (count == capacity)
+            return -2;
+        out[count++] = v;
+        if (*end == '\0')
+            return count;
+        item = end;
+    }
+}
+
 /* `where` is "--tokens" for a flag or "FILE:LINE: tokens" for a preset key. */
 static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, const char *where,
                      moe_status *st)
@@ -356,23 +375,15 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
     case FLAG_CLUSTER:
         return moe_fail(st, MOE_EXIT_USAGE, "%s: a .conf file cannot name another", where);
     case FLAG_WAVES: {
-        int count = 0;
-        for (const char *item = value;; item++) { /* strict: no empty items, no spaces */
-            errno = 0;
-            long long v = strtoll(item, &end, 10);
-            if (!number_start(item, false) || (*end != ',' && *end != '\0') || errno == ERANGE ||
-                v < flag->min || v > flag->max)
-                return moe_fail(st, MOE_EXIT_USAGE,
-                                "%s must be an integer in [%lld, %lld] or a list of them, got '%s'",
-                                where, (long long)flag->min, (long long)flag->max, value);
-            if (count == MOE_MAX_WAVE_RUNS)
-                return moe_fail(st, MOE_EXIT_USAGE, "%s lists at most %d wave counts, got '%s'",
-                                where, MOE_MAX_WAVE_RUNS, value);
-            cfg->waves_list[count++] = v;
-            if (*end == '\0')
-                break;
-            item = end;
-        }
+        const int count =
+            moe_parse_int_list(value, flag->min, flag->max, cfg->waves_list, MOE_MAX_WAVE_RUNS);
+        if (count == -1)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "%s must be an integer in [%lld, %lld] or a list of them, got '%s'",
+                            where, (long long)flag->min, (long long)flag->max, value);
+        if (count < 0)
+            return moe_fail(st, MOE_EXIT_USAGE, "%s lists at most %d wave counts, got '%s'",
+                            where, MOE_MAX_WAVE_RUNS, value);
         cfg->waves_count = count;
         return MOE_EXIT_OK;
     }

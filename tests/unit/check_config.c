@@ -205,6 +205,22 @@ START_TEST(validation_checks_combinations)
 }
 END_TEST
 
+/* The integer lists of --waves and --token: strict, bounded, counted. */
+START_TEST(int_lists_are_strict)
+{
+    int64_t out[3];
+    ck_assert_int_eq(moe_parse_int_list("7", 0, 9, out, 3), 1);
+    ck_assert_int_eq(out[0], 7);
+    ck_assert_int_eq(moe_parse_int_list("0,9,4", 0, 9, out, 3), 3);
+    ck_assert(out[0] == 0 && out[1] == 9 && out[2] == 4);
+    ck_assert_int_eq(moe_parse_int_list("1,2,3,4", 0, 9, out, 3), -2);
+    const char *refused[] = {"", ",", "1,", ",1", "1,,2", " 1", "1 ", "+1", "-1", "10", "1.5",
+                         "0x1", "a", "99999999999999999999"};
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
+        ck_assert_msg(moe_parse_int_list(refused[i], 0, 9, out, 3) == -1, "'%s' was taken", refused[i]);
+}
+END_TEST
+
 Suite *make_config_suite(void)
 {
     Suite *s = suite_create("config");
@@ -214,6 +230,7 @@ Suite *make_config_suite(void)
     tcase_add_test(tc, preset_syntax_error_names_file_and_line);
     tcase_add_loop_test(tc, bad_flags_are_usage_errors, 0, sizeof bad / sizeof bad[0]);
     tcase_add_test(tc, values_are_parsed_strictly);
+    tcase_add_test(tc, int_lists_are_strict);
     tcase_add_test(tc, messages_are_one_line);
     tcase_add_test(tc, norm_topk_auto_follows_the_gate);
     tcase_add_test(tc, validation_checks_combinations);
