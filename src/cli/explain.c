@@ -321,25 +321,57 @@ static void print_token(const moe_run_context *ctx, int64_t g, const double *hom
            home[h->diff + 1]);
 }
 
-/* Rank 0: rows (deduplicated) and pairs from each rank to each. */
+/* The widest matrix explain prints; past it, each rank's totals. */
+enum { TRAFFIC_MATRIX_MAX = 16 };
+
+/* Rank 0: rows (deduplicated) and pairs from each rank to each, in columns
+ * as wide as the widest cell; past TRAFFIC_MATRIX_MAX ranks, what each rank
+ * sends and receives in all. all: per rank, G rows then G pairs. */
 static void print_traffic(const moe_run_context *ctx, const double *all)
 {
     const int G = ctx->comm->ranks;
+#define ROWS(from, to) all[(size_t)(from) * 2 * G + (to)]
+#define PAIRS(from, to) all[(size_t)(from) * 2 * G + G + (to)]
+    if (G > TRAFFIC_MATRIX_MAX) {
+        printf("\nrows sent after deduplication / (token, expert) pairs they carry, each rank's "
+               "totals (the matrix up to %d ranks):\n%10s %15s %15s\n",
+               TRAFFIC_MATRIX_MAX, "", "sent", "received");
+        for (int r = 0; r < G; r++) {
+            double sent[2] = {0, 0}, received[2] = {0, 0};
+            for (int o = 0; o < G; o++) {
+                sent[0] += ROWS(r, o), sent[1] += PAIRS(r, o);
+                received[0] += ROWS(o, r), received[1] += PAIRS(o, r);
+            }
+            char out[48], in[48];
+            snprintf(out, sizeof out, "%.0f/%.0f", sent[0], sent[1]);
+            snprintf(in, sizeof in, "%.0f/%.0f", received[0], received[1]);
+            printf("  rank %-3d %15s %15s\n", r, out, in);
+        }
+        return;
+    }
+    int width = 2;
+    for (int from = 0; from < G; from++)
+        for (int to = 0; to < G; to++) {
+            char cell[48];
+            const int n = snprintf(cell, sizeof cell, "%.0f/%.0f", ROWS(from, to), PAIRS(from, to));
+            width = n > width ? n : width;
+        }
     printf("\nrows sent after deduplication / (token, expert) pairs they carry, from each rank "
            "(row) to each (column):\n%8s", "");
     for (int r = 0; r < G; r++)
-        printf(" %11d", r);
+        printf(" %*d", width + 1, r);
     printf("\n");
     for (int from = 0; from < G; from++) {
         printf("  from %-2d", from);
         for (int to = 0; to < G; to++) {
             char cell[48];
-            snprintf(cell, sizeof cell, "%.0f/%.0f", all[(size_t)from * 2 * G + to],
-                     all[(size_t)from * 2 * G + G + to]);
-            printf(" %11s", cell);
+            snprintf(cell, sizeof cell, "%.0f/%.0f", ROWS(from, to), PAIRS(from, to));
+            printf(" %*s", width + 1, cell);
         }
         printf("\n");
     }
+#undef ROWS
+#undef PAIRS
 }
 
 static int explain(moe_run_context *ctx, const int64_t *tokens, int count)

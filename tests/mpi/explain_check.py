@@ -124,6 +124,17 @@ def main(walk_path, golden, tokens):
                 rows, carried = (int(v) for v in cell.split("/"))
                 same("rows from %d to %d" % (src, dst), rows, int(t["layout.send_counts"][src, dst]))
                 same("pairs from %d to %d" % (src, dst), carried, int(pairs[dst]))
+        elif line.startswith("  rank "):
+            cells = line.split()
+            r = int(cells[1])
+            counts = t["layout.send_counts"]
+            pairs = np.bincount(owner[ids_all.ravel()], minlength=G)
+            sent_pairs = len(ids_all[r * T : (r + 1) * T].ravel())
+            for what, cell, rows, carried in (("sent by", cells[2], counts[r, :].sum(), sent_pairs),
+                                              ("received by", cells[3], counts[:, r].sum(), pairs[r])):
+                printed_rows, printed_pairs = (int(v) for v in cell.split("/"))
+                same("rows %s %d" % (what, r), printed_rows, int(rows))
+                same("pairs %s %d" % (what, r), printed_pairs, int(carried))
     same("tokens walked", seen, [int(v) for v in tokens.split(",")])
     for e in errors[:20]:
         print("FAIL:", e)
