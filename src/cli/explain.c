@@ -324,6 +324,12 @@ static void print_token(const moe_run_context *ctx, int64_t g, const double *hom
 /* The widest matrix explain prints; past it, each rank's totals. */
 enum { TRAFFIC_MATRIX_MAX = 16 };
 
+/* "rows/pairs", as each cell of the traffic table reads; its length. */
+static int traffic_cell(char *cell, size_t size, double rows, double pairs)
+{
+    return snprintf(cell, size, "%.0f/%.0f", rows, pairs);
+}
+
 /* Rank 0: rows (deduplicated) and pairs from each rank to each, in columns
  * as wide as the widest cell; past TRAFFIC_MATRIX_MAX ranks, what each rank
  * sends and receives in all. all: per rank, G rows then G pairs. */
@@ -343,8 +349,8 @@ static void print_traffic(const moe_run_context *ctx, const double *all)
                 received[0] += ROWS(o, r), received[1] += PAIRS(o, r);
             }
             char out[48], in[48];
-            snprintf(out, sizeof out, "%.0f/%.0f", sent[0], sent[1]);
-            snprintf(in, sizeof in, "%.0f/%.0f", received[0], received[1]);
+            traffic_cell(out, sizeof out, sent[0], sent[1]);
+            traffic_cell(in, sizeof in, received[0], received[1]);
             printf("  rank %-3d %15s %15s\n", r, out, in);
         }
         return;
@@ -353,7 +359,7 @@ static void print_traffic(const moe_run_context *ctx, const double *all)
     for (int from = 0; from < G; from++)
         for (int to = 0; to < G; to++) {
             char cell[48];
-            const int n = snprintf(cell, sizeof cell, "%.0f/%.0f", ROWS(from, to), PAIRS(from, to));
+            const int n = traffic_cell(cell, sizeof cell, ROWS(from, to), PAIRS(from, to));
             width = n > width ? n : width;
         }
     printf("\nrows sent after deduplication / (token, expert) pairs they carry, from each rank "
@@ -365,7 +371,7 @@ static void print_traffic(const moe_run_context *ctx, const double *all)
         printf("  from %-2d", from);
         for (int to = 0; to < G; to++) {
             char cell[48];
-            snprintf(cell, sizeof cell, "%.0f/%.0f", ROWS(from, to), PAIRS(from, to));
+            traffic_cell(cell, sizeof cell, ROWS(from, to), PAIRS(from, to));
             printf(" %*s", width + 1, cell);
         }
         printf("\n");

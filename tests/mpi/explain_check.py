@@ -54,6 +54,8 @@ def main(walk_path, golden, tokens):
     G, T, E, k = (int(v) for v in head.groups())
     owner = expert_ranks(E, G)
     ids_all, weights_all = t["router.topk_ids"], t["router.topk_weights"]
+    counts = t["layout.send_counts"]
+    received_pairs = np.bincount(owner[ids_all.ravel()], minlength=G)
     seen = []
     token = rank = None
     for line in lines[1:]:
@@ -122,16 +124,14 @@ def main(walk_path, golden, tokens):
             pairs = np.bincount(owner[ids_all[src * T : (src + 1) * T].ravel()], minlength=G)
             for dst, cell in enumerate(cells[2:]):
                 rows, carried = (int(v) for v in cell.split("/"))
-                same("rows from %d to %d" % (src, dst), rows, int(t["layout.send_counts"][src, dst]))
+                same("rows from %d to %d" % (src, dst), rows, int(counts[src, dst]))
                 same("pairs from %d to %d" % (src, dst), carried, int(pairs[dst]))
         elif line.startswith("  rank "):
             cells = line.split()
             r = int(cells[1])
-            counts = t["layout.send_counts"]
-            pairs = np.bincount(owner[ids_all.ravel()], minlength=G)
-            sent_pairs = len(ids_all[r * T : (r + 1) * T].ravel())
+            sent_pairs = ids_all[r * T : (r + 1) * T].size
             for what, cell, rows, carried in (("sent by", cells[2], counts[r, :].sum(), sent_pairs),
-                                              ("received by", cells[3], counts[:, r].sum(), pairs[r])):
+                                              ("received by", cells[3], counts[:, r].sum(), received_pairs[r])):
                 printed_rows, printed_pairs = (int(v) for v in cell.split("/"))
                 same("rows %s %d" % (what, r), printed_rows, int(rows))
                 same("pairs %s %d" % (what, r), printed_pairs, int(carried))
