@@ -33,6 +33,7 @@ typedef struct {
     int ranks_on_host; /* ranks sharing this machine */
     int node_ranks;    /* R when every machine holds R consecutive ranks, else 0 */
     int cores;         /* online cores of this machine */
+    int host_cores;    /* cores this machine's ranks may run on: the union of their bindings */
     int bound;         /* cores this rank may run on (its binding), the least over ranks */
     int threads;       /* OpenMP and BLAS threads per rank */
 } moe_comm;

@@ -111,13 +111,14 @@ typedef struct {
 
 enum { PEAK_SECONDS_MS = 100 }; /* per width and way */
 
-/* A rank's share of a core when more ranks than cores share its host. Each
- * rank's rate is its best batch, which falls in a time slice it had a core
- * to itself; summed as they are, the host's cores would count once per rank
- * instead of once each. */
+/* A rank's share of a core when more ranks than cores share its host (the
+ * cores its ranks may run on: all online ones, or fewer under taskset or a
+ * binding). Each rank's rate is its best batch, which falls in a time slice
+ * it had a core to itself; summed as they are, the host's cores would count
+ * once per rank instead of once each. */
 static double core_share(const moe_comm *c)
 {
-    return c->ranks_on_host > c->cores ? (double)c->cores / c->ranks_on_host : 1.0;
+    return c->ranks_on_host > c->host_cores ? (double)c->host_cores / c->ranks_on_host : 1.0;
 }
 
 static void measure_fma_peak(const moe_comm *c, fma_peak *p)
@@ -147,7 +148,7 @@ static void print_fma_peak(FILE *out, const fma_peak *p, const moe_comm *c)
     moe_cpu_model(cpu, sizeof cpu);
     if (core_share(c) < 1.0)
         snprintf(shared, sizeof shared, " (%d on %d cores: each rank's rate times %d/%d)",
-                 c->ranks_on_host, c->cores, c->cores, c->ranks_on_host);
+                 c->ranks_on_host, c->host_cores, c->host_cores, c->ranks_on_host);
     fprintf(out, "          fp32 FMA peak on %s (OpenBLAS kernel %s), GFLOP/s per core (rank 0 "
                  "alone) / all %d ranks at once%s:", cpu, moe_blas_corename(), c->ranks, shared);
     bool any = false;

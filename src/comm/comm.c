@@ -36,15 +36,20 @@ void moe_comm_attach(moe_comm *c, MPI_Comm comm)
     int sizes[2] = {c->ranks_on_host, -c->ranks_on_host}, extremes[2];
     MOE_MPI(MPI_Allreduce(sizes, extremes, 2, MPI_INT, MPI_MAX, comm));
     c->node_ranks = all && extremes[0] == -extremes[1] ? c->ranks_on_host : 0;
-    MOE_MPI(MPI_Comm_free(&host));
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     c->cores = cores > 0 ? (int)cores : 1;
     int bound = c->cores;
+    c->host_cores = c->cores;
 #ifdef __linux__
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+    cpu_set_t set, any;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
         bound = CPU_COUNT(&set);
+        /* every rank takes part, each with its own mask: the host's union */
+        MOE_MPI(MPI_Allreduce(&set, &any, (int)sizeof set, MPI_BYTE, MPI_BOR, host));
+        c->host_cores = CPU_COUNT(&any) < c->cores ? CPU_COUNT(&any) : c->cores;
+    }
 #endif
+    MOE_MPI(MPI_Comm_free(&host));
     int least;
     MOE_MPI(MPI_Allreduce(&bound, &least, 1, MPI_INT, MPI_MIN, comm));
     c->bound = least;
