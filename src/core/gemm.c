@@ -234,7 +234,7 @@ typedef void tile_fn(moe_index K, const float *const a[TILE_ROWS], const float *
                      moe_index ldc, prefetch_share pf);
 
 /* The definition of the result for the first R rows of a, one fmaf at a
- * time (pf is only a hint). */
+ * time (the tiles below built on it drop pf, only a hint). */
 static inline void portable_rows(const int R, moe_index K, const float *const a[TILE_ROWS],
                                  const float *b, float *c, moe_index ldc)
 {
