@@ -549,8 +549,8 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
             for (moe_index m = m0; m < m1; m += TILE_ROWS) {
                 const moe_index rows = m1 - m < TILE_ROWS ? m1 - m : TILE_ROWS;
                 const float *a[TILE_ROWS];
-                for (int r = 0; r < TILE_ROWS; r++) /* a short tile reads only its rows */
-                    a[r] = row_of(A, m + (r < rows ? r : rows - 1));
+                for (moe_index r = 0; r < rows; r++) /* a tile of `rows` rows reads no more */
+                    a[r] = row_of(A, m + r);
                 /* a panel pair is whole (no padding); a tile writes only its rows */
                 const bool full = span == 2 || cols == width;
                 float *c = full ? C + m * ldc + n0 : part;
