@@ -109,6 +109,8 @@ typedef struct {
     double capacity_factor;      /* C: each expert takes ceil(C T k / E) pairs of a rank's
                                     tokens (capacity.h); 0 = none (dropless) */
     int drop_policy;             /* enum moe_drop_policy: which pairs stay */
+    bool pad_to_capacity;        /* each expert also computes the zero rows that fill its
+                                    capacity, G C rows in all (Megatron-Core's fixed shape) */
     /* moe-ep bench */
     int64_t warmup;              /* untimed forwards before each wave count */
     int64_t samples;             /* --mode low-latency: timed forwards per latency point */

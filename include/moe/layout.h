@@ -144,6 +144,7 @@ typedef struct {
     moe_index *expert_pair;    /* (pairs) combine send row of each pair, grouped by expert */
     int *expert_slot;          /* (pairs) top-k slot of each pair in its row */
     moe_index *source_pairs;   /* (G) combine rows going back to each source rank */
+    int wave_first, wave_end;  /* the local experts of this wave: [wave_first, wave_end) */
 } moe_recv_plan;
 
 /* meta_in (rows, 2k): the meta of each received row, as sent with it;

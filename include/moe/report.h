@@ -95,6 +95,7 @@ typedef struct {
     const double *rank_pairs_routed;   /* (G) pairs each rank's experts were routed */
     const double *rank_pairs_kept;     /* (G) and computed */
     double rows_undropped;             /* dispatch rows the forward would send without drops */
+    double pad_rows;                   /* --pad-to-capacity: zero rows computed, summed over ranks */
     bool drop_error_measured;          /* --check: y against the truth of every pair */
     double drop_max_abs, drop_max_rel_rms;
     /* what --dtype, --dispatch-dtype, --combine-dtype cost against fp32 */

@@ -90,7 +90,8 @@ typedef struct {
     moe_index pairs_back_remote; /* combine rows received from other ranks */
     moe_index rows_inter, rows_intra; /* --dispatch hierarchical: stage-1 rows to other
                                          nodes, stage-2 rows to other ranks of the node */
-    double expert_flops;         /* sgemm FLOPs of the routed experts */
+    double expert_flops;         /* sgemm FLOPs of the routed experts (zero rows included) */
+    moe_index pad_rows;          /* --pad-to-capacity: zero rows the experts computed */
     moe_index layout_slots;      /* rows of the tensors the expert GEMMs read (--expert-layout;
                                     one per wave), of which pairs_received hold rows */
     double expert_start, expert_end; /* MPI_Wtime at the experts stage's ends */

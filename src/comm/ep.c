@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "moe/backward.h"
+#include "moe/capacity.h"
 #include "moe/gemm.h"
 #include "moe/experts.h"
 #include "moe/progress.h"
@@ -373,15 +374,51 @@ void moe_ep_layout_close(moe_ep_layout *t)
     t->x = NULL;
 }
 
-void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
-                   const float *const *row_at, const int32_t *recv_meta, float *block, float *work,
-                   float *scratch, float *expert_out, const moe_ffn_hooks *hooks)
+moe_index moe_ep_padded_rows(const moe_ep *ep)
+{
+    const moe_config *cfg = ep->cfg;
+    if (!cfg->pad_to_capacity)
+        return 0;
+    return (moe_index)ep->comm.ranks *
+           moe_expert_capacity(cfg->capacity_factor, cfg->tokens, (int)cfg->topk, (int)cfg->experts);
+}
+
+moe_index moe_ep_pad_rows(const moe_ep *ep, moe_index pairs)
+{
+    if (!ep->cfg->pad_to_capacity)
+        return 0;
+    return (moe_index)moe_placement_local_experts(&ep->placement, ep->comm.rank) *
+               moe_ep_padded_rows(ep) - pairs;
+}
+
+/* --pad-to-capacity: after an expert's n rows, the zero rows that fill it
+ * to G C, as batches of at most max(n, MOE_SHARED_ROW_BLOCK) rows in work
+ * (what work and scratch hold). A zero row's output is zero and goes
+ * nowhere; the expert's own rows were computed without them, so their bits
+ * are those of the run without padding, with every --gemm. */
+static void pad_expert(const moe_ep *ep, const moe_expert_weights *w, moe_index n, float *work,
+                       float *scratch, const moe_ffn_hooks *hooks)
+{
+    const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
+    const moe_index batch = n > MOE_SHARED_ROW_BLOCK ? n : MOE_SHARED_ROW_BLOCK;
+    moe_index left = moe_ep_padded_rows(ep) - n;
+    MOE_ASSERT(left >= 0); /* the drops keep at most C pairs of each rank's */
+    while (left > 0) {
+        const moe_index rows = left < batch ? left : batch;
+        memset(work, 0, sizeof(float) * (size_t)(rows * d));
+        moe_expert_forward(w, ep->gemm, work, rows, d, f, scratch, work, NULL, hooks);
+        left -= rows;
+    }
+}
+
+/* moe_ep_expert's own rows, n > 0 of them. */
+static void expert_rows(const moe_ep *ep, const moe_recv_plan *recv, int l,
+                        const float *const *row_at, const int32_t *recv_meta, float *block,
+                        float *work, float *scratch, float *expert_out, const moe_ffn_hooks *hooks)
 {
     const moe_index d = ep->cfg->hidden, f = ep->cfg->ffn;
     const int k = (int)ep->cfg->topk;
     const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
-    if (n == 0)
-        return;
     const moe_expert_weights w = moe_ep_weights(ep, false, l);
     /* the rows (n, d) in the expert's block of the layout, or in work; their
      * outputs (n, d) in work; the gate weights (n) */
@@ -402,6 +439,19 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
     if (ep->cfg->combine == MOE_COMBINE_PAIRS) /* reduced: the sums are rounded instead */
         moe_precision_combine(ep->cfg->combine_dtype, out, n * d);
     moe_scatter_rows(out, d, recv->expert_pair + first, n, expert_out);
+}
+
+void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
+                   const float *const *row_at, const int32_t *recv_meta, float *block, float *work,
+                   float *scratch, float *expert_out, const moe_ffn_hooks *hooks)
+{
+    const moe_index n = recv->expert_offset[l + 1] - recv->expert_offset[l];
+    if (n > 0)
+        expert_rows(ep, recv, l, row_at, recv_meta, block, work, scratch, expert_out, hooks);
+    if (ep->cfg->pad_to_capacity && l >= recv->wave_first && l < recv->wave_end) {
+        const moe_expert_weights w = moe_ep_weights(ep, false, l);
+        pad_expert(ep, &w, n, work, scratch, hooks);
+    }
 }
 
 void moe_ep_sum_slots(const moe_ep *ep, const int32_t *row_meta, const float *const *out, float *sum)

@@ -222,6 +222,7 @@ static void ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
     free(row_at);
     stats->expert_flops = moe_gemm_sflops();
     stats->pairs_received = f->recv.pairs;
+    stats->pad_rows = moe_ep_pad_rows(ep, f->recv.pairs);
     stats->layout_slots = layout.slots.slots;
     if (capture) {
         capture_rank(&f->recv, f->recv_values, f->recv_meta, f->expert_out, ep->first_expert, d,

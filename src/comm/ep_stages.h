@@ -216,14 +216,24 @@ void moe_ep_layout_close(moe_ep_layout *t);
  * where row_at (received rows) says each received row is, run the SwiGLU
  * FFN on them (with the gate weight from recv_meta (rows, MOE_META_WORDS(k))
  * applied before L2 when cfg->weight_at says so), round as --combine-dtype
- * says, scatter the outputs into expert_out (pairs, d). work holds (n,
- * d + 1) floats, scratch (n, 2f). The expert's rows arrive in ascending
+ * says, scatter the outputs into expert_out (pairs, d). With m = max(n,
+ * MOE_SHARED_ROW_BLOCK), work holds (m, d + 1) floats, scratch (m, 2f).
+ * The expert's rows arrive in ascending
  * global token order (layout.h), so the GEMM calls are the same on every
  * path and in every layout; with packed and exact a row's output bits
  * depend on nothing but the row. */
 void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
                    const float *const *row_at, const int32_t *recv_meta, float *block, float *work,
                    float *scratch, float *expert_out, const moe_ffn_hooks *hooks);
+
+/* --pad-to-capacity: the rows each expert computes, G C (C its capacity of
+ * each rank's tokens, capacity.h), 0 without; moe_ep_expert adds the zero
+ * rows that fill an expert to it after the expert's own rows. */
+moe_index moe_ep_padded_rows(const moe_ep *ep);
+
+/* The zero rows this rank computes when its experts compute `pairs` pairs:
+ * its experts times moe_ep_padded_rows, less the pairs; 0 without padding. */
+moe_index moe_ep_pad_rows(const moe_ep *ep, moe_index pairs);
 
 /* sum (d) = a row's pair outputs out[s] (d each; NULL for a slot whose
  * expert is elsewhere) in slot order, each times its gate weight from the

@@ -524,6 +524,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     stats->expert_start = start;
     stats->expert_end = end;
     stats->expert_flops = moe_gemm_sflops();
+    stats->pad_rows = moe_ep_pad_rows(ep, stats->pairs_received);
 }
 
 /* Stages reduce and shared: y in slot order, whatever wave each slot came

@@ -152,6 +152,7 @@ static const flag_spec flags[] = {
     {"bias-update", FLAG_REAL, FIELD(bias_update), 0, 1, "GAMMA|none", NULL, "none", "deepseek-v3: after each step, bias_i += GAMMA sign(mean load - load_i) (V3's auxiliary-loss-free balancing)", RUN_ONLY},
     {"capacity-factor", FLAG_REAL, FIELD(capacity_factor), 0, 1000, "C|none", NULL, "none", "each expert takes at most ceil(C T k / E) pairs of each rank's T tokens, the rest are dropped (Megatron-Core's capacity; docs/load-balance.md)", RUN_ONLY},
     {"drop-policy", FLAG_CHOICE, FIELD(drop_policy), 0, 0, NULL, drop_policy_choices, "probs", "--capacity-factor: the pairs an expert keeps: the largest gate weights, or the first tokens", RUN_ONLY},
+    {"pad-to-capacity", FLAG_BOOL, FIELD(pad_to_capacity), 0, 0, NULL, NULL, "false", "--capacity-factor: each expert computes G x ceil(C T k / E) rows, zero rows filling what its kept pairs leave (Megatron-Core's fixed shape); the output does not change", RUN_ONLY},
     {"steps-csv", FLAG_TEXT, FIELD(steps_csv), 0, 0, "FILE", NULL, "", "--steps: each step's imbalance, expert time, balance losses and bias as CSV", RUN_ONLY},
     {"steps-plot", FLAG_TEXT, FIELD(steps_plot), 0, 0, "FILE.svg", NULL, "", "--steps: max/mean load per expert and per rank against the step", RUN_ONLY},
     {"shared-experts", FLAG_INT, FIELD(shared_experts), 0, 64, "S", NULL, "0", "shared experts, applied to every token on its home rank", BOTH | EXPLAIN},
@@ -782,6 +783,10 @@ static int validate_capacity(const moe_config *cfg, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--replica-choice chooses among the copies of --redundant-experts: add "
                         "--redundant-experts N");
+    if (cfg->pad_to_capacity && !(cfg->capacity_factor > 0))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--pad-to-capacity fills each expert to the capacity of --capacity-factor: "
+                        "add --capacity-factor C");
     if (!(cfg->capacity_factor > 0))
         return MOE_EXIT_OK;
     const char *other = cfg->backward ? "--backward (the gradient of a dropped pair is not built)"
@@ -790,6 +795,37 @@ static int validate_capacity(const moe_config *cfg, moe_status *st)
     if (other)
         return moe_fail(st, MOE_EXIT_USAGE, "--capacity-factor drops pairs of the forward: drop %s",
                         other);
+    return MOE_EXIT_OK;
+}
+
+/* --pad-to-capacity: the zero rows of an expert are G C minus the pairs it
+ * computes, so each expert must compute all its pairs in one batch, on the
+ * flat path where each pair reaches one copy of its expert. */
+static int validate_padding(const moe_config *cfg, int ranks, moe_status *st)
+{
+    if (!cfg->pad_to_capacity)
+        return MOE_EXIT_OK;
+    const char *other = cfg->mode == MOE_MODE_LOW_LATENCY
+                            ? "--mode low-latency (its masked layout is the fixed shape, computed "
+                              "only where its counts fill it)"
+                        : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
+                            ? "--dispatch hierarchical (its waves split an expert's pairs by tokens)"
+                        : cfg->redundant_experts > 0
+                            ? "--redundant-experts (copies split an expert's pairs)"
+                            : NULL;
+    if (other)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--pad-to-capacity fills each expert's whole batch to G C rows: drop %s", other);
+    const int64_t fewest = cfg->experts / ranks; /* waves of expert slots up to this many */
+    for (int n = 0; n < cfg->waves_count && !cfg->blocking; n++) {
+        const int64_t W = cfg->waves_list[n];
+        if (W > 1 && (cfg->wave_by == MOE_WAVE_BY_TOKENS || W > fewest))
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--pad-to-capacity fills each expert's whole batch to G C rows: waves of "
+                            "tokens split it (--waves %lld, the fewest experts a rank holds %lld); "
+                            "use --wave-by experts with at most that many waves, or --blocking",
+                            (long long)W, (long long)fewest);
+    }
     return MOE_EXIT_OK;
 }
 
@@ -922,7 +958,7 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     if (cfg->grad_output[0] && !cfg->backward)
         return moe_fail(st, MOE_EXIT_USAGE, "--grad-output is the gradient of a training step: add --backward");
     if (moe_config_check_replicas(cfg, ranks, "ranks", st) || validate_steps(cfg, st) ||
-        validate_capacity(cfg, st))
+        validate_capacity(cfg, st) || validate_padding(cfg, ranks, st))
         return st->code;
     if (cfg->backward && validate_backward(cfg, st))
         return st->code;

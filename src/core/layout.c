@@ -184,6 +184,13 @@ void moe_recv_plan_build(moe_recv_plan *plan, const moe_placement *p, int rank,
     plan->rows = rows;
     plan->expert_offset = moe_xcalloc((size_t)EL + 1, sizeof(moe_index));
     plan->source_pairs = moe_xcalloc((size_t)G, sizeof(moe_index));
+    plan->wave_first = EL; /* a wave's expert slots are consecutive (moe_waves_init_by) */
+    plan->wave_end = 0;
+    for (int l = 0; l < EL; l++)
+        if (local_slot(p, rank, p->first_expert[rank] + l, waves, wave) >= 0) {
+            plan->wave_first = l < plan->wave_first ? l : plan->wave_first;
+            plan->wave_end = l + 1;
+        }
 
     /* Count pairs per local expert and per source rank. */
     moe_index pairs = 0, row = 0;

@@ -219,13 +219,25 @@ static void print_drops(FILE *out, const moe_run_summary *s)
     const double out_row = back_rows > 0 ? s->bytes_combined / back_rows : 0.0;
     const double saved_rows = s->rows_undropped - s->rows_sent;
     const double saved_back = per_row ? saved_rows : s->pairs_dropped;
-    const double saved_flops = s->pairs_dropped * 6.0 * (double)cfg->hidden * (double)cfg->ffn;
+    const double pair_flops = 6.0 * (double)cfg->hidden * (double)cfg->ffn;
+    const double saved_flops = s->pairs_dropped * pair_flops;
+    const double kept_flops = s->expert_flops - s->pad_rows * pair_flops; /* --pad-to-capacity's zero rows aside */
     char b1[32], b2[32];
     fprintf(out, "          saved: dispatch rows %.0f -> %.0f (%s), combine %s, expert GEMMs %.3f "
                  "GFLOP (%.1f%%)\n",
             s->rows_undropped, s->rows_sent, moe_format_bytes(saved_rows * in_row, b1, sizeof b1),
             moe_format_bytes(saved_back * out_row, b2, sizeof b2), saved_flops / 1e9,
-            s->expert_flops + saved_flops > 0 ? 100.0 * saved_flops / (s->expert_flops + saved_flops) : 0.0);
+            kept_flops + saved_flops > 0 ? 100.0 * saved_flops / (kept_flops + saved_flops) : 0.0);
+    if (cfg->pad_to_capacity) {
+        const double computed = kept + s->pad_rows;
+        fprintf(out, "          padded: each expert computes G x C = %lld rows (--pad-to-capacity): %.0f zero "
+                     "rows (%.1f%% of %.0f), %.3f GFLOP more; the output is the same, bit for bit\n",
+                (long long)(G * s->capacity), s->pad_rows, computed > 0 ? 100.0 * s->pad_rows / computed : 0.0,
+                computed, s->pad_rows * pair_flops / 1e9);
+        fprintf(out, "          Megatron's padded all-to-all sends a row per pair, C per expert: %lld rows "
+                     "from each rank, against %.0f dispatch rows a rank here\n",
+                (long long)(E * s->capacity), s->rows_sent / G);
+    }
 }
 
 static void print_routing(FILE *out, const moe_run_summary *s)

@@ -42,6 +42,7 @@
 #endif
 
 #include "moe/check.h"
+#include "moe/capacity.h"
 #include "moe/ep.h"
 #include "moe/progress.h"
 #include "moe/truth.h"
@@ -201,6 +202,46 @@ static bool r_posted_report(int rank, double posted, double reported)
     return posted != reported;
 }
 
+/* The same forward without --pad-to-capacity: y bitwise, and the padded
+ * run's expert FLOPs those of (E G C) rows where this one computed its
+ * pairs. Collective; returns the failures. */
+static int check_padding(const moe_comm *c, const moe_config *cfg, const moe_placement *home,
+                         const test_options *opt, const float *y_pad,
+                         const moe_forward_stats *padded)
+{
+    const moe_index T = cfg->tokens, d = cfg->hidden, k = cfg->topk;
+    moe_config plain = *cfg;
+    plain.pad_to_capacity = false;
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    int32_t *placed = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    moe_forward_stats stats;
+    int failures = forward(c, &plain, home, T, opt, x, ids, placed, weights, y, &stats);
+    double differ = 0.0;
+    for (moe_index n = 0; n < T * d; n++)
+        differ += memcmp(&y[n], &y_pad[n], sizeof(float)) != 0;
+    differ = moe_comm_sum(c, differ);
+    const double row_flops = 6.0 * (double)d * (double)cfg->ffn;
+    const double pads = moe_comm_sum(c, (double)padded->pad_rows);
+    const double pairs = moe_comm_sum(c, (double)stats.pairs_received);
+    const double extra = moe_comm_sum(c, padded->expert_flops - stats.expert_flops);
+    const double want = (double)cfg->experts * c->ranks *
+                        (double)moe_expert_capacity(cfg->capacity_factor, T, (int)k, (int)cfg->experts);
+    const bool ok = differ == 0.0 && pads + pairs == want && extra == pads * row_flops;
+    if (c->rank == 0)
+        printf("pad to capacity: %.0f values differ from the run without; %.0f pairs + %.0f zero rows "
+               "= %.0f rows (E G C = %.0f); %.0f FLOPs more (%.0f rows' worth): %s\n",
+               differ, pairs, pads, pairs + pads, want, extra, extra / row_flops, ok ? "ok" : "FAIL");
+    free(weights);
+    free(placed);
+    free(ids);
+    free(y);
+    free(x);
+    return failures + !ok;
+}
+
 int main(int argc, char **argv)
 {
     moe_comm world;
@@ -256,6 +297,10 @@ int main(int argc, char **argv)
         if (r_posted_report(world.rank, posted, reported))
             failures++;
     }
+    /* --pad-to-capacity: the experts computed G C rows each, the zero rows
+     * among them changed no bit of y, and their FLOPs are the difference. */
+    if (cfg.pad_to_capacity)
+        failures += check_padding(&world, &cfg, &home, &opt, y, &stats);
     /* The two-stage dispatch's rows on each tier are what the routing says
      * they must be (layout.h, moe_node_copies), to the row. */
     if (cfg.dispatch == MOE_DISPATCH_HIERARCHICAL) {

@@ -91,6 +91,13 @@ static void round_trip_wave(const moe_placement *p, const int32_t *ids, const fl
             }
         moe_recv_plan plan;
         moe_recv_plan_build(&plan, p, q, recv_meta, rows, k, rows_from, waves, wave);
+        /* the wave's local experts: [wave_first, wave_end), those of its wave */
+        for (int l = 0; l < plan.local_experts; l++) {
+            const int e = p->first_expert[q] + l;
+            const int in_wave = !waves || waves->kind != MOE_WAVES_EXPERT_SLOTS ||
+                                 waves->expert_wave[e] == wave;
+            ck_assert_int_eq(l >= plan.wave_first && l < plan.wave_end, in_wave);
+        }
         float *out = malloc(sizeof(float) * (size_t)(plan.pairs * WIDTH + 1));
         for (int l = 0; l < plan.local_experts; l++)
             for (moe_index m = plan.expert_offset[l]; m < plan.expert_offset[l + 1]; m++) {
