@@ -11,6 +11,7 @@
 
 #include <stdint.h>
 
+#include "moe/common.h"
 #include "moe/dims.h"
 
 /* Philox4x32 with 10 rounds (Salmon et al., SC'11; Random123). Pure function. */
@@ -40,6 +41,11 @@ float moe_synth_value(uint64_t seed, enum moe_tensor tensor, uint32_t entity, ui
  * 0 <= n < count. OpenMP-parallel; the result does not depend on threads. */
 void moe_synth_fill(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t first,
                     moe_index count, float scale, float *out);
+
+/* Limit the instruction set moe_synth_fill runs its Philox batches with
+ * (AVX-512, AVX2 or plain C, each where the CPU has it; the same values on
+ * each): for tests. */
+void moe_synth_force(enum moe_isa isa);
 
 /* The raw Philox word of element `index` of (tensor, entity). */
 uint32_t moe_synth_word(uint64_t seed, enum moe_tensor tensor, uint32_t entity, uint64_t index);

@@ -57,6 +57,31 @@ START_TEST(synth_fill_is_independent_of_the_slice)
 }
 END_TEST
 
+/* Every instruction set's batches give the documented values, element by
+ * element: whole batches and cut ones, a negative and a large scale, and a
+ * counter whose low word carries into the high one inside a batch. */
+START_TEST(synth_fill_matches_the_value_at_every_isa)
+{
+    static const enum moe_isa isas[] = {MOE_ISA_WIDEST, MOE_ISA_AVX2, MOE_ISA_PORTABLE};
+    static const float scales[] = {1.0f, -0.037f, 3.0e4f};
+    enum { N = 4 * 16 * 5 + 7 };
+    float *v = malloc(sizeof(float) * N);
+    const uint64_t firsts[] = {0, 3, 4 * (0x100000000ULL - 21) + 2};
+    for (int i = 0; i < 3; i++) {
+        moe_synth_force(isas[i]);
+        for (int f = 0; f < 3; f++) {
+            moe_synth_fill(0x9e3779b97f4a7c15ULL, MOE_TENSOR_W2, 5, firsts[f], N, scales[f], v);
+            for (int n = 0; n < N; n++)
+                ck_assert_msg(v[n] == moe_synth_value(0x9e3779b97f4a7c15ULL, MOE_TENSOR_W2, 5,
+                                                      firsts[f] + (uint64_t)n, scales[f]),
+                              "isa %d, element %llu", i, (unsigned long long)(firsts[f] + (uint64_t)n));
+        }
+    }
+    moe_synth_force(MOE_ISA_WIDEST);
+    free(v);
+}
+END_TEST
+
 START_TEST(synth_values_are_in_range_and_spread)
 {
     enum { N = 1 << 16 };
@@ -117,6 +142,7 @@ Suite *make_rng_suite(void)
     tcase_add_loop_test(tc, philox_known_answers, 0, 3);
     tcase_add_test(tc, synth_value_follows_the_documented_mapping);
     tcase_add_test(tc, synth_fill_is_independent_of_the_slice);
+    tcase_add_test(tc, synth_fill_matches_the_value_at_every_isa);
     tcase_add_test(tc, synth_values_are_in_range_and_spread);
     tcase_add_test(tc, synth_tensors_and_entities_differ);
     tcase_add_test(tc, activation_tokens_follow_the_documented_mapping);
