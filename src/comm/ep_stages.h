@@ -218,10 +218,9 @@ void moe_ep_layout_close(moe_ep_layout *t);
  * applied before L2 when cfg->weight_at says so), round as --combine-dtype
  * says, scatter the outputs into expert_out (pairs, d). With m = max(n,
  * MOE_SHARED_ROW_BLOCK), work holds (m, d + 1) floats, scratch (m, 2f).
- * The expert's rows arrive in ascending
- * global token order (layout.h), so the GEMM calls are the same on every
- * path and in every layout; with packed and exact a row's output bits
- * depend on nothing but the row. */
+ * The expert's rows arrive in ascending global token order (layout.h), so
+ * the GEMM calls are the same on every path and in every layout; with
+ * packed and exact a row's output bits depend on nothing but the row. */
 void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
                    const float *const *row_at, const int32_t *recv_meta, float *block, float *work,
                    float *scratch, float *expert_out, const moe_ffn_hooks *hooks);
