@@ -105,6 +105,10 @@ void moe_comm_sum_array(const moe_comm *c, double *v, int n);
  * same bits on every rank and in every run with the same G (MPI_Allreduce
  * promises neither); chunks of v travel by MPI_Allgather. */
 void moe_comm_sum_ordered(const moe_comm *c, double *v, moe_index n);
+/* mine (n) = the sum over ranks of their v[rank * n, rank * n + n), v
+ * (G, n), in rank order as moe_comm_sum_ordered sums (chunks travel by
+ * MPI_Alltoall). */
+void moe_comm_sum_scattered(const moe_comm *c, const double *v, moe_index n, double *mine);
 /* all (G, n) on rank 0 = every rank's v (n); all is ignored elsewhere. */
 void moe_comm_gather_doubles(const moe_comm *c, const double *v, int n, double *all);
 /* all on rank 0 = every rank's `bytes` bytes of mine, in rank order (all is

@@ -16,6 +16,8 @@
 #ifndef MOE_EXPERTS_H
 #define MOE_EXPERTS_H
 
+#include <stdbool.h>
+
 #include "moe/dims.h"
 
 enum moe_gemm_kind {
@@ -117,5 +119,9 @@ void moe_expert_generate(uint64_t seed, int expert, moe_index hidden, moe_index 
 /* The same for shared expert s. */
 void moe_shared_expert_generate(uint64_t seed, int shared, moe_index hidden, moe_index ffn,
                                 float *w1, float *w2);
+/* Routed expert n (shared expert n when `shared`), as the two above make
+ * it, each value rounded to dtype (moe_precision_weights), in fp64. */
+void moe_expert_generate_f64(uint64_t seed, bool shared, int n, int dtype, moe_index hidden,
+                             moe_index ffn, double *w1, double *w2);
 
 #endif

@@ -62,6 +62,25 @@ void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, 
                                const float *x_dispatched, const int32_t *ids, const float *weights,
                                moe_index tokens, int ranks, double *y, double *allow);
 
+/* The truth's routed terms split by rank, for the comm layer to sum
+ * (check.h): the pairs rank `rank` computes (pair_rank (T, k) as in
+ * moe_truth_forward_placed, or the placement's expert_rank when NULL), for
+ * `tokens` tokens that may be every rank's, into y (T, d) and allow,
+ * rounded as moe_truth_forward_placed rounds them: with --combine reduced
+ * they are the rank's one sum per token. Every rank's share summed is the
+ * routed part of moe_truth_forward_placed, up to the order of the fp64
+ * sums; each rank generates only the experts whose pairs it computes. Not
+ * when the rounded sums span ranks (moe_truth_shares). */
+bool moe_truth_shares(const moe_config *cfg);
+void moe_truth_forward_share(const moe_config *cfg, enum moe_truth_gemm gemm,
+                             const float *x_dispatched, const int32_t *ids, const float *weights,
+                             moe_index tokens, int ranks, const int32_t *pair_rank, int rank,
+                             double *y, double *allow);
+
+/* y (T, d) += the shared experts on x (T, d), as moe_truth_forward adds them. */
+void moe_truth_add_shared(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                          moe_index tokens, double *y);
+
 /* The backward's truth (backward.h), fp64, every expert evaluated on the
  * tokens that selected it (a zero gate passes a zero gradient), weights
  * rounded to --dtype as the EP path holds them. For `tokens` tokens x, dy

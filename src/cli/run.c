@@ -81,12 +81,11 @@ static void check_against_truth(moe_run_context *ctx)
             pair_rank[m] = ctx->placed[m] == MOE_DROPPED ? -1
                                                          : ctx->ep.placement.expert_rank[ctx->placed[m]];
     }
-    moe_truth_forward_placed(cfg, MOE_TRUTH_BLAS, x, dispatched, kept ? kept : ids, weights, T,
-                             c->ranks, pair_rank, truth, allow);
+    moe_truth_collective(c, cfg, x, dispatched, kept ? kept : ids, weights, pair_rank, truth, allow);
     free(pair_rank);
     moe_check_collective(c, cfg, y, truth, allow, s);
     if (kept) {
-        moe_truth_forward(cfg, MOE_TRUTH_BLAS, x, dispatched, ids, weights, T, c->ranks, truth, NULL);
+        moe_truth_collective(c, cfg, x, dispatched, ids, weights, NULL, truth, NULL);
         error_against(c, y, truth, n, &s->drop_max_abs, &s->drop_max_rel_rms);
         s->drop_error_measured = true;
     }
@@ -97,8 +96,8 @@ static void check_against_truth(moe_run_context *ctx)
         full.param_dtype = full.dispatch_dtype = full.combine_dtype = MOE_DTYPE_FP32;
         moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, (float)cfg->init_scale,
                          cfg->input_dist, scratch);
-        moe_truth_forward(&full, MOE_TRUTH_BLAS, scratch, scratch, kept ? kept : ids, weights, T,
-                          c->ranks, truth, NULL);
+        moe_truth_collective(c, &full, scratch, scratch, kept ? kept : ids, weights, NULL, truth,
+                             NULL);
         error_against(c, y, truth, n, &s->quant_max_abs, &s->quant_max_rel_rms);
     }
     free(kept);

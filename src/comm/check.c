@@ -36,6 +36,43 @@ void moe_check_collective(const moe_comm *c, const moe_config *cfg, const float 
     s->checked = true;
 }
 
+void moe_truth_collective(const moe_comm *c, const moe_config *cfg, const float *x,
+                          const float *x_dispatched, const int32_t *ids, const float *weights,
+                          const int32_t *pair_rank, double *truth, double *allow)
+{
+    const moe_index T = cfg->tokens, d = cfg->hidden, k = cfg->topk;
+    const int G = c->ranks;
+    if (!moe_truth_shares(cfg)) {
+        moe_truth_forward_placed(cfg, MOE_TRUTH_BLAS, x, x_dispatched, ids, weights, T, G,
+                                 pair_rank, truth, allow);
+        return;
+    }
+    const size_t N = (size_t)G * (size_t)T;
+    float *all_x = moe_xmalloc(sizeof(float) * N * (size_t)d + 1);
+    int32_t *all_ids = moe_xmalloc(sizeof(int32_t) * N * (size_t)k + 1);
+    float *all_weights = moe_xmalloc(sizeof(float) * N * (size_t)k + 1);
+    int32_t *all_at = pair_rank ? moe_xmalloc(sizeof(int32_t) * N * (size_t)k + 1) : NULL;
+    moe_comm_allgather_bytes(c, x_dispatched, sizeof(float) * (size_t)(T * d), all_x);
+    moe_comm_allgather_bytes(c, ids, sizeof(int32_t) * (size_t)(T * k), all_ids);
+    moe_comm_allgather_bytes(c, weights, sizeof(float) * (size_t)(T * k), all_weights);
+    if (pair_rank)
+        moe_comm_allgather_bytes(c, pair_rank, sizeof(int32_t) * (size_t)(T * k), all_at);
+    double *share = moe_xmalloc(sizeof(double) * N * (size_t)d + 1);
+    double *share_allow = allow ? moe_xmalloc(sizeof(double) * N * (size_t)d + 1) : NULL;
+    moe_truth_forward_share(cfg, MOE_TRUTH_BLAS, all_x, all_ids, all_weights, (moe_index)N, G,
+                            all_at, c->rank, share, share_allow);
+    free(all_at);
+    free(all_weights);
+    free(all_ids);
+    free(all_x);
+    moe_comm_sum_scattered(c, share, T * d, truth);
+    if (allow)
+        moe_comm_sum_scattered(c, share_allow, T * d, allow);
+    free(share_allow);
+    free(share);
+    moe_truth_add_shared(cfg, MOE_TRUTH_BLAS, x, T, truth);
+}
+
 void moe_gather_layer_tokens(const moe_comm *c, const moe_config *cfg, const float *x,
                              const float *dy, const int32_t *ids, const float *weights,
                              moe_layer_tokens *all)

@@ -346,6 +346,28 @@ void moe_comm_sum_ordered(const moe_comm *c, double *v, moe_index n)
     free(all);
 }
 
+void moe_comm_sum_scattered(const moe_comm *c, const double *v, moe_index n, double *mine)
+{
+    const int G = c->ranks;
+    const moe_index chunk = (moe_index)1 << 16;
+    double *send = moe_xmalloc(sizeof(double) * (size_t)(chunk * G));
+    double *recv = moe_xmalloc(sizeof(double) * (size_t)(chunk * G));
+    for (moe_index first = 0; first < n; first += chunk) {
+        const int m = (int)(n - first < chunk ? n - first : chunk);
+        for (int r = 0; r < G; r++)
+            memcpy(send + (moe_index)r * m, v + (moe_index)r * n + first, sizeof(double) * (size_t)m);
+        MOE_MPI(MPI_Alltoall(send, m, MPI_DOUBLE, recv, m, MPI_DOUBLE, c->comm));
+        for (int j = 0; j < m; j++) {
+            double sum = 0.0;
+            for (int r = 0; r < G; r++)
+                sum += recv[(moe_index)r * m + j];
+            mine[first + j] = sum;
+        }
+    }
+    free(recv);
+    free(send);
+}
+
 void moe_comm_gather_doubles(const moe_comm *c, const double *v, int n, double *all)
 {
     MOE_MPI(MPI_Gather(v, n, MPI_DOUBLE, all, n, MPI_DOUBLE, 0, c->comm));

@@ -12,6 +12,7 @@
 #include "moe/layout.h"
 #include "moe/link.h"
 #include "moe/router.h"
+#include "moe/truth.h"
 #include "moe/wire.h"
 
 #include <ctype.h>
@@ -1033,6 +1034,9 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
     bytes += W * (T * k * 8.0 + G * (64.0 + 8.0 * (1.0 + EL)));
     if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */
         bytes += T * (3.0 * d + 3.0 * f + 1.0) * 8.0 + 2.0 * T * d * 8.0 + 3.0 * f * d * 12.0 + T * d * 4.0;
+    if (cfg->check && moe_truth_shares(cfg)) /* every rank's tokens, this rank's share of their truth (and allowance), the sums' chunks */
+        bytes += N * (d * 4.0 + k * 12.0 + 16.0 + d * 8.0 * (cfg->combine_dtype != MOE_DTYPE_FP32 ? 2.0 : 1.0)) +
+                 2.0 * 65536.0 * G * 8.0;
     if (cfg->backward) {
         /* One expert's weights laid out for the backward, the gradients
          * (routed, shared, gate, dx) and dy; the step's buffers: dy received, dx per

@@ -9,6 +9,7 @@
 
 #include "moe/exp.h"
 #include "moe/gemm.h"
+#include "moe/quant.h"
 #include "moe/rng.h"
 
 #include "lanes8.h"
@@ -192,4 +193,32 @@ void moe_shared_expert_generate(uint64_t seed, int shared, moe_index hidden, moe
                                 float *w1, float *w2)
 {
     generate(seed, MOE_TENSOR_SHARED_W1, MOE_TENSOR_SHARED_W2, shared, hidden, ffn, w1, w2);
+}
+
+/* Values [0, count) of a weight tensor rounded to dtype, in fp64: made a
+ * piece at a time in an fp32 buffer that stays in L1, so that the fp32
+ * tensor is never stored whole. */
+static void fill_f64(uint64_t seed, enum moe_tensor tensor, int entity, moe_index count,
+                     float scale, int dtype, double *out)
+{
+    enum { PIECE = 2048 }; /* values: whole Philox batches */
+    const moe_index pieces = (count + PIECE - 1) / PIECE;
+#pragma omp parallel for schedule(static)
+    for (moe_index p = 0; p < pieces; p++) {
+        float piece[PIECE];
+        const moe_index first = p * PIECE, n = count - first < PIECE ? count - first : PIECE;
+        moe_synth_fill(seed, tensor, (uint32_t)entity, (uint64_t)first, n, scale, piece);
+        moe_precision_weights(dtype, piece, n);
+        for (moe_index m = 0; m < n; m++)
+            out[first + m] = piece[m];
+    }
+}
+
+void moe_expert_generate_f64(uint64_t seed, bool shared, int n, int dtype, moe_index hidden,
+                             moe_index ffn, double *w1, double *w2)
+{
+    fill_f64(seed, shared ? MOE_TENSOR_SHARED_W1 : MOE_TENSOR_W1, n, 2 * ffn * hidden,
+             moe_synth_weight_scale(hidden), dtype, w1);
+    fill_f64(seed, shared ? MOE_TENSOR_SHARED_W2 : MOE_TENSOR_W2, n, hidden * ffn,
+             moe_synth_weight_scale(ffn), dtype, w2);
 }

@@ -48,27 +48,20 @@ static void accumulate(const moe_config *cfg, double *y, double *allow, const do
     }
 }
 
-/* w1, w2 rounded to --dtype, in fp64. */
-static void weights_f64(const moe_config *cfg, float *w1, float *w2, moe_index d, moe_index f,
-                        double *w1_64, double *w2_64)
+/* Routed expert n (or shared expert n) generated, rounded to --dtype, in
+ * fp64. */
+static void generated_f64(const moe_config *cfg, bool shared, int n, double *w1_64, double *w2_64)
 {
-    moe_precision_weights(cfg->param_dtype, w1, 2 * f * d);
-    moe_precision_weights(cfg->param_dtype, w2, d * f);
-    to_f64(w1, 2 * f * d, w1_64);
-    to_f64(w2, d * f, w2_64);
+    moe_expert_generate_f64(cfg->seed, shared, n, cfg->param_dtype, cfg->hidden, cfg->ffn, w1_64,
+                            w2_64);
 }
 
-/* Routed expert n (or shared expert n) generated, rounded to --dtype, in
- * fp64 (w1, w2 are the fp32 scratch). */
-static void generated_f64(const moe_config *cfg, bool shared, int n, float *w1, float *w2,
-                          double *w1_64, double *w2_64)
+/* rows (n, d) of src (T, d) in fp64. */
+static void gather_f64(const float *src, const moe_index *row, moe_index n, moe_index d, double *dst)
 {
-    const moe_index d = cfg->hidden, f = cfg->ffn;
-    if (shared)
-        moe_shared_expert_generate(cfg->seed, n, d, f, w1, w2);
-    else
-        moe_expert_generate(cfg->seed, n, d, f, w1, w2);
-    weights_f64(cfg, w1, w2, d, f, w1_64, w2_64);
+    for (moe_index m = 0; m < n; m++)
+        for (moe_index j = 0; j < d; j++)
+            dst[m * d + j] = src[row[m] * d + j];
 }
 
 /* --combine reduced: to += the partial sums of one rank's experts (or, with
@@ -86,67 +79,101 @@ static void flush(const moe_config *cfg, double *to, double *allow, double *part
     }
 }
 
-/* The truth, evaluating each expert on the tokens that selected it, or
- * (literal) on every token, its unselected terms 0 * out added. */
-static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
-                          const float *x_dispatched, const int32_t *ids, const float *weights,
-                          moe_index tokens, int ranks, const int32_t *pair_rank, bool literal,
-                          double *y, double *allow)
+/* The same for sums (n) that are the whole of what they add to: rounded in
+ * place. */
+static void round_sums(const moe_config *cfg, double *sums, double *allow, moe_index n)
+{
+    if (cfg->combine_dtype != MOE_DTYPE_BF16)
+        return;
+    for (moe_index m = 0; m < n; m++) {
+        const double v = sums[m];
+        sums[m] = (double)moe_round_bf16((float)v);
+        if (allow)
+            allow[m] += moe_bf16_step(v);
+    }
+}
+
+/* The routed terms of the truth into y and allow (zeroed first), each
+ * expert evaluated on the tokens that selected it or (literal) on every
+ * token, its unselected terms 0 * out added. With only_rank >= 0, only the
+ * pairs that rank computes (pair_rank, or the placement's expert_rank), as
+ * one sum per token. */
+static void routed_terms(const moe_config *cfg, enum moe_truth_gemm gemm,
+                         const float *x_dispatched, const int32_t *ids, const float *weights,
+                         moe_index tokens, int ranks, const int32_t *pair_rank, int only_rank,
+                         bool literal, double *y, double *allow)
 {
     const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
     const int E = (int)cfg->experts, k = (int)cfg->topk;
-    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));   /* (2f, d) */
-    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));       /* (d, f) */
     double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
     double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
-    double *x64 = moe_xmalloc(sizeof(double) * (size_t)(T * d));     /* (T, d) */
-    double *xe = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);  /* (n, d) expert e's tokens */
-    double *out = moe_xmalloc(sizeof(double) * (size_t)(T * d));     /* (T, d) */
-    double *scratch = moe_xmalloc(sizeof(double) * (size_t)(T * 3 * f));
     double *gate = moe_xmalloc(sizeof(double) * (size_t)T + 1);      /* (n) their gate weights for e */
     moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1); /* (n) and which tokens */
+    /* rows xe, out and scratch hold: the most any expert had so far, at
+     * most a rank's tokens (an expert's rows go in blocks of that many) */
+    const moe_index block = cfg->tokens > 0 ? cfg->tokens : 1;
+    moe_index cap = 0;
+    double *xe = NULL, *out = NULL, *scratch = NULL; /* (n, d), (n, d), (n, 3f) */
 
-    to_f64(x_dispatched, T * d, x64);
     memset(y, 0, sizeof(double) * (size_t)(T * d));
     /* A reduced combine rounds the sum of each rank's experts instead. */
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-    double *partial = reduced ? moe_xcalloc((size_t)(T * d), sizeof(double)) : NULL;
+    double *partial = reduced && only_rank < 0 ? moe_xcalloc((size_t)(T * d), sizeof(double)) : NULL;
+    double *sums = only_rank >= 0 ? y : partial; /* one rank's: its one sum per token */
     /* The two-stage dispatch reduces again at each node's relay. */
     const bool by_node = reduced && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL;
+    MOE_ASSERT(only_rank < 0 || !by_node);
     const int R = cfg->ranks_per_node > 0 ? (int)cfg->ranks_per_node : ranks;
     double *node_partial = by_node ? moe_xcalloc((size_t)(T * d), sizeof(double)) : NULL;
     moe_placement placement = {0};
-    if (reduced)
+    if (reduced || only_rank >= 0)
         moe_placement_init(&placement, E, ranks);
     if (allow)
         memset(allow, 0, sizeof(double) * (size_t)(T * d));
-    /* With pair_rank, a rank's sums are its pairs': one pass per rank. */
-    const int passes = reduced && pair_rank ? ranks : 1;
+    /* With pair_rank, a rank's sums are its pairs': one pass per rank (only
+     * only_rank's when given). */
+    const int passes = reduced && pair_rank && only_rank < 0 ? ranks : 1;
     for (int pass = 0; pass < passes; pass++)
     for (int e = 0; e < E; e++) {
+        if (only_rank >= 0 && !pair_rank && placement.expert_rank[e] != only_rank)
+            continue;
         moe_index n = 0;
         for (moe_index i = 0; i < T; i++) {
             double g = 0.0;
-            for (int s = 0; s < k; s++)
-                if (ids[i * k + s] == e && (passes == 1 || pair_rank[i * k + s] == pass))
+            for (int s = 0; s < k; s++) {
+                const int32_t at = pair_rank ? pair_rank[i * k + s] : -1;
+                if (ids[i * k + s] == e && (passes == 1 || at == pass) &&
+                    (only_rank < 0 || !pair_rank || at == only_rank))
                     g = weights[i * k + s];
+            }
             if (g != 0.0 || literal) {
                 row[n] = i;
                 gate[n++] = g;
             }
         }
         if (n > 0) { /* an expert no token selected adds nothing: not even its weights */
-            generated_f64(cfg, false, e, w1, w2, w1_64, w2_64);
-            for (moe_index m = 0; m < n; m++)
-                memcpy(xe + m * d, x64 + row[m] * d, sizeof(double) * (size_t)d);
-            moe_expert_forward_f64(gemm, w1_64, w2_64, xe, n, d, f, scratch, out);
-            if (!reduced)
-                accumulate(cfg, y, allow, out, gate, row, n, d);
-            for (moe_index m = 0; reduced && m < n; m++)
-                for (moe_index j = 0; j < d; j++)
-                    partial[row[m] * d + j] += gate[m] * out[m * d + j];
+            if (n > cap && cap < block) {
+                free(xe);
+                free(out);
+                free(scratch);
+                cap = n < block ? n : block;
+                xe = moe_xmalloc(sizeof(double) * (size_t)(cap * d));
+                out = moe_xmalloc(sizeof(double) * (size_t)(cap * d));
+                scratch = moe_xmalloc(sizeof(double) * (size_t)(cap * 3 * f));
+            }
+            generated_f64(cfg, false, e, w1_64, w2_64);
+            for (moe_index first = 0; first < n; first += cap) {
+                const moe_index rows = n - first < cap ? n - first : cap;
+                gather_f64(x_dispatched, row + first, rows, d, xe);
+                moe_expert_forward_f64(gemm, w1_64, w2_64, xe, rows, d, f, scratch, out);
+                if (!reduced)
+                    accumulate(cfg, y, allow, out, gate + first, row + first, rows, d);
+                for (moe_index m = 0; reduced && m < rows; m++)
+                    for (moe_index j = 0; j < d; j++)
+                        sums[row[first + m] * d + j] += gate[first + m] * out[m * d + j];
+            }
         }
-        if (!reduced)
+        if (!reduced || only_rank >= 0)
             continue;
         /* the rank whose sum this expert adds to, and the next expert's
          * (`ranks` past the last): a rank's sum, and a node's, end here
@@ -159,29 +186,56 @@ static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const
         if (by_node && next != rank && (next == ranks || next / R != rank / R))
             flush(cfg, y, allow, node_partial, T * d);
     }
-    if (reduced)
+    if (reduced && only_rank >= 0)
+        round_sums(cfg, y, allow, T * d);
+    if (reduced || only_rank >= 0)
         moe_placement_free(&placement);
     free(node_partial);
     free(partial);
-    if (x_dispatched != x)
-        to_f64(x, T * d, x64);
-    for (int s = 0; s < (int)cfg->shared_experts; s++) {
-        generated_f64(cfg, true, s, w1, w2, w1_64, w2_64);
+    free(scratch);
+    free(out);
+    free(xe);
+    free(row);
+    free(gate);
+    free(w2_64);
+    free(w1_64);
+}
+
+void moe_truth_add_shared(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                          moe_index tokens, double *y)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
+    const int S = (int)cfg->shared_experts;
+    if (S == 0 || T == 0)
+        return;
+    double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
+    double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
+    double *x64 = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    double *out = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    double *scratch = moe_xmalloc(sizeof(double) * (size_t)(T * 3 * f));
+    to_f64(x, T * d, x64);
+    for (int s = 0; s < S; s++) {
+        generated_f64(cfg, true, s, w1_64, w2_64);
         moe_expert_forward_f64(gemm, w1_64, w2_64, x64, T, d, f, scratch, out);
         /* shared experts run at home: no combine, no rounding */
         for (moe_index n = 0; n < T * d; n++)
             y[n] += out[n];
     }
-    free(row);
-    free(gate);
     free(scratch);
     free(out);
-    free(xe);
     free(x64);
     free(w2_64);
     free(w1_64);
-    free(w2);
-    free(w1);
+}
+
+static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
+                          const float *x_dispatched, const int32_t *ids, const float *weights,
+                          moe_index tokens, int ranks, const int32_t *pair_rank, bool literal,
+                          double *y, double *allow)
+{
+    routed_terms(cfg, gemm, x_dispatched, ids, weights, tokens, ranks, pair_rank, -1, literal, y,
+                 allow);
+    moe_truth_add_shared(cfg, gemm, x, tokens, y);
 }
 
 void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
@@ -205,6 +259,21 @@ void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, 
                                moe_index tokens, int ranks, double *y, double *allow)
 {
     truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, NULL, true, y, allow);
+}
+
+bool moe_truth_shares(const moe_config *cfg)
+{
+    return !(cfg->combine == MOE_COMBINE_REDUCED && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL);
+}
+
+void moe_truth_forward_share(const moe_config *cfg, enum moe_truth_gemm gemm,
+                             const float *x_dispatched, const int32_t *ids, const float *weights,
+                             moe_index tokens, int ranks, const int32_t *pair_rank, int rank,
+                             double *y, double *allow)
+{
+    MOE_ASSERT(moe_truth_shares(cfg) && rank >= 0 && rank < ranks);
+    routed_terms(cfg, gemm, x_dispatched, ids, weights, tokens, ranks, pair_rank, rank, false, y,
+                 allow);
 }
 
 moe_tolerance moe_tolerance_of_length(double length, double ref_rms)
@@ -280,14 +349,6 @@ static moe_index expert_rows(int e, const int32_t *ids, const float *weights, mo
     return n;
 }
 
-/* rows (n, d) of src (T, d) in fp64. */
-static void gather_f64(const float *src, const moe_index *row, moe_index n, moe_index d, double *dst)
-{
-    for (moe_index m = 0; m < n; m++)
-        for (moe_index j = 0; j < d; j++)
-            dst[m * d + j] = src[row[m] * d + j];
-}
-
 void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
                                enum moe_truth_gemm gemm, const float *gate, const float *x,
                                const int32_t *ids, const float *weights, const float *logits,
@@ -296,8 +357,6 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
 {
     const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
     const int E = (int)cfg->experts, k = (int)cfg->topk;
-    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));
-    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
     double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
     double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
     double *xe = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
@@ -312,7 +371,7 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
         const moe_index n = expert_rows(e, ids, weights, T, k, row, gate_e);
         if (n == 0)
             continue;
-        generated_f64(cfg, false, e, w1, w2, w1_64, w2_64);
+        generated_f64(cfg, false, e, w1_64, w2_64);
         gather_f64(x, row, n, d, xe);
         gather_f64(dy, row, n, d, dye);
         moe_expert_backward_f64(gemm, w1_64, w2_64, xe, dye, gate_e, cfg->weight_at, n, d, f,
@@ -329,7 +388,7 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
     to_f64(x, T * d, xe);
     to_f64(dy, T * d, dye);
     for (int s = 0; s < (int)cfg->shared_experts; s++) {
-        generated_f64(cfg, true, s, w1, w2, w1_64, w2_64);
+        generated_f64(cfg, true, s, w1_64, w2_64);
         moe_expert_backward_f64(gemm, w1_64, w2_64, xe, dye, NULL, cfg->weight_at, T, d, f, dxe,
                                 NULL, dshared_w1 + s * 2 * f * d, dshared_w2 + s * d * f);
         for (moe_index m = 0; m < T * d; m++)
@@ -344,8 +403,6 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
     free(xe);
     free(w2_64);
     free(w1_64);
-    free(w2);
-    free(w1);
 }
 
 moe_index moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
@@ -357,13 +414,11 @@ moe_index moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm g
     moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1);
     double *gate = moe_xmalloc(sizeof(double) * (size_t)T + 1);
     const moe_index n = expert_rows(e, ids, weights, T, (int)cfg->topk, row, gate);
-    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));
-    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
     double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
     double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
     double *xe = moe_xmalloc(sizeof(double) * (size_t)(n * d) + 1);
     double *dye = moe_xmalloc(sizeof(double) * (size_t)(n * d) + 1);
-    generated_f64(cfg, false, e, w1, w2, w1_64, w2_64);
+    generated_f64(cfg, false, e, w1_64, w2_64);
     gather_f64(x, row, n, d, xe);
     gather_f64(dy, row, n, d, dye);
     moe_expert_backward_f64(gemm, w1_64, w2_64, xe, dye, gate, cfg->weight_at, n, d, f, NULL, NULL,
@@ -372,8 +427,6 @@ moe_index moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm g
     free(xe);
     free(w2_64);
     free(w1_64);
-    free(w2);
-    free(w1);
     free(gate);
     free(row);
     return n;

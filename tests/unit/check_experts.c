@@ -551,6 +551,81 @@ START_TEST(truth_on_selected_tokens_is_the_dense_sum)
 }
 END_TEST
 
+/* The truth split by rank (what run --check sums over ranks): every rank's
+ * share of every token, summed in rank order, plus the shared experts, is
+ * moe_truth_forward_placed on all the tokens. With --combine reduced a
+ * share is the rank's one sum per token, so the bits are the same (values
+ * and allowance); with --combine pairs the terms are summed by rank first,
+ * so within fp64 roundings. Each expert sees more than a rank's tokens (its
+ * rows go in blocks of cfg.tokens). _i: 0 reduced, 1 reduced bf16 weighted
+ * before L2 with pairs placed off the placement, 2 pairs bf16, 3 pairs. */
+START_TEST(truth_shares_sum_to_the_truth)
+{
+    enum { G = 3 };
+    moe_config cfg;
+    moe_config_defaults(&cfg);
+    cfg.tokens = 10, cfg.hidden = 16, cfg.ffn = 8, cfg.experts = 7, cfg.topk = 2;
+    cfg.shared_experts = 1;
+    cfg.combine = _i < 2 ? MOE_COMBINE_REDUCED : MOE_COMBINE_PAIRS;
+    cfg.combine_dtype = _i == 1 || _i == 2 ? MOE_DTYPE_BF16 : MOE_DTYPE_FP32;
+    cfg.weight_at = _i == 1 ? MOE_WEIGHT_AT_ACTIVATION : MOE_WEIGHT_AT_OUTPUT;
+    ck_assert(moe_truth_shares(&cfg));
+    const moe_index N = G * cfg.tokens, d = cfg.hidden, k = cfg.topk;
+    float *x = malloc(sizeof(float) * (size_t)(N * d));
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(N * k));
+    int32_t *at = malloc(sizeof(int32_t) * (size_t)(N * k));
+    float *weights = malloc(sizeof(float) * (size_t)(N * k));
+    double *want = malloc(sizeof(double) * (size_t)(N * d));
+    double *want_allow = malloc(sizeof(double) * (size_t)(N * d));
+    double *got = calloc((size_t)(N * d), sizeof(double));
+    double *got_allow = calloc((size_t)(N * d), sizeof(double));
+    double *share = malloc(sizeof(double) * (size_t)(N * d));
+    double *share_allow = malloc(sizeof(double) * (size_t)(N * d));
+    moe_synth_tokens(cfg.seed, 0, N, d, 1.0f, MOE_INPUT_UNIFORM, x);
+    for (moe_index i = 0; i < N; i++)
+        for (int s = 0; s < (int)k; s++) {
+            ids[i * k + s] = (int32_t)((i + (moe_index)s) % 4); /* N / 2 rows each; 4 to 6 none */
+            weights[i * k + s] = 0.25f + 0.5f * (float)s;
+            at[i * k + s] = (int32_t)((i + (moe_index)s) % G);
+        }
+    const int32_t *pair_rank = _i == 1 ? at : NULL;
+    moe_truth_forward_placed(&cfg, MOE_TRUTH_EXACT, x, x, ids, weights, N, G, pair_rank, want,
+                             want_allow);
+    for (int r = 0; r < G; r++) {
+        moe_truth_forward_share(&cfg, MOE_TRUTH_EXACT, x, ids, weights, N, G, pair_rank, r, share,
+                                share_allow);
+        for (moe_index m = 0; m < N * d; m++) {
+            got[m] += share[m];
+            got_allow[m] += share_allow[m];
+        }
+    }
+    moe_truth_add_shared(&cfg, MOE_TRUTH_EXACT, x, N, got);
+    const double rms = sqrt(moe_sum_squares(want, N * d) / (double)(N * d));
+    ck_assert(rms > 0.0);
+    for (moe_index m = 0; m < N * d; m++) {
+        if (_i < 2) {
+            ck_assert_msg(!memcmp(&got[m], &want[m], sizeof(double)), "y[%lld]: %a vs %a",
+                          (long long)m, got[m], want[m]);
+            ck_assert(!memcmp(&got_allow[m], &want_allow[m], sizeof(double)));
+        } else {
+            ck_assert_msg(fabs(got[m] - want[m]) <= 1e-14 * rms, "y[%lld]: %a vs %a",
+                          (long long)m, got[m], want[m]);
+            ck_assert(fabs(got_allow[m] - want_allow[m]) <= 1e-14 * rms);
+        }
+    }
+    free(share_allow);
+    free(share);
+    free(got_allow);
+    free(got);
+    free(want_allow);
+    free(want);
+    free(weights);
+    free(at);
+    free(ids);
+    free(x);
+}
+END_TEST
+
 /* The FMA peak: a rate at each width the CPU has (at least the 100 MFLOP/s
  * of any core made since FMA units exist, and finite), nothing at the
  * others; the CPU and the BLAS kernel have names. */
@@ -590,6 +665,7 @@ Suite *make_experts_suite(void)
     tcase_add_test(tc, exp_fp64_is_within_2_ulp_and_handles_the_edges);
     tcase_add_test_raise_signal(tc, forbidden_blas_stops_the_process, SIGABRT);
     tcase_add_loop_test(tc, truth_on_selected_tokens_is_the_dense_sum, 0, 3);
+    tcase_add_loop_test(tc, truth_shares_sum_to_the_truth, 0, 4);
     suite_add_tcase(s, tc);
     return s;
 }
