@@ -18,7 +18,7 @@ void moe_check_collective(const moe_comm *c, const moe_config *cfg, const float 
 
 /* The truth (T, d) of this rank's tokens, as moe_truth_forward_placed
  * defines it (pair_rank may be NULL), and allow (NULL when the combine is
- * fp32), with dgemm. Where moe_truth_shares, the routed experts' work is
+ * fp32), with dgemm. Where moe_config_truth_shares, the routed experts' work is
  * split by rank: every rank's x_dispatched, ids, weights and pair_rank are
  * gathered on every rank, each rank evaluates the pairs it computes on the
  * EP path for every token (generating only those experts), and each

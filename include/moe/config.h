@@ -157,6 +157,11 @@ int moe_config_load_preset(moe_config *cfg, enum moe_command command, const char
  * false). */
 bool moe_config_norm_topk(const moe_config *cfg);
 
+/* Whether --check may split the truth's routed experts by rank
+ * (moe_truth_forward_share): not when the sums it rounds span ranks (the
+ * two-stage dispatch's per-node sums with --combine reduced). */
+bool moe_config_truth_shares(const moe_config *cfg);
+
 /* A comma-separated list of decimal integers in [min, max], strictly (no
  * spaces, signs or empty items), into out: their count; -1 when an item is
  * not such an integer, -2 when there are more than `capacity`. */

@@ -70,8 +70,7 @@ void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, 
  * they are the rank's one sum per token. Every rank's share summed is the
  * routed part of moe_truth_forward_placed, up to the order of the fp64
  * sums; each rank generates only the experts whose pairs it computes. Not
- * when the rounded sums span ranks (moe_truth_shares). */
-bool moe_truth_shares(const moe_config *cfg);
+ * when the rounded sums span ranks (moe_config_truth_shares). */
 void moe_truth_forward_share(const moe_config *cfg, enum moe_truth_gemm gemm,
                              const float *x_dispatched, const int32_t *ids, const float *weights,
                              moe_index tokens, int ranks, const int32_t *pair_rank, int rank,

@@ -42,7 +42,7 @@ void moe_truth_collective(const moe_comm *c, const moe_config *cfg, const float 
 {
     const moe_index T = cfg->tokens, d = cfg->hidden, k = cfg->topk;
     const int G = c->ranks;
-    if (!moe_truth_shares(cfg)) {
+    if (!moe_config_truth_shares(cfg)) {
         moe_truth_forward_placed(cfg, MOE_TRUTH_BLAS, x, x_dispatched, ids, weights, T, G,
                                  pair_rank, truth, allow);
         return;

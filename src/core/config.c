@@ -12,7 +12,6 @@
 #include "moe/layout.h"
 #include "moe/link.h"
 #include "moe/router.h"
-#include "moe/truth.h"
 #include "moe/wire.h"
 
 #include <ctype.h>
@@ -243,6 +242,11 @@ const char *moe_config_choice_name(const char *flag, int value)
         if (c->value == value)
             return c->name;
     return "?";
+}
+
+bool moe_config_truth_shares(const moe_config *cfg)
+{
+    return !(cfg->combine == MOE_COMBINE_REDUCED && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL);
 }
 
 bool moe_config_norm_topk(const moe_config *cfg)
@@ -1034,7 +1038,7 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
     bytes += W * (T * k * 8.0 + G * (64.0 + 8.0 * (1.0 + EL)));
     if (cfg->check) /* the truth: fp64 tokens, outputs, activations, one expert's weights, the reference output */
         bytes += T * (3.0 * d + 3.0 * f + 1.0) * 8.0 + 2.0 * T * d * 8.0 + 3.0 * f * d * 12.0 + T * d * 4.0;
-    if (cfg->check && moe_truth_shares(cfg)) /* every rank's tokens, this rank's share of their truth (and allowance), the sums' chunks */
+    if (cfg->check && moe_config_truth_shares(cfg)) /* every rank's tokens, this rank's share of their truth (and allowance), the sums' chunks */
         bytes += N * (d * 4.0 + k * 12.0 + 16.0 + d * 8.0 * (cfg->combine_dtype != MOE_DTYPE_FP32 ? 2.0 : 1.0)) +
                  2.0 * 65536.0 * G * 8.0;
     if (cfg->backward) {

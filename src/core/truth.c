@@ -261,17 +261,12 @@ void moe_truth_forward_literal(const moe_config *cfg, enum moe_truth_gemm gemm, 
     truth_forward(cfg, gemm, x, x_dispatched, ids, weights, tokens, ranks, NULL, true, y, allow);
 }
 
-bool moe_truth_shares(const moe_config *cfg)
-{
-    return !(cfg->combine == MOE_COMBINE_REDUCED && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL);
-}
-
 void moe_truth_forward_share(const moe_config *cfg, enum moe_truth_gemm gemm,
                              const float *x_dispatched, const int32_t *ids, const float *weights,
                              moe_index tokens, int ranks, const int32_t *pair_rank, int rank,
                              double *y, double *allow)
 {
-    MOE_ASSERT(moe_truth_shares(cfg) && rank >= 0 && rank < ranks);
+    MOE_ASSERT(moe_config_truth_shares(cfg) && rank >= 0 && rank < ranks);
     routed_terms(cfg, gemm, x_dispatched, ids, weights, tokens, ranks, pair_rank, rank, false, y,
                  allow);
 }

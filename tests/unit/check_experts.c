@@ -569,7 +569,7 @@ START_TEST(truth_shares_sum_to_the_truth)
     cfg.combine = _i < 2 ? MOE_COMBINE_REDUCED : MOE_COMBINE_PAIRS;
     cfg.combine_dtype = _i == 1 || _i == 2 ? MOE_DTYPE_BF16 : MOE_DTYPE_FP32;
     cfg.weight_at = _i == 1 ? MOE_WEIGHT_AT_ACTIVATION : MOE_WEIGHT_AT_OUTPUT;
-    ck_assert(moe_truth_shares(&cfg));
+    ck_assert(moe_config_truth_shares(&cfg));
     const moe_index N = G * cfg.tokens, d = cfg.hidden, k = cfg.topk;
     float *x = malloc(sizeof(float) * (size_t)(N * d));
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)(N * k));
