@@ -329,6 +329,19 @@ void moe_comm_sum_array(const moe_comm *c, double *v, int n)
     MOE_MPI(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, c->comm));
 }
 
+/* sum[j] = parts[0][j] + parts[1][j] + ... in rank order, for `ranks`
+ * parts of m values each laid out one after another: the same bits on
+ * every rank, whatever the MPI library's reduction order. */
+static void sum_by_rank(const double *parts, int ranks, int m, double *sum)
+{
+    for (int j = 0; j < m; j++) {
+        double s = 0.0;
+        for (int r = 0; r < ranks; r++)
+            s += parts[(moe_index)r * m + j];
+        sum[j] = s;
+    }
+}
+
 void moe_comm_sum_ordered(const moe_comm *c, double *v, moe_index n)
 {
     const moe_index chunk = (moe_index)1 << 16;
@@ -336,12 +349,7 @@ void moe_comm_sum_ordered(const moe_comm *c, double *v, moe_index n)
     for (moe_index first = 0; first < n; first += chunk) {
         const int m = (int)(n - first < chunk ? n - first : chunk);
         MOE_MPI(MPI_Allgather(v + first, m, MPI_DOUBLE, all, m, MPI_DOUBLE, c->comm));
-        for (int j = 0; j < m; j++) {
-            double sum = 0.0;
-            for (int r = 0; r < c->ranks; r++)
-                sum += all[(moe_index)r * m + j];
-            v[first + j] = sum;
-        }
+        sum_by_rank(all, c->ranks, m, v + first);
     }
     free(all);
 }
@@ -357,12 +365,7 @@ void moe_comm_sum_scattered(const moe_comm *c, const double *v, moe_index n, dou
         for (int r = 0; r < G; r++)
             memcpy(send + (moe_index)r * m, v + (moe_index)r * n + first, sizeof(double) * (size_t)m);
         MOE_MPI(MPI_Alltoall(send, m, MPI_DOUBLE, recv, m, MPI_DOUBLE, c->comm));
-        for (int j = 0; j < m; j++) {
-            double sum = 0.0;
-            for (int r = 0; r < G; r++)
-                sum += recv[(moe_index)r * m + j];
-            mine[first + j] = sum;
-        }
+        sum_by_rank(recv, G, m, mine + first);
     }
     free(recv);
     free(send);

@@ -175,50 +175,67 @@ void moe_expert_layout(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn,
     layout(gemm, hidden, ffn, w2, w2t);
 }
 
-static void generate(uint64_t seed, enum moe_tensor t1, enum moe_tensor t2, int entity,
-                     moe_index hidden, moe_index ffn, float *w1, float *w2)
+/* An expert's two weight matrices as the generator draws them: W1 (2f, d)
+ * with fan-in d, W2 (d, f) with fan-in f. The fp32 and the fp64 weights
+ * both read this one table, so the truth and the EP path use one set. */
+struct matrix {
+    enum moe_tensor tensor;
+    moe_index count;
+    float scale;
+};
+
+static struct matrix matrix(bool shared, int which, moe_index hidden, moe_index ffn)
 {
-    moe_synth_fill(seed, t1, (uint32_t)entity, 0, 2 * ffn * hidden,
-                   moe_synth_weight_scale(hidden), w1);
-    moe_synth_fill(seed, t2, (uint32_t)entity, 0, hidden * ffn, moe_synth_weight_scale(ffn), w2);
+    if (which == 1)
+        return (struct matrix){shared ? MOE_TENSOR_SHARED_W1 : MOE_TENSOR_W1, 2 * ffn * hidden,
+                               moe_synth_weight_scale(hidden)};
+    return (struct matrix){shared ? MOE_TENSOR_SHARED_W2 : MOE_TENSOR_W2, hidden * ffn,
+                           moe_synth_weight_scale(ffn)};
+}
+
+static void generate(uint64_t seed, bool shared, int entity, moe_index hidden, moe_index ffn,
+                     float *w1, float *w2)
+{
+    for (int which = 1; which <= 2; which++) {
+        const struct matrix m = matrix(shared, which, hidden, ffn);
+        moe_synth_fill(seed, m.tensor, (uint32_t)entity, 0, m.count, m.scale, which == 1 ? w1 : w2);
+    }
 }
 
 void moe_expert_generate(uint64_t seed, int expert, moe_index hidden, moe_index ffn, float *w1,
                          float *w2)
 {
-    generate(seed, MOE_TENSOR_W1, MOE_TENSOR_W2, expert, hidden, ffn, w1, w2);
+    generate(seed, false, expert, hidden, ffn, w1, w2);
 }
 
 void moe_shared_expert_generate(uint64_t seed, int shared, moe_index hidden, moe_index ffn,
                                 float *w1, float *w2)
 {
-    generate(seed, MOE_TENSOR_SHARED_W1, MOE_TENSOR_SHARED_W2, shared, hidden, ffn, w1, w2);
+    generate(seed, true, shared, hidden, ffn, w1, w2);
 }
 
-/* Values [0, count) of a weight tensor rounded to dtype, in fp64: made a
- * piece at a time in an fp32 buffer that stays in L1, so that the fp32
- * tensor is never stored whole. */
-static void fill_f64(uint64_t seed, enum moe_tensor tensor, int entity, moe_index count,
-                     float scale, int dtype, double *out)
+/* Matrix m's values rounded to dtype, in fp64: made a piece at a time in
+ * an fp32 buffer that stays in L1, so that the fp32 tensor is never
+ * stored whole. */
+static void fill_f64(uint64_t seed, struct matrix m, int entity, int dtype, double *out)
 {
     enum { PIECE = 2048 }; /* values: whole Philox batches */
-    const moe_index pieces = (count + PIECE - 1) / PIECE;
+    const moe_index pieces = (m.count + PIECE - 1) / PIECE;
 #pragma omp parallel for schedule(static)
     for (moe_index p = 0; p < pieces; p++) {
         float piece[PIECE];
-        const moe_index first = p * PIECE, n = count - first < PIECE ? count - first : PIECE;
-        moe_synth_fill(seed, tensor, (uint32_t)entity, (uint64_t)first, n, scale, piece);
+        const moe_index first = p * PIECE;
+        const moe_index n = m.count - first < PIECE ? m.count - first : PIECE;
+        moe_synth_fill(seed, m.tensor, (uint32_t)entity, (uint64_t)first, n, m.scale, piece);
         moe_precision_weights(dtype, piece, n);
-        for (moe_index m = 0; m < n; m++)
-            out[first + m] = piece[m];
+        for (moe_index v = 0; v < n; v++)
+            out[first + v] = piece[v];
     }
 }
 
 void moe_expert_generate_f64(uint64_t seed, bool shared, int n, int dtype, moe_index hidden,
                              moe_index ffn, double *w1, double *w2)
 {
-    fill_f64(seed, shared ? MOE_TENSOR_SHARED_W1 : MOE_TENSOR_W1, n, 2 * ffn * hidden,
-             moe_synth_weight_scale(hidden), dtype, w1);
-    fill_f64(seed, shared ? MOE_TENSOR_SHARED_W2 : MOE_TENSOR_W2, n, hidden * ffn,
-             moe_synth_weight_scale(ffn), dtype, w2);
+    fill_f64(seed, matrix(shared, 1, hidden, ffn), n, dtype, w1);
+    fill_f64(seed, matrix(shared, 2, hidden, ffn), n, dtype, w2);
 }
