@@ -94,13 +94,28 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *r,
                                const float *dy, moe_index tokens, double *dx, double *dgate_w,
                                double *dshared_w1, double *dshared_w2);
 
+/* The part of moe_truth_backward_tokens after the routed experts, given
+ * dweights (T, k), the gradient of every gate weight, and dx (T, d) holding
+ * the routed experts' terms: adds the router's terms through the gate, then
+ * the shared experts', into dx, and writes dgate_w, dshared_w1, dshared_w2
+ * as there. */
+void moe_truth_backward_rest(const moe_config *cfg, const moe_router *r,
+                             enum moe_truth_gemm gemm, const float *gate, const float *x,
+                             const int32_t *ids, const float *logits, const float *dy,
+                             moe_index tokens, const double *dweights, double *dx,
+                             double *dgate_w, double *dshared_w1, double *dshared_w2);
+
 /* dw1 (2f, d) and dw2 (d, f) of routed expert e over `tokens` tokens x, dy
  * (T, d) routed by ids/weights (T, k): the whole gradient when they are
- * every token of the layer. Returns the rows summed (the tokens that chose e). */
+ * every token of the layer. With dx (T, d) and dweights (T, k) (else NULL),
+ * the same backward also adds e's terms into dx and sets the gradient of
+ * each of its gate weights in dweights: a rank that does this for its own
+ * experts on every token holds its share of moe_truth_backward_tokens's
+ * routed part. Returns the rows summed (the tokens that chose e). */
 moe_index moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
                                     const float *x, const float *dy, const int32_t *ids,
-                                    const float *weights, moe_index tokens, double *dw1,
-                                    double *dw2);
+                                    const float *weights, moe_index tokens, double *dx,
+                                    double *dweights, double *dw1, double *dw2);
 
 /* Tolerance of the EP output against the truth: |got - ref| <= abs + rel*|ref|. */
 typedef struct {

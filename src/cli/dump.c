@@ -214,7 +214,7 @@ static int backward_step(const moe_comm *c, const moe_ep *ep, const float *x, co
     b->dw2_truth = moe_xmalloc(sizeof(double) * (size_t)(EL * d * f) + 1);
     for (int l = 0; l < ep->local_experts; l++)
         moe_truth_backward_expert(cfg, MOE_TRUTH_EXACT, ep->first_expert + l, all.x, all.dy,
-                                  all.ids, all.weights, N, b->dw1_truth + l * 2 * f * d,
+                                  all.ids, all.weights, N, NULL, NULL, b->dw1_truth + l * 2 * f * d,
                                   b->dw2_truth + l * d * f);
     double rows[E > 0 ? E : 1];
     memset(rows, 0, sizeof rows);

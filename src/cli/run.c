@@ -155,12 +155,35 @@ static void check_backward(moe_run_context *ctx)
     moe_grad_check *checks = s->grad_check;
     memset(checks, 0, sizeof(moe_grad_check) * MOE_GRAD_TENSORS);
 
-    double *dx = moe_xmalloc(sizeof(double) * (size_t)(T * d));
-    double *dgate = moe_xmalloc(sizeof(double) * (size_t)(E * d));
+    /* Every rank's tokens: each rank runs its own experts' backward on all
+     * of them, which gives their dW whole and its share of every token's dx
+     * and gate-weight gradients; each token's rank sums the shares in rank
+     * order, then adds the router's and the shared experts' terms. */
+    moe_layer_tokens all;
+    moe_gather_layer_tokens(c, cfg, ctx->x, ctx->dy, ctx->ids, ctx->weights, &all);
+    double *dx_share = moe_xcalloc((size_t)(N * d), sizeof(double));        /* (N, d) */
+    double *dweights_share = moe_xcalloc((size_t)(N * k), sizeof(double));  /* (N, k) */
     double *dw1 = moe_xmalloc(sizeof(double) * (size_t)((S > 1 ? S : 1) * 2 * ff * d));
     double *dw2 = moe_xmalloc(sizeof(double) * (size_t)((S > 1 ? S : 1) * d * ff));
-    moe_truth_backward_tokens(cfg, &ep->router, MOE_TRUTH_BLAS, ep->gate, ctx->x, ctx->ids,
-                              ctx->weights, ctx->logits, ctx->dy, T, dx, dgate, dw1, dw2);
+    for (int l = 0; l < ep->local_experts; l++) {
+        const int e = ep->first_expert + l;
+        const double rows = (double)moe_truth_backward_expert(
+            cfg, MOE_TRUTH_BLAS, e, all.x, all.dy, all.ids, all.weights, N, dx_share,
+            dweights_share, dw1, dw2);
+        grad_compare(c, g->dw1 + l * 2 * ff * d, dw1, 2 * ff * d, false, base + rows,
+                     &checks[MOE_GRAD_DW1]);
+        grad_compare(c, g->dw2 + l * d * ff, dw2, d * ff, false, base + rows, &checks[MOE_GRAD_DW2]);
+    }
+    moe_layer_tokens_free(&all);
+    double *dx = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    double *dweights = moe_xmalloc(sizeof(double) * (size_t)(T * k) + 1);
+    moe_comm_sum_scattered(c, dx_share, T * d, dx);
+    moe_comm_sum_scattered(c, dweights_share, T * k, dweights);
+    free(dweights_share);
+    free(dx_share);
+    double *dgate = moe_xmalloc(sizeof(double) * (size_t)(E * d));
+    moe_truth_backward_rest(cfg, &ep->router, MOE_TRUTH_BLAS, ep->gate, ctx->x, ctx->ids,
+                            ctx->logits, ctx->dy, T, dweights, dx, dgate, dw1, dw2);
     grad_compare(c, g->dx, dx, T * d, true, base, &checks[MOE_GRAD_DX]);
     moe_comm_sum_ordered(c, dgate, E * d);
     grad_compare(c, g->dgate, dgate, E * d, false, base, &checks[MOE_GRAD_GATE]);
@@ -174,17 +197,6 @@ static void check_backward(moe_run_context *ctx)
                          base + (double)T, &checks[MOE_GRAD_SHARED_W2]);
         }
     }
-    /* The routed experts' dW need every token of the layer. */
-    moe_layer_tokens all;
-    moe_gather_layer_tokens(c, cfg, ctx->x, ctx->dy, ctx->ids, ctx->weights, &all);
-    for (int l = 0; l < ep->local_experts; l++) {
-        const int e = ep->first_expert + l;
-        const double rows = (double)moe_truth_backward_expert(cfg, MOE_TRUTH_BLAS, e, all.x, all.dy,
-                                                              all.ids, all.weights, N, dw1, dw2);
-        grad_compare(c, g->dw1 + l * 2 * ff * d, dw1, 2 * ff * d, false, base + rows,
-                     &checks[MOE_GRAD_DW1]);
-        grad_compare(c, g->dw2 + l * d * ff, dw2, d * ff, false, base + rows, &checks[MOE_GRAD_DW2]);
-    }
     for (int t = 0; t < MOE_GRAD_TENSORS; t++) {
         moe_grad_check *check = &checks[t];
         check->checked = moe_comm_max(c, check->checked) > 0;
@@ -194,11 +206,11 @@ static void check_backward(moe_run_context *ctx)
         check->max_used = moe_comm_max(c, check->max_used);
         check->nonfinite = moe_comm_max(c, check->nonfinite) > 0;
     }
-    moe_layer_tokens_free(&all);
+    free(dgate);
+    free(dweights);
+    free(dx);
     free(dw2);
     free(dw1);
-    free(dgate);
-    free(dx);
 }
 
 /* The wave pipeline against the blocking reference path on the same ranks:

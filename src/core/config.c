@@ -1056,6 +1056,8 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
             bytes += N * (2.0 * d + 2.0 * k) * 4.0 + T * d * 8.0 * 4.0 + E * d * 8.0 +
                      fmax(S, 1.0) * expert_bytes * 2.0 + N * (d * 8.0 * 3.0) +
                      (cfg->dump[0] ? (EL + S) * expert_bytes * 2.0 : 0.0);
+        if (cfg->check) /* this rank's share of every token's dx and gate-weight gradients, the sums' chunks */
+            bytes += N * (d + k) * 8.0 + 2.0 * 65536.0 * G * 8.0;
         if (cfg->dump[0]) /* rank 0 gathers the backward stage: dy, per-pair rows, dx, dW */
             bytes += N * d * (4.0 + 4.0 + 8.0) + 3.0 * N * k * (d + 1.0) * 4.0 + E * expert_bytes * 3.0;
     }

@@ -344,42 +344,78 @@ static moe_index expert_rows(int e, const int32_t *ids, const float *weights, mo
     return n;
 }
 
-void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
-                               enum moe_truth_gemm gemm, const float *gate, const float *x,
-                               const int32_t *ids, const float *weights, const float *logits,
-                               const float *dy, moe_index tokens, double *dx, double *dgate_w,
-                               double *dshared_w1, double *dshared_w2)
+moe_index moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
+                                    const float *x, const float *dy, const int32_t *ids,
+                                    const float *weights, moe_index tokens, double *dx,
+                                    double *dweights, double *dw1, double *dw2)
 {
-    const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
-    const int E = (int)cfg->experts, k = (int)cfg->topk;
-    double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
-    double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
-    double *xe = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
-    double *dye = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
-    double *dxe = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
-    double *gate_e = moe_xmalloc(sizeof(double) * (size_t)T + 1);
-    double *dg = moe_xmalloc(sizeof(double) * (size_t)T + 1);
-    moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1);
-    double *dweights = moe_xcalloc((size_t)(T * k) + 1, sizeof(double)); /* (T, k) */
-    memset(dx, 0, sizeof(double) * (size_t)(T * d));
-    for (int e = 0; e < E; e++) { /* routed experts, on the tokens that selected them */
-        const moe_index n = expert_rows(e, ids, weights, T, k, row, gate_e);
-        if (n == 0)
-            continue;
+    const moe_index d = cfg->hidden, f = cfg->ffn;
+    const int k = (int)cfg->topk;
+    moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)tokens + 1);
+    double *gate = moe_xmalloc(sizeof(double) * (size_t)tokens + 1);
+    const moe_index n = expert_rows(e, ids, weights, tokens, k, row, gate);
+    if (n > 0 || dw1) { /* an expert no token chose only gives dw1's zeros */
+        double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
+        double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
+        double *xe = moe_xmalloc(sizeof(double) * (size_t)(n * d) + 1);
+        double *dye = moe_xmalloc(sizeof(double) * (size_t)(n * d) + 1);
+        double *dxe = dx ? moe_xmalloc(sizeof(double) * (size_t)(n * d) + 1) : NULL;
+        double *dg = dx ? moe_xmalloc(sizeof(double) * (size_t)n + 1) : NULL;
         generated_f64(cfg, false, e, w1_64, w2_64);
         gather_f64(x, row, n, d, xe);
         gather_f64(dy, row, n, d, dye);
-        moe_expert_backward_f64(gemm, w1_64, w2_64, xe, dye, gate_e, cfg->weight_at, n, d, f,
-                                dxe, dg, NULL, NULL);
-        for (moe_index m = 0; m < n; m++) {
+        moe_expert_backward_f64(gemm, w1_64, w2_64, xe, dye, gate, cfg->weight_at, n, d, f, dxe, dg,
+                                dw1, dw2);
+        for (moe_index m = 0; dx && m < n; m++) {
             for (moe_index j = 0; j < d; j++)
                 dx[row[m] * d + j] += dxe[m * d + j];
             for (int s = 0; s < k; s++)
                 if (ids[row[m] * k + s] == e)
                     dweights[row[m] * k + s] = dg[m];
         }
+        free(dg);
+        free(dxe);
+        free(dye);
+        free(xe);
+        free(w2_64);
+        free(w1_64);
     }
+    free(gate);
+    free(row);
+    return n;
+}
+
+void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
+                               enum moe_truth_gemm gemm, const float *gate, const float *x,
+                               const int32_t *ids, const float *weights, const float *logits,
+                               const float *dy, moe_index tokens, double *dx, double *dgate_w,
+                               double *dshared_w1, double *dshared_w2)
+{
+    const moe_index T = tokens;
+    double *dweights = moe_xcalloc((size_t)(T * cfg->topk) + 1, sizeof(double)); /* (T, k) */
+    memset(dx, 0, sizeof(double) * (size_t)(T * cfg->hidden));
+    for (int e = 0; e < (int)cfg->experts; e++) /* routed experts, on the tokens that selected them */
+        moe_truth_backward_expert(cfg, gemm, e, x, dy, ids, weights, T, dx, dweights, NULL, NULL);
+    moe_truth_backward_rest(cfg, router, gemm, gate, x, ids, logits, dy, T, dweights, dx, dgate_w,
+                            dshared_w1, dshared_w2);
+    free(dweights);
+}
+
+void moe_truth_backward_rest(const moe_config *cfg, const moe_router *router,
+                             enum moe_truth_gemm gemm, const float *gate, const float *x,
+                             const int32_t *ids, const float *logits, const float *dy,
+                             moe_index tokens, const double *dweights, double *dx,
+                             double *dgate_w, double *dshared_w1, double *dshared_w2)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
     moe_router_gate_backward(router, gate, x, logits, ids, dweights, T, d, dx, dgate_w);
+    if (cfg->shared_experts == 0)
+        return;
+    double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
+    double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
+    double *xe = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
+    double *dye = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
+    double *dxe = moe_xmalloc(sizeof(double) * (size_t)(T * d) + 1);
     to_f64(x, T * d, xe);
     to_f64(dy, T * d, dye);
     for (int s = 0; s < (int)cfg->shared_experts; s++) {
@@ -389,40 +425,9 @@ void moe_truth_backward_tokens(const moe_config *cfg, const moe_router *router,
         for (moe_index m = 0; m < T * d; m++)
             dx[m] += dxe[m];
     }
-    free(dweights);
-    free(row);
-    free(dg);
-    free(gate_e);
     free(dxe);
     free(dye);
     free(xe);
     free(w2_64);
     free(w1_64);
-}
-
-moe_index moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm gemm, int e,
-                                    const float *x, const float *dy, const int32_t *ids,
-                                    const float *weights, moe_index tokens, double *dw1,
-                                    double *dw2)
-{
-    const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
-    moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1);
-    double *gate = moe_xmalloc(sizeof(double) * (size_t)T + 1);
-    const moe_index n = expert_rows(e, ids, weights, T, (int)cfg->topk, row, gate);
-    double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
-    double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
-    double *xe = moe_xmalloc(sizeof(double) * (size_t)(n * d) + 1);
-    double *dye = moe_xmalloc(sizeof(double) * (size_t)(n * d) + 1);
-    generated_f64(cfg, false, e, w1_64, w2_64);
-    gather_f64(x, row, n, d, xe);
-    gather_f64(dy, row, n, d, dye);
-    moe_expert_backward_f64(gemm, w1_64, w2_64, xe, dye, gate, cfg->weight_at, n, d, f, NULL, NULL,
-                            dw1, dw2);
-    free(dye);
-    free(xe);
-    free(w2_64);
-    free(w1_64);
-    free(gate);
-    free(row);
-    return n;
 }

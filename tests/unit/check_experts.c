@@ -13,6 +13,7 @@
 #include "moe/gemm.h"
 #include "moe/peak.h"
 #include "moe/rng.h"
+#include "moe/router.h"
 #include "moe/truth.h"
 #include "suites.h"
 
@@ -626,6 +627,108 @@ START_TEST(truth_shares_sum_to_the_truth)
 }
 END_TEST
 
+/* The backward's truth split by rank (what run --backward --check does):
+ * each rank runs its own experts (contiguous blocks) on every token, the
+ * dx and gate-weight shares are summed in rank order, then the router's and
+ * the shared experts' terms are added; that is moe_truth_backward_tokens
+ * on all the tokens. A token's routed terms are summed in expert order
+ * either way, grouped by rank in the split: with k = 2 the two terms are
+ * one addition, so the bits are the same; with k = 3 within fp64
+ * roundings. Each expert's dW is the same whether its dx is wanted or not.
+ * _i: 0 k = 2, 1 k = 3. */
+START_TEST(backward_truth_shares_sum_to_the_truth)
+{
+    enum { G = 3 };
+    moe_config cfg;
+    moe_config_defaults(&cfg);
+    cfg.tokens = 10, cfg.hidden = 16, cfg.ffn = 8, cfg.experts = 7, cfg.topk = 2 + _i;
+    cfg.shared_experts = 1;
+    const moe_index N = G * cfg.tokens, d = cfg.hidden, f = cfg.ffn, k = cfg.topk;
+    const int E = (int)cfg.experts, EL = (E + G - 1) / G;
+    const moe_router router = {.kind = MOE_ROUTER_SOFTMAX, .experts = E, .topk = (int)k,
+                               .normalize = true, .groups = 1, .topk_groups = 1,
+                               .route_scale = 1.0f};
+    float *x = malloc(sizeof(float) * (size_t)(N * d));
+    float *dy = malloc(sizeof(float) * (size_t)(N * d));
+    float *gate = malloc(sizeof(float) * (size_t)(E * d));
+    float *logits = malloc(sizeof(float) * (size_t)(N * E));
+    float *scores = malloc(sizeof(float) * (size_t)(N * E));
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(N * k));
+    float *weights = malloc(sizeof(float) * (size_t)(N * k));
+    double *want[4], *got[4]; /* dx, dgate, dshared_w1, dshared_w2 */
+    const moe_index sizes[4] = {N * d, E * d, 2 * f * d, d * f};
+    for (int t = 0; t < 4; t++) {
+        want[t] = malloc(sizeof(double) * (size_t)sizes[t]);
+        got[t] = malloc(sizeof(double) * (size_t)sizes[t]);
+    }
+    double *dx_share = malloc(sizeof(double) * (size_t)(N * d));
+    double *dw_share = malloc(sizeof(double) * (size_t)(N * k));
+    double *dweights = calloc((size_t)(N * k), sizeof(double));
+    double *dw1[2], *dw2[2];
+    for (int n = 0; n < 2; n++) {
+        dw1[n] = malloc(sizeof(double) * (size_t)(2 * f * d));
+        dw2[n] = malloc(sizeof(double) * (size_t)(d * f));
+    }
+    moe_synth_tokens(cfg.seed, 0, N, d, 1.0f, MOE_INPUT_UNIFORM, x);
+    moe_synth_tokens(cfg.seed, 1, N, d, 1.0f, MOE_INPUT_UNIFORM, dy);
+    moe_synth_fill(cfg.seed, MOE_TENSOR_GATE, 0, 0, E * d, 2.0f, gate);
+    moe_router_logits(x, gate, N, d, E, logits);
+    moe_router_select(&router, logits, N, scores, ids, weights);
+    moe_truth_backward_tokens(&cfg, &router, MOE_TRUTH_EXACT, gate, x, ids, weights, logits, dy, N,
+                              want[0], want[1], want[2], want[3]);
+    memset(got[0], 0, sizeof(double) * (size_t)(N * d));
+    for (int r = 0; r < G; r++) {
+        memset(dx_share, 0, sizeof(double) * (size_t)(N * d));
+        memset(dw_share, 0, sizeof(double) * (size_t)(N * k));
+        for (int e = r * EL; e < E && e < (r + 1) * EL; e++) {
+            const moe_index rows = moe_truth_backward_expert(&cfg, MOE_TRUTH_EXACT, e, x, dy, ids,
+                                                             weights, N, dx_share, dw_share,
+                                                             dw1[0], dw2[0]);
+            ck_assert_int_eq(moe_truth_backward_expert(&cfg, MOE_TRUTH_EXACT, e, x, dy, ids,
+                                                       weights, N, NULL, NULL, dw1[1], dw2[1]),
+                             rows);
+            ck_assert(!memcmp(dw1[0], dw1[1], sizeof(double) * (size_t)(2 * f * d)));
+            ck_assert(!memcmp(dw2[0], dw2[1], sizeof(double) * (size_t)(d * f)));
+        }
+        for (moe_index m = 0; m < N * d; m++)
+            got[0][m] += dx_share[m];
+        for (moe_index m = 0; m < N * k; m++)
+            dweights[m] += dw_share[m];
+    }
+    moe_truth_backward_rest(&cfg, &router, MOE_TRUTH_EXACT, gate, x, ids, logits, dy, N, dweights,
+                            got[0], got[1], got[2], got[3]);
+    for (int t = 0; t < 4; t++) {
+        const double rms = sqrt(moe_sum_squares(want[t], sizes[t]) / (double)sizes[t]);
+        ck_assert(rms > 0.0);
+        for (moe_index m = 0; m < sizes[t]; m++)
+            if (_i == 0)
+                ck_assert_msg(!memcmp(&got[t][m], &want[t][m], sizeof(double)),
+                              "tensor %d [%lld]: %a vs %a", t, (long long)m, got[t][m], want[t][m]);
+            else
+                ck_assert_msg(fabs(got[t][m] - want[t][m]) <= 1e-14 * rms,
+                              "tensor %d [%lld]: %a vs %a", t, (long long)m, got[t][m], want[t][m]);
+    }
+    for (int n = 0; n < 2; n++) {
+        free(dw2[n]);
+        free(dw1[n]);
+    }
+    free(dweights);
+    free(dw_share);
+    free(dx_share);
+    for (int t = 0; t < 4; t++) {
+        free(got[t]);
+        free(want[t]);
+    }
+    free(weights);
+    free(ids);
+    free(scores);
+    free(logits);
+    free(gate);
+    free(dy);
+    free(x);
+}
+END_TEST
+
 /* The FMA peak: a rate at each width the CPU has (at least the 100 MFLOP/s
  * of any core made since FMA units exist, and finite), nothing at the
  * others; the CPU and the BLAS kernel have names. */
@@ -666,6 +769,7 @@ Suite *make_experts_suite(void)
     tcase_add_test_raise_signal(tc, forbidden_blas_stops_the_process, SIGABRT);
     tcase_add_loop_test(tc, truth_on_selected_tokens_is_the_dense_sum, 0, 3);
     tcase_add_loop_test(tc, truth_shares_sum_to_the_truth, 0, 4);
+    tcase_add_loop_test(tc, backward_truth_shares_sum_to_the_truth, 0, 2);
     suite_add_tcase(s, tc);
     return s;
 }
