@@ -99,9 +99,10 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
                             float *Bp);
 
 /* The tiles moe_sgemm_packed and moe_sgemm_packed_t run: the widest the
- * CPU has (AVX-512F: 6 x 32 over two panels, where two whole panels are
- * left, and 1 to 5 x 32 for a row block's last rows; AVX2+FMA: 6 x 16),
- * or the portable fmaf loop. Every tile computes
+ * CPU has (AVX-512F: up to 6 x 32 over two panels, where two whole panels
+ * are left; AVX2+FMA: up to 6 x 16), or the portable fmaf loop;
+ * moe_sgemm_packed splits a row block of M rows into ceil(M / 6) tiles of
+ * even heights (25 rows: five of 5). Every tile computes
  * each element as the same fmaf chain, so the bits do not depend on which
  * ran; tests and bench force the narrower ones to compare them. */
 /* What runs here: "avx512f+avx2+fma", "avx2+fma" or "portable fmaf". */

@@ -308,9 +308,10 @@ static inline void narrow_rows(const int R, moe_index K, const float *const a[TI
 }
 #endif
 
-/* The one-panel tiles by height, each computing exactly its rows (a
- * block's last rows a tile of their own height: at 26 rows, 26 rows' FMAs,
- * not 30; on a Zen 3 core the laptop layer 1.16 times faster). */
+/* The one-panel tiles by height, each computing exactly its rows (a block
+ * of 26 rows runs 26 rows' FMAs, not 30; on a Zen 3 core the laptop layer
+ * 1.16 times faster), the block split into tiles of even heights
+ * (packed_columns). */
 #define NARROW_TILE(R)                                                                      \
     static void tile_portable_##R(moe_index K, const float *const a[TILE_ROWS],            \
                                   const float *b, float *c, moe_index ldc, prefetch_share pf) \
@@ -380,9 +381,8 @@ typedef void tile2_fn(moe_index K, const float *const a[TILE_ROWS], const float 
 
 /* The two-panel tile for the first R rows of a (R constant, 1 to 6: each
  * R its own function below, its accumulators in registers), as the
- * one-panel tiles: a block's last rows run a tile of their own height
- * instead of repeating a row, which at 24 rows an expert wasted a tenth of
- * the FMAs. */
+ * one-panel tiles: a tile computes exactly its rows instead of repeating
+ * one, which at 24 rows an expert wasted a tenth of the FMAs. */
 __attribute__((target("avx512f"), always_inline))
 static inline void wide_rows(const int R, moe_index K, const float *const a[TILE_ROWS],
                              const float *b, const float *b2, float *c, moe_index ldc,
@@ -536,8 +536,12 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
     const moe_index whole = N / PACK_COLS; /* panels without padding */
     for (moe_index m0 = 0; m0 < M; m0 += block_m) {
         const moe_index m1 = M - m0 < block_m ? M : m0 + block_m;
-        /* The block's tiles share each next panel's K lines: `share` each. */
-        const moe_index tiles = (m1 - m0 + TILE_ROWS - 1) / TILE_ROWS;
+        /* As few tiles as TILE_ROWS allows, their heights even (25 rows:
+         * five of 5, not four of 6 and one of 1): a tile of 1 to 3 rows has
+         * too few FMA chains to cover the FMA latency and takes as long as
+         * one of 4. The block's tiles share each next panel's K lines:
+         * `share` each. */
+        const moe_index height = m1 - m0, tiles = (height + TILE_ROWS - 1) / TILE_ROWS;
         const moe_index share = (K + tiles - 1) / tiles;
         for (moe_index p = p0, span; p < p1; p += span) {
             span = wide && p + 1 < p1 && p + 1 < whole ? 2 : 1;
@@ -546,8 +550,8 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
             const moe_index cols = N - n0 < width ? N - n0 : width;
             const float *next = p + span < p1 ? b + span * K * PACK_COLS : NULL;
             const float *next2 = next && p + span + 1 < p1 ? next + K * PACK_COLS : next;
-            for (moe_index m = m0; m < m1; m += TILE_ROWS) {
-                const moe_index rows = m1 - m < TILE_ROWS ? m1 - m : TILE_ROWS;
+            for (moe_index i = 0, m = m0, rows; i < tiles; i++, m += rows) {
+                rows = height / tiles + (i < height % tiles ? 1 : 0);
                 const float *a[TILE_ROWS];
                 for (moe_index r = 0; r < rows; r++) /* a tile of `rows` rows reads no more */
                     a[r] = row_of(A, m + r);
@@ -555,7 +559,7 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
                 const bool full = span == 2 || cols == width;
                 float *c = full ? C + m * ldc + n0 : part;
                 const moe_index ldt = full ? ldc : width;
-                const moe_index first = (m - m0) / TILE_ROWS * share;
+                const moe_index first = i * share;
                 prefetch_share pf = {NULL, NULL, 0, share < K ? K / share : 1};
                 if (next && first < K) {
                     pf.at = next + first * PACK_COLS;
