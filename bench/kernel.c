@@ -4,9 +4,14 @@
  * the caches as in a layer. Prints GFLOP/s, the fraction of the core's fp32
  * FMA peak (measured here, at the widest vector width), and whether each
  * kernel's C is bit for bit the packed kernel's (the per-element fmaf chain
- * of gemm.h). Not part of moe-ep: `make bench/kernel` builds it, with
- * libxsmm when configure found it (docs/performance.md). Exit 1 when a
- * packed tile's bits differ from the widest tile's.
+ * of gemm.h). Then the whole expert FFN on the same rows (d = K, f = N / 2,
+ * N even): its two GEMMs alone against moe_expert_forward (SwiGLU between)
+ * and moe_expert_forward_rows (the rows read through a row table from a
+ * receive buffer), in interleaved rounds, so that the stage's cost over the
+ * kernel is measured under the same noise. Not part of moe-ep: `make
+ * bench/kernel` builds it, with libxsmm when configure found it
+ * (docs/performance.md). Exit 1 when a packed tile's bits differ from the
+ * widest tile's, or the row-table FFN's from the FFN on the gathered rows.
  *
  *   bench/kernel [ROWS [K [N [EXPERTS [SECONDS]]]]]   default 96 1024 2048 32 1
  */
@@ -20,6 +25,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "moe/experts.h"
 #include "moe/gemm.h"
 #include "moe/peak.h"
 
@@ -136,6 +142,162 @@ static bool report(const char *name, kernel_fn *kernel, const shape *s, double s
     return differ != 0;
 }
 
+static moe_index gcd(moe_index a, moe_index b)
+{
+    while (b) {
+        const moe_index t = a % b;
+        a = b, b = t;
+    }
+    return a;
+}
+
+/* The expert FFN on s's rows: x = s->A (M, d), W1 = s->packed (its (d, 2f)
+ * panels), W2 (f, d) packed here; a receive buffer of 2 M E rows that the
+ * row table draws each expert's M rows from, scattered. */
+typedef struct {
+    const shape *s;
+    moe_index d, f;
+    const float *w2;     /* experts x moe_expert_w2_floats */
+    const float *const *row_at;
+    const moe_index *index; /* experts x M rows of row_at */
+    float *h, *y;           /* (M, 2f), (M, d) */
+} ffn_shape;
+
+enum { FFN_GEMMS, FFN_FORWARD, FFN_ROWS, FFN_MODES };
+static const char *const ffn_name[FFN_MODES] = {
+    "two GEMMs alone (W1, W2)", "moe_expert_forward", "moe_expert_forward_rows"};
+
+static moe_expert_weights ffn_weights(const ffn_shape *x, int e)
+{
+    return (moe_expert_weights){
+        x->s->packed + (size_t)e * (size_t)moe_sgemm_packed_floats(x->d, 2 * x->f),
+        x->w2 + (size_t)e * (size_t)moe_expert_w2_floats(MOE_GEMM_PACKED, x->d, x->f)};
+}
+
+static void run_ffn(const ffn_shape *x, int mode, int e)
+{
+    const moe_index M = x->s->M, d = x->d, f = x->f;
+    const moe_expert_weights w = ffn_weights(x, e);
+    switch (mode) {
+    case FFN_GEMMS:
+        moe_sgemm_packed(M, 2 * f, d, x->s->A, d, w.w1t, x->h, 2 * f);
+        moe_sgemm_packed(M, d, f, x->h, 2 * f, w.w2t, x->y, d);
+        return;
+    case FFN_FORWARD:
+        moe_expert_forward(&w, MOE_GEMM_PACKED, x->s->A, M, d, f, x->h, x->y, NULL, NULL);
+        return;
+    default:
+        moe_expert_forward_rows(&w, x->row_at, x->index + (size_t)e * (size_t)M, M, d, f, x->h,
+                                x->y, NULL, NULL);
+    }
+}
+
+static int by_value(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Rounds of every mode over all experts, for about `seconds`. A round
+ * interleaves the modes call by call: at step i mode m runs expert (i + m
+ * E / 3) mod E, so no mode finds the weights another just streamed, and
+ * the machine's noise falls on all three alike. Each mode's best round as
+ * GFLOP/s in rate[] (noise only ever slows a round down); the median over
+ * rounds of each mode's time over the GEMMs' in ratio[]. */
+static int ffn_rates(const ffn_shape *x, double seconds, double rate[FFN_MODES],
+                     double ratio[FFN_MODES])
+{
+    const int E = x->s->experts;
+    const double flops = 6.0 * (double)x->s->M * (double)x->d * (double)x->f * E;
+    enum { MAX_ROUNDS = 1000 };
+    static double over[FFN_MODES][MAX_ROUNDS];
+    double best[FFN_MODES];
+    int rounds = 0;
+    for (int m = 0; m < FFN_MODES; m++)
+        best[m] = INFINITY;
+    const double t0 = now();
+    do {
+        double t[FFN_MODES] = {0};
+        for (int i = 0; i < E; i++)
+            for (int m = 0; m < FFN_MODES; m++) {
+                const double start = now();
+                run_ffn(x, m, (i + m * E / FFN_MODES) % E);
+                t[m] += now() - start;
+            }
+        for (int m = 0; m < FFN_MODES; m++) {
+            best[m] = fmin(best[m], t[m]);
+            over[m][rounds] = t[FFN_GEMMS] / t[m];
+        }
+        rounds++;
+    } while (rounds < MAX_ROUNDS && (now() - t0 < seconds || rounds < 3));
+    for (int m = 0; m < FFN_MODES; m++) {
+        rate[m] = flops / best[m] / 1e9;
+        qsort(over[m], (size_t)rounds, sizeof(double), by_value);
+        ratio[m] = rounds % 2 ? over[m][rounds / 2]
+                              : 0.5 * (over[m][rounds / 2 - 1] + over[m][rounds / 2]);
+    }
+    return rounds;
+}
+
+/* Prints the FFN's rates; returns whether the row-table FFN's bits differ
+ * from the FFN's on the gathered rows. */
+static bool report_ffn(const shape *s, double seconds, double peak)
+{
+    const moe_index M = s->M, d = s->K, f = s->N / 2;
+    const size_t w2 = (size_t)moe_expert_w2_floats(MOE_GEMM_PACKED, d, f);
+    const moe_index received = 2 * M * s->experts;
+    float *W2 = malloc(sizeof(float) * w2 * (size_t)s->experts);
+    float *plain = malloc(sizeof(float) * (size_t)(f * d));
+    float *recv = malloc(sizeof(float) * (size_t)(received * d));
+    const float **row_at = malloc(sizeof(float *) * (size_t)received);
+    moe_index *index = malloc(sizeof(moe_index) * (size_t)(M * s->experts));
+    float *h = malloc(sizeof(float) * (size_t)(M * 2 * f));
+    float *y = malloc(sizeof(float) * (size_t)(M * d)), *gathered = malloc(sizeof(float) * (size_t)(M * d));
+    if (!W2 || !plain || !recv || !row_at || !index || !h || !y || !gathered) {
+        fprintf(stderr, "bench/kernel: out of memory\n");
+        exit(1);
+    }
+    for (int e = 0; e < s->experts; e++) { /* W2 (d, f) packed as its transpose (f, d) */
+        fill(plain, (size_t)(f * d), 3 + (uint32_t)e);
+        moe_sgemm_pack_rows(f, d, plain, W2 + (size_t)e * w2);
+    }
+    /* The receive buffer holds x's rows 2 E times over, its slots in a
+     * shuffled order (a stride coprime with their count); expert e reads x
+     * from the slots of copy 2 e. */
+    moe_index stride = 7919;
+    while (gcd(stride, received) != 1)
+        stride += 2;
+    for (moe_index r = 0; r < received; r++) {
+        float *slot = recv + (size_t)((r * stride) % received) * (size_t)d;
+        memcpy(slot, s->A + (size_t)(r % M) * (size_t)d, sizeof(float) * (size_t)d);
+        row_at[r] = slot;
+    }
+    for (int e = 0; e < s->experts; e++)
+        for (moe_index m = 0; m < M; m++)
+            index[(size_t)e * (size_t)M + (size_t)m] = (moe_index)e * M * 2 + m;
+    ffn_shape x = {s, d, f, W2, row_at, index, h, y};
+
+    run_ffn(&x, FFN_FORWARD, 0);
+    memcpy(gathered, y, sizeof(float) * (size_t)(M * d));
+    memset(y, 0, sizeof(float) * (size_t)(M * d));
+    run_ffn(&x, FFN_ROWS, 0);
+    const bool differ = memcmp(gathered, y, sizeof(float) * (size_t)(M * d)) != 0;
+
+    double rate[FFN_MODES], ratio[FFN_MODES];
+    const int rounds = ffn_rates(&x, seconds, rate, ratio);
+    printf("the expert FFN, d = %lld, f = %lld, on the same %lld rows, %d interleaved rounds over "
+           "the %d experts: the best round; the median round's rate over the two GEMMs'\n",
+           (long long)d, (long long)f, (long long)M, rounds, s->experts);
+    for (int m = 0; m < FFN_MODES; m++)
+        printf("%-30s %8.1f GFLOP/s  %5.1f %% of the FMA peak  %5.3f of the two GEMMs%s\n",
+               ffn_name[m], rate[m], 100.0 * rate[m] / peak, ratio[m],
+               m == FFN_ROWS ? (differ ? "  bits differ from moe_expert_forward"
+                                       : "  same bits as moe_expert_forward")
+                             : "");
+    free(W2), free(plain), free(recv), free(row_at), free(index), free(h), free(y), free(gathered);
+    return differ;
+}
+
 int main(int argc, char **argv)
 {
     shape s = {.M = arg(argc, argv, 1, 96), .K = arg(argc, argv, 2, 1024),
@@ -222,6 +384,9 @@ int main(int argc, char **argv)
             printf("%-30s no kernel\n", variants[v].name);
     }
 #endif
+    const bool rows_differ = s.N % 2 == 0 && report_ffn(&s, seconds, peak);
+    if (s.N % 2)
+        printf("the expert FFN: N = 2f must be even\n");
     free(A), free(W), free(P), free(ref), free(s.C);
-    return tiles_differ ? 1 : 0;
+    return tiles_differ || rows_differ ? 1 : 0;
 }
