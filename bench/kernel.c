@@ -5,10 +5,11 @@
  * FMA peak (measured here, at the widest vector width), and whether each
  * kernel's C is bit for bit the packed kernel's (the per-element fmaf chain
  * of gemm.h). Then the whole expert FFN on the same rows (d = K, f = N / 2,
- * N even): its two GEMMs alone against moe_expert_forward (SwiGLU between)
- * and moe_expert_forward_rows (the rows read through a row table from a
- * receive buffer), in interleaved rounds, so that the stage's cost over the
- * kernel is measured under the same noise. Not part of moe-ep: `make
+ * N even): its two GEMMs alone against moe_expert_forward (SwiGLU between),
+ * moe_expert_forward_rows (the rows read through a row table from a
+ * receive buffer) and that with the outputs scattered to their pairs' rows
+ * as the experts stage does, in interleaved rounds, so that the stage's
+ * cost over the kernel is measured under the same noise. Not part of moe-ep: `make
  * bench/kernel` builds it, with libxsmm when configure found it
  * (docs/performance.md). Exit 1 when a packed tile's bits differ from the
  * widest tile's, or the row-table FFN's from the FFN on the gathered rows.
@@ -27,6 +28,7 @@
 
 #include "moe/experts.h"
 #include "moe/gemm.h"
+#include "moe/layout.h"
 #include "moe/peak.h"
 
 #ifdef _OPENMP
@@ -160,12 +162,14 @@ typedef struct {
     const float *w2;     /* experts x moe_expert_w2_floats */
     const float *const *row_at;
     const moe_index *index; /* experts x M rows of row_at */
-    float *h, *y;           /* (M, 2f), (M, d) */
+    const moe_index *pair;  /* experts x M rows of out */
+    float *h, *y, *out;     /* (M, 2f), (M, d), as many rows as the receive buffer */
 } ffn_shape;
 
-enum { FFN_GEMMS, FFN_FORWARD, FFN_ROWS, FFN_MODES };
+enum { FFN_GEMMS, FFN_FORWARD, FFN_ROWS, FFN_SCATTER, FFN_MODES };
 static const char *const ffn_name[FFN_MODES] = {
-    "two GEMMs alone (W1, W2)", "moe_expert_forward", "moe_expert_forward_rows"};
+    "two GEMMs alone (W1, W2)", "moe_expert_forward", "moe_expert_forward_rows",
+    "the same, outputs scattered"};
 
 static moe_expert_weights ffn_weights(const ffn_shape *x, int e)
 {
@@ -189,6 +193,8 @@ static void run_ffn(const ffn_shape *x, int mode, int e)
     default:
         moe_expert_forward_rows(&w, x->row_at, x->index + (size_t)e * (size_t)M, M, d, f, x->h,
                                 x->y, NULL, NULL);
+        if (mode == FFN_SCATTER)
+            moe_scatter_rows(x->y, d, x->pair + (size_t)e * (size_t)M, M, x->out);
     }
 }
 
@@ -200,8 +206,8 @@ static int by_value(const void *a, const void *b)
 
 /* Rounds of every mode over all experts, for about `seconds`. A round
  * interleaves the modes call by call: at step i mode m runs expert (i + m
- * E / 3) mod E, so no mode finds the weights another just streamed, and
- * the machine's noise falls on all three alike. Each mode's best round as
+ * E / FFN_MODES) mod E, so no mode finds the weights another just streamed,
+ * and the machine's noise falls on all of them alike. Each mode's best round as
  * GFLOP/s in rate[] (noise only ever slows a round down); the median over
  * rounds of each mode's time over the GEMMs' in ratio[]. */
 static int ffn_rates(const ffn_shape *x, double seconds, double rate[FFN_MODES],
@@ -251,9 +257,11 @@ static bool report_ffn(const shape *s, double seconds, double peak)
     float *recv = malloc(sizeof(float) * (size_t)(received * d));
     const float **row_at = malloc(sizeof(float *) * (size_t)received);
     moe_index *index = malloc(sizeof(moe_index) * (size_t)(M * s->experts));
+    moe_index *pair = malloc(sizeof(moe_index) * (size_t)(M * s->experts));
+    float *out = malloc(sizeof(float) * (size_t)(received * d));
     float *h = malloc(sizeof(float) * (size_t)(M * 2 * f));
     float *y = malloc(sizeof(float) * (size_t)(M * d)), *gathered = malloc(sizeof(float) * (size_t)(M * d));
-    if (!W2 || !plain || !recv || !row_at || !index || !h || !y || !gathered) {
+    if (!W2 || !plain || !recv || !row_at || !index || !pair || !out || !h || !y || !gathered) {
         fprintf(stderr, "bench/kernel: out of memory\n");
         exit(1);
     }
@@ -263,7 +271,8 @@ static bool report_ffn(const shape *s, double seconds, double peak)
     }
     /* The receive buffer holds x's rows 2 E times over, its slots in a
      * shuffled order (a stride coprime with their count); expert e reads x
-     * from the slots of copy 2 e. */
+     * from the slots of copy 2 e. Its outputs go to out's rows in the
+     * order of the slots of copy 2 e + 1. */
     moe_index stride = 7919;
     while (gcd(stride, received) != 1)
         stride += 2;
@@ -273,9 +282,11 @@ static bool report_ffn(const shape *s, double seconds, double peak)
         row_at[r] = slot;
     }
     for (int e = 0; e < s->experts; e++)
-        for (moe_index m = 0; m < M; m++)
+        for (moe_index m = 0; m < M; m++) {
             index[(size_t)e * (size_t)M + (size_t)m] = (moe_index)e * M * 2 + m;
-    ffn_shape x = {s, d, f, W2, row_at, index, h, y};
+            pair[(size_t)e * (size_t)M + (size_t)m] = ((e * 2 + 1) * M + m) * stride % received;
+        }
+    ffn_shape x = {s, d, f, W2, row_at, index, pair, h, y, out};
 
     run_ffn(&x, FFN_FORWARD, 0);
     memcpy(gathered, y, sizeof(float) * (size_t)(M * d));
@@ -294,7 +305,7 @@ static bool report_ffn(const shape *s, double seconds, double peak)
                m == FFN_ROWS ? (differ ? "  bits differ from moe_expert_forward"
                                        : "  same bits as moe_expert_forward")
                              : "");
-    free(W2), free(plain), free(recv), free(row_at), free(index), free(h), free(y), free(gathered);
+    free(W2), free(plain), free(recv), free(row_at), free(index), free(pair), free(out), free(h), free(y), free(gathered);
     return differ;
 }
 
