@@ -9,10 +9,11 @@
  * moe_expert_forward_rows (the rows read through a row table from a
  * receive buffer) and that with the outputs scattered to their pairs' rows
  * as the experts stage does, in interleaved rounds, so that the stage's
- * cost over the kernel is measured under the same noise. Not part of moe-ep: `make
- * bench/kernel` builds it, with libxsmm when configure found it
- * (docs/performance.md). Exit 1 when a packed tile's bits differ from the
- * widest tile's, or the row-table FFN's from the FFN on the gathered rows.
+ * cost over the kernel is measured under the same noise. Not part of
+ * moe-ep: `make bench/kernel` builds it, with libxsmm when configure found
+ * it (docs/performance.md). Exit 1 when a packed tile's bits differ from
+ * the widest tile's, or the row-table FFN's from the FFN on the gathered
+ * rows.
  *
  *   bench/kernel [ROWS [K [N [EXPERTS [SECONDS]]]]]   default 96 1024 2048 32 1
  */
@@ -206,10 +207,10 @@ static int by_value(const void *a, const void *b)
 
 /* Rounds of every mode over all experts, for about `seconds`. A round
  * interleaves the modes call by call: at step i mode m runs expert (i + m
- * E / FFN_MODES) mod E, so no mode finds the weights another just streamed,
- * and the machine's noise falls on all of them alike. Each mode's best round as
- * GFLOP/s in rate[] (noise only ever slows a round down); the median over
- * rounds of each mode's time over the GEMMs' in ratio[]. */
+ * E / FFN_MODES) mod E, so no mode finds the weights another just
+ * streamed, and the machine's noise falls on all of them alike. Each mode's
+ * best round as GFLOP/s in rate[] (noise only ever slows a round down); the
+ * median over rounds of the GEMMs' time over each mode's in ratio[]. */
 static int ffn_rates(const ffn_shape *x, double seconds, double rate[FFN_MODES],
                      double ratio[FFN_MODES])
 {
@@ -260,7 +261,8 @@ static bool report_ffn(const shape *s, double seconds, double peak)
     moe_index *pair = malloc(sizeof(moe_index) * (size_t)(M * s->experts));
     float *out = malloc(sizeof(float) * (size_t)(received * d));
     float *h = malloc(sizeof(float) * (size_t)(M * 2 * f));
-    float *y = malloc(sizeof(float) * (size_t)(M * d)), *gathered = malloc(sizeof(float) * (size_t)(M * d));
+    float *y = malloc(sizeof(float) * (size_t)(M * d));
+    float *gathered = malloc(sizeof(float) * (size_t)(M * d));
     if (!W2 || !plain || !recv || !row_at || !index || !pair || !out || !h || !y || !gathered) {
         fprintf(stderr, "bench/kernel: out of memory\n");
         exit(1);
@@ -305,7 +307,8 @@ static bool report_ffn(const shape *s, double seconds, double peak)
                m == FFN_ROWS ? (differ ? "  bits differ from moe_expert_forward"
                                        : "  same bits as moe_expert_forward")
                              : "");
-    free(W2), free(plain), free(recv), free(row_at), free(index), free(pair), free(out), free(h), free(y), free(gathered);
+    free(W2), free(plain), free(recv), free(row_at), free(index), free(pair), free(out), free(h);
+    free(y), free(gathered);
     return differ;
 }
 
