@@ -27,6 +27,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "moe/common.h"
 #include "moe/experts.h"
 #include "moe/gemm.h"
 #include "moe/layout.h"
@@ -199,12 +200,6 @@ static void run_ffn(const ffn_shape *x, int mode, int e)
     }
 }
 
-static int by_value(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* Rounds of every mode over all experts, for about `seconds`. A round
  * interleaves the modes call by call: at step i mode m runs expert (i + m
  * E / FFN_MODES) mod E, so no mode finds the weights another just
@@ -239,9 +234,7 @@ static int ffn_rates(const ffn_shape *x, double seconds, double rate[FFN_MODES],
     } while (rounds < MAX_ROUNDS && (now() - t0 < seconds || rounds < 3));
     for (int m = 0; m < FFN_MODES; m++) {
         rate[m] = flops / best[m] / 1e9;
-        qsort(over[m], (size_t)rounds, sizeof(double), by_value);
-        ratio[m] = rounds % 2 ? over[m][rounds / 2]
-                              : 0.5 * (over[m][rounds / 2 - 1] + over[m][rounds / 2]);
+        ratio[m] = moe_median(over[m], rounds);
     }
     return rounds;
 }

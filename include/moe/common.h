@@ -141,4 +141,7 @@ void moe_peak_rss_reset(void);
 /* Human-readable byte count ("1.50 GiB") into buf; returns buf. */
 char *moe_format_bytes(double bytes, char *buf, size_t size);
 
+/* The median of v (n); sorts v. */
+double moe_median(double *v, int n);
+
 #endif

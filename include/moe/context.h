@@ -73,9 +73,6 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters);
  * ranks into summary.comm_seconds. Nothing on the blocking path. Collective. */
 void moe_context_time_alltoalls(moe_run_context *ctx, int iters);
 
-/* The median of v (n); sorts v. */
-double moe_median(double *v, int n);
-
 /* --steps N and --bias-update (src/cli/steps.c): N forwards on stream
  * batches 0 .. N-1 on the configured path, each followed by the bias update,
  * then the table of the steps' balance on rank 0 and --steps-csv and

@@ -141,18 +141,6 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
     return rc;
 }
 
-static int compare_doubles(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-double moe_median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, compare_doubles);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* The routing and traffic figures of one forward, reduced over ranks. */
 static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_forward_stats *f,
                               moe_run_summary *s)
