@@ -1,7 +1,10 @@
 """Fill the command outputs of docs/learn.md and the README, or check that they are current.
 
-    /usr/bin/python3 docs/learn.py --write [--builddir DIR] [--mpirun CMD]   rewrite the outputs
-    /usr/bin/python3 docs/learn.py --check [--builddir DIR] [--mpirun CMD]   exit 1 when one is stale
+    /usr/bin/python3 docs/learn.py --write [--stale] [--builddir DIR] [--mpirun CMD]   rewrite the outputs
+    /usr/bin/python3 docs/learn.py --check [--builddir DIR] [--mpirun CMD]             exit 1 when one is stale
+
+--write --stale rewrites only the outputs --check calls stale, so that the
+figures of the others stay those the text around them quotes.
 
 Each step of docs/learn.md (and each generated example of the README) marks
 its command with a comment,
@@ -83,6 +86,7 @@ def main(argv):
     mode = argv[1] if len(argv) > 1 else ""
     builddir = argv[argv.index("--builddir") + 1] if "--builddir" in argv else os.path.join(HERE, "..")
     mpirun = argv[argv.index("--mpirun") + 1] if "--mpirun" in argv else None
+    only_stale = mode == "--write" and "--stale" in argv
     if mode not in ("--write", "--check"):
         sys.exit(__doc__)
     env = environment()
@@ -94,17 +98,20 @@ def main(argv):
         count += len(found)
         for n, timed, command, first, last in reversed(found):
             output = run(command, builddir, env, mpirun)
-            if mode == "--write":
-                lines[first : last + 1] = ["```text", "$ " + command] + output.split("\n") + ["```"]
-                continue
             old = "\n".join(lines[first + 2 : last])
-            if (masked(old) != masked(output)) if timed else (old != output):
+            current = (masked(old) == masked(output)) if timed else (old == output)
+            if mode == "--write":
+                if not (only_stale and current):
+                    lines[first : last + 1] = ["```text", "$ " + command] + output.split("\n") + ["```"]
+                    stale.append(None)
+                continue
+            if not current:
                 stale.append(("%s line %d" % (name, n + 1), command, old, output))
         if mode == "--write":
             with open(doc, "w", encoding="utf-8") as f:
                 f.write("\n".join(lines))
     if mode == "--write":
-        print("learn.py: %d outputs written" % count)
+        print("learn.py: %d of %d outputs written" % (len(stale), count))
         return 0
     for where, command, old, new in reversed(stale):
         print("STALE: %s: %s" % (where, command))
