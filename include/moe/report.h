@@ -23,6 +23,7 @@ typedef struct {
 typedef struct {
     int waves;
     double layer_seconds, pipeline_seconds, compute_seconds, comm_seconds;
+    double fill_seconds; /* of compute_seconds, the shared experts run in the waits */
     int wave_kind;
     double rows_sent; /* dispatched rows, all ranks */
 } moe_curve_point;
@@ -68,6 +69,7 @@ typedef struct {
     /* the wave pipeline (waves > 0) */
     int waves, wave_kind;
     double pipeline_seconds, compute_seconds, comm_seconds, test_seconds;
+    double fill_seconds; /* of compute_seconds, the shared experts run in the waits */
     bool ref_compared, ref_bitwise_expected;
     bool ref_two_stage;           /* compared with the blocking two-stage path (its own sums) */
     double ref_differ, ref_max_diff; /* values that differ from the blocking path */
@@ -145,7 +147,9 @@ void moe_report_print_machine(FILE *out, const moe_run_summary *s);
 
 /* The lower bound of a curve point's pipeline time: with the links busy
  * T_comm and the cores T_compute in all, W equal waves take at least
- * max(T_comm, T_compute + T_comm/W) (docs/link-model.md). */
+ * max(T_comm, T_compute, T_routed + T_comm/W) (docs/link-model.md), T_routed
+ * the routed experts' part of T_compute (the shared experts can run while
+ * the first dispatch and the last combine are in flight). */
 double moe_curve_bound(const moe_curve_point *p);
 
 /* True when the check passed: within tolerance, finite, and run-to-run identical. */

@@ -35,6 +35,7 @@ enum moe_event_kind {
     MOE_EVENT_WGRAD,      /* compute lane: the routed experts' weight gradients */
     MOE_EVENT_COMBINE_BWD,  /* comm lane: a wave's dy rows out */
     MOE_EVENT_DISPATCH_BWD, /* comm lane: a wave's dx rows home */
+    MOE_EVENT_SHARED,       /* compute lane: a block of tokens through a shared expert */
     MOE_EVENT_KINDS
 };
 
@@ -105,7 +106,9 @@ typedef struct {
     int waves;                   /* W, 0 on the blocking path */
     int wave_kind;               /* enum moe_wave_kind */
     double pipeline_seconds;     /* first dispatch posted .. last combine complete */
-    double compute_seconds;      /* expert compute inside the pipeline */
+    double compute_seconds;      /* compute inside the pipeline: the routed experts (the
+                                    experts stage), then fill_seconds */
+    double fill_seconds;         /* shared-expert pieces run while the pipeline waited */
     double comm_seconds;         /* not set by the forward: moe_ep_time_alltoalls */
     double test_seconds;         /* inside MPI_Test */
 } moe_forward_stats;

@@ -718,8 +718,9 @@ static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const
     /* the bytes that cross ranks, all ranks: rows with their ids out, outputs back */
     const double bytes = s->rows_sent_remote * moe_dispatch_row_bytes(cfg) +
                          s->pairs_back_remote * moe_combine_row_bytes(cfg);
-    /* the blocking forward of a step has no pipeline: its experts stage */
-    const double expert_time = cfg->backward ? s->stage_seconds[MOE_STAGE_EXPERTS] : s->compute_seconds;
+    /* the routed experts' compute (a pipeline's compute also holds the
+     * shared experts that ran in its waits) */
+    const double expert_time = s->stage_seconds[MOE_STAGE_EXPERTS];
     *r = (bench_row){
         .waves = p->waves,
         .ranks = ranks,

@@ -169,7 +169,7 @@ static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_for
 /* Per forward, each rank's figures; reduced with max over ranks. The expert
  * window is max(end) - min(start): -start goes in as COL_WINDOW. */
 enum {
-    COL_LAYER = MOE_STAGES, COL_EXPERTS, COL_WINDOW, COL_PIPELINE, COL_COMPUTE, COL_TEST,
+    COL_LAYER = MOE_STAGES, COL_EXPERTS, COL_WINDOW, COL_PIPELINE, COL_COMPUTE, COL_FILL, COL_TEST,
     COL_EXPERT_END, COLS
 };
 
@@ -181,6 +181,7 @@ static void iteration_row(const moe_forward_stats *f, double layer, double *row)
     row[COL_WINDOW] = -f->expert_start;
     row[COL_PIPELINE] = f->pipeline_seconds;
     row[COL_COMPUTE] = f->compute_seconds;
+    row[COL_FILL] = f->fill_seconds;
     row[COL_TEST] = f->test_seconds;
     row[COL_EXPERT_END] = f->expert_end;
 }
@@ -205,6 +206,7 @@ static void summarize_times(double *per_iter, int iters, moe_run_summary *s)
     s->expert_window = m[COL_WINDOW];
     s->pipeline_seconds = m[COL_PIPELINE];
     s->compute_seconds = m[COL_COMPUTE];
+    s->fill_seconds = m[COL_FILL];
     s->test_seconds = m[COL_TEST];
 }
 
@@ -366,7 +368,7 @@ static int calibrate_link(moe_run_context *ctx)
     if (rc)
         return rc;
     const double flops = moe_comm_sum(ctx->comm, f.expert_flops);
-    const double seconds = moe_comm_sum(ctx->comm, f.compute_seconds);
+    const double seconds = moe_comm_sum(ctx->comm, f.seconds[MOE_STAGE_EXPERTS]);
     ctx->summary.rank_flops = seconds > 0 ? flops / seconds : 0.0;
     for (int t = 0; t < MOE_TIERS; t++) {
         const double ratio = t == MOE_TIER_INTER && ep->link.cb_ratio_inter > 0 ? ep->link.cb_ratio_inter

@@ -643,7 +643,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         }
         curve[points++] = (moe_curve_point){(int)cfg->waves_list[n], s->layer_seconds,
                                             s->pipeline_seconds, s->compute_seconds,
-                                            s->comm_seconds, s->wave_kind, s->rows_sent};
+                                            s->comm_seconds, s->fill_seconds, s->wave_kind,
+                                            s->rows_sent};
     }
     *s = first_summary;
     ctx.schedule = first_schedule;

@@ -187,6 +187,7 @@ void moe_ep_free(moe_ep *ep)
         moe_buffer_free(&work->scratch);
         moe_buffer_free(&work->slot_rows);
         moe_buffer_free(&work->x_scratch);
+        moe_buffer_free(&work->shared_out);
         free(work);
         ep->work = NULL;
     }
@@ -525,23 +526,68 @@ void moe_ep_shared_outputs(const moe_ep *ep, const float *x, moe_index rows, flo
     free(scratch);
 }
 
+/* Shared expert s on the block of tokens from `first` (MOE_SHARED_ROW_BLOCK
+ * or the rest): its rows of o (rows, d). Returns the rows. */
+static moe_index shared_piece(const moe_ep *ep, int s, moe_index first, const float *x,
+                              float *scratch, float *o, const moe_ffn_hooks *hooks)
+{
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
+    const moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
+    const moe_expert_weights w = moe_ep_weights(ep, true, s);
+    moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch, o, NULL, hooks);
+    return rows;
+}
+
 void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out,
                    moe_forward_stats *stats)
 {
-    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden, f = ep->cfg->ffn;
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     const double start = MPI_Wtime();
-    for (int s = 0; s < (int)ep->cfg->shared_experts; s++) {
-        const moe_expert_weights w = moe_ep_weights(ep, true, s);
-        for (moe_index first = 0; first < T; first += MOE_SHARED_ROW_BLOCK) {
-            moe_index rows = T - first < MOE_SHARED_ROW_BLOCK ? T - first : MOE_SHARED_ROW_BLOCK;
+    for (int s = 0; s < (int)ep->cfg->shared_experts; s++)
+        for (moe_index first = 0, rows; first < T; first += rows) {
             float *o = y ? out : out + (s * T + first) * d;
-            moe_expert_forward(&w, ep->gemm, x + first * d, rows, d, f, scratch, o, NULL, NULL);
+            rows = shared_piece(ep, s, first, x, scratch, o, NULL);
             if (y)
                 for (moe_index n = 0; n < rows * d; n++)
                     y[first * d + n] += o[n];
         }
-    }
     stats->done = MPI_Wtime();
     stats->seconds[MOE_STAGE_SHARED] = stats->done - start;
+}
+
+void moe_ep_shared_add(const moe_ep *ep, const float *out, float *y)
+{
+    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
+    for (moe_index s = 0; s < ep->cfg->shared_experts; s++) /* as moe_ep_shared adds them */
+        for (moe_index n = 0; n < T * d; n++)
+            y[n] += out[s * T * d + n];
+}
+
+void moe_shared_work_init(moe_shared_work *w, const moe_ep *ep, const float *x, float *scratch,
+                          float *out, moe_trace *trace, double origin)
+{
+    const moe_index blocks = (ep->cfg->tokens + MOE_SHARED_ROW_BLOCK - 1) / MOE_SHARED_ROW_BLOCK;
+    *w = (moe_shared_work){ep, x, scratch, out, 0, (int)(ep->cfg->shared_experts * blocks),
+                           0.0, 0.0, trace, origin};
+}
+
+bool moe_shared_work_step(moe_shared_work *w, const moe_ffn_hooks *hooks)
+{
+    if (w->next == w->pieces)
+        return false;
+    const moe_index T = w->ep->cfg->tokens, d = w->ep->cfg->hidden;
+    const int blocks = w->pieces / (int)w->ep->cfg->shared_experts, s = w->next / blocks;
+    const moe_index first = (moe_index)(w->next % blocks) * MOE_SHARED_ROW_BLOCK;
+    w->next++;
+    const double flops = moe_gemm_sflops(), start = MPI_Wtime();
+    const moe_index rows = shared_piece(w->ep, s, first, w->x, w->scratch,
+                                        w->out + (s * T + first) * d, hooks);
+    const double end = MPI_Wtime();
+    w->seconds += end - start;
+    w->flops += moe_gemm_sflops() - flops;
+    if (w->trace)
+        moe_trace_add(w->trace, (moe_event){-1, MOE_EVENT_SHARED, start - w->origin,
+                                            end - w->origin, 0.0, rows, -1});
+    return true;
 }
 

@@ -552,9 +552,7 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     for (moe_index n = 0; n < pairs; n++)
         slot_rows[n] = pos[n] < 0 ? NULL : back + pos[n] * d;
     moe_ep_reduce(ep, slot_rows, weights, y);
-    for (moe_index e = 0; e < cfg->shared_experts; e++) /* as moe_ep_shared adds them */
-        for (moe_index n = 0; n < T * d; n++)
-            y[n] += shared[e * T * d + n];
+    moe_ep_shared_add(ep, shared, y);
     stats->done = MPI_Wtime();
     stats->seconds[MOE_STAGE_REDUCE] = stats->done - t;
     free(shared);

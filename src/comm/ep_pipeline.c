@@ -24,6 +24,24 @@ void moe_pipeline_after_stage(void *arg, enum moe_ffn_stage stage)
     clock->mark = MPI_Wtime();
 }
 
+static void poll_between(void *progress, enum moe_ffn_stage stage)
+{
+    (void)stage;
+    moe_progress_poll(progress);
+}
+
+void moe_pipeline_fill(moe_progress *p, int op, moe_shared_work *w)
+{
+    if (!w)
+        return;
+    const moe_ffn_hooks hooks = {poll_between, p, 0};
+    for (;;) {
+        moe_progress_poll(p);
+        if (moe_progress_done(p, op) || !moe_shared_work_step(w, &hooks))
+            return;
+    }
+}
+
 const moe_link *moe_schedule_link(const moe_ep *ep, const moe_schedule *sched)
 {
     static const moe_link no_link = {.enabled = false};

@@ -15,7 +15,9 @@
  *   experts   moe_ep_expert per expert      the same, per wave            yes
  *   combine   ref_combine (MPI_Alltoallv)   wave_combine (Ialltoallv)
  *   reduce    moe_ep_reduce                 the same, every wave at once  yes
- *   shared    moe_ep_shared                 the same                      yes
+ *   shared    moe_ep_shared                 moe_shared_work pieces in the
+ *                                           pipeline's waits, the rest after
+ *                                           the reduce
  */
 #ifndef MOE_EP_STAGES_H
 #define MOE_EP_STAGES_H
@@ -60,6 +62,7 @@ struct moe_ep_workspace {
     moe_buffer scratch;     /* and its activations */
     moe_buffer slot_rows;   /* the reduce table */
     moe_buffer x_scratch;   /* the quantised tokens (--dispatch-dtype) */
+    moe_buffer shared_out;  /* the shared experts' outputs (S, T, d) while a pipeline runs them */
     /* The last wave forward's plans, kept for moe_ep_time_alltoalls. */
     struct moe_wave_state *last;
     int last_waves;
@@ -294,6 +297,36 @@ void moe_ep_reduce(const moe_ep *ep, const float *const *slot_rows, const float 
  * bits, for a caller to add to y in expert order later. */
 void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, float *out,
                    moe_forward_stats *stats);
+
+/* y (T, d) += out (S, T, d), shared expert by shared expert: what
+ * moe_ep_shared adds, the same bits. */
+void moe_ep_shared_add(const moe_ep *ep, const float *out, float *y);
+
+/* The shared experts as pieces of work that a pipeline runs while it waits
+ * for an all-to-all, as DeepSeek-V3 computes its shared expert while the
+ * dispatch is on the wire: piece n is shared expert n / B on the (n % B)-th
+ * block of MOE_SHARED_ROW_BLOCK tokens (B blocks), the call moe_ep_shared
+ * makes, into out (S, T, d); moe_ep_shared_add then adds them to y. The
+ * same bits whenever each piece runs. */
+typedef struct {
+    const moe_ep *ep;
+    const float *x;        /* (T, d) */
+    float *scratch, *out;  /* (64, 2f), (S, T, d) */
+    int next, pieces;
+    double seconds, flops; /* in the pieces run so far; their sgemm FLOPs */
+    moe_trace *trace;      /* an event per piece; NULL: none */
+    double origin;
+} moe_shared_work;
+
+void moe_shared_work_init(moe_shared_work *w, const moe_ep *ep, const float *x, float *scratch,
+                          float *out, moe_trace *trace, double origin);
+/* Run the next piece (hooks between its stages, or NULL); false when none
+ * was left. */
+bool moe_shared_work_step(moe_shared_work *w, const moe_ffn_hooks *hooks);
+
+/* Pieces of w (NULL: none) until op has completed or none are left, the
+ * operations in flight polled before each piece and between its stages. */
+void moe_pipeline_fill(moe_progress *p, int op, moe_shared_work *w);
 
 /* One reference forward's plan and buffers on this rank (ep_ref.c): what
  * the blocking backward (ep_backward.c) reads as the forward's saved state. */

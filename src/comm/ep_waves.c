@@ -8,7 +8,8 @@
  *   waves_plan       every wave's rows; one count exchange; buffers
  *   waves_pack       every wave's rows and ids into its send buffers
  *   waves_pipeline   dispatch, experts and combine of the waves, overlapped
- *   waves_reduce     reduce in slot order, then the shared experts
+ *   waves_reduce     reduce in slot order, then the shared experts the
+ *                    pipeline's waits left, and every shared output added
  *
  * The pipeline keeps the neighbours of the computing wave on the wire (the
  * seed's five stages):
@@ -16,11 +17,11 @@
  *   wave_dispatch(0 .. A)                       A = lookahead (1: the seed's
  *   for w = 0 .. W-1:                           neighbour-wave schedule)
  *       wave_dispatch(w+A) once w > 0           later waves' rows in flight
- *       wait dispatch(w); wave_plan_receive(w)
+ *       wait dispatch(w); wave_plan_receive(w)  shared experts while waiting
  *       experts(w): L1, activation, L2          combine(w-1), dispatch(w+1)
  *                                               progress at every stage end
  *       wave_combine(w)
- *   wait every combine
+ *   wait every combine                          shared experts while waiting
  *
  * Every expert's rows arrive in one wave, in global token order, so with
  * expert-slot waves the GEMM calls are the blocking path's, bit for bit.
@@ -77,6 +78,8 @@ typedef struct {
     float *x_scratch;                 /* (T, d) the quantised tokens, or NULL */
     moe_index *closing;               /* --combine reduced: (W, G) rows back from each rank per wave */
     const float *x_dispatch;          /* (T, d) the tokens as dispatched */
+    float *shared_out;                /* (S, T, d) the shared experts' outputs, or NULL */
+    moe_shared_work shared;           /* their pieces, run while the pipeline waits */
 } waves_forward;
 
 /* MPI counts and displacements, in rows: dispatch meta (every row), dispatch
@@ -319,6 +322,9 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
         memset(f->slot_rows, 0, sizeof(float *) * (size_t)(T * k));
     if (cfg->dispatch_dtype != MOE_DTYPE_FP32)
         f->x_scratch = moe_buffer_fit(&work->x_scratch, sizeof(float) * (size_t)(T * d), "the quantised tokens", me, local);
+    if (cfg->shared_experts > 0)
+        f->shared_out = moe_buffer_fit(&work->shared_out, sizeof(float) * (size_t)(cfg->shared_experts * T * d),
+                                       "shared-expert outputs", me, local);
     free(counts_in);
     free(counts_out);
 }
@@ -329,6 +335,7 @@ static void waves_pack(const moe_ep *ep, const moe_schedule *sched, const float 
                        const int32_t *ids, const float *weights, waves_forward *f)
 {
     f->x_dispatch = moe_ep_dispatched_tokens(ep, x, f->x_scratch); /* this rank's own rows */
+    moe_shared_work_init(&f->shared, ep, x, f->scratch, f->shared_out, sched->trace, sched->origin);
     for (int w = 0; w < sched->waves; w++)
         moe_ep_pack(ep, x, ids, weights, &f->ws[w].send, ep->comm.rank, f->ws[w].send_rows,
                     f->ws[w].send_meta);
@@ -471,6 +478,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
              posted < want; posted++)
             wave_dispatch(&ws[posted], &progress, posted, G, &f->types, c->comm,
                           link, &links);
+        moe_pipeline_fill(&progress, w, &f->shared);
         moe_progress_wait(&progress, w);
         moe_pipeline_fail_here(c, "dispatch");
         clock.wave = w;
@@ -488,11 +496,14 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
         wave_combine(&ws[w], &progress, W + w, G, &f->types, &f->combine_wire, c->comm, link, &links);
         moe_pipeline_fail_here(c, "combine");
     }
-    for (int w = 0; w < W; w++)
+    for (int w = 0; w < W; w++) {
+        moe_pipeline_fill(&progress, W + w, &f->shared);
         moe_progress_wait(&progress, W + w);
+    }
     const double end = MPI_Wtime();
     stats->pipeline_seconds = end - start;
-    stats->compute_seconds = clock.compute;
+    stats->fill_seconds = f->shared.seconds;
+    stats->compute_seconds = clock.compute + f->shared.seconds;
     stats->layout_slots = clock.slots;
     moe_progress_stop(&progress);
     stats->test_seconds = progress.test_seconds;
@@ -523,14 +534,14 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     stats->seconds[MOE_STAGE_EXPERTS] = clock.compute;
     stats->expert_start = start;
     stats->expert_end = end;
-    stats->expert_flops = moe_gemm_sflops();
+    stats->expert_flops = moe_gemm_sflops() - f->shared.flops;
     stats->pad_rows = moe_ep_pad_rows(ep, stats->pairs_received);
 }
 
 /* Stages reduce and shared: y in slot order, whatever wave each slot came
  * back in, then the shared experts on top. */
 static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forward *f,
-                         const float *x, const int32_t *ids, const float *weights, float *y,
+                         const int32_t *ids, const float *weights, float *y,
                          moe_forward_stats *stats)
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
@@ -555,7 +566,13 @@ static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forw
         moe_ep_reduce(ep, f->slot_rows, weights, y);
     free(from);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
-    moe_ep_shared(ep, x, y, f->scratch, f->expert_in, stats);
+    /* the pieces the waits left, then every shared expert's outputs */
+    const double rest = MPI_Wtime();
+    while (moe_shared_work_step(&f->shared, NULL))
+        ;
+    moe_ep_shared_add(ep, f->shared_out, y);
+    stats->done = MPI_Wtime();
+    stats->seconds[MOE_STAGE_SHARED] = stats->fill_seconds + (stats->done - rest);
 }
 
 int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const float *x,
@@ -581,7 +598,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
         waves_pack(ep, sched, x, ids, weights, &f);
         stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
         waves_pipeline(ep, sched, &f, stats);
-        waves_reduce(ep, sched, &f, x, ids, weights, y, stats);
+        waves_reduce(ep, sched, &f, ids, weights, y, stats);
         ep->work->last = f.ws; /* for moe_ep_time_alltoalls */
         ep->work->last_waves = sched->waves;
     } else {

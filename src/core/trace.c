@@ -7,6 +7,7 @@
 const char *const moe_event_names[MOE_EVENT_KINDS] = {
     "dispatch", "L1", "activation", "L2", "combine",
     "forward", "shared bwd", "dgrad", "wgrad", "combine bwd", "dispatch bwd",
+    "shared",
 };
 
 void moe_trace_add(moe_trace *t, moe_event e)

@@ -10,12 +10,14 @@
 #include "moe/router.h"
 #include "moe/wire.h"
 
-/* The links cannot do less than all the traffic, and the cores cannot start
- * before the first wave's dispatch nor finish before the last wave's combine
- * (together one wave's traffic, T_comm/W). */
+/* The links cannot do less than all the traffic, nor the cores less than
+ * all the compute, and the routed experts cannot start before the first
+ * wave's dispatch nor finish before the last wave's combine (together one
+ * wave's traffic, T_comm/W). */
 double moe_curve_bound(const moe_curve_point *p)
 {
-    return fmax(p->comm_seconds, p->compute_seconds + p->comm_seconds / p->waves);
+    const double routed = p->compute_seconds - p->fill_seconds;
+    return fmax(fmax(p->comm_seconds, p->compute_seconds), routed + p->comm_seconds / p->waves);
 }
 
 static void print_spread(FILE *out, const char *what, moe_spread s)
@@ -498,10 +500,11 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         const double idle = s->pipeline_seconds - s->compute_seconds;
         const double overlap =
             moe_overlap(s->pipeline_seconds, s->compute_seconds, s->comm_seconds);
-        fprintf(out, "pipeline  %.2f ms from first dispatch to last combine · compute %.2f ms · "
-                     "all-to-alls alone %.2f ms · not computing %.2f ms · overlap %.0f%% · in MPI_Test %.2f ms\n",
-                1e3 * s->pipeline_seconds, 1e3 * s->compute_seconds, 1e3 * s->comm_seconds,
-                1e3 * idle, 100.0 * overlap, 1e3 * s->test_seconds);
+        fprintf(out, "pipeline  %.2f ms from first dispatch to last combine · compute %.2f ms "
+                     "(shared experts in the waits %.2f) · all-to-alls alone %.2f ms · not computing "
+                     "%.2f ms · overlap %.0f%% · in MPI_Test %.2f ms\n",
+                1e3 * s->pipeline_seconds, 1e3 * s->compute_seconds, 1e3 * s->fill_seconds,
+                1e3 * s->comm_seconds, 1e3 * idle, 100.0 * overlap, 1e3 * s->test_seconds);
     }
 
     /* Ranks that share cores do not compute at the same moment: the aggregate
@@ -520,7 +523,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         fprintf(out, "link      emulated (docs/link-model.md): %s\n", text);
         /* C: a rank's expert FLOP/s, measured (cb) or from this run. */
         const double C = s->rank_flops > 0 ? s->rank_flops
-                         : s->compute_seconds > 0 ? s->expert_flops / G / s->compute_seconds : 0.0;
+                         : s->expert_seconds > 0 ? s->expert_flops / G / s->expert_seconds : 0.0;
         /* The slower tier the layer's messages cross: one node has no inter-node link. */
         const double B = s->nodes > 1 && s->link->bandwidth[MOE_TIER_INTER] < s->link->bandwidth[MOE_TIER_INTRA]
                              ? s->link->bandwidth[MOE_TIER_INTER] : s->link->bandwidth[MOE_TIER_INTRA];
@@ -545,13 +548,14 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
 
     if (s->curve_count > 1) {
         /* Each point against moe_curve_bound, and the seed's five-stage
-         * formula T(1 + 4/W), T = (T_compute + T_comm)/5 at the first W,
-         * which assumes five equal stages on five resources. */
+         * formula T(1 + 4/W), T = (T_compute + T_comm)/5 at the first W (the
+         * routed experts' compute: the seed's stages), which assumes five
+         * equal stages on five resources. */
         const moe_curve_point *first = &s->curve[0];
         /* rows against one wave of the same dispatch (the two-stage one's waves
          * of tokens keep its dedup: its first point is the base) */
         const double base = cfg->dispatch == MOE_DISPATCH_HIERARCHICAL ? first->rows_sent : s->rows_one_wave;
-        const double stage = (first->compute_seconds + first->comm_seconds) / 5.0;
+        const double stage = (first->compute_seconds - first->fill_seconds + first->comm_seconds) / 5.0;
         fprintf(out, "curve     speed-up against W = %d, per forward, ms (median of %lld iters each)\n",
                 first->waves, (long long)cfg->iters);
         fprintf(out, "          %4s %-12s %9s %8s %9s %8s %8s %9s %9s %8s %8s %8s\n", "W", "waves", "layer",

@@ -4,6 +4,7 @@
 
 #include <math.h>
 #include <stdbool.h>
+#include <string.h>
 
 #include "moe/link.h"
 
@@ -20,6 +21,7 @@ static const char *const colours[MOE_EVENT_KINDS] = {
     "#9c755f", /* wgrad */
     "#59a14f", /* combine bwd */
     "#8cd17d", /* dispatch bwd */
+    "#d4a6c8", /* shared */
 };
 
 /* The earliest event of a panel: pictures start there. */
@@ -280,23 +282,25 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
             shown[panels[p].events[n].kind] = true;
     if (merge) /* drawn as one block in L1's colour */
         shown[MOE_EVENT_ACTIVATION] = shown[MOE_EVENT_L2] = false;
-    int entries = 0;
+    int x = left; /* each entry as wide as its label (about 6.5 px a character at 11 px) */
     for (int kind = 0; kind < MOE_EVENT_KINDS; kind++) {
         if (!shown[kind])
             continue;
-        const int x = left + entries++ * 150;
+        char label[64];
+        snprintf(label, sizeof label, "%s%s",
+                 merge && kind == MOE_EVENT_L1 ? "experts (L1, act., L2)" : moe_event_names[kind],
+                 is_comm(kind) ? " (comm)" : "");
         fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>\n", x, ly,
                 colours[kind]);
-        fprintf(out, "<text x=\"%d\" y=\"%d\">%s%s</text>\n", x + 20, ly + 11,
-                merge && kind == MOE_EVENT_L1 ? "experts (L1, act., L2)" : moe_event_names[kind],
-                is_comm(kind) ? " (comm)" : "");
+        fprintf(out, "<text x=\"%d\" y=\"%d\">%s</text>\n", x + 20, ly + 11, label);
+        x += 20 + (int)(6.5 * (double)strlen(label)) + 30;
     }
     bool tiers = false;
     for (int p = 0; p < n_panels; p++)
         for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
             tiers = tiers || panels[p].events[n].tier >= 0;
     fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave%s</text>\n",
-            left + entries * 150, ly + 11,
+            x, ly + 11,
             tiers ? "; comm lane, top to bottom: inter-node dispatch, intra-node dispatch (pale), "
                     "intra-node combine (pale), inter-node combine" : "");
     if (with_curve)
