@@ -64,6 +64,7 @@ typedef struct {
     double layer_seconds;             /* the same for the whole forward */
     double layer_min, layer_max;      /* over the iterations */
     double expert_flops;              /* summed over ranks, one forward */
+    double fill_flops;                /* the same, of the shared experts run in the pipeline's waits */
     double expert_seconds;            /* median of the max over ranks */
     double expert_window;             /* median of: last rank's expert end - first rank's start */
     /* the wave pipeline (waves > 0) */

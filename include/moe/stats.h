@@ -109,6 +109,7 @@ typedef struct {
     double compute_seconds;      /* compute inside the pipeline: the routed experts (the
                                     experts stage), then fill_seconds */
     double fill_seconds;         /* shared-expert pieces run while the pipeline waited */
+    double fill_flops;           /* their sgemm FLOPs */
     double comm_seconds;         /* not set by the forward: moe_ep_time_alltoalls */
     double test_seconds;         /* inside MPI_Test */
 } moe_forward_stats;

@@ -161,6 +161,7 @@ static void summarize_traffic(const moe_comm *c, const moe_ep *ep, const moe_for
     s->rows_intra = moe_comm_sum(c, (double)f->rows_intra);
     s->bytes_combined = moe_comm_sum(c, f->bytes_combined);
     s->expert_flops = moe_comm_sum(c, f->expert_flops);
+    s->fill_flops = moe_comm_sum(c, f->fill_flops);
     s->pad_rows = moe_comm_sum(c, (double)f->pad_rows);
     s->local_experts_min = (int)moe_comm_min(c, ep->local_experts);
     s->local_experts_max = (int)moe_comm_max(c, ep->local_experts);

@@ -503,6 +503,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     const double end = MPI_Wtime();
     stats->pipeline_seconds = end - start;
     stats->fill_seconds = f->shared.seconds;
+    stats->fill_flops = f->shared.flops;
     stats->compute_seconds = clock.compute + f->shared.seconds;
     stats->layout_slots = clock.slots;
     moe_progress_stop(&progress);

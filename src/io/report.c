@@ -540,11 +540,16 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                 100.0 * fmin(1.0, 2.0 * d / cb), need, need, 100.0 * fmin(1.0, need / cb));
     }
 
+    /* The window holds the shared experts that ran in the pipeline's waits:
+     * the aggregate counts their FLOPs too. */
+    char fill[96] = "";
+    if (s->fill_flops > 0)
+        snprintf(fill, sizeof fill, ", with the shared experts' %.2f GFLOP run in it", s->fill_flops * 1e-9);
     fprintf(out, "experts   %.2f GFLOP per forward in the expert GEMMs · %.1f GFLOP/s aggregate (over the "
-                 "window any rank computed, %.2f ms) · slowest rank %.2f ms\n",
+                 "window any rank computed, %.2f ms%s) · slowest rank %.2f ms\n",
             s->expert_flops * 1e-9,
-            s->expert_window > 0 ? s->expert_flops * 1e-9 / s->expert_window : 0.0,
-            1e3 * s->expert_window, 1e3 * s->expert_seconds);
+            s->expert_window > 0 ? (s->expert_flops + s->fill_flops) * 1e-9 / s->expert_window : 0.0,
+            1e3 * s->expert_window, fill, 1e3 * s->expert_seconds);
 
     if (s->curve_count > 1) {
         /* Each point against moe_curve_bound, and the seed's five-stage
