@@ -543,14 +543,19 @@ void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, f
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     const double start = MPI_Wtime();
-    for (int s = 0; s < (int)ep->cfg->shared_experts; s++)
-        for (moe_index first = 0, rows; first < T; first += rows) {
-            float *o = y ? out : out + (s * T + first) * d;
-            rows = shared_piece(ep, s, first, x, scratch, o, NULL);
-            if (y)
+    if (y) {
+        for (int s = 0; s < (int)ep->cfg->shared_experts; s++)
+            for (moe_index first = 0, rows; first < T; first += rows) {
+                rows = shared_piece(ep, s, first, x, scratch, out, NULL);
                 for (moe_index n = 0; n < rows * d; n++)
-                    y[first * d + n] += o[n];
-        }
+                    y[first * d + n] += out[n];
+            }
+    } else { /* every piece into its place in out */
+        moe_shared_work w;
+        moe_shared_work_init(&w, ep, x, scratch, out, NULL, 0.0);
+        while (moe_shared_work_step(&w, NULL))
+            ;
+    }
     stats->done = MPI_Wtime();
     stats->seconds[MOE_STAGE_SHARED] = stats->done - start;
 }

@@ -32,8 +32,6 @@ static void poll_between(void *progress, enum moe_ffn_stage stage)
 
 void moe_pipeline_fill(moe_progress *p, int op, moe_shared_work *w)
 {
-    if (!w)
-        return;
     const moe_ffn_hooks hooks = {poll_between, p, 0};
     for (;;) {
         moe_progress_poll(p);

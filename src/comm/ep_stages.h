@@ -324,7 +324,7 @@ void moe_shared_work_init(moe_shared_work *w, const moe_ep *ep, const float *x, 
  * was left. */
 bool moe_shared_work_step(moe_shared_work *w, const moe_ffn_hooks *hooks);
 
-/* Pieces of w (NULL: none) until op has completed or none are left, the
+/* Pieces of w until op has completed or none are left, the
  * operations in flight polled before each piece and between its stages. */
 void moe_pipeline_fill(moe_progress *p, int op, moe_shared_work *w);
 
