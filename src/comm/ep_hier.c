@@ -48,8 +48,14 @@
  *       wait D2(w); experts(w), relaying what lands at each stage end; post C2(w)
  *   until every C1 is posted: wait, relay what landed; wait every C1
  *
+ * Every wait first computes shared-expert pieces (moe_shared_work) until
+ * what it waits for is in, relaying what lands between a piece's stages;
+ * the pieces left run after the reduce, and their outputs are added to y
+ * in moe_ep_shared's order, the same bits.
+ *
  * --blocking runs the same stages with one wave, each all-to-all waited for
- * as soon as it is posted, and no link model.
+ * as soon as it is posted, no link model, and the shared experts after the
+ * reduce.
  *
  * Every expert output travels back unchanged (a bf16 row re-encoded is the
  * same bytes), so y has the same bits as moe_ep_forward_ref with --gemm
@@ -110,6 +116,8 @@ typedef struct {
     const moe_link *link;
     moe_stage_clock clock;
     int next_relay[2];            /* the next wave whose D2, C1 the relay posts */
+    moe_shared_work shared;       /* the shared experts, run in the waits (none: blocking) */
+    float *shared_out;            /* (S, T, d) their outputs, or NULL */
 } hier_forward;
 
 static int *counts(const hier_forward *f, const hier_wave *h, int hop, int which)
@@ -411,11 +419,22 @@ static void relay_landed(void *arg)
         relay_combine(f, (*w)++);
 }
 
+/* Shared-expert pieces until op has landed, relaying what lands between
+ * their stages, so that a piece holds no relay back longer than one stage. */
+static void fill(hier_forward *f, int op)
+{
+    if (f->shared.next == f->shared.pieces)
+        return;
+    f->shared.scratch = f->ep->work->scratch.data; /* wave_experts may have grown it */
+    moe_pipeline_fill(&f->progress, op, &f->shared, relay_landed, f);
+}
+
 /* Until wave w has posted `hop` (which the relay posts): wait for the hop
  * before it, relay what landed. */
 static void relay_until(hier_forward *f, int w, int hop)
 {
     while (f->hw[w].posted <= hop) {
+        fill(f, w * HOPS + hop - 1);
         moe_progress_wait(&f->progress, w * HOPS + hop - 1);
         relay_landed(f);
     }
@@ -431,6 +450,7 @@ static void hier_pipeline(hier_forward *f, int lookahead)
         for (const int want = w + lookahead + 1 < W ? w + lookahead + 1 : W; posted < want; posted++)
             post(f, posted, D1);
         relay_until(f, w, D2);
+        fill(f, w * HOPS + D2);
         moe_progress_wait(&f->progress, w * HOPS + D2);
         moe_pipeline_fail_here(c, "dispatch");
         wave_experts(f, w);
@@ -440,8 +460,10 @@ static void hier_pipeline(hier_forward *f, int lookahead)
     }
     for (int w = 0; w < W; w++)
         relay_until(f, w, C1);
-    for (int w = 0; w < W; w++)
+    for (int w = 0; w < W; w++) {
+        fill(f, w * HOPS + C1);
         moe_progress_wait(&f->progress, w * HOPS + C1);
+    }
     moe_pipeline_fail_here(c, "combine");
 }
 
@@ -510,6 +532,16 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
         moe_ep_reduce(ep, slot_rows, weights, y);
     free(from);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
+    if (f->shared_out) { /* the pieces the waits left, then every shared expert's outputs */
+        const double rest = MPI_Wtime();
+        f->shared.scratch = ep->work->scratch.data;
+        while (moe_shared_work_step(&f->shared, NULL))
+            ;
+        moe_ep_shared_add(ep, f->shared_out, y);
+        stats->done = MPI_Wtime();
+        stats->seconds[MOE_STAGE_SHARED] = stats->fill_seconds + (stats->done - rest);
+        return;
+    }
     const size_t block = MOE_SHARED_ROW_BLOCK;
     float *scratch = grow(f, &ep->work->scratch, sizeof(float) * block * 2 * (size_t)ep->cfg->ffn,
                           "shared-expert activations");
@@ -635,6 +667,16 @@ static void hier_run(hier_forward *f, const moe_schedule *sched, const float *x,
     const moe_ep *ep = f->ep;
     moe_progress_init(&f->progress, sched ? sched->progress : MOE_PROGRESS_POLL, HOPS * f->W);
     f->link = sched ? moe_schedule_link(ep, sched) : &(const moe_link){.enabled = false};
+    if (sched && ep->cfg->shared_experts > 0) { /* the shared experts run in the waits */
+        const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
+        f->shared_out = grow(f, &ep->work->shared_out,
+                             sizeof(float) * (size_t)(ep->cfg->shared_experts * T * d),
+                             "shared-expert outputs");
+        float *scratch = grow(f, &ep->work->scratch,
+                              sizeof(float) * MOE_SHARED_ROW_BLOCK * 2 * (size_t)ep->cfg->ffn,
+                              "shared-expert activations");
+        moe_shared_work_init(&f->shared, ep, x, scratch, f->shared_out, sched->trace, sched->origin);
+    }
     moe_gemm_reset_flops();
     const double start = MPI_Wtime();
     f->clock = (moe_stage_clock){&f->progress, sched ? sched->trace : NULL, sched ? sched->origin : 0.0,
@@ -643,12 +685,15 @@ static void hier_run(hier_forward *f, const moe_schedule *sched, const float *x,
     const double end = MPI_Wtime();
     moe_progress_stop(&f->progress);
     stats->pipeline_seconds = end - start;
-    stats->compute_seconds = stats->seconds[MOE_STAGE_EXPERTS] = f->clock.compute;
+    stats->fill_seconds = f->shared.seconds;
+    stats->fill_flops = f->shared.flops;
+    stats->seconds[MOE_STAGE_EXPERTS] = f->clock.compute;
+    stats->compute_seconds = f->clock.compute + f->shared.seconds;
     stats->layout_slots = f->clock.slots;
     stats->test_seconds = f->progress.test_seconds;
     stats->expert_start = start;
     stats->expert_end = end;
-    stats->expert_flops = moe_gemm_sflops();
+    stats->expert_flops = moe_gemm_sflops() - f->shared.flops;
     hier_figures(f, sched, stats);
     hier_reduce(f, x, weights, y, stats);
     moe_progress_free(&f->progress);

@@ -24,17 +24,30 @@ void moe_pipeline_after_stage(void *arg, enum moe_ffn_stage stage)
     clock->mark = MPI_Wtime();
 }
 
-static void poll_between(void *progress, enum moe_ffn_stage stage)
+/* What a shared piece's hooks do between its stages: poll, then the
+ * caller's `between` (the two-stage dispatch relays what has landed). */
+typedef struct {
+    moe_progress *progress;
+    void (*between)(void *arg);
+    void *arg;
+} fill_hooks;
+
+static void poll_between(void *ctx, enum moe_ffn_stage stage)
 {
     (void)stage;
-    moe_progress_poll(progress);
+    const fill_hooks *h = ctx;
+    moe_progress_poll(h->progress);
+    if (h->between)
+        h->between(h->arg);
 }
 
-void moe_pipeline_fill(moe_progress *p, int op, moe_shared_work *w)
+void moe_pipeline_fill(moe_progress *p, int op, moe_shared_work *w, void (*between)(void *arg),
+                       void *arg)
 {
-    const moe_ffn_hooks hooks = {poll_between, p, 0};
+    fill_hooks h = {p, between, arg};
+    const moe_ffn_hooks hooks = {poll_between, &h, 0};
     for (;;) {
-        moe_progress_poll(p);
+        poll_between(&h, MOE_FFN_L1);
         if (moe_progress_done(p, op) || !moe_shared_work_step(w, &hooks))
             return;
     }

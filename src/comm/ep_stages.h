@@ -324,9 +324,11 @@ void moe_shared_work_init(moe_shared_work *w, const moe_ep *ep, const float *x, 
  * was left. */
 bool moe_shared_work_step(moe_shared_work *w, const moe_ffn_hooks *hooks);
 
-/* Pieces of w until op has completed or none are left, the
- * operations in flight polled before each piece and between its stages. */
-void moe_pipeline_fill(moe_progress *p, int op, moe_shared_work *w);
+/* Pieces of w until op has completed or none are left, the operations in
+ * flight polled before each piece and between its stages, each poll
+ * followed by between(arg) when between is not NULL. */
+void moe_pipeline_fill(moe_progress *p, int op, moe_shared_work *w, void (*between)(void *arg),
+                       void *arg);
 
 /* One reference forward's plan and buffers on this rank (ep_ref.c): what
  * the blocking backward (ep_backward.c) reads as the forward's saved state. */

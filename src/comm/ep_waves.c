@@ -478,7 +478,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
              posted < want; posted++)
             wave_dispatch(&ws[posted], &progress, posted, G, &f->types, c->comm,
                           link, &links);
-        moe_pipeline_fill(&progress, w, &f->shared);
+        moe_pipeline_fill(&progress, w, &f->shared, NULL, NULL);
         moe_progress_wait(&progress, w);
         moe_pipeline_fail_here(c, "dispatch");
         clock.wave = w;
@@ -497,7 +497,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
         moe_pipeline_fail_here(c, "combine");
     }
     for (int w = 0; w < W; w++) {
-        moe_pipeline_fill(&progress, W + w, &f->shared);
+        moe_pipeline_fill(&progress, W + w, &f->shared, NULL, NULL);
         moe_progress_wait(&progress, W + w);
     }
     const double end = MPI_Wtime();

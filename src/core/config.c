@@ -1027,10 +1027,10 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
      * activations, the shared experts' outputs kept apart. */
     if (cfg->mode == MOE_MODE_LOW_LATENCY)
         bytes += moe_ll_buffer_bytes(cfg, ranks) + T * k * (d + 2.0 * f) * 4.0 + S * T * d * 4.0;
-    /* The flat wave pipeline runs the shared experts in its waits, their
+    /* The wave pipelines run the shared experts in their waits, their
      * outputs kept apart until the reduce (a training step's forward is
      * the blocking one). */
-    else if (!cfg->blocking && !cfg->backward && cfg->dispatch == MOE_DISPATCH_FLAT)
+    else if (!cfg->blocking && !cfg->backward)
         bytes += S * T * d * 4.0;
     /* The layout tensor (--expert-layout), fp32: a masked one whole (its
      * empty slots are never touched, but the allocation must succeed), a
