@@ -576,6 +576,16 @@ void moe_shared_work_init(moe_shared_work *w, const moe_ep *ep, const float *x, 
                            0.0, 0.0, trace, origin};
 }
 
+void moe_shared_work_finish(moe_shared_work *w, float *y, moe_forward_stats *stats)
+{
+    const double rest = MPI_Wtime();
+    while (moe_shared_work_step(w, NULL))
+        ;
+    moe_ep_shared_add(w->ep, w->out, y);
+    stats->done = MPI_Wtime();
+    stats->seconds[MOE_STAGE_SHARED] = stats->fill_seconds + (stats->done - rest);
+}
+
 bool moe_shared_work_step(moe_shared_work *w, const moe_ffn_hooks *hooks)
 {
     if (w->next == w->pieces)

@@ -532,14 +532,9 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
         moe_ep_reduce(ep, slot_rows, weights, y);
     free(from);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
-    if (f->shared_out) { /* the pieces the waits left, then every shared expert's outputs */
-        const double rest = MPI_Wtime();
+    if (f->shared_out) { /* the shared experts ran in the pipeline's waits */
         f->shared.scratch = ep->work->scratch.data;
-        while (moe_shared_work_step(&f->shared, NULL))
-            ;
-        moe_ep_shared_add(ep, f->shared_out, y);
-        stats->done = MPI_Wtime();
-        stats->seconds[MOE_STAGE_SHARED] = stats->fill_seconds + (stats->done - rest);
+        moe_shared_work_finish(&f->shared, y, stats);
         return;
     }
     const size_t block = MOE_SHARED_ROW_BLOCK;

@@ -324,6 +324,12 @@ void moe_shared_work_init(moe_shared_work *w, const moe_ep *ep, const float *x, 
  * was left. */
 bool moe_shared_work_step(moe_shared_work *w, const moe_ffn_hooks *hooks);
 
+/* After the reduce: the pieces the waits left, then every shared expert's
+ * outputs added to y (T, d) as moe_ep_shared_add adds them. Records the
+ * stage's time (stats->fill_seconds, the pieces in the waits, and this)
+ * and the forward's end in stats. */
+void moe_shared_work_finish(moe_shared_work *w, float *y, moe_forward_stats *stats);
+
 /* Pieces of w until op has completed or none are left, the operations in
  * flight polled before each piece and between its stages, each poll
  * followed by between(arg) when between is not NULL. */

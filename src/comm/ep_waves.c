@@ -567,13 +567,7 @@ static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forw
         moe_ep_reduce(ep, f->slot_rows, weights, y);
     free(from);
     stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
-    /* the pieces the waits left, then every shared expert's outputs */
-    const double rest = MPI_Wtime();
-    while (moe_shared_work_step(&f->shared, NULL))
-        ;
-    moe_ep_shared_add(ep, f->shared_out, y);
-    stats->done = MPI_Wtime();
-    stats->seconds[MOE_STAGE_SHARED] = stats->fill_seconds + (stats->done - rest);
+    moe_shared_work_finish(&f->shared, y, stats);
 }
 
 int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const float *x,
