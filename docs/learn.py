@@ -1,7 +1,10 @@
 """Fill the command outputs of docs/learn.md and the README, or check that they are current.
 
     /usr/bin/python3 docs/learn.py --write [--stale] [--builddir DIR] [--mpirun CMD]   rewrite the outputs
-    /usr/bin/python3 docs/learn.py --check [--builddir DIR] [--mpirun CMD]             exit 1 when one is stale
+    /usr/bin/python3 docs/learn.py --check [--builddir DIR] [--mpirun CMD] [--only DOC] exit 1 when one is stale
+
+--only DOC (learn.md, plan.md, load-balance.md, README.md) checks or writes
+that document alone.
 
 --write --stale rewrites only the outputs --check calls stale, so that the
 figures of the others stay those the text around them quotes.
@@ -87,11 +90,15 @@ def main(argv):
     builddir = argv[argv.index("--builddir") + 1] if "--builddir" in argv else os.path.join(HERE, "..")
     mpirun = argv[argv.index("--mpirun") + 1] if "--mpirun" in argv else None
     only_stale = mode == "--write" and "--stale" in argv
+    only = argv[argv.index("--only") + 1] if "--only" in argv else None
+    docs = [doc for doc in DOCS if only is None or os.path.basename(doc) == only]
+    if not docs:
+        sys.exit("learn.py: --only must name one of %s" % ", ".join(os.path.basename(d) for d in DOCS))
     if mode not in ("--write", "--check"):
         sys.exit(__doc__)
     env = environment()
     stale, count = [], 0
-    for doc in DOCS:
+    for doc in docs:
         name = os.path.relpath(doc, os.path.join(HERE, ".."))
         lines = open(doc, encoding="utf-8").read().split("\n")
         found = steps(lines)
