@@ -56,6 +56,13 @@ typedef struct {
     const char *np1_layout; /* NULL: the run's own */
 } test_options;
 
+/* ceil(T k / E * C): the capacity per expert and rank, in real arithmetic. */
+static moe_index by_hand_capacity(const moe_config *cfg, moe_index T)
+{
+    const double share = (double)T * (double)cfg->topk / (double)cfg->experts;
+    return (moe_index)ceil(share * cfg->capacity_factor);
+}
+
 /* ids/weights (T, k) for tokens with global ids first .. first+T-1: k experts
  * not held by the token's home rank (global id / tokens_per_rank), starting
  * at a token-dependent offset; weights are the router's scores renormalised. */
@@ -127,6 +134,69 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
     moe_ep_free(&ep);
     return rc;
+}
+
+/* The pairs --capacity-factor keeps, stated here apart from capacity.c (the
+ * path under test drops with it): an expert keeps at most
+ * ceil(T k / E * C) of a rank's pairs (Megatron-Core's get_capacity, in
+ * real arithmetic: T k need not be a multiple of E), and a pair stays when
+ * fewer than that many pairs of its expert come before it in the policy's
+ * order (probs: the larger weight, then the lower token; position: the
+ * lower token). kept (T, k) is ids with -1 for a dropped pair. Returns the
+ * pairs dropped. */
+static moe_index capacity_by_hand(const moe_config *cfg, const int32_t *ids, const float *weights,
+                                  moe_index T, int32_t *kept)
+{
+    const moe_index pairs = T * cfg->topk;
+    const moe_index capacity = by_hand_capacity(cfg, T);
+    moe_index dropped = 0;
+    for (moe_index m = 0; m < pairs; m++) {
+        moe_index before = 0;
+        for (moe_index n = 0; n < pairs; n++) {
+            if (n == m || ids[n] != ids[m])
+                continue;
+            const bool earlier = cfg->drop_policy == MOE_DROP_POSITION
+                                     ? n < m
+                                     : weights[n] > weights[m] || (weights[n] == weights[m] && n < m);
+            before += earlier;
+        }
+        kept[m] = before < capacity ? ids[m] : -1;
+        dropped += before >= capacity;
+    }
+    return dropped;
+}
+
+/* Each token's k gate weights, stated apart from the router's code: the
+ * reference gates renormalise the k scores to sum to one (the softmax gate,
+ * DeepSeek-V3's sigmoid gate with its correction bias, or --norm-topk true)
+ * or keep them as they are (DeepSeek-V2's softmax gate, norm_topk_prob
+ * false, or --norm-topk false: then k softmax probabilities of E > k sum
+ * below one), and then scale them by --route-scale. Returns the tokens
+ * whose weights break this (rank 0 prints a line). */
+static int check_weight_sums(const moe_comm *c, const moe_config *cfg, const float *weights,
+                             moe_index T)
+{
+    const int k = (int)cfg->topk;
+    const bool v3 = cfg->router == MOE_ROUTER_DEEPSEEK_V3;
+    const bool renormalised = cfg->norm_topk == MOE_NORM_TOPK_ON ||
+                              (cfg->norm_topk == MOE_NORM_TOPK_AUTO && (!v3 || cfg->bias_scale > 0));
+    const double scale = cfg->route_scale;
+    double bad = 0.0, low = INFINITY, high = 0.0;
+    for (moe_index i = 0; i < T; i++) {
+        double sum = 0.0;
+        for (int s = 0; s < k; s++)
+            sum += weights[i * k + s];
+        sum /= scale;
+        low = fmin(low, sum);
+        high = fmax(high, sum);
+        bad += renormalised ? fabs(sum - 1.0) > 1e-5 * k : !(sum < 1.0 - 1e-6);
+    }
+    bad = moe_comm_sum(c, bad);
+    if (c->rank == 0)
+        printf("gate weights: %s, each token's sum / route scale in [%.6f, %.6f]: %s\n",
+               renormalised ? "renormalised to one" : "not renormalised (below one)", low, high,
+               bad == 0.0 ? "ok" : "FAIL");
+    return bad != 0.0;
 }
 
 /* The wave pipeline at every W of opt->sweep and both progress modes against
@@ -227,8 +297,7 @@ static int check_padding(const moe_comm *c, const moe_config *cfg, const moe_pla
     const double pads = moe_comm_sum(c, (double)padded->pad_rows);
     const double pairs = moe_comm_sum(c, (double)stats.pairs_received);
     const double extra = moe_comm_sum(c, padded->expert_flops - stats.expert_flops);
-    const double want = (double)cfg->experts * c->ranks *
-                        (double)moe_expert_capacity(cfg->capacity_factor, T, (int)k, (int)cfg->experts);
+    const double want = (double)cfg->experts * c->ranks * (double)by_hand_capacity(cfg, T);
     const bool ok = differ == 0.0 && pads + pairs == want && extra == pads * row_flops;
     if (c->rank == 0)
         printf("pad to capacity: %.0f values differ from the run without; %.0f pairs + %.0f zero rows "
@@ -286,6 +355,8 @@ int main(int argc, char **argv)
     int32_t *placed = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
     if (forward(&world, &cfg, &home, T, &opt, x, ids, placed, weights, y, &stats))
         failures++;
+    if (!opt.route_elsewhere && cfg.topk < cfg.experts)
+        failures += check_weight_sums(&world, &cfg, weights, T);
     /* The bytes MPI was asked to move to other ranks (counts times the wire
      * row types) are the bytes the traffic figures report (wire.h). */
     {
@@ -323,7 +394,7 @@ int main(int argc, char **argv)
     /* --capacity-factor: the drops, decided here from the routing alone */
     moe_index dropped = 0;
     if (cfg.capacity_factor > 0) {
-        dropped = moe_capacity_apply(&cfg, ids, weights, T, ids);
+        dropped = capacity_by_hand(&cfg, ids, weights, T, ids);
         dropped = (moe_index)moe_comm_sum(&world, (double)dropped);
         if (r == 0)
             printf("capacity factor %g: %lld of %lld pairs dropped\n", cfg.capacity_factor,

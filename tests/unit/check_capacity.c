@@ -12,6 +12,10 @@ START_TEST(capacity_is_megatrons)
     ck_assert_int_eq(moe_expert_capacity(0.01, 10, 2, 4), 1);  /* below one token: one */
     ck_assert_int_eq(moe_expert_capacity(2.0, 10, 2, 4), 10);  /* C = E/k: every pair */
     ck_assert_int_eq(moe_expert_capacity(1.0, 0, 2, 4), 0);
+    /* T k not a multiple of E: the share is real, not an integer quotient */
+    ck_assert_int_eq(moe_expert_capacity(1.0, 10, 3, 8), 4);   /* ceil(3.75), not 3 */
+    ck_assert_int_eq(moe_expert_capacity(0.75, 37, 2, 6), 10); /* ceil(9.25), not 9 */
+    ck_assert_int_eq(moe_expert_capacity(2.0, 7, 1, 4), 4);    /* ceil(3.5), not 2 */
 }
 END_TEST
 
