@@ -1,15 +1,15 @@
-"""Fill the command outputs of docs/learn.md and the README, or check that they are current.
+"""Fill the command outputs of docs/learn.md and the other docs, or check that they are current.
 
     /usr/bin/python3 docs/learn.py --write [--stale] [--builddir DIR] [--mpirun CMD]   rewrite the outputs
     /usr/bin/python3 docs/learn.py --check [--builddir DIR] [--mpirun CMD] [--only DOC] exit 1 when one is stale
 
---only DOC (learn.md, plan.md, load-balance.md, README.md) checks or writes
+--only DOC (learn.md, plan.md, load-balance.md, demo.md, routing.md, README.md) checks or writes
 that document alone.
 
 --write --stale rewrites only the outputs --check calls stale, so that the
 figures of the others stay those the text around them quotes.
 
-Each step of docs/learn.md (and each generated example of the README) marks
+Each step of docs/learn.md (and each generated example of the other docs) marks
 its command with a comment,
 
     <!-- learn: mpirun -np 4 ./moe-ep run --preset tiny | sed -n '/^routing/,/^traffic/p' -->
@@ -32,7 +32,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DOCS = [os.path.join(HERE, name) for name in ("learn.md", "plan.md", "load-balance.md", os.path.join("..", "README.md"))]
+DOCS = [os.path.join(HERE, name) for name in ("learn.md", "plan.md", "load-balance.md", "demo.md", "routing.md",
+                                               os.path.join("..", "README.md"))]
 MARK = re.compile(r"^<!-- learn( timed)?: (.*) -->$")
 TIMED = re.compile(r"\d ?(ms|s|us|µs)\b|GFLOP/s|GB/s|tokens/s|peak resident|estimated up front|overlap|"
                    r"in MPI_Test|not computing|speed-up|ceiling|token chunks|expert slots|worst element|max_abs|^\s*[\d.\s]+$|\d+\.\d+x\b")

@@ -5,7 +5,7 @@
 
 Runs `moe-ep run --check` once per row (N times, default 3, for the
 expert time's median; everything else is the same in every run) and
-prints a Markdown table; --write puts it in the README between the lines
+prints a Markdown table; --write puts it in docs/routing.md between the lines
 `<!-- lesson.py: begin -->` and `<!-- lesson.py: end -->`. The columns:
 
   experts max/mean    the busiest expert's pairs over the mean: the
@@ -120,10 +120,10 @@ def main(argv):
     if "--write" not in argv:
         print(text)
         return 0
-    readme = os.path.join(HERE, "..", "README.md")
+    readme = os.path.join(HERE, "routing.md")
     old = open(readme).read()
     if BEGIN not in old or END not in old:
-        sys.exit("lesson.py: the README lacks the lines %s and %s" % (BEGIN, END))
+        sys.exit("lesson.py: docs/routing.md lacks the lines %s and %s" % (BEGIN, END))
     head, rest = old.split(BEGIN, 1)
     tail = rest.split(END, 1)[1]
     command = BASE.replace("mpirun -np 8 ./moe-ep", "moe-ep").replace(" --check", "")

@@ -52,7 +52,7 @@ typedef struct {
 } bench_row;
 
 /* Bytes written before each anchor run to push its data out of the caches
- * (twice the 32 MiB last-level cache of the machine the README measures). */
+ * (twice the 32 MiB last-level cache of the machine docs/performance.md measures). */
 #define EVICT_BYTES ((size_t)64 << 20)
 
 /* The median over 3 runs of fn, all ranks starting together after a
