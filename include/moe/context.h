@@ -14,6 +14,7 @@
 #define MOE_CONTEXT_H
 
 #include "moe/ep.h"
+#include "moe/path.h"
 #include "moe/report.h"
 
 typedef struct {

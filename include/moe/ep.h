@@ -5,12 +5,13 @@
  *
  *   route → plan → pack → dispatch → experts → combine → reduce (+ shared)
  *
- * Two paths run them. moe_ep_forward_ref (ep_ref.c) is the blocking
- * reference: one count exchange, dispatch and combine with MPI_Alltoallv,
- * one SwiGLU call per local expert on its rows in global token order. It is
- * never removed. moe_ep_forward_waves (ep_waves.c) runs the same stages in W
- * pipelined waves under an explicit schedule; it must match the reference,
- * bitwise where the contract says so.
+ * Several paths run them (path.h: the table, chosen once from the config).
+ * moe_ep_forward_ref (ep_ref.c) is the blocking reference: one count
+ * exchange, dispatch and combine with MPI_Alltoallv, one SwiGLU call per
+ * local expert on its rows in global token order. It is never removed.
+ * moe_ep_forward_waves (ep_waves.c) runs the same stages in W pipelined
+ * waves under an explicit schedule; it must match the reference, bitwise
+ * where the contract says so.
  *
  * What is fixed for the object's life comes from the validated configuration
  * (held const, never written); what a caller varies from one forward to the
@@ -34,6 +35,7 @@
 #include "moe/stats.h"
 
 struct moe_ep_workspace; /* the paths' buffers, kept across forwards (ep_stages.h) */
+struct moe_path_s;       /* the path this object runs (path.h) */
 
 typedef struct moe_ep_s {
     const moe_config *cfg; /* validated, never written */
@@ -60,6 +62,7 @@ typedef struct moe_ep_s {
     float *replay_weights; /* (T, k) and weights (owned; moe_ep_free frees them) */
     moe_link link;     /* the emulated interconnect (configured by --link; its
                           bandwidths calibrated once by cb=RATIO) */
+    const struct moe_path_s *path; /* chosen once from cfg at init (path.h) */
     struct moe_ep_workspace *work; /* mutable through a const moe_ep */
 } moe_ep;
 
@@ -287,8 +290,8 @@ int moe_ep_pair_step(const moe_ep *ep, const moe_schedule *sched, enum moe_pair_
  * --dispatch hierarchical (ep_hier.c): each token crosses to another node
  * once per node, to the rank of its local index there, which forwards it
  * within its node; outputs return the same way. Blocking: one wave, each
- * all-to-all waited for when posted. (moe_ep_forward_waves runs it in
- * waves of tokens for a configuration that asks for it.) y has the same
+ * all-to-all waited for when posted. (The two-stage path runs it in waves
+ * of tokens: path.h.) y has the same
  * bits as moe_ep_forward_ref with --gemm packed or exact. G must be a
  * multiple of the ranks per node. A buffer that cannot be allocated ends
  * the job with exit 3 (moe_fatal); an injected plan fault returns
@@ -297,8 +300,8 @@ int moe_ep_forward_hier(const moe_ep *ep, const float *x, const int32_t *ids,
                         const float *weights, float *y, moe_forward_stats *stats, moe_status *st);
 
 /* The same layer in sched->waves pipelined waves, progress and link model as
- * sched says; with --dispatch hierarchical, the two-stage dispatch in waves
- * of tokens (ep_hier.c). Output bitwise identical to moe_ep_forward_ref for
+ * sched says; the flat dispatch only (the two-stage one in waves is its own
+ * path, path.h). Output bitwise identical to moe_ep_forward_ref for
  * expert-slot waves, and for any waves with --gemm exact or packed.
  * stats->comm_seconds is left 0: the all-to-alls alone are timed by
  * moe_ep_time_alltoalls, outside the forward. Collective. */

@@ -45,6 +45,7 @@ typedef struct {
 
 typedef struct {
     const moe_config *cfg;
+    const struct moe_path_s *path; /* the path the run took (path.h) */
     const moe_link *link;
     int ranks, ranks_on_host, cores, bound, threads, blas_threads;
     int progress;                 /* enum moe_progress_kind, as granted */

@@ -521,8 +521,9 @@ static int latency_point(const moe_comm *c, const moe_config *base, const moe_li
     for (int i = -warmup; i < n && rc == MOE_EXIT_OK; i++) {
         moe_comm_barrier(c);
         const double start = moe_comm_time();
-        rc = p == 0 ? moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, &stats, st)
-                    : moe_ep_forward_ll(&ep, x, ids, weights, y, &stats, st);
+        const moe_path_args a = {.sched = &sched, .x = x, .ids = ids, .weights = weights, .y = y,
+                                 .fwd = &stats};
+        rc = ep.path->run(&ep, &a, st);
         if (i >= 0)
             t[i] = moe_comm_time() - start;
     }
@@ -694,7 +695,7 @@ static void measure_anchors(const moe_run_context *ctx, anchors *a)
     free(g.B);
     free(g.A);
     measure_fma_peak(c, &a->peak);
-    if (!cfg->backward)
+    if (!ctx->ep.path->training)
         return;
     const int EL = ctx->ep.local_experts;
     wgrad_anchor w = {EL, EL ? (probe->pairs_received + EL - 1) / EL : 0, d, f, NULL, NULL, NULL};
@@ -740,7 +741,7 @@ static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const
         .rss_mb = p->rss_max / 1048576.0,
         .rss_ratio = p->rss_ratio,
     };
-    if (cfg->backward)
+    if (s->path->training)
         training_row(r, s, a->flops / a->gemm, a->wgrad_rate, peak_rate(&a->peak));
 }
 
@@ -752,8 +753,9 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
     int rc = moe_context_open(&ctx, c, MOE_CMD_BENCH, argc, argv);
     if (rc)
         return rc;
-    if (ctx.cfg.mode == MOE_MODE_LOW_LATENCY || ctx.cfg.schedule == MOE_SCHEDULE_DUALPIPE) {
-        rc = ctx.cfg.mode == MOE_MODE_LOW_LATENCY ? bench_latency(&ctx) : bench_pairs(&ctx);
+    const moe_path *path = ctx.ep.path;
+    if (path->low_latency || ctx.cfg.schedule == MOE_SCHEDULE_DUALPIPE) {
+        rc = path->low_latency ? bench_latency(&ctx) : bench_pairs(&ctx);
         if (rc)
             moe_comm_print_error(c, &ctx.status);
         moe_context_close(&ctx);
@@ -778,13 +780,12 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
             rc = moe_context_timed_forwards(&ctx, iters);
         if (rc)
             break;
-        if (!cfg->backward) /* the step's forward is the blocking one: no waves to re-post */
-            moe_context_time_alltoalls(&ctx, iters);
+        moe_context_time_alltoalls(&ctx, iters); /* not a training step's: its forward is blocking */
         sweep_point *p = &points[measured++];
         p->waves = ctx.schedule.waves;
         p->s = ctx.summary;
         const double rss = moe_peak_rss();
-        const double least = cfg->backward ? minimum_training_bytes(&ctx.ep, probe)
+        const double least = path->training ? minimum_training_bytes(&ctx.ep, probe)
                                            : minimum_bytes(&ctx.ep, probe);
         p->rss_max = moe_comm_max(c, rss);
         p->rss_ratio = moe_comm_max(c, rss / least);
@@ -816,11 +817,11 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                "· plain MPI_Alltoallv of %s, per W below\n",
                cfg->shared_experts ? " and shared" : "", 1e3 * gemm_anchor,
                anchor_flops * 1e-9 / gemm_anchor, c->ranks,
-               cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
+               path->two_stage
                    ? "the flat dispatch's counts (one hop; the two-stage forward makes four)"
                    : "the same counts");
         print_fma_peak(stdout, &peak, c);
-        if (cfg->backward) {
+        if (path->training) {
             print_training(stdout, rows, wgrad_anchor_rate);
         } else {
         printf("          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "

@@ -13,6 +13,7 @@
 #include "moe/files.h"
 #include "moe/gemm.h"
 #include "moe/golden.h"
+#include "moe/path.h"
 #include "moe/routing.h"
 
 /* Every output path can be written, and no two name the same place (nor a
@@ -85,18 +86,19 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
         moe_config_resolve_nodes(cfg, c->node_ranks, c->ranks, st) == MOE_EXIT_OK &&
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
-        if (cfg->mode == MOE_MODE_LOW_LATENCY) /* every pair comes home alone (ep_ll.c) */
+        const moe_path *path = moe_path_choose(cfg);
+        if (path->low_latency) /* every pair comes home alone (ep_ll.c) */
             cfg->combine = MOE_COMBINE_PAIRS;
         if (c->rank == 0)
             check_outputs(cfg, st);
-        if (command == MOE_CMD_RUN && cfg->backward && cfg->waves_count > 1 &&
+        if (command == MOE_CMD_RUN && path->training && cfg->waves_count > 1 &&
             st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE,
                      "--waves W1,W2,... sweeps the forward's wave pipeline, and run --backward "
                      "runs one schedule (the blocking forward, its backward in W waves): give "
                      "one --waves, or sweep them with moe-ep bench --backward");
         if (command == MOE_CMD_BENCH && cfg->schedule == MOE_SCHEDULE_DUALPIPE &&
-            !cfg->backward && st->code == MOE_EXIT_OK)
+            !path->training && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE,
                      "--schedule dualpipe pairs one micro-batch's forward with another's "
                      "backward: add --backward");
@@ -105,11 +107,11 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
             moe_fail(st, MOE_EXIT_USAGE,
                      "--plot draws the wave sweep of one micro-batch; with --schedule dualpipe "
                      "write the table with --csv");
-        if (command == MOE_CMD_BENCH && cfg->blocking && st->code == MOE_EXIT_OK)
+        if (command == MOE_CMD_BENCH && path->reference_run && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
         if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE, "--compare-serial needs --timeline FILE.svg");
-        if (cfg->blocking && (cfg->trace[0] || cfg->timeline[0]) && st->code == MOE_EXIT_OK)
+        if (path->reference_run && (cfg->trace[0] || cfg->timeline[0]) && st->code == MOE_EXIT_OK)
             moe_fail(st, MOE_EXIT_USAGE,
                      "--trace and --timeline show the wave pipeline; drop --blocking");
     }
@@ -118,7 +120,7 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         const double have = moe_memory_available() / c->ranks_on_host;
         if (need > have) {
             char b1[32], b2[32], b3[32] = "";
-            const bool ll = cfg->mode == MOE_MODE_LOW_LATENCY;
+            const bool ll = moe_path_choose(cfg)->low_latency;
             if (ll)
                 moe_format_bytes(moe_ll_buffer_bytes(cfg, c->ranks), b3, sizeof b3);
             moe_fail(st, MOE_EXIT_USAGE,
@@ -264,30 +266,22 @@ static void summarize_backward(moe_run_context *ctx, int iters, bool identical)
     s->dgrad_flops = moe_comm_sum(c, ctx->last_bwd.dgrad_flops);
     s->wgrad_flops = moe_comm_sum(c, ctx->last_bwd.wgrad_flops);
     s->grads_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
-    s->bwd_overlapped = !ctx->cfg.blocking;
+    s->bwd_overlapped = !ctx->ep.path->reference_run;
     for (int op = 0; op < 2; op++)
         s->bwd_in_flight[op] = moe_comm_max(c, ctx->last_bwd.in_flight[op]);
 }
 
+/* One run of the context's path on its buffers, under its schedule (with
+ * the trace recorded from `origin`). */
 static int forward(moe_run_context *ctx, double origin)
 {
-    if (ctx->cfg.mode == MOE_MODE_LOW_LATENCY)
-        return moe_ep_forward_ll(&ctx->ep, ctx->x, ctx->placed, ctx->weights, ctx->y, &ctx->last,
-                                 &ctx->status);
-    if (ctx->cfg.blocking && ctx->cfg.dispatch == MOE_DISPATCH_HIERARCHICAL)
-        return moe_ep_forward_hier(&ctx->ep, ctx->x, ctx->placed, ctx->weights, ctx->y, &ctx->last,
-                                   &ctx->status);
     ctx->schedule.trace = &ctx->trace;
     ctx->schedule.origin = origin;
-    if (ctx->cfg.backward)
-        return moe_ep_backward_step(&ctx->ep, ctx->cfg.blocking ? NULL : &ctx->schedule, ctx->x,
-                                    ctx->logits, ctx->placed, ctx->weights, ctx->dy, ctx->y,
-                                    &ctx->grads, &ctx->last, &ctx->last_bwd, &ctx->status);
-    if (ctx->cfg.blocking)
-        return moe_ep_forward_ref(&ctx->ep, ctx->x, ctx->placed, ctx->weights, ctx->y, &ctx->last,
-                                  NULL, &ctx->status);
-    return moe_ep_forward_waves(&ctx->ep, &ctx->schedule, ctx->x, ctx->placed, ctx->weights, ctx->y,
-                                &ctx->last, &ctx->status);
+    const moe_path_args a = {.sched = &ctx->schedule, .x = ctx->x, .logits = ctx->logits,
+                             .dy = ctx->dy, .ids = ctx->placed, .weights = ctx->weights,
+                             .y = ctx->y, .grads = &ctx->grads, .fwd = &ctx->last,
+                             .bwd = &ctx->last_bwd};
+    return ctx->ep.path->run(&ctx->ep, &a, &ctx->status);
 }
 
 int moe_context_timed_forwards(moe_run_context *ctx, int iters)
@@ -300,7 +294,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     int rc = MOE_EXIT_OK;
     free(ctx->per_iter);
     free(ctx->per_iter_bwd);
-    ctx->per_iter_bwd = ctx->cfg.backward ? moe_xmalloc(sizeof(double) * (size_t)(iters * BWD_COLS))
+    ctx->per_iter_bwd = ctx->ep.path->training ? moe_xmalloc(sizeof(double) * (size_t)(iters * BWD_COLS))
                                           : NULL;
     ctx->per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * COLS));
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
@@ -322,7 +316,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
             ctx->y_digest = digest;
         else if (digest != ctx->y_digest)
             identical = false;
-        if (ctx->cfg.backward && rc == MOE_EXIT_OK)
+        if (ctx->ep.path->training && rc == MOE_EXIT_OK)
             backward_row(ctx, it, origin, &grads_identical);
         if (progress)
             fprintf(stderr, "\rmoe-ep: W=%d forward %d/%d", ctx->schedule.waves, it + 1, iters);
@@ -338,18 +332,19 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     s->wave_kind = ctx->last.wave_kind;
     s->progress = ctx->schedule.progress;
     s->iterations_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
-    if (ctx->cfg.backward)
+    if (ctx->ep.path->training)
         summarize_backward(ctx, iters, grads_identical);
     return MOE_EXIT_OK;
 }
 
 void moe_context_time_alltoalls(moe_run_context *ctx, int iters)
 {
-    if (ctx->cfg.blocking || ctx->cfg.backward || ctx->cfg.mode == MOE_MODE_LOW_LATENCY)
+    const moe_path *path = ctx->ep.path;
+    if (!path->time_alltoalls)
         return;
     double seconds[iters];
     for (int it = 0; it < iters; it++)
-        seconds[it] = moe_comm_max(ctx->comm, moe_ep_time_alltoalls(&ctx->ep, &ctx->schedule));
+        seconds[it] = moe_comm_max(ctx->comm, path->time_alltoalls(&ctx->ep, &ctx->schedule));
     ctx->summary.comm_seconds = moe_median(seconds, iters);
 }
 
@@ -364,8 +359,9 @@ static int calibrate_link(moe_run_context *ctx)
     moe_ep_route(ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
     moe_ep_place(ep, ctx->ids, ctx->weights, ctx->placed);
     moe_forward_stats f;
-    const int rc = moe_ep_forward_waves(ep, &unlinked, ctx->x, ctx->placed, ctx->weights, ctx->y,
-                                        &f, &ctx->status);
+    const moe_path_args a = {.sched = &unlinked, .x = ctx->x, .ids = ctx->placed,
+                             .weights = ctx->weights, .y = ctx->y, .fwd = &f};
+    const int rc = ep->path->waves->run(ep, &a, &ctx->status);
     if (rc)
         return rc;
     const double flops = moe_comm_sum(ctx->comm, f.expert_flops);
@@ -391,7 +387,7 @@ static void buffers_init(moe_run_context *ctx)
     ctx->placed = cfg->redundant_experts > 0 || cfg->capacity_factor > 0 ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : ctx->ids;
     ctx->weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
     ctx->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
-    if (cfg->backward) {
+    if (ctx->ep.path->training) {
         ctx->dy = moe_xmalloc(sizeof(float) * (size_t)(T * d));
         moe_ep_generate_grad_output(&ctx->ep, ctx->dy);
         moe_ep_grads_init(&ctx->ep, &ctx->grads);
@@ -489,12 +485,12 @@ int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command c
     }
     moe_ep_generate_tokens(&ctx->ep, ctx->x);
     ctx->schedule = moe_schedule_default(&ctx->ep);
-    ctx->summary = (moe_run_summary){.cfg = &ctx->cfg, .ranks = c->ranks,
+    ctx->summary = (moe_run_summary){.cfg = &ctx->cfg, .path = ctx->ep.path, .ranks = c->ranks,
                                      .ranks_on_host = c->ranks_on_host, .cores = c->cores,
                                      .bound = c->bound, .threads = threads,
                                      .blas_threads = moe_gemm_threads(), .link = &ctx->ep.link,
                                      .progress = ctx->schedule.progress};
-    if (!ctx->cfg.blocking && ctx->ep.link.enabled && ctx->ep.link.cb_ratio > 0)
+    if (ctx->ep.path->linked && ctx->ep.link.enabled && ctx->ep.link.cb_ratio > 0)
         rc = calibrate_link(ctx);
     if (rc) {
         moe_comm_print_error(c, &ctx->status);

@@ -17,6 +17,7 @@
 #include "moe/check.h"
 #include "moe/cli.h"
 #include "moe/ep.h"
+#include "moe/path.h"
 #include "moe/gemm.h"
 #include "moe/golden.h"
 #include "moe/quant.h"
@@ -436,7 +437,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
     moe_ep_capture cap = {0};
     moe_forward_stats stats;
     backward_share bwd = {0};
-    int rc = cfg->backward ? backward_step(c, ep, x, dy, ids, weights, logits, y, &cap, &bwd, st)
+    int rc = ep->path->training ? backward_step(c, ep, x, dy, ids, weights, logits, y, &cap, &bwd, st)
                            : moe_ep_forward_ref(ep, x, ids, weights, y, &stats, &cap, st);
     if (rc) {
         backward_share_free(&bwd);
@@ -483,7 +484,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
     layout_share lay = {0};
     if (!rc)
         rc = gather_layout(c, &cap, ep, &lay, st);
-    if (!rc && cfg->backward)
+    if (!rc && ep->path->training)
         rc = gather_backward(c, ep, &bwd, st);
 
     /* 3. Every rank still well (an injected fault stands for a failure
@@ -577,7 +578,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
         l.items[it].abs = l.items[iy].abs;
         l.items[iy].allow = l.items[it].allow = all_allow ? "output.allow" : NULL;
 
-        if (cfg->backward)
+        if (ep->path->training)
             add_backward(&l, ep, G, &bwd);
 
         json_t *config_object = json_object();

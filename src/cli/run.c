@@ -16,6 +16,7 @@
 #include "moe/context.h"
 #include "moe/ep.h"
 #include "moe/gemm.h"
+#include "moe/path.h"
 #include "moe/quant.h"
 #include "moe/report.h"
 #include "moe/rng.h"
@@ -225,12 +226,13 @@ static int compare_with_reference(moe_run_context *ctx)
     moe_forward_stats f;
     /* The two-stage dispatch reduces at the relay too: its own blocking run
      * sums in its order (ep_hier.c); the flat reference otherwise. */
-    const bool two_stage_sums = ep->cfg->combine == MOE_COMBINE_REDUCED &&
-                                ep->cfg->dispatch == MOE_DISPATCH_HIERARCHICAL;
+    const bool two_stage_sums = ep->cfg->combine == MOE_COMBINE_REDUCED && ep->path->two_stage;
     s->ref_two_stage = two_stage_sums;
-    int rc = two_stage_sums
-                 ? moe_ep_forward_hier(ep, ctx->x, ctx->placed, ctx->weights, y_ref, &f, &ctx->status)
-                 : moe_ep_forward_ref(ep, ctx->x, ctx->placed, ctx->weights, y_ref, &f, NULL, &ctx->status);
+    const moe_path_args a = {.x = ctx->x, .ids = ctx->placed, .weights = ctx->weights, .y = y_ref,
+                             .fwd = &f};
+    int rc = two_stage_sums ? ep->path->blocking->run(ep, &a, &ctx->status)
+                            : moe_ep_forward_ref(ep, ctx->x, ctx->placed, ctx->weights, y_ref, &f,
+                                                 NULL, &ctx->status);
     double differ = 0.0, max_diff = 0.0;
     for (moe_index m = 0; rc == MOE_EXIT_OK && m < n; m++)
         if (memcmp(&y[m], &y_ref[m], sizeof(float)) != 0) {
@@ -242,7 +244,7 @@ static int compare_with_reference(moe_run_context *ctx)
     s->ref_differ = moe_comm_sum(ctx->comm, differ);
     s->ref_max_diff = moe_comm_max(ctx->comm, max_diff);
     s->ref_bitwise_expected =
-        ep->cfg->mode == MOE_MODE_LOW_LATENCY /* sums per pair at home, as --combine pairs */
+        ep->path->low_latency /* sums per pair at home, as --combine pairs */
             ? moe_gemm_rows_independent(ep->gemm)
             : moe_gemm_rows_independent(ep->gemm) || s->wave_kind == MOE_WAVES_EXPERT_SLOTS;
     free(y_ref);
@@ -297,7 +299,7 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
     static const char *const progress_names[] = {"poll", "thread"};
     const moe_comm *c = ctx->comm;
     moe_comm_gather_events(c, ctx->trace.events, ctx->trace.count, &p->offset[0], &p->events[0]);
-    if (ctx->cfg.backward)
+    if (ctx->ep.path->training)
         snprintf(p->titles[0], sizeof p->titles[0],
                  "a training step: the blocking forward, the backward in W = %d waves, progress "
                  "%s, %d ranks", ctx->schedule.waves, progress_names[ctx->schedule.progress],
@@ -317,23 +319,20 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
     moe_comm_barrier(c);
     one_wave.origin = moe_comm_time();
     float *y = moe_xmalloc(sizeof(float) * (size_t)(ctx->cfg.tokens * ctx->cfg.hidden));
-    int rc;
-    if (ctx->cfg.backward) { /* the same step, its backward in one wave */
-        moe_ep_grads g;
-        moe_backward_stats bwd;
+    moe_ep_grads g = {0}; /* a training step's: the same step, its backward in one wave */
+    moe_backward_stats bwd;
+    if (ctx->ep.path->training)
         moe_ep_grads_init(&ctx->ep, &g);
-        rc = moe_ep_backward_step(&ctx->ep, &one_wave, ctx->x, ctx->logits, ctx->ids,
-                                  ctx->weights, ctx->dy, y, &g, &f, &bwd, &ctx->status);
-        moe_ep_grads_free(&g);
-    } else {
-        rc = moe_ep_forward_waves(&ctx->ep, &one_wave, ctx->x, ctx->placed, ctx->weights, y, &f,
-                                  &ctx->status);
-    }
+    const moe_path_args a = {.sched = &one_wave, .x = ctx->x, .logits = ctx->logits, .dy = ctx->dy,
+                             .ids = ctx->placed, .weights = ctx->weights, .y = y, .grads = &g,
+                             .fwd = &f, .bwd = &bwd};
+    const int rc = ctx->ep.path->run(&ctx->ep, &a, &ctx->status);
+    moe_ep_grads_free(&g);
     free(y);
     if (rc == MOE_EXIT_OK) {
         moe_comm_gather_events(c, serial.events, serial.count, &p->offset[1], &p->events[1]);
         snprintf(p->titles[1], sizeof p->titles[1],
-                 ctx->cfg.backward ? "the same step with the backward in W = 1 (its all-to-alls "
+                 ctx->ep.path->training ? "the same step with the backward in W = 1 (its all-to-alls "
                                      "behind the shared experts and the weight gradients only)"
                                    : "the same forward at W = 1 (no overlap)");
         p->panels[p->count++] = (moe_timeline_panel){
@@ -400,7 +399,7 @@ static int write_pictures(const moe_comm *c, const moe_config *cfg, const pictur
     moe_timeline_panel panels[2];
     memcpy(panels, p->panels, sizeof panels);
     char summary[320] = "";
-    if (!cfg->backward)
+    if (!s->path->training)
         picture_summary(s, summary, sizeof summary);
     panels[0].summary = summary;
     const picture_files files = {p, panels, &curve, s};
@@ -498,7 +497,7 @@ static void drop_detail(moe_run_context *ctx, const moe_waves *waves, traffic_de
             kept[ep->placement.expert_rank[ctx->placed[n]]] += 1.0;
     }
     double *rows = moe_xmalloc(sizeof(double) * (size_t)G), undropped = (double)(T * k);
-    if (cfg->mode != MOE_MODE_LOW_LATENCY) {
+    if (!ep->path->low_latency) {
         moe_rows_per_destination(&ep->placement, every, T, k, waves, rows);
         undropped = 0.0;
         for (int r = 0; r < G; r++)
@@ -530,29 +529,30 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     const double row_bytes = moe_dispatch_row_bytes(cfg);
 
     double *rows = moe_xmalloc(sizeof(double) * (size_t)G);
+    const moe_path *path = ep->path;
     moe_waves waves;
-    if (!cfg->blocking)
+    if (!path->reference_run)
         moe_waves_init_by(&waves, &ep->placement, ctx->schedule.waves, T, ctx->schedule.wave_by);
     moe_rows_per_destination(&ep->placement, ids, T, k, NULL, rows); /* one wave */
     s->rows_one_wave = 0.0;
     for (int r = 0; r < G; r++)
         s->rows_one_wave += rows[r];
     s->rows_one_wave = moe_comm_sum(c, s->rows_one_wave);
-    if (cfg->mode == MOE_MODE_LOW_LATENCY) { /* a row per pair, with its own meta */
+    if (path->low_latency) { /* a row per pair, with its own meta */
         memset(rows, 0, sizeof(double) * (size_t)G);
         for (moe_index n = 0; n < T * k; n++)
             if (ids[n] != MOE_DROPPED)
                 rows[ep->placement.expert_rank[ids[n]]] += 1.0;
     } else {
-        moe_rows_per_destination(&ep->placement, ids, T, k, cfg->blocking ? NULL : &waves, rows);
+        moe_rows_per_destination(&ep->placement, ids, T, k, path->reference_run ? NULL : &waves, rows);
     }
     if (cfg->capacity_factor > 0)
-        drop_detail(ctx, cfg->blocking ? NULL : &waves, out);
-    if (!cfg->blocking)
+        drop_detail(ctx, path->reference_run ? NULL : &waves, out);
+    if (!path->reference_run)
         moe_waves_free(&waves);
     const double ll_row = moe_ll_row_bytes(cfg);
     for (int r = 0; r < G; r++)
-        rows[r] *= cfg->mode == MOE_MODE_LOW_LATENCY ? ll_row : row_bytes;
+        rows[r] *= path->low_latency ? ll_row : row_bytes;
     out->matrix = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)G * (size_t)G) : NULL;
     moe_comm_gather_doubles(c, rows, G, out->matrix);
     free(rows);
@@ -592,6 +592,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     if (rc)
         return rc;
     const moe_config *cfg = &ctx.cfg;
+    const moe_path *path = ctx.ep.path;
     moe_run_summary *s = &ctx.summary;
 
     if (cfg->steps > 1 || cfg->bias_update > 0)
@@ -609,16 +610,16 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     pictures pics = {.count = 0};
     /* the report draws the timeline where the forward records one */
     const bool drawing = cfg->trace[0] || cfg->timeline[0] ||
-                         (cfg->report[0] && !cfg->blocking && cfg->mode == MOE_MODE_NORMAL);
+                         (cfg->report[0] && path->pipelined);
     if (rc == MOE_EXIT_OK && drawing)
         rc = collect_pictures(&ctx, &pics);
     if (rc == MOE_EXIT_OK && cfg->check) {
         check_against_truth(&ctx);
-        if (cfg->backward)
+        if (path->training)
             check_backward(&ctx);
-        if (!cfg->blocking || cfg->mode == MOE_MODE_LOW_LATENCY)
+        if (!path->reference_run)
             rc = compare_with_reference(&ctx);
-        if (rc == MOE_EXIT_OK && cfg->backward && !cfg->blocking)
+        if (rc == MOE_EXIT_OK && path->training && !path->reference_run)
             rc = compare_backward_with_reference(&ctx);
     }
     if (rc == MOE_EXIT_OK && cfg->dump[0]) {
@@ -632,7 +633,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     const moe_schedule first_schedule = ctx.schedule;
     moe_curve_point curve[MOE_MAX_WAVE_RUNS];
     int points = 0;
-    const bool waves = !cfg->blocking && !cfg->backward && cfg->mode == MOE_MODE_NORMAL;
+    const bool waves = path->pipelined && !path->training;
     for (int n = 0; rc == MOE_EXIT_OK && waves && n < cfg->waves_count; n++) {
         if (n > 0) {
             ctx.schedule.waves = (int)cfg->waves_list[n];

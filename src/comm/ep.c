@@ -1,7 +1,7 @@
 /* ep.c — the EP object (weights, placement, router, link model) and the
- * stages both forwards share: route, pack, experts, reduce, shared (see
- * ep.h and ep_stages.h). The forwards themselves are ep_ref.c,
- * ep_waves.c and ep_hier.c.
+ * stages every path shares: route, pack, experts, reduce, shared (see
+ * ep.h and ep_stages.h). The paths themselves are ep_ref.c, ep_waves.c,
+ * ep_hier.c, ep_ll.c and ep_backward.c, chosen through path.c.
  */
 #include "moe/ep.h"
 
@@ -13,6 +13,7 @@
 #include "moe/capacity.h"
 #include "moe/gemm.h"
 #include "moe/experts.h"
+#include "moe/path.h"
 #include "moe/progress.h"
 #include "moe/quant.h"
 #include "moe/rng.h"
@@ -107,6 +108,7 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     memset(ep, 0, sizeof *ep);
     ep->cfg = cfg;
     ep->comm = *comm;
+    ep->path = moe_path_choose(cfg);
     const int physical = (int)(cfg->experts + cfg->redundant_experts);
     moe_placement_init(&ep->placement, physical, comm->ranks);
     ep->router = (moe_router){.kind = (enum moe_router_kind)cfg->router,
@@ -177,9 +179,7 @@ void moe_ep_free(moe_ep *ep)
     moe_replicas_free(&ep->replicas);
     if (ep->work) {
         struct moe_ep_workspace *work = ep->work;
-        moe_ep_forget_waves(work);
-        moe_ep_forget_hier(work);
-        moe_ep_ll_close(work);
+        moe_path_release(work);
         for (int n = 0; n < work->waves * MOE_WAVE_BUFFERS; n++)
             moe_buffer_free(&work->wave[n]);
         free(work->wave);

@@ -575,8 +575,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
                          moe_forward_stats *stats, moe_status *st)
 {
     MOE_ASSERT(sched->waves >= 1 && sched->lookahead >= 1);
-    if (ep->cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
-        return moe_ep_hier_forward(ep, sched, x, ids, weights, y, stats, st);
+    MOE_ASSERT(ep->cfg->dispatch == MOE_DISPATCH_FLAT); /* the two-stage one: ep_hier.c */
     waves_forward f = {0};
     moe_status local = {0};
     memset(stats, 0, sizeof *stats);
@@ -608,8 +607,6 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
 
 double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
 {
-    if (ep->cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
-        return moe_ep_hier_time_alltoalls(ep, sched);
     const moe_comm *c = &ep->comm;
     const int G = c->ranks, W = ep->work->last_waves;
     wave_state *ws = ep->work->last;

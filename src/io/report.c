@@ -7,6 +7,7 @@
 #include "moe/capacity.h"
 #include "moe/experts.h"
 #include "moe/layout.h"
+#include "moe/path.h"
 #include "moe/router.h"
 #include "moe/wire.h"
 
@@ -215,7 +216,7 @@ static void print_drops(FILE *out, const moe_run_summary *s)
     fprintf(out, "\n");
     /* a dispatch row's bytes, and a combine row's (a row per dispatch row
      * with --combine reduced, per pair otherwise) */
-    const bool per_row = cfg->combine == MOE_COMBINE_REDUCED && cfg->mode == MOE_MODE_NORMAL;
+    const bool per_row = cfg->combine == MOE_COMBINE_REDUCED && !s->path->low_latency;
     const double in_row = s->rows_sent > 0 ? s->bytes_dispatched / s->rows_sent : 0.0;
     const double back_rows = per_row ? s->rows_sent : kept;
     const double out_row = back_rows > 0 ? s->bytes_combined / back_rows : 0.0;
@@ -267,7 +268,7 @@ static void print_routing(FILE *out, const moe_run_summary *s)
                     (long long)s->cfg->expert_alignment);
         fprintf(out, "; %.0f slots on all ranks%s, %.0f hold rows, %.0f (%.1f%%) %s, never "
                      "computed\n",
-                s->layout_slots, s->waves > 1 && s->cfg->mode == MOE_MODE_NORMAL ? " (one tensor per wave)" : "",
+                s->layout_slots, s->waves > 1 && !s->path->low_latency ? " (one tensor per wave)" : "",
                 filled, empty, s->layout_slots > 0 ? 100.0 * empty / s->layout_slots : 0.0,
                 layout == MOE_LAYOUT_MASKED ? "empty" : "padding");
     }
@@ -300,8 +301,7 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
     const double T = (double)cfg->tokens, k = (double)cfg->topk;
     char b1[32], b2[32], b3[32], b4[32];
     const double pairs = G * T * k, saved = pairs - s->rows_sent;
-    const bool two_stage = cfg->dispatch == MOE_DISPATCH_HIERARCHICAL;
-    const bool low_latency = cfg->mode == MOE_MODE_LOW_LATENCY;
+    const bool two_stage = s->path->two_stage, low_latency = s->path->low_latency;
     fprintf(out, "traffic   dispatch %s (%s to other ranks): ",
             moe_format_bytes(s->bytes_dispatched, b1, sizeof b1),
             moe_format_bytes(s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0), b2, sizeof b2));
@@ -392,7 +392,7 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
                 nr->flat_inter / (G * T), nr->flat_intra / (G * T), nr->two_stage_inter / (G * T),
                 nr->two_stage_intra / (G * T),
                 nr->flat_inter > 0 ? 100.0 * (1.0 - nr->two_stage_inter / nr->flat_inter) : 0.0);
-        if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL) {
+        if (s->path->two_stage) {
             const double tokens = G * T, flat_rows = inter / moe_dispatch_row_bytes(cfg);
             fprintf(out, "          two-stage dispatch: %.0f rows between nodes (%.2f per token, once per "
                          "node reached but its own), %.0f forwarded within nodes; the flat dispatch "
@@ -450,7 +450,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     const moe_config *cfg = s->cfg;
     const double G = s->ranks, d = (double)cfg->hidden;
 
-    if (cfg->mode == MOE_MODE_LOW_LATENCY)
+    if (s->path->low_latency)
         fprintf(out, "moe-ep %s · MoE forward with expert parallelism · low-latency mode, one-sided "
                      "MPI (%s) · gemm %s\n",
                 PACKAGE_VERSION, cfg->rma == MOE_RMA_PUT ? "put: the sources push" : "get: the owners pull",
@@ -510,7 +510,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     /* Ranks that share cores do not compute at the same moment: the aggregate
      * rate divides by the window in which any rank computed, never by one
      * rank's time, so it cannot exceed what the cores can do. */
-    if (cfg->mode == MOE_MODE_LOW_LATENCY && s->link && s->link->enabled) {
+    if (s->path->low_latency && s->link && s->link->enabled) {
         char text[160];
         moe_link_describe(s->link, text, sizeof text);
         fprintf(out, "link      emulated (docs/link-model.md): %s; dispatch and combine each "
@@ -559,7 +559,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         const moe_curve_point *first = &s->curve[0];
         /* rows against one wave of the same dispatch (the two-stage one's waves
          * of tokens keep its dedup: its first point is the base) */
-        const double base = cfg->dispatch == MOE_DISPATCH_HIERARCHICAL ? first->rows_sent : s->rows_one_wave;
+        const double base = s->path->two_stage ? first->rows_sent : s->rows_one_wave;
         const double stage = (first->compute_seconds - first->fill_seconds + first->comm_seconds) / 5.0;
         fprintf(out, "curve     speed-up against W = %d, per forward, ms (median of %lld iters each)\n",
                 first->waves, (long long)cfg->iters);

@@ -44,6 +44,7 @@
 #include "moe/check.h"
 #include "moe/capacity.h"
 #include "moe/ep.h"
+#include "moe/path.h"
 #include "moe/progress.h"
 #include "moe/truth.h"
 #include "moe/wire.h"
@@ -124,12 +125,9 @@ static int forward(const moe_comm *c, const moe_config *cfg, const moe_placement
           weights);
     moe_ep_place(&ep, ids, weights, placed);
     const moe_schedule sched = moe_schedule_default(&ep);
-    int rc = cfg->mode == MOE_MODE_LOW_LATENCY
-                 ? moe_ep_forward_ll(&ep, x, placed, weights, y, stats, &st)
-             : !cfg->blocking ? moe_ep_forward_waves(&ep, &sched, x, placed, weights, y, stats, &st)
-             : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
-                 ? moe_ep_forward_hier(&ep, x, placed, weights, y, stats, &st)
-                 : moe_ep_forward_ref(&ep, x, placed, weights, y, stats, NULL, &st);
+    const moe_path_args a = {.sched = &sched, .x = x, .ids = placed, .weights = weights, .y = y,
+                             .fwd = stats};
+    int rc = ep.path->run(&ep, &a, &st);
     if (rc)
         fprintf(stderr, "ep_forward_test: %s\n", st.message);
     moe_ep_free(&ep);
@@ -236,7 +234,9 @@ static int sweep_waves(const moe_comm *world, const moe_config *cfg, const moe_p
             moe_schedule sched = moe_schedule_default(&ep);
             sched.waves = atoi(item);
             sched.progress = moe_progress_granted(world, (enum moe_progress_kind)progress);
-            failures += moe_ep_forward_waves(&ep, &sched, x, ids, weights, y, &stats, &st) != 0;
+            const moe_path_args a = {.sched = &sched, .x = x, .ids = ids, .weights = weights,
+                                     .y = y, .fwd = &stats};
+            failures += ep.path->waves->run(&ep, &a, &st) != 0;
             double differ = 0.0;
             for (moe_index n = 0; n < T * d; n++)
                 differ += memcmp(&y[n], &y_ref[n], sizeof(float)) != 0;
