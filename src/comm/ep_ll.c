@@ -468,109 +468,163 @@ static void ll_rows_per_peer(const moe_ep *ep, const struct moe_ll_state *s, moe
     }
 }
 
-int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
-                      float *y, moe_forward_stats *stats, moe_status *st)
+/* One forward's state on this rank, stage to stage. */
+typedef struct {
+    struct moe_ll_state *s;
+    moe_index *pos;     /* (T k) each pair's row in the staging buffer, -1: dropped */
+    moe_index sent;     /* rows this rank sends (one per kept pair) */
+    moe_index computed; /* pairs this rank's experts computed */
+    double posted;      /* MPI_Wtime the dispatch was posted */
+    float *shared;      /* (S, T, d) the shared experts' outputs, added after the routed sum */
+    moe_link_state links;
+    moe_index *to, *from; /* --link: rows to and from each rank */
+} ll_forward;
+
+/* plan + pack: each kept pair a row of its own, in its owner's slot. */
+static void ll_plan(const moe_ep *ep, ll_forward *f, const float *x, const int32_t *ids,
+                    const float *weights, moe_forward_stats *stats)
+{
+    const double t = MPI_Wtime();
+    f->pos = moe_xmalloc(sizeof(moe_index) * (size_t)(ep->cfg->tokens * f->s->k) + 1);
+    f->sent = ll_pack(ep, f->s, x, ids, weights, f->pos);
+    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+}
+
+/* dispatch, posted: put, the rows and the arrivals on their way; get, the
+ * staging marked ready for the owners to read. */
+static void ll_dispatch_post(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats)
+{
+    f->posted = MPI_Wtime();
+    if (ep->cfg->rma == MOE_RMA_PUT)
+        ll_dispatch_put(ep, f->s);
+    else
+        mark_ready(f->s, ep->comm.rank, SIG_DISPATCH_READY);
+    stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - f->posted;
+}
+
+/* shared: the shared experts compute before the dispatch's receive
+ * completes, their outputs kept apart. */
+static void ll_shared(const moe_ep *ep, ll_forward *f, const float *x, moe_forward_stats *stats)
 {
     const moe_config *cfg = ep->cfg;
-    memset(stats, 0, sizeof *stats);
-    struct moe_ll_state *s = ll_open(ep, st);
-    if (!s)
-        return st->code;
-    MOE_ASSERT(cfg->tokens <= s->N); /* moe_config_validate refuses more */
-    const int me = ep->comm.rank, k = s->k;
-    const moe_index T = cfg->tokens, d = cfg->hidden, pairs = T * k;
-    const bool put = cfg->rma == MOE_RMA_PUT;
-    s->forwards++;
-    double t = MPI_Wtime();
-    moe_index *pos = moe_xmalloc(sizeof(moe_index) * (size_t)pairs + 1);
-    const moe_index sent = ll_pack(ep, s, x, ids, weights, pos); /* the rows that travel */
-    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
-
-    /* The hook: the dispatch posted (put: the rows and the arrivals are on
-     * their way; get: the staging is marked ready for the owners to read),
-     * the shared experts compute before its receive completes. */
-    t = MPI_Wtime();
-    const double posted = t;
-    if (put)
-        ll_dispatch_put(ep, s);
-    else
-        mark_ready(s, me, SIG_DISPATCH_READY);
-    stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
-    /* the shared experts' outputs kept apart, added after the routed sum */
-    float *shared = moe_xmalloc(sizeof(float) * (size_t)(cfg->shared_experts * T * d) + 1);
+    const moe_index values = cfg->shared_experts * cfg->tokens * cfg->hidden;
+    f->shared = moe_xmalloc(sizeof(float) * (size_t)values + 1);
     float *scratch = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * 2 * cfg->ffn));
-    moe_ep_shared(ep, x, NULL, scratch, shared, stats);
+    moe_ep_shared(ep, x, NULL, scratch, f->shared, stats);
     free(scratch);
-    t = MPI_Wtime();
+}
+
+/* dispatch, received: every source's rows here (put: its counter; get:
+ * pulled). --link: the rows arrive at their modelled time, one round after
+ * the post (put: the counter follows the rows in order), two for a pull
+ * (the ready mark, then the rows); the shared experts ran meanwhile. */
+static void ll_dispatch_wait(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats)
+{
+    const double t = MPI_Wtime();
+    const bool put = ep->cfg->rma == MOE_RMA_PUT;
     if (put)
-        wait_signal(s, me, SIG_DISPATCH, s->forwards * s->G);
+        wait_signal(f->s, ep->comm.rank, SIG_DISPATCH, f->s->forwards * f->s->G);
     else
-        ll_dispatch_get(ep, s);
-    /* --link: the rows arrive at their modelled time, one round after the
-     * post (put: the counter follows the rows in order), two for a pull
-     * (the ready mark, then the rows); the shared experts ran meanwhile */
-    const bool link = ep->link.enabled;
-    moe_link_state links = {{{0}}};
-    moe_index *to = link ? moe_xcalloc((size_t)s->G, sizeof(moe_index)) : NULL;
-    moe_index *from = link ? moe_xcalloc((size_t)s->G, sizeof(moe_index)) : NULL;
-    if (link) {
+        ll_dispatch_get(ep, f->s);
+    if (ep->link.enabled) {
         double bytes[2][MOE_TIERS] = {{0}};
-        ll_rows_per_peer(ep, s, to, from);
-        moe_pipeline_link_bytes(ep, from, to, moe_ll_row_bytes(cfg), bytes);
-        moe_pipeline_hold(&ep->link, &links, posted, bytes, put ? 1 : 2, ep->comm.comm);
+        f->to = moe_xcalloc((size_t)f->s->G, sizeof(moe_index));
+        f->from = moe_xcalloc((size_t)f->s->G, sizeof(moe_index));
+        ll_rows_per_peer(ep, f->s, f->to, f->from);
+        moe_pipeline_link_bytes(ep, f->from, f->to, moe_ll_row_bytes(ep->cfg), bytes);
+        moe_pipeline_hold(&ep->link, &f->links, f->posted, bytes, put ? 1 : 2, ep->comm.comm);
     }
     stats->seconds[MOE_STAGE_DISPATCH] += MPI_Wtime() - t;
+}
 
+/* experts: each local expert on its slots, in the layout --expert-layout asks. */
+static void ll_compute(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats)
+{
     stats->expert_start = MPI_Wtime();
     moe_gemm_reset_flops();
-    const moe_index computed = ll_experts(ep, s, &stats->layout_slots);
+    f->computed = ll_experts(ep, f->s, &stats->layout_slots);
     stats->expert_flops = moe_gemm_sflops();
     stats->expert_end = MPI_Wtime();
     stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - stats->expert_start;
+}
 
-    t = MPI_Wtime();
+/* combine: each output back to its pair's home slot (put, then wait for
+ * every owner's counter; or pulled), under the link model as the dispatch. */
+static void ll_combine(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats)
+{
+    const double t = MPI_Wtime();
+    const bool put = ep->cfg->rma == MOE_RMA_PUT;
     if (put) {
-        ll_combine_put(ep, s);
-        wait_signal(s, me, SIG_COMBINE, s->forwards * s->G);
+        ll_combine_put(ep, f->s);
+        wait_signal(f->s, ep->comm.rank, SIG_COMBINE, f->s->forwards * f->s->G);
     } else {
-        ll_combine_get(ep, s);
+        ll_combine_get(ep, f->s);
     }
-    if (link) {
+    if (ep->link.enabled) {
         double bytes[2][MOE_TIERS] = {{0}};
-        moe_pipeline_link_bytes(ep, to, from, (double)s->out, bytes);
-        moe_pipeline_hold(&ep->link, &links, t, bytes, put ? 1 : 2, ep->comm.comm);
+        moe_pipeline_link_bytes(ep, f->to, f->from, (double)f->s->out, bytes);
+        moe_pipeline_hold(&ep->link, &f->links, t, bytes, put ? 1 : 2, ep->comm.comm);
     }
-    free(from);
-    free(to);
     stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
+}
 
-    t = MPI_Wtime();
-    const moe_wire cw = moe_wire_combine(cfg);
+/* reduce: a token's outputs summed in slot order (as --combine pairs),
+ * then its shared experts' added. */
+static void ll_reduce(const moe_ep *ep, ll_forward *f, const float *weights, float *y,
+                      moe_forward_stats *stats)
+{
+    const double t = MPI_Wtime();
+    const moe_index d = ep->cfg->hidden, pairs = ep->cfg->tokens * f->s->k;
+    const moe_wire cw = moe_wire_combine(ep->cfg);
     float *back = moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1);
     const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)pairs + 1);
-    moe_wire_decode(&cw, s->base + s->back, sent, back);
+    moe_wire_decode(&cw, f->s->base + f->s->back, f->sent, back);
     for (moe_index n = 0; n < pairs; n++)
-        slot_rows[n] = pos[n] < 0 ? NULL : back + pos[n] * d;
+        slot_rows[n] = f->pos[n] < 0 ? NULL : back + f->pos[n] * d;
     moe_ep_reduce(ep, slot_rows, weights, y);
-    moe_ep_shared_add(ep, shared, y);
+    moe_ep_shared_add(ep, f->shared, y);
     stats->done = MPI_Wtime();
     stats->seconds[MOE_STAGE_REDUCE] = stats->done - t;
-    free(shared);
-
-    /* The traffic: every pair a row each way, no deduplication. */
-    moe_index own = 0;
-    for (int l = 0; l < ep->local_experts; l++)
-        own += table_out(s, ep->first_expert + l)[0];
-    const double row_bytes = moe_ll_row_bytes(cfg);
-    stats->rows_sent = sent;
-    stats->rows_sent_remote = sent - own;
-    stats->rows_received = computed;
-    stats->pairs_received = computed;
-    stats->pairs_back_remote = sent - own;
-    stats->bytes_dispatched = (double)sent * row_bytes;
-    stats->bytes_combined = (double)computed * (double)s->out;
     free(slot_rows);
     free(back);
-    free(pos);
+}
+
+/* The traffic: every pair a row each way, no deduplication. */
+static void ll_traffic(const moe_ep *ep, const ll_forward *f, moe_forward_stats *stats)
+{
+    moe_index own = 0;
+    for (int l = 0; l < ep->local_experts; l++)
+        own += table_out(f->s, ep->first_expert + l)[0];
+    const double row_bytes = moe_ll_row_bytes(ep->cfg);
+    stats->rows_sent = f->sent;
+    stats->rows_sent_remote = f->sent - own;
+    stats->rows_received = f->computed;
+    stats->pairs_received = f->computed;
+    stats->pairs_back_remote = f->sent - own;
+    stats->bytes_dispatched = (double)f->sent * row_bytes;
+    stats->bytes_combined = (double)f->computed * (double)f->s->out;
+}
+
+int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,
+                      float *y, moe_forward_stats *stats, moe_status *st)
+{
+    memset(stats, 0, sizeof *stats);
+    ll_forward f = {.s = ll_open(ep, st)};
+    if (!f.s)
+        return st->code;
+    MOE_ASSERT(ep->cfg->tokens <= f.s->N); /* moe_config_validate refuses more */
+    f.s->forwards++;
+    ll_plan(ep, &f, x, ids, weights, stats);     /* each pair a row, in its owner's slot */
+    ll_dispatch_post(ep, &f, stats);             /* put, or marked ready to be pulled */
+    ll_shared(ep, &f, x, stats);                 /* the shared experts while the rows travel */
+    ll_dispatch_wait(ep, &f, stats);             /* every source's rows here */
+    ll_compute(ep, &f, stats);                   /* the local experts on their slots */
+    ll_combine(ep, &f, stats);                   /* each output to its pair's home slot */
+    ll_reduce(ep, &f, weights, y, stats);        /* slot order, then the shared experts */
+    ll_traffic(ep, &f, stats);
+    free(f.from);
+    free(f.to);
+    free(f.shared);
+    free(f.pos);
     return MOE_EXIT_OK;
 }

@@ -53,30 +53,32 @@ static const moe_path reference, waves, two_stage_reference, two_stage, low_late
     training_reference;
 
 static const moe_path reference = {
-    .name = "reference", .reference_run = true, .run = run_reference, .waves = &waves, .blocking = &reference};
+    .name = "reference", .reference_run = true,
+    .run = run_reference, .waves = &waves, .blocking = &reference};
 static const moe_path waves = {
-    .name = "waves", .pipelined = true, .linked = true, .run = run_waves,
-    .time_alltoalls = moe_ep_time_alltoalls, .waves = &waves, .blocking = &reference};
+    .name = "waves", .pipelined = true, .linked = true,
+    .run = run_waves, .time_alltoalls = moe_ep_time_alltoalls,
+    .waves = &waves, .blocking = &reference};
 static const moe_path two_stage_reference = {
-    .name = "two-stage reference", .reference_run = true, .two_stage = true, .run = run_two_stage_reference,
-    .waves = &two_stage, .blocking = &two_stage_reference};
+    .name = "two-stage reference", .reference_run = true, .two_stage = true,
+    .run = run_two_stage_reference, .waves = &two_stage, .blocking = &two_stage_reference};
 static const moe_path two_stage = {
-    .name = "two-stage", .pipelined = true, .two_stage = true, .linked = true, .run = run_two_stage,
-    .time_alltoalls = moe_ep_hier_time_alltoalls, .waves = &two_stage,
-    .blocking = &two_stage_reference};
+    .name = "two-stage", .pipelined = true, .two_stage = true, .linked = true,
+    .run = run_two_stage, .time_alltoalls = moe_ep_hier_time_alltoalls,
+    .waves = &two_stage, .blocking = &two_stage_reference};
 /* Its bits are the reference path's with --combine pairs (ep.h); its
  * normal counterpart the wave forward. */
 static const moe_path low_latency = {
-    .name = "low-latency", .low_latency = true, .linked = true, .run = run_low_latency,
-    .waves = &waves, .blocking = &reference};
+    .name = "low-latency", .low_latency = true, .linked = true,
+    .run = run_low_latency, .waves = &waves, .blocking = &reference};
 /* A training step's forward is the reference one; its waves are the
  * backward's. */
 static const moe_path training = {
-    .name = "training step", .pipelined = true, .training = true, .linked = true, .run = run_training,
-    .waves = &waves, .blocking = &reference};
+    .name = "training step", .pipelined = true, .training = true, .linked = true,
+    .run = run_training, .waves = &waves, .blocking = &reference};
 static const moe_path training_reference = {
-    .name = "training step, blocking", .reference_run = true, .training = true, .run = run_training_reference,
-    .waves = &waves, .blocking = &reference};
+    .name = "training step, blocking", .reference_run = true, .training = true,
+    .run = run_training_reference, .waves = &waves, .blocking = &reference};
 
 const moe_path *moe_path_choose(const moe_config *cfg)
 {
