@@ -614,9 +614,6 @@ void moe_ep_bwd_capture_free(moe_ep_bwd_capture *capture)
     memset(capture, 0, sizeof *capture);
 }
 
-/* The backward after a kept forward f, blocking (sched NULL) or with its
- * all-to-alls in flight as sched->progress drives them; cap, when not
- * NULL, receives what this rank saw. */
 /* DualPipe's pairing: another micro-batch's reference forward, run inside a
  * backward with its all-to-alls on the same progress engine. */
 typedef struct {
@@ -636,133 +633,176 @@ static void paired_wait(moe_progress *p, int op, paired_forward *pf, int stage)
     pf->stats->seconds[stage] += MPI_Wtime() - t;
 }
 
+/* The backward's buffers, its waves' plan and this rank's dy rows packed in
+ * the dispatch's order; progress (sched not NULL) set up for the
+ * backward's 2W operations and a paired forward's two. */
+static void bwd_open(const moe_ep *ep, const moe_schedule *sched, const moe_ref_forward *f,
+                     const int32_t *ids, const float *dy, bool paired, bool capture,
+                     moe_progress *progress, bwd_run *b, moe_backward_stats *bwd)
+{
+    const moe_config *cfg = ep->cfg;
+    const int G = ep->comm.ranks;
+    const moe_index T = cfg->tokens, d = cfg->hidden, ff = cfg->ffn;
+    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+    const moe_index pairs = f->recv.pairs, pairs_out = f->send.pair_offset[G];
+    const int W = sched ? sched->waves : 1, ops = 2 * W;
+    *b = (bwd_run){.progress = sched ? progress : NULL,
+                   .link = sched ? moe_schedule_link(ep, sched) : NULL,
+                   .trace = sched ? sched->trace : NULL,
+                   .serial = sched && sched->serial,
+                   .origin = sched ? sched->origin : 0.0,
+                   .W = W,
+                   .lookahead = sched && sched->lookahead < W ? sched->lookahead : W};
+    moe_waves_init_by(&b->waves, &ep->placement, W, T, MOE_WAVE_BY_TOKENS);
+    b->counts = moe_xmalloc(sizeof(int) * (size_t)(ops * COUNT_SETS * COUNT_ARRAYS * G));
+    b->bytes = moe_xcalloc((size_t)ops, sizeof *b->bytes);
+    MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &b->row));
+    MOE_MPI(MPI_Type_commit(&b->row));
+    if (sched) /* after the MPI calls above: a progress thread may run from here */
+        moe_progress_init(progress, sched->progress, ops + (paired ? 2 : 0));
+    b->send_dy = moe_xmalloc(sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
+    b->dy_in = moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1);
+    b->work = moe_expert_grad_work_alloc(pairs, d, ff);
+    b->pair_dx = !reduced || capture ? moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1) : NULL;
+    b->pair_dg = moe_xmalloc(sizeof(float) * (size_t)pairs + 1);
+    /* fp32 on the wire */
+    b->sums = reduced ? moe_xcalloc((size_t)(f->rows_in * d) + 1, sizeof(float)) : NULL;
+    const moe_index back_rows = reduced ? f->send.row_offset[G] : pairs_out;
+    b->back = moe_xmalloc(sizeof(float) * (size_t)(back_rows * d) + 1);
+    b->dg_back = moe_xmalloc(sizeof(float) * (size_t)pairs_out + 1);
+    b->shared_dx = cfg->shared_experts > 0 ? moe_xmalloc(sizeof(float) * (size_t)(T * d)) : NULL;
+    plan_waves(ep, f, ids, b);
+    const double t0 = MPI_Wtime();
+    moe_gather_rows(dy, d, f->send.row_token, f->send.row_offset[G], b->send_dy);
+    bwd->seconds[MOE_BWD_COMBINE] += MPI_Wtime() - t0;
+}
+
+/* Wave by wave, as the combines backward land: the combine w + A posted as
+ * wave w starts (lookahead A), wave w's data gradients behind the later
+ * combines and the earlier dispatches, then its dispatch backward posted. */
+static void bwd_data_waves(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b,
+                           moe_backward_stats *bwd)
+{
+    const int W = b->W;
+    for (int w = 0; w < W; w++) {
+        if (w + b->lookahead < W)
+            combine_backward(ep, f, b, w + b->lookahead, bwd);
+        finish(b, op_combine(w), bwd, MOE_BWD_COMBINE);
+        if (w == W - 1) { /* every combine backward is in: dy as sent is done with */
+            free(b->send_dy);
+            b->send_dy = NULL;
+        }
+        experts_dgrad(ep, f, b, w, bwd);
+        dispatch_backward(ep, b, w, bwd);
+    }
+}
+
+/* The progress engine stopped; each direction's time in flight, from the
+ * first post to the last completion, and the backward's comm events. */
+static void bwd_progress_close(const moe_ep *ep, bwd_run *b, moe_progress *progress,
+                               moe_backward_stats *bwd)
+{
+    moe_progress_stop(progress);
+    bwd->test_seconds = progress->test_seconds;
+    for (int dir = 0; dir < 2; dir++) {
+        double first = 0, last = 0;
+        for (int w = 0; w < b->W; w++) {
+            const moe_comm_op *o = &progress->ops[dir ? op_dispatch(w) : op_combine(w)];
+            first = w == 0 || o->posted < first ? o->posted : first;
+            last = o->completed > last ? o->completed : last;
+        }
+        bwd->in_flight[dir] = last - first;
+    }
+    comm_events(ep, b);
+    moe_progress_free(progress);
+}
+
+/* dx home and the router's gradients, then the replicated weights'
+ * gradients (the gate's, the shared experts') summed over the ranks in
+ * rank order, in fp64. */
+static void bwd_home(const moe_ep *ep, const moe_ref_forward *f, const float *x,
+                     const float *logits, const int32_t *ids, bwd_run *b, moe_ep_grads *g,
+                     moe_backward_stats *bwd)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index d = cfg->hidden, ff = cfg->ffn, E = cfg->experts, S = cfg->shared_experts;
+    double *dweights = moe_xmalloc(sizeof(double) * (size_t)(cfg->tokens * cfg->topk) + 1);
+    const moe_index most = E * d > S * 2 * ff * d ? E * d : S * 2 * ff * d;
+    double *partial = moe_xmalloc(sizeof(double) * (size_t)most);
+    reduce_home(ep, f, ids, b, dweights, g->dx, bwd);
+    router_backward(ep, x, logits, ids, dweights, g->dx, partial, bwd);
+    const double t = MPI_Wtime();
+    moe_comm_sum_ordered(&ep->comm, partial, E * d); /* the gate's, in fp64 so far */
+    for (moe_index n = 0; n < E * d; n++)
+        g->dgate[n] = (float)partial[n];
+    sum_over_ranks(&ep->comm, g->dshared_w1, partial, S * 2 * ff * d);
+    sum_over_ranks(&ep->comm, g->dshared_w2, partial, S * d * ff);
+    bwd->seconds[MOE_BWD_ALLREDUCE] = MPI_Wtime() - t;
+    free(partial);
+    free(dweights);
+}
+
+static void bwd_free(bwd_run *b)
+{
+    free(b->shared_dx);
+    free(b->dg_back);
+    free(b->back);
+    free(b->sums);
+    free(b->pair_dg);
+    free(b->pair_dx);
+    moe_expert_grad_work_free(&b->work);
+    free(b->dy_in);
+    free(b->send_dy);
+    MOE_MPI(MPI_Type_free(&b->row));
+    free(b->row_wave);
+    free(b->split_at);
+    free(b->split);
+    free(b->bytes);
+    free(b->counts);
+    moe_waves_free(&b->waves);
+}
+
+/* The backward after a kept forward f, blocking (sched NULL) or with its
+ * all-to-alls in flight as sched->progress drives them; cap, when not NULL,
+ * receives what this rank saw. The same sequence on both: what overlaps is
+ * what has no use for the data in flight. Paired (DualPipe, pf): the other
+ * micro-batch's forward stages go where this backward's all-to-alls are in
+ * flight, and the other way round. */
 static void backward(const moe_ep *ep, const moe_schedule *sched, const moe_ref_forward *f,
                      const float *x, const float *logits, const int32_t *ids, const float *dy,
                      moe_ep_grads *g, moe_backward_stats *bwd, moe_ep_bwd_capture *cap,
                      paired_forward *pf)
 {
-    const moe_config *cfg = ep->cfg;
-    const moe_comm *c = &ep->comm;
-    const int G = c->ranks, k = (int)cfg->topk;
-    const moe_index T = cfg->tokens, d = cfg->hidden, ff = cfg->ffn, E = cfg->experts;
-    const moe_index S = cfg->shared_experts;
-    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-    const moe_index pairs = f->recv.pairs, pairs_out = f->send.pair_offset[G];
-    const int W = sched ? sched->waves : 1, ops = 2 * W;
     moe_progress progress;
-    bwd_run b = {.progress = sched ? &progress : NULL,
-                 .link = sched ? moe_schedule_link(ep, sched) : NULL,
-                 .trace = sched ? sched->trace : NULL,
-                 .serial = sched && sched->serial,
-                 .origin = sched ? sched->origin : 0.0,
-                 .W = W,
-                 .lookahead = sched && sched->lookahead < W ? sched->lookahead : W};
-    moe_waves_init_by(&b.waves, &ep->placement, W, T, MOE_WAVE_BY_TOKENS);
-    b.counts = moe_xmalloc(sizeof(int) * (size_t)(ops * COUNT_SETS * COUNT_ARRAYS * G));
-    b.bytes = moe_xcalloc((size_t)ops, sizeof *b.bytes);
-    MOE_MPI(MPI_Type_contiguous((int)d, MPI_FLOAT, &b.row));
-    MOE_MPI(MPI_Type_commit(&b.row));
-    if (sched) /* after the MPI calls above: a progress thread may run from here */
-        moe_progress_init(&progress, sched->progress, ops + (pf ? 2 : 0));
-    b.send_dy = moe_xmalloc(sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
-    b.dy_in = moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1);
-    b.work = moe_expert_grad_work_alloc(pairs, d, ff);
-    b.pair_dx = !reduced || cap ? moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1) : NULL;
-    b.pair_dg = moe_xmalloc(sizeof(float) * (size_t)pairs + 1);
-    b.sums = reduced ? moe_xcalloc((size_t)(f->rows_in * d) + 1, sizeof(float)) : NULL; /* fp32 on the wire */
-    b.back = moe_xmalloc(sizeof(float) * (size_t)((reduced ? f->send.row_offset[G] : pairs_out) * d) + 1);
-    b.dg_back = moe_xmalloc(sizeof(float) * (size_t)pairs_out + 1);
-    b.shared_dx = S > 0 ? moe_xmalloc(sizeof(float) * (size_t)(T * d)) : NULL;
-    double *dweights = moe_xmalloc(sizeof(double) * (size_t)(T * k) + 1);
-    const moe_index most = E * d > S * 2 * ff * d ? E * d : S * 2 * ff * d;
-    double *partial = moe_xmalloc(sizeof(double) * (size_t)most);
-    plan_waves(ep, f, ids, &b);
-    const double t0 = MPI_Wtime();
-    moe_gather_rows(dy, d, f->send.row_token, f->send.row_offset[G], b.send_dy);
-    bwd->seconds[MOE_BWD_COMBINE] += MPI_Wtime() - t0;
-
-    /* The same sequence on both paths: what overlaps is what has no use for
-     * the data in flight. Lookahead A: waves 0 .. A-1 on the wire before
-     * anything computes, wave w+A posted as wave w starts. */
-    /* Paired (DualPipe): the other micro-batch's forward stages go where
-     * this backward's all-to-alls are in flight, and the other way round. */
-    const moe_ref_flight flight = {&progress, ops, b.link, &b.links};
+    bwd_run b;
+    bwd_open(ep, sched, f, ids, dy, pf != NULL, cap != NULL, &progress, &b, bwd);
+    const moe_ref_flight flight = {&progress, 2 * b.W, b.link, &b.links};
     if (pf) { /* its plan agreed on while nothing is in flight */
         moe_status st = {0};
         if (moe_ep_ref_begin(ep, pf->x, pf->ids, pf->weights, &pf->f, pf->stats, &flight, &st))
-            moe_comm_abort(c, &st);
+            moe_comm_abort(&ep->comm, &st);
     }
-    for (int w = 0; w < b.lookahead; w++)
+    for (int w = 0; w < b.lookahead; w++) /* waves 0 .. A-1 on the wire before anything computes */
         combine_backward(ep, f, &b, w, bwd);
     shared_backward(ep, x, dy, &b, g, bwd); /* behind the first combines */
     if (pf) { /* behind the combines backward */
         paired_wait(&progress, flight.op, pf, MOE_STAGE_DISPATCH);
         moe_ep_ref_experts(ep, &pf->f, pf->stats, &flight);
     }
-    for (int w = 0; w < W; w++) {
-        if (w + b.lookahead < W)
-            combine_backward(ep, f, &b, w + b.lookahead, bwd);
-        finish(&b, op_combine(w), bwd, MOE_BWD_COMBINE);
-        if (w == W - 1) { /* every combine backward is in: dy as sent is done with */
-            free(b.send_dy);
-            b.send_dy = NULL;
-        }
-        experts_dgrad(ep, f, &b, w, bwd); /* behind later combines, earlier dispatches */
-        dispatch_backward(ep, &b, w, bwd);
-    }
+    bwd_data_waves(ep, f, &b, bwd);
     if (pf) { /* behind the dispatches backward */
         paired_wait(&progress, flight.op + 1, pf, MOE_STAGE_COMBINE);
         moe_ep_ref_end(ep, &pf->f, pf->x, pf->ids, pf->weights, pf->y, pf->stats);
     }
     if (cap)
-        capture_backward(f, &b, d, cap);
+        capture_backward(f, &b, ep->cfg->hidden, cap);
     experts_wgrad(ep, f, &b, g, bwd); /* behind the last dispatches */
-    for (int w = 0; w < W; w++)
+    for (int w = 0; w < b.W; w++)
         finish(&b, op_dispatch(w), bwd, MOE_BWD_DISPATCH);
-    if (sched) {
-        moe_progress_stop(&progress);
-        bwd->test_seconds = progress.test_seconds;
-        for (int dir = 0; dir < 2; dir++) { /* the first post to the last completion */
-            double first = 0, last = 0;
-            for (int w = 0; w < W; w++) {
-                const moe_comm_op *o = &progress.ops[dir ? op_dispatch(w) : op_combine(w)];
-                first = w == 0 || o->posted < first ? o->posted : first;
-                last = o->completed > last ? o->completed : last;
-            }
-            bwd->in_flight[dir] = last - first;
-        }
-        comm_events(ep, &b);
-        moe_progress_free(&progress);
-    }
-    reduce_home(ep, f, ids, &b, dweights, g->dx, bwd);
-    router_backward(ep, x, logits, ids, dweights, g->dx, partial, bwd);
-
-    const double t = MPI_Wtime();
-    moe_comm_sum_ordered(c, partial, E * d); /* the gate's, in fp64 so far */
-    for (moe_index n = 0; n < E * d; n++)
-        g->dgate[n] = (float)partial[n];
-    sum_over_ranks(c, g->dshared_w1, partial, S * 2 * ff * d);
-    sum_over_ranks(c, g->dshared_w2, partial, S * d * ff);
-    bwd->seconds[MOE_BWD_ALLREDUCE] = MPI_Wtime() - t;
-
-    free(partial);
-    free(dweights);
-    free(b.shared_dx);
-    free(b.dg_back);
-    free(b.back);
-    free(b.sums);
-    free(b.pair_dg);
-    free(b.pair_dx);
-    moe_expert_grad_work_free(&b.work);
-    free(b.dy_in);
-    free(b.send_dy);
-    MOE_MPI(MPI_Type_free(&b.row));
-    free(b.row_wave);
-    free(b.split_at);
-    free(b.split);
-    free(b.bytes);
-    free(b.counts);
-    moe_waves_free(&b.waves);
+    if (sched)
+        bwd_progress_close(ep, &b, &progress, bwd);
+    bwd_home(ep, f, x, logits, ids, &b, g, bwd);
+    bwd_free(&b);
 }
 
 /* A training step: the kept blocking forward, then the backward. */
