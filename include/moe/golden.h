@@ -42,6 +42,45 @@ typedef struct {
     bool bf16_step;    /* the value was rounded to bf16 once: allow one step */
 } moe_golden_tensor;
 
+/* The tensors a golden set may hold, one table (src/io/golden_kinds.c,
+ * docs/golden.md's "The tensors" and "Tolerances"): each kind's name
+ * ("%d" stands for the rank), its file, dtype and rule, and for a tolerance
+ * the fp32 chain its relative tolerance covers, rel = u (cd d + ce E + ck
+ * k + cf f + c0), u = 2^-24, with abs = rel times the tensor's rms. Two
+ * rules are the run's, not a chain: the output's (--check's, truth.h) and
+ * a gradient's (docs/backward.md). */
+enum moe_golden_kind {
+    MOE_GK_TOKENS, MOE_GK_GATE_WEIGHT, MOE_GK_GATE_BIAS, MOE_GK_ROUTER_SKEW,
+    MOE_GK_EXPERTS_W1, MOE_GK_EXPERTS_W2, MOE_GK_SHARED_W1, MOE_GK_SHARED_W2,
+    MOE_GK_LOGITS, MOE_GK_SCORES, MOE_GK_SELECTION, MOE_GK_TOPK_IDS, MOE_GK_TOPK_WEIGHTS,
+    MOE_GK_TOKENS_PER_RANK, MOE_GK_TOKENS_PER_EXPERT, MOE_GK_TOKENS_PER_NODE,
+    MOE_GK_TOKEN_IN_RANK, MOE_GK_SEND_COUNTS,
+    MOE_GK_DISPATCH_X, MOE_GK_DISPATCH_TOKEN, MOE_GK_LAYOUT_X, MOE_GK_LAYOUT_SCALE,
+    MOE_GK_LAYOUT_SRC, MOE_GK_LAYOUT_EXPERT, MOE_GK_LAYOUT_COUNT,
+    MOE_GK_EXPERT_OUT, MOE_GK_EXPERT_PAIR, MOE_GK_EXPERT_SUM,
+    MOE_GK_OUTPUT_Y, MOE_GK_OUTPUT_TRUTH, MOE_GK_OUTPUT_ALLOW,
+    MOE_GK_GRAD_OUTPUT, MOE_GK_BACKWARD_DY, MOE_GK_BACKWARD_DX, MOE_GK_BACKWARD_DWEIGHT,
+    MOE_GK_BACKWARD_DX_SUM, MOE_GK_GRADIENT, MOE_GK_GRADIENT_TRUTH,
+    MOE_GOLDEN_KINDS
+};
+
+enum moe_golden_chain { MOE_CHAIN_NONE, MOE_CHAIN_FP32, MOE_CHAIN_OUTPUT, MOE_CHAIN_GRADIENT };
+
+typedef struct {
+    const char *name;  /* NULL: named by the caller (a gradient: backward.dx, ...) */
+    enum moe_stage_file stage;
+    enum moe_st_dtype dtype;
+    enum moe_golden_rule rule;
+    enum moe_golden_chain chain;
+    int cd, ce, ck, cf, c0; /* MOE_CHAIN_FP32: rel = u (cd d + ce E + ck k + cf f + c0) */
+} moe_golden_kind_spec;
+
+extern const moe_golden_kind_spec moe_golden_kinds[MOE_GOLDEN_KINDS];
+
+/* u times the fp32 chain of a MOE_CHAIN_FP32 kind at these sizes. */
+double moe_golden_chain_rel(const moe_golden_kind_spec *kind, int64_t d, int64_t experts,
+                            int64_t topk, int64_t ffn);
+
 /* Write the set as dir (trailing slashes allowed). The new set is built in
  * dir.partial.HOST.PID beside it, read back against its checksums, and only
  * then swapped in for whatever dir held (atomically where the filesystem

@@ -25,7 +25,6 @@
 #include "moe/truth.h"
 #include "moe/wire.h"
 
-#define UNIT_ROUNDOFF 0x1p-24
 
 typedef struct {
     uint64_t seed;
@@ -62,12 +61,16 @@ static double rms_f32(const float *v, int64_t n)
 typedef struct {
     moe_golden_tensor *items;
     int count, capacity;
+    int64_t d, experts, topk, ffn; /* the sizes of the tolerances' fp32 chains */
 } tensor_list;
 
-static moe_golden_tensor *add(tensor_list *l, const char *name, enum moe_st_dtype dtype,
-                              enum moe_stage_file stage, enum moe_golden_rule rule, const void *data,
-                              int ndim, int64_t d0, int64_t d1, int64_t d2)
+/* A tensor of `kind` (golden.h's table: its stage, dtype and rule) named
+ * `name`, with a tolerance kind's chain applied: rel = u times its chain,
+ * abs = rel times the tensor's rms. */
+static moe_golden_tensor *add_named(tensor_list *l, enum moe_golden_kind kind, const char *name,
+                                    const void *data, int ndim, int64_t d0, int64_t d1, int64_t d2)
 {
+    const moe_golden_kind_spec *spec = &moe_golden_kinds[kind];
     if (l->count == l->capacity) {
         l->capacity = l->capacity ? 2 * l->capacity : 32;
         l->items = realloc(l->items, sizeof *l->items * (size_t)l->capacity);
@@ -76,23 +79,29 @@ static moe_golden_tensor *add(tensor_list *l, const char *name, enum moe_st_dtyp
     moe_golden_tensor *g = &l->items[l->count++];
     memset(g, 0, sizeof *g);
     snprintf(g->tensor.name, sizeof g->tensor.name, "%s", name);
-    g->tensor.dtype = dtype;
+    g->tensor.dtype = spec->dtype;
     g->tensor.ndim = ndim;
     const int64_t dims[3] = {d0, d1, d2};
     for (int i = 0; i < ndim; i++)
         g->tensor.shape[i] = dims[i];
     g->tensor.data = data;
-    g->stage = stage;
-    g->rule = rule;
+    g->stage = spec->stage;
+    g->rule = spec->rule;
+    if (spec->chain == MOE_CHAIN_FP32) {
+        g->rel = moe_golden_chain_rel(spec, l->d, l->experts, l->topk, l->ffn);
+        g->abs = g->rel * rms_f32(data, moe_st_elements(ndim, g->tensor.shape));
+    }
     return g;
 }
 
-/* A float tensor compared within rel * (|ref| + rms): the rms floor covers
- * elements much smaller than the terms that made them (truth.h). */
-static void tolerate(moe_golden_tensor *g, double rel)
+/* A tensor of `kind` as the table names it, for rank `rank` where the name
+ * has one. */
+static moe_golden_tensor *add(tensor_list *l, enum moe_golden_kind kind, int rank, const void *data,
+                              int ndim, int64_t d0, int64_t d1, int64_t d2)
 {
-    g->rel = rel;
-    g->abs = rel * rms_f32(g->tensor.data, moe_st_elements(g->tensor.ndim, g->tensor.shape));
+    char name[MOE_ST_NAME_MAX];
+    snprintf(name, sizeof name, moe_golden_kinds[kind].name, rank);
+    return add_named(l, kind, name, data, ndim, d0, d1, d2);
 }
 
 /* The config as a JSON object of strings; where the set was written is not
@@ -323,7 +332,6 @@ static void add_layout(tensor_list *l, const moe_ep *ep, int G, layout_share *s)
     const int kind = moe_config_layout(cfg);
     const int64_t C = (int64_t)G * moe_config_max_tokens(cfg);
     size_t at[4] = {0, 0, 0, 0};
-    char name[MOE_ST_NAME_MAX];
     for (int r = 0; r < G; r++) {
         const int64_t slots = (int64_t)(s->sizes[1][r] / sizeof(int32_t));
         const int64_t EL = (int64_t)(s->sizes[3][r] / sizeof(int32_t));
@@ -334,27 +342,21 @@ static void add_layout(tensor_list *l, const moe_ep *ep, int G, layout_share *s)
         const int64_t d0 = kind == MOE_LAYOUT_MASKED ? EL : slots, d1 = kind == MOE_LAYOUT_MASKED ? C : d;
         float *x = owned(s, sizeof(float) * (size_t)(slots * d));
         moe_wire_decode(&w, wire, slots, x);
-        snprintf(name, sizeof name, "dispatch.rank%d.layout.x", r);
-        add(l, name, MOE_ST_F32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, x, ndim, d0, d1, d);
+        add(l, MOE_GK_LAYOUT_X, r, x, ndim, d0, d1, d);
         if (w.dtype == MOE_DTYPE_FP8) {
             float *scale = owned(s, sizeof(float) * (size_t)(slots * blocks));
             moe_wire_scales(&w, wire, slots, scale);
             for (int64_t m = 0; m < slots; m++) /* empty slots: no scale */
                 if (src[m] < 0)
                     memset(scale + m * blocks, 0, sizeof(float) * (size_t)blocks);
-            snprintf(name, sizeof name, "dispatch.rank%d.layout.x.scale", r);
-            add(l, name, MOE_ST_F32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, scale, ndim, d0,
-                kind == MOE_LAYOUT_MASKED ? C : blocks, blocks);
+            add(l, MOE_GK_LAYOUT_SCALE, r, scale, ndim, d0, kind == MOE_LAYOUT_MASKED ? C : blocks,
+                blocks);
         }
-        snprintf(name, sizeof name, "dispatch.rank%d.layout.src", r);
-        add(l, name, MOE_ST_I32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, src, ndim - 1, d0, C, 0);
+        add(l, MOE_GK_LAYOUT_SRC, r, src, ndim - 1, d0, C, 0);
         if (kind == MOE_LAYOUT_CONTIGUOUS) {
-            snprintf(name, sizeof name, "dispatch.rank%d.layout.expert", r);
-            add(l, name, MOE_ST_I32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, (char *)s->parts[2] + at[2], 1,
-                slots, 0, 0);
+            add(l, MOE_GK_LAYOUT_EXPERT, r, (char *)s->parts[2] + at[2], 1, slots, 0, 0);
         }
-        snprintf(name, sizeof name, "dispatch.rank%d.layout.count", r);
-        add(l, name, MOE_ST_I32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, (char *)s->parts[3] + at[3], 1, EL, 0, 0);
+        add(l, MOE_GK_LAYOUT_COUNT, r, (char *)s->parts[3] + at[3], 1, EL, 0, 0);
         for (int n = 0; n < 4; n++)
             at[n] += s->sizes[n][r];
     }
@@ -368,8 +370,8 @@ static void add_gradient(tensor_list *l, const char *name, const float *v, const
     char truth_name[MOE_ST_NAME_MAX];
     snprintf(truth_name, sizeof truth_name, "%s.truth", name);
     const int iv = l->count, it = l->count + 1; /* add() may move the list */
-    add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, v, ndim, d0, d1, d2);
-    add(l, truth_name, MOE_ST_F64, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, truth, ndim, d0, d1, d2);
+    add_named(l, MOE_GK_GRADIENT, name, v, ndim, d0, d1, d2);
+    add_named(l, MOE_GK_GRADIENT_TRUTH, truth_name, truth, ndim, d0, d1, d2);
     const int64_t n = d0 * (ndim > 1 ? d1 : 1) * (ndim > 2 ? d2 : 1);
     const double rms = n ? sqrt(moe_sum_squares(truth, n) / (double)n) : 0.0;
     const moe_tolerance tol = moe_tolerance_of_length(length, rms);
@@ -383,29 +385,19 @@ static void add_backward(tensor_list *l, const moe_ep *ep, int G, const backward
     const moe_config *cfg = ep->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn, E = cfg->experts;
     const moe_index S = cfg->shared_experts, k = cfg->topk, N = (moe_index)G * T;
-    const double u = UNIT_ROUNDOFF;
     /* the fp32 chains of docs/backward.md: h over d, dA over d, dH, dx over 2f */
     const double pair_length = (double)(2 * d + 2 * f + 8);
     const double base = pair_length + (double)(k + S);
-    add(l, "backward.dy", MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_EXACT, b->grad_output, 2, N, d, 0);
-    char name[MOE_ST_NAME_MAX];
+    add(l, MOE_GK_GRAD_OUTPUT, -1, b->grad_output, 2, N, d, 0);
     size_t at[4] = {0, 0, 0, 0};
     for (int r = 0; r < G; r++) {
         const int64_t rows = (int64_t)(b->sizes[0][r] / (sizeof(float) * (size_t)d));
         const int64_t pairs = (int64_t)(b->sizes[2][r] / sizeof(float));
-        snprintf(name, sizeof name, "backward.rank%d.dy", r);
-        add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_EXACT, (char *)b->dy + at[0], 2, rows, d, 0);
-        snprintf(name, sizeof name, "backward.rank%d.dx", r);
-        tolerate(add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, (char *)b->dx + at[1], 2, pairs, d, 0),
-                 u * pair_length);
-        snprintf(name, sizeof name, "backward.rank%d.dweight", r);
-        tolerate(add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, (char *)b->dweight + at[2], 1, pairs, 0, 0),
-                 u * pair_length);
-        if (b->sums) {
-            snprintf(name, sizeof name, "backward.rank%d.dx_sum", r);
-            tolerate(add(l, name, MOE_ST_F32, MOE_GOLDEN_BACKWARD, MOE_RULE_TOLERANCE, (char *)b->sums + at[3], 2, rows, d, 0),
-                     u * (pair_length + (double)k));
-        }
+        add(l, MOE_GK_BACKWARD_DY, r, (char *)b->dy + at[0], 2, rows, d, 0);
+        add(l, MOE_GK_BACKWARD_DX, r, (char *)b->dx + at[1], 2, pairs, d, 0);
+        add(l, MOE_GK_BACKWARD_DWEIGHT, r, (char *)b->dweight + at[2], 1, pairs, 0, 0);
+        if (b->sums)
+            add(l, MOE_GK_BACKWARD_DX_SUM, r, (char *)b->sums + at[3], 2, rows, d, 0);
         for (int n = 0; n < 4; n++)
             at[n] += b->sizes[n][r];
     }
@@ -419,76 +411,251 @@ static void add_backward(tensor_list *l, const moe_ep *ep, int G, const backward
     add_gradient(l, "backward.gate.dw", b->g.dgate, b->dgate_truth, 2, E, d, 0, base);
 }
 
-static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy, const int32_t *ids,
-                    const float *weights, const float *logits, const float *scores, double *bytes,
-                    moe_status *st)
+/* This rank's share of a set: a captured forward (or training step) and
+ * the truth. */
+typedef struct {
+    float *y, *x_scratch;  /* (T, d) */
+    double *truth, *allow; /* (T, d); allow with a bf16 combine only */
+    moe_ep_capture cap;
+    backward_share bwd;
+} rank_share;
+
+static void rank_share_free(rank_share *r)
+{
+    moe_ep_capture_free(&r->cap);
+    backward_share_free(&r->bwd);
+    free(r->allow);
+    free(r->truth);
+    free(r->x_scratch);
+    free(r->y);
+}
+
+static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
+                         const int32_t *ids, const float *weights, const float *logits,
+                         rank_share *r, moe_status *st)
 {
     const moe_config *cfg = ep->cfg;
-    const int G = c->ranks, E = (int)cfg->experts, k = (int)cfg->topk, S = (int)cfg->shared_experts;
-    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
-    const int64_t N = (int64_t)G * T;
-
-    /* 1. This rank's share: a captured forward and the truth. */
-    float *y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
-    float *x_scratch = moe_xmalloc(sizeof(float) * (size_t)(T * d));
-    double *truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
-    const bool bf16_combine = cfg->combine_dtype == MOE_DTYPE_BF16;
-    double *allow = bf16_combine ? moe_xmalloc(sizeof(double) * (size_t)(T * d)) : NULL; /* (T, d) */
-    moe_ep_capture cap = {0};
+    const moe_index T = cfg->tokens, d = cfg->hidden;
+    r->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    r->x_scratch = moe_xmalloc(sizeof(float) * (size_t)(T * d));
+    r->truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
+    if (cfg->combine_dtype == MOE_DTYPE_BF16)
+        r->allow = moe_xmalloc(sizeof(double) * (size_t)(T * d));
     moe_forward_stats stats;
-    backward_share bwd = {0};
-    int rc = ep->path->training ? backward_step(c, ep, x, dy, ids, weights, logits, y, &cap, &bwd, st)
-                           : moe_ep_forward_ref(ep, x, ids, weights, y, &stats, &cap, st);
-    if (rc) {
-        backward_share_free(&bwd);
-        free(allow);
-        free(truth);
-        free(x_scratch);
-        free(y);
-        return rc;
+    const int rc = ep->path->training
+                       ? backward_step(c, ep, x, dy, ids, weights, logits, r->y, &r->cap, &r->bwd, st)
+                       : moe_ep_forward_ref(ep, x, ids, weights, r->y, &stats, &r->cap, st);
+    if (rc == MOE_EXIT_OK)
+        moe_truth_forward(cfg, MOE_TRUTH_EXACT, x, moe_ep_dispatched_tokens(ep, x, r->x_scratch), ids,
+                          weights, T, c->ranks, r->truth, r->allow);
+    return rc;
+}
+
+/* Every rank's share, gathered on rank 0 (NULL elsewhere): the routing,
+ * the output and truth (N rows), and per rank its received rows, expert
+ * outputs, pairs and (reduced) sums, with their sizes. */
+enum { RECV_X, RECV_TOKEN, OUT, PAIR, SUMS, PARTS };
+typedef struct {
+    float *logits, *scores, *weights, *y;
+    int32_t *ids;
+    double *truth, *allow;
+    void *part[PARTS];
+    size_t *sizes[PARTS];
+    layout_share lay;
+} gathered;
+
+static void gathered_free(gathered *a)
+{
+    for (int n = 0; n < PARTS; n++) {
+        free(a->part[n]);
+        free(a->sizes[n]);
     }
-    moe_truth_forward(cfg, MOE_TRUTH_EXACT, x, moe_ep_dispatched_tokens(ep, x, x_scratch), ids,
-                      weights, T, G, truth, allow);
+    layout_share_free(&a->lay);
+    free(a->allow);
+    free(a->truth);
+    free(a->y);
+    free(a->weights);
+    free(a->ids);
+    free(a->scores);
+    free(a->logits);
+}
 
-    /* 2. Gathered on rank 0. */
+static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids,
+                         const float *weights, const float *logits, const float *scores,
+                         rank_share *r, gathered *a, moe_status *st)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
+    const int64_t N = (int64_t)c->ranks * T;
     const bool root = c->rank == 0;
-    float *all_logits = root ? moe_xmalloc(sizeof(float) * (size_t)(N * E)) : NULL;
-    float *all_scores = root ? moe_xmalloc(sizeof(float) * (size_t)(N * E)) : NULL;
-    int32_t *all_ids = root ? moe_xmalloc(sizeof(int32_t) * (size_t)(N * k)) : NULL;
-    float *all_weights = root ? moe_xmalloc(sizeof(float) * (size_t)(N * k)) : NULL;
-    float *all_y = root ? moe_xmalloc(sizeof(float) * (size_t)(N * d)) : NULL;
-    double *all_truth = root ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
-    double *all_allow = root && allow ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
-    moe_comm_gather_bytes(c, logits, sizeof(float) * (size_t)(T * E), all_logits);
-    moe_comm_gather_bytes(c, scores, sizeof(float) * (size_t)(T * E), all_scores);
-    moe_comm_gather_bytes(c, ids, sizeof(int32_t) * (size_t)(T * k), all_ids);
-    moe_comm_gather_bytes(c, weights, sizeof(float) * (size_t)(T * k), all_weights);
-    moe_comm_gather_bytes(c, y, sizeof(float) * (size_t)(T * d), all_y);
-    moe_comm_gather_bytes(c, truth, sizeof(double) * (size_t)(T * d), all_truth);
-    if (allow)
-        moe_comm_gather_bytes(c, allow, sizeof(double) * (size_t)(T * d), all_allow);
-    void *recv_x = NULL, *recv_token = NULL, *out = NULL, *pair = NULL, *sums = NULL;
-    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-    size_t *sizes[5];
-    for (int n = 0; n < 5; n++)
-        sizes[n] = root ? moe_xcalloc((size_t)G, sizeof(size_t)) : NULL;
-    rc = moe_comm_gatherv_bytes(c, cap.recv_x, sizeof(float) * (size_t)(cap.rows * d), &recv_x, sizes[0], st);
+    a->logits = root ? moe_xmalloc(sizeof(float) * (size_t)(N * E)) : NULL;
+    a->scores = root ? moe_xmalloc(sizeof(float) * (size_t)(N * E)) : NULL;
+    a->ids = root ? moe_xmalloc(sizeof(int32_t) * (size_t)(N * k)) : NULL;
+    a->weights = root ? moe_xmalloc(sizeof(float) * (size_t)(N * k)) : NULL;
+    a->y = root ? moe_xmalloc(sizeof(float) * (size_t)(N * d)) : NULL;
+    a->truth = root ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
+    a->allow = root && r->allow ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
+    moe_comm_gather_bytes(c, logits, sizeof(float) * (size_t)(T * E), a->logits);
+    moe_comm_gather_bytes(c, scores, sizeof(float) * (size_t)(T * E), a->scores);
+    moe_comm_gather_bytes(c, ids, sizeof(int32_t) * (size_t)(T * k), a->ids);
+    moe_comm_gather_bytes(c, weights, sizeof(float) * (size_t)(T * k), a->weights);
+    moe_comm_gather_bytes(c, r->y, sizeof(float) * (size_t)(T * d), a->y);
+    moe_comm_gather_bytes(c, r->truth, sizeof(double) * (size_t)(T * d), a->truth);
+    if (r->allow)
+        moe_comm_gather_bytes(c, r->allow, sizeof(double) * (size_t)(T * d), a->allow);
+    const moe_ep_capture *cap = &r->cap;
+    const void *mine[PARTS] = {cap->recv_x, cap->recv_token, cap->out, cap->pair, cap->sums};
+    const size_t bytes[PARTS] = {sizeof(float) * (size_t)(cap->rows * d),
+                                 sizeof(int32_t) * (size_t)cap->rows,
+                                 sizeof(float) * (size_t)(cap->pairs * d),
+                                 sizeof(int32_t) * (size_t)(2 * cap->pairs),
+                                 sizeof(float) * (size_t)(cap->rows * d)};
+    const int parts = cfg->combine == MOE_COMBINE_REDUCED ? PARTS : SUMS;
+    int rc = MOE_EXIT_OK;
+    for (int n = 0; n < PARTS; n++)
+        a->sizes[n] = root ? moe_xcalloc((size_t)c->ranks, sizeof(size_t)) : NULL;
+    for (int n = 0; n < parts && !rc; n++)
+        rc = moe_comm_gatherv_bytes(c, mine[n], bytes[n], &a->part[n], a->sizes[n], st);
     if (!rc)
-        rc = moe_comm_gatherv_bytes(c, cap.recv_token, sizeof(int32_t) * (size_t)cap.rows, &recv_token, sizes[1], st);
-    if (!rc)
-        rc = moe_comm_gatherv_bytes(c, cap.out, sizeof(float) * (size_t)(cap.pairs * d), &out, sizes[2], st);
-    if (!rc)
-        rc = moe_comm_gatherv_bytes(c, cap.pair, sizeof(int32_t) * (size_t)(2 * cap.pairs), &pair, sizes[3], st);
-    if (!rc && reduced)
-        rc = moe_comm_gatherv_bytes(c, cap.sums, sizeof(float) * (size_t)(cap.rows * d), &sums, sizes[4], st);
-    layout_share lay = {0};
-    if (!rc)
-        rc = gather_layout(c, &cap, ep, &lay, st);
+        rc = gather_layout(c, cap, ep, &a->lay, st);
     if (!rc && ep->path->training)
-        rc = gather_backward(c, ep, &bwd, st);
+        rc = gather_backward(c, ep, &r->bwd, st);
+    return rc;
+}
 
-    /* 3. Every rank still well (an injected fault stands for a failure
-     * here)? Then rank 0 lays out the set and writes it. */
+/* The inputs: tokens, the gate, and (--dump-weights) the experts' weights,
+ * regenerated as the file is written. */
+static void lay_out_inputs(tensor_list *l, const moe_ep *ep, int64_t N, float *tokens,
+                           weight_source sources[4])
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index d = cfg->hidden, f = cfg->ffn, E = cfg->experts, S = cfg->shared_experts;
+    moe_synth_tokens(cfg->seed, 0, N, d, (float)cfg->init_scale, cfg->input_dist, tokens);
+    moe_precision_weights(cfg->param_dtype, tokens, N * d);
+    add(l, MOE_GK_TOKENS, -1, tokens, 2, N, d, 0);
+    add(l, MOE_GK_GATE_WEIGHT, -1, ep->gate, 2, E, d, 0);
+    if (ep->bias)
+        add(l, MOE_GK_GATE_BIAS, -1, ep->bias, 1, E, 0, 0);
+    if (ep->skew)
+        add(l, MOE_GK_ROUTER_SKEW, -1, ep->skew, 1, E, 0, 0);
+    if (!cfg->dump_weights)
+        return;
+    static const enum moe_golden_kind kinds[4] = {MOE_GK_EXPERTS_W1, MOE_GK_EXPERTS_W2,
+                                                  MOE_GK_SHARED_W1, MOE_GK_SHARED_W2};
+    for (int n = 0; n < 4; n++) {
+        sources[n] = (weight_source){cfg->seed, d, f, cfg->param_dtype, n >= 2, n % 2};
+        const int64_t count = n < 2 ? E : S;
+        if (count == 0)
+            continue;
+        moe_golden_tensor *g = add(l, kinds[n], -1, NULL, 3, count, n % 2 ? d : 2 * f, n % 2 ? f : d);
+        g->tensor.fill = fill_weight;
+        g->tensor.ctx = &sources[n];
+    }
+}
+
+/* Per rank: the rows it received, its experts' outputs and pairs, and
+ * (--combine reduced) each row's sum as sent back. */
+static void lay_out_ranks(tensor_list *l, const moe_config *cfg, int G, const gathered *a)
+{
+    const moe_index d = cfg->hidden;
+    const bool bf16_combine = cfg->combine_dtype == MOE_DTYPE_BF16;
+    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+    size_t at[PARTS] = {0};
+    for (int r = 0; r < G; r++) {
+        const int64_t rows = (int64_t)(a->sizes[RECV_TOKEN][r] / sizeof(int32_t));
+        const int64_t pairs = (int64_t)(a->sizes[PAIR][r] / (2 * sizeof(int32_t)));
+        add(l, MOE_GK_DISPATCH_X, r, (char *)a->part[RECV_X] + at[RECV_X], 2, rows, d, 0);
+        add(l, MOE_GK_DISPATCH_TOKEN, r, (char *)a->part[RECV_TOKEN] + at[RECV_TOKEN], 1, rows, 0, 0);
+        moe_golden_tensor *g = add(l, MOE_GK_EXPERT_OUT, r, (char *)a->part[OUT] + at[OUT], 2, pairs, d, 0);
+        g->bf16_step = bf16_combine && !reduced; /* each value was rounded to bf16 once */
+        add(l, MOE_GK_EXPERT_PAIR, r, (char *)a->part[PAIR] + at[PAIR], 2, pairs, 2, 0);
+        if (reduced) { /* per received row, its pairs summed in slot order, as sent back */
+            g = add(l, MOE_GK_EXPERT_SUM, r, (char *)a->part[SUMS] + at[SUMS], 2, rows, d, 0);
+            g->bf16_step = bf16_combine;
+        }
+        for (int n = 0; n < PARTS; n++)
+            at[n] += a->sizes[n][r];
+    }
+}
+
+/* The output and its truth: --check's contract, per element (truth.h). */
+static void lay_out_output(tensor_list *l, const moe_config *cfg, int64_t N, const gathered *a)
+{
+    const moe_index d = cfg->hidden;
+    const double rel_y = moe_tolerance_for(cfg, 0.0).rel;
+    const int iy = l->count, it = l->count + 1; /* add() may move the list: indices, not pointers */
+    add(l, MOE_GK_OUTPUT_Y, -1, a->y, 2, N, d, 0);
+    add(l, MOE_GK_OUTPUT_TRUTH, -1, a->truth, 2, N, d, 0);
+    if (a->allow)
+        add(l, MOE_GK_OUTPUT_ALLOW, -1, a->allow, 2, N, d, 0);
+    l->items[iy].rel = rel_y;
+    l->items[iy].abs = rel_y * rms_f32(a->y, N * d);
+    l->items[it].rel = rel_y;
+    l->items[it].abs = l->items[iy].abs;
+    l->items[iy].allow = l->items[it].allow = a->allow ? "output.allow" : NULL;
+}
+
+/* Rank 0: the set's tensors in the table's order, and the manifest's
+ * config; then the set written. */
+static void write_set(const moe_ep *ep, int G, gathered *a, const backward_share *bwd,
+                      double *bytes, moe_status *st)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
+    const int64_t N = (int64_t)G * T;
+    tensor_list l = {.d = d, .experts = E, .topk = k, .ffn = cfg->ffn};
+    float *tokens = moe_xmalloc(sizeof(float) * (size_t)(N * d));
+    weight_source sources[4];
+    lay_out_inputs(&l, ep, N, tokens, sources);
+    /* router */
+    float *selection = moe_xmalloc(sizeof(float) * (size_t)(N * E));
+    for (int64_t m = 0; m < N * E; m++)
+        selection[m] = ep->bias ? a->scores[m] + ep->bias[m % E] : a->scores[m];
+    add(&l, MOE_GK_LOGITS, -1, a->logits, 2, N, E, 0);
+    add(&l, MOE_GK_SCORES, -1, a->scores, 2, N, E, 0);
+    add(&l, MOE_GK_SELECTION, -1, selection, 2, N, E, 0);
+    add(&l, MOE_GK_TOPK_IDS, -1, a->ids, 2, N, k, 0);
+    add(&l, MOE_GK_TOPK_WEIGHTS, -1, a->weights, 2, N, k, 0);
+    /* layout, from the ids and the placement */
+    layout_counts lc;
+    count_layout(ep, a->ids, N, T, &lc);
+    add(&l, MOE_GK_TOKENS_PER_RANK, -1, lc.per_rank, 1, G, 0, 0);
+    add(&l, MOE_GK_TOKENS_PER_EXPERT, -1, lc.per_expert, 1, E, 0, 0);
+    add(&l, MOE_GK_TOKENS_PER_NODE, -1, lc.per_node, 1, lc.nodes, 0, 0);
+    add(&l, MOE_GK_TOKEN_IN_RANK, -1, lc.in_rank, 2, N, G, 0);
+    add(&l, MOE_GK_SEND_COUNTS, -1, lc.send_counts, 2, G, G, 0);
+    lay_out_ranks(&l, cfg, G, a);
+    add_layout(&l, ep, G, &a->lay);
+    lay_out_output(&l, cfg, N, a);
+    if (ep->path->training)
+        add_backward(&l, ep, G, bwd);
+
+    json_t *config_object = json_object();
+    moe_config_describe(cfg, MOE_CMD_RUN, emit_config, config_object);
+    json_object_set_new(config_object, "ranks", json_sprintf("%d", G));
+    char *config = json_dumps(config_object, JSON_PRESERVE_ORDER);
+    MOE_ASSERT(config != NULL);
+    moe_golden_write(cfg->dump, l.items, l.count, config, bytes, st);
+    free(config);
+    json_decref(config_object);
+    layout_counts_free(&lc);
+    free(selection);
+    free(tokens);
+    free(l.items);
+}
+
+/* The set: each rank's share captured and gathered on rank 0; every rank
+ * still well (an injected fault stands for a failure here)? Then rank 0
+ * lays it out and writes it, and every rank learns how that went. */
+static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
+                    const int32_t *ids, const float *weights, const float *logits,
+                    const float *scores, double *bytes, moe_status *st)
+{
+    rank_share share = {0};
+    gathered all = {0};
+    int rc = capture_share(c, ep, x, dy, ids, weights, logits, &share, st);
+    if (rc == MOE_EXIT_OK)
+        rc = gather_shares(c, ep, ids, weights, logits, scores, &share, &all, st);
     moe_status local = {0};
     if (rc == MOE_EXIT_OK) {
         moe_fault_here(c, "dump", &local);
@@ -496,125 +663,10 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
         if (rc)
             *st = local;
     }
-    if (root && rc == MOE_EXIT_OK) {
-        tensor_list l = {0};
-        const double u = UNIT_ROUNDOFF;
-        float *tokens = moe_xmalloc(sizeof(float) * (size_t)(N * d));
-        moe_synth_tokens(cfg->seed, 0, N, d, (float)cfg->init_scale, cfg->input_dist, tokens);
-        moe_precision_weights(cfg->param_dtype, tokens, N * d);
-        add(&l, "tokens.x", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, tokens, 2, N, d, 0);
-        add(&l, "gate.weight", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->gate, 2, E, d, 0);
-        if (ep->bias)
-            add(&l, "gate.bias", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->bias, 1, E, 0, 0);
-        if (ep->skew)
-            add(&l, "router.skew", MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT, ep->skew, 1, E, 0, 0);
-        weight_source sources[4] = {
-            {cfg->seed, d, f, cfg->param_dtype, false, false}, {cfg->seed, d, f, cfg->param_dtype, false, true},
-            {cfg->seed, d, f, cfg->param_dtype, true, false},  {cfg->seed, d, f, cfg->param_dtype, true, true}};
-        if (cfg->dump_weights) {
-            static const char *const names[4] = {"experts.w1", "experts.w2", "shared.w1", "shared.w2"};
-            for (int n = 0; n < 4; n++) {
-                const int64_t count = n < 2 ? E : S;
-                if (count == 0)
-                    continue;
-                moe_golden_tensor *g = add(&l, names[n], MOE_ST_F32, MOE_GOLDEN_INPUTS, MOE_RULE_EXACT,
-                                           NULL, 3, count, n % 2 ? d : 2 * f, n % 2 ? f : d);
-                g->tensor.fill = fill_weight;
-                g->tensor.ctx = &sources[n];
-            }
-        }
-        /* router */
-        float *selection = moe_xmalloc(sizeof(float) * (size_t)(N * E));
-        for (int64_t m = 0; m < N * E; m++)
-            selection[m] = ep->bias ? all_scores[m] + ep->bias[m % E] : all_scores[m];
-        tolerate(add(&l, "router.logits", MOE_ST_F32, MOE_GOLDEN_ROUTER, MOE_RULE_TOLERANCE, all_logits, 2, N, E, 0), u * d);
-        tolerate(add(&l, "router.scores", MOE_ST_F32, MOE_GOLDEN_ROUTER, MOE_RULE_TOLERANCE, all_scores, 2, N, E, 0), u * (d + E));
-        tolerate(add(&l, "router.selection", MOE_ST_F32, MOE_GOLDEN_ROUTER, MOE_RULE_TOLERANCE, selection, 2, N, E, 0), u * (d + E + 1));
-        add(&l, "router.topk_ids", MOE_ST_I32, MOE_GOLDEN_ROUTER, MOE_RULE_TOPK, all_ids, 2, N, k, 0);
-        tolerate(add(&l, "router.topk_weights", MOE_ST_F32, MOE_GOLDEN_ROUTER, MOE_RULE_TOLERANCE, all_weights, 2, N, k, 0), u * (d + E + k));
-        /* layout, from the ids and the placement */
-        layout_counts lc;
-        count_layout(ep, all_ids, N, T, &lc);
-        add(&l, "layout.tokens_per_rank", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.per_rank, 1, G, 0, 0);
-        add(&l, "layout.tokens_per_expert", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.per_expert, 1, E, 0, 0);
-        add(&l, "layout.tokens_per_node", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.per_node, 1, lc.nodes, 0, 0);
-        add(&l, "layout.is_token_in_rank", MOE_ST_BOOL, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.in_rank, 2, N, G, 0);
-        add(&l, "layout.send_counts", MOE_ST_I32, MOE_GOLDEN_LAYOUT, MOE_RULE_EXACT, lc.send_counts, 2, G, G, 0);
-        /* per rank: received rows, expert outputs */
-        char name[MOE_ST_NAME_MAX];
-        size_t at[5] = {0, 0, 0, 0, 0};
-        for (int r = 0; r < G; r++) {
-            const int64_t rows = (int64_t)(sizes[1][r] / sizeof(int32_t));
-            const int64_t pairs = (int64_t)(sizes[3][r] / (2 * sizeof(int32_t)));
-            snprintf(name, sizeof name, "dispatch.rank%d.x", r);
-            add(&l, name, MOE_ST_F32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, (char *)recv_x + at[0], 2, rows, d, 0);
-            snprintf(name, sizeof name, "dispatch.rank%d.token", r);
-            add(&l, name, MOE_ST_I32, MOE_GOLDEN_DISPATCH, MOE_RULE_EXACT, (char *)recv_token + at[1], 1, rows, 0, 0);
-            snprintf(name, sizeof name, "experts.rank%d.out", r);
-            moe_golden_tensor *g = add(&l, name, MOE_ST_F32, MOE_GOLDEN_EXPERTS, MOE_RULE_TOLERANCE, (char *)out + at[2], 2, pairs, d, 0);
-            tolerate(g, u * (d + f));
-            g->bf16_step = bf16_combine && !reduced; /* each value was rounded to bf16 once */
-            snprintf(name, sizeof name, "experts.rank%d.pair", r);
-            add(&l, name, MOE_ST_I32, MOE_GOLDEN_EXPERTS, MOE_RULE_EXACT, (char *)pair + at[3], 2, pairs, 2, 0);
-            if (reduced) { /* per received row, its pairs summed in slot order, as sent back */
-                snprintf(name, sizeof name, "experts.rank%d.sum", r);
-                g = add(&l, name, MOE_ST_F32, MOE_GOLDEN_EXPERTS, MOE_RULE_TOLERANCE, (char *)sums + at[4], 2, rows, d, 0);
-                tolerate(g, u * (d + f + k));
-                g->bf16_step = bf16_combine;
-            }
-            for (int n = 0; n < 5; n++)
-                at[n] += sizes[n][r];
-        }
-        add_layout(&l, ep, G, &lay);
-        /* output: --check's contract, per element (truth.h) */
-        const double rel_y = moe_tolerance_for(cfg, 0.0).rel;
-        const int iy = l.count, it = l.count + 1; /* add() may move the list: indices, not pointers */
-        add(&l, "output.y", MOE_ST_F32, MOE_GOLDEN_OUTPUT, MOE_RULE_TOLERANCE, all_y, 2, N, d, 0);
-        add(&l, "output.truth", MOE_ST_F64, MOE_GOLDEN_OUTPUT, MOE_RULE_TOLERANCE, all_truth, 2, N, d, 0);
-        if (all_allow)
-            add(&l, "output.allow", MOE_ST_F64, MOE_GOLDEN_OUTPUT, MOE_RULE_EXACT, all_allow, 2, N, d, 0);
-        tolerate(&l.items[iy], rel_y);
-        l.items[it].rel = rel_y;
-        l.items[it].abs = l.items[iy].abs;
-        l.items[iy].allow = l.items[it].allow = all_allow ? "output.allow" : NULL;
-
-        if (ep->path->training)
-            add_backward(&l, ep, G, &bwd);
-
-        json_t *config_object = json_object();
-        moe_config_describe(cfg, MOE_CMD_RUN, emit_config, config_object);
-        json_object_set_new(config_object, "ranks", json_sprintf("%d", G));
-        char *config = json_dumps(config_object, JSON_PRESERVE_ORDER);
-        MOE_ASSERT(config != NULL);
-        moe_golden_write(cfg->dump, l.items, l.count, config, bytes, &local);
-        free(config);
-        json_decref(config_object);
-        layout_counts_free(&lc);
-        free(selection);
-        free(tokens);
-        free(l.items);
-    }
-    for (int n = 0; n < 5; n++)
-        free(sizes[n]);
-    layout_share_free(&lay);
-    free(sums);
-    free(pair);
-    free(out);
-    free(recv_token);
-    free(recv_x);
-    free(all_allow);
-    free(all_truth);
-    free(all_y);
-    free(all_weights);
-    free(all_ids);
-    free(all_scores);
-    free(all_logits);
-    moe_ep_capture_free(&cap);
-    backward_share_free(&bwd);
-    free(allow);
-    free(truth);
-    free(x_scratch);
-    free(y);
+    if (c->rank == 0 && rc == MOE_EXIT_OK)
+        write_set(ep, c->ranks, &all, &share.bwd, bytes, &local);
+    gathered_free(&all);
+    rank_share_free(&share);
     if (rc)
         return rc;
     if (moe_comm_agree(c, &local))
