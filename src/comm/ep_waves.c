@@ -208,33 +208,23 @@ static moe_index *last_waves(const moe_placement *p, const moe_waves *waves, con
     return rows;
 }
 
-/* Stage plan, for every wave at once: each wave's rows per destination, one
- * count exchange for all of them (per destination and wave, the rows, then
- * the pairs of each of the destination's experts: EM slots, EM the most
- * experts a rank holds), so that every buffer is sized exactly before
- * anything moves. Allocation failures are recorded in local. */
-static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_t *ids,
-                       waves_forward *f, moe_forward_stats *stats, moe_status *local)
+/* Each wave's send plan, and the counts every rank sends every other: per
+ * (rank, wave) its rows, then its pairs per local expert of the receiver
+ * (stride 1 + the most experts a rank holds). Returns counts_in (G, W,
+ * stride), the counts this rank receives; one MPI_Alltoall, one round of
+ * the link model. */
+static int *exchange_counts(const moe_ep *ep, const moe_schedule *sched, const int32_t *ids,
+                            waves_forward *f, int stride)
 {
-    const moe_config *cfg = ep->cfg;
     const moe_comm *c = &ep->comm;
-    const int G = c->ranks, me = c->rank, k = (int)cfg->topk, W = sched->waves,
-              EL = ep->local_experts;
-    const moe_index T = cfg->tokens, d = cfg->hidden, ffn = cfg->ffn;
-    moe_waves_init_by(&f->waves, &ep->placement, W, T, sched->wave_by);
-    stats->wave_kind = f->waves.kind;
-    int EM = 0;
-    for (int r = 0; r < G; r++)
-        if (moe_placement_local_experts(&ep->placement, r) > EM)
-            EM = moe_placement_local_experts(&ep->placement, r);
-    const int stride = 1 + EM; /* counts of one (rank, wave) */
-    wave_state *ws = f->ws = moe_xcalloc((size_t)W, sizeof *ws);
-    int *counts_out = moe_xcalloc((size_t)(G * W * stride), sizeof(int)); /* (G, W, 1+EM) */
+    const int G = c->ranks, k = (int)ep->cfg->topk, W = sched->waves;
+    const moe_index T = ep->cfg->tokens;
+    int *counts_out = moe_xcalloc((size_t)(G * W * stride), sizeof(int)); /* (G, W, stride) */
     int *counts_in = moe_xmalloc(sizeof(int) * (size_t)(G * W * stride));
     for (int w = 0; w < W; w++) {
-        moe_send_plan_build(&ws[w].send, &ep->placement, ids, T, k, &f->waves, w);
+        moe_send_plan_build(&f->ws[w].send, &ep->placement, ids, T, k, &f->waves, w);
         for (int r = 0; r < G; r++)
-            counts_out[(r * W + w) * stride] = (int)ws[w].send.row_count[r];
+            counts_out[(r * W + w) * stride] = (int)f->ws[w].send.row_count[r];
     }
     for (moe_index i = 0; i < T; i++)
         for (int slot = 0; slot < k; slot++) {
@@ -248,75 +238,100 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
     MOE_MPI(MPI_Alltoall(counts_out, W * stride, MPI_INT, counts_in, W * stride, MPI_INT, c->comm));
     moe_pipeline_count_round(ep, moe_schedule_link(ep, sched), counts_posted,
                              sizeof(int) * (double)(W * stride));
+    free(counts_out);
+    return counts_in;
+}
 
-    struct moe_ep_workspace *work = ep->work;
-    moe_ep_fit_slots(&work->wave, &work->waves, W, MOE_WAVE_BUFFERS);
-    f->closing = cfg->combine == MOE_COMBINE_REDUCED
-                     ? last_waves(&ep->placement, &f->waves, ids, T, k) : NULL;
-    moe_index most = MOE_SHARED_ROW_BLOCK; /* rows of the largest expert batch, for scratch */
-    const double row_bytes = moe_dispatch_row_bytes(cfg);
-    for (int w = 0; w < W; w++) {
-        wave_state *s = &ws[w];
-        s->rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G);
-        s->counts = moe_xmalloc(sizeof(int) * (size_t)(N_COUNTS * G));
-        s->from = moe_xmalloc(sizeof(float *) * (size_t)G);
-        s->rows_in = s->pairs_in = 0;
-        for (int r = 0; r < G; r++) {
-            const int *in = counts_in + (r * W + w) * stride;
-            s->rows_from[r] = in[0];
-            s->rows_in += in[0];
-            for (int l = 0; l < EM; l++)
-                s->pairs_in += in[1 + l];
-        }
-        for (int l = 0; l < EL; l++) {
-            moe_index rows = 0; /* expert l's batch in this wave */
-            for (int r = 0; r < G; r++)
-                rows += counts_in[(r * W + w) * stride + 1 + l];
-            most = rows > most ? rows : most;
-        }
-        s->rows_out = s->send.row_offset[G];
-        memset(s->dispatch_bytes, 0, sizeof s->dispatch_bytes);
-        moe_pipeline_link_bytes(ep, s->rows_from, s->send.row_count, row_bytes, s->dispatch_bytes);
-        moe_to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
-        moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
-        remote_counts(s->send.row_count, G, me, COUNTS(s, R_SEND, G), COUNTS(s, R_SEND_AT, G));
-        remote_counts(s->rows_from, G, me, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G));
-        /* Back: a row per pair, or with a reduced combine a row per (token,
-         * rank) in the last wave that holds one of its experts there. */
-        const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-        const moe_index *back_count = reduced ? f->closing + w * G : s->send.pair_count;
-        remote_counts(back_count, G, me, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
-        const moe_index own_rows = s->rows_from[me];
-        moe_buffer *b = work->wave + w * MOE_WAVE_BUFFERS;
-        const size_t row = sizeof(float) * (size_t)d, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
-        const size_t wire_in = f->dispatch_wire.bytes, wire_out = f->combine_wire.bytes;
-        const moe_index remote_in = s->rows_in - own_rows;
-        moe_index back = -back_count[me];
-        for (int r = 0; r < G; r++)
-            back += back_count[r];
-        s->back_in = back;
-        s->out_rows = reduced ? s->rows_in : s->pairs_in;
-        s->sums = reduced ? moe_buffer_fit(&b[MOE_WAVE_SUMS], row * (size_t)s->rows_in, "sums", me, local) : NULL;
-        s->slot_pair = reduced ? moe_buffer_fit(&b[MOE_WAVE_SLOT_PAIR], sizeof(int32_t) * (size_t)(s->rows_in * k), "the pairs of each row", me, local) : NULL;
-        s->closing_from = reduced ? moe_xcalloc((size_t)G, sizeof(moe_index)) : NULL;
-        s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], wire_in * (size_t)(s->rows_out - s->send.row_count[me]), "dispatch rows", me, local);
-        s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", me, local);
-        s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], wire_in * (size_t)remote_in, "received rows", me, local);
-        s->recv_meta = moe_buffer_fit(&b[MOE_WAVE_RECV_META], meta * (size_t)s->rows_in, "received ids", me, local);
-        s->expert_out = moe_buffer_fit(&b[MOE_WAVE_EXPERT_OUT], row * (size_t)s->pairs_in, "expert outputs", me, local);
-        s->back = moe_buffer_fit(&b[MOE_WAVE_BACK], wire_out * (size_t)back, "combined rows", me, local);
-        /* bf16 or fp8 on the wire: the values decoded beside the wire rows */
-        const bool narrow_in = f->dispatch_wire.dtype != MOE_DTYPE_FP32, narrow_out = f->combine_wire.dtype != MOE_DTYPE_FP32;
-        s->recv_values = narrow_in ? moe_buffer_fit(&b[MOE_WAVE_RECV_VALUES], row * (size_t)remote_in, "decoded rows", me, local)
-                                   : (float *)s->recv_rows;
-        s->out_wire = narrow_out ? moe_buffer_fit(&b[MOE_WAVE_OUT_WIRE], wire_out * (size_t)s->out_rows, "expert outputs on the wire", me, local)
-                                 : (uint8_t *)(reduced ? s->sums : s->expert_out);
-        s->back_values = narrow_out ? moe_buffer_fit(&b[MOE_WAVE_BACK_VALUES], row * (size_t)back, "decoded outputs", me, local)
-                                    : (float *)s->back;
-        s->row_at = moe_buffer_fit(&b[MOE_WAVE_ROW_AT], sizeof(float *) * (size_t)s->rows_in, "the row table", me, local);
+/* Wave w's receive side from counts_in: rows and pairs from each rank, its
+ * counts for the all-to-alls both ways, its bytes on the links. Returns
+ * the rows of its largest expert batch. */
+static moe_index wave_counts(const moe_ep *ep, waves_forward *f, int w, const int *counts_in,
+                             int stride)
+{
+    const int G = ep->comm.ranks, me = ep->comm.rank, W = f->waves.waves;
+    wave_state *s = &f->ws[w];
+    s->rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G);
+    s->counts = moe_xmalloc(sizeof(int) * (size_t)(N_COUNTS * G));
+    s->from = moe_xmalloc(sizeof(float *) * (size_t)G);
+    s->rows_in = s->pairs_in = 0;
+    for (int r = 0; r < G; r++) {
+        const int *in = counts_in + (r * W + w) * stride;
+        s->rows_from[r] = in[0];
+        s->rows_in += in[0];
+        for (int l = 0; l < stride - 1; l++)
+            s->pairs_in += in[1 + l];
     }
+    moe_index most = 0;
+    for (int l = 0; l < ep->local_experts; l++) {
+        moe_index rows = 0; /* expert l's batch in this wave */
+        for (int r = 0; r < G; r++)
+            rows += counts_in[(r * W + w) * stride + 1 + l];
+        most = rows > most ? rows : most;
+    }
+    s->rows_out = s->send.row_offset[G];
+    memset(s->dispatch_bytes, 0, sizeof s->dispatch_bytes);
+    moe_pipeline_link_bytes(ep, s->rows_from, s->send.row_count, moe_dispatch_row_bytes(ep->cfg),
+                            s->dispatch_bytes);
+    moe_to_counts(s->send.row_count, G, COUNTS(s, D_SEND, G), COUNTS(s, D_SEND_AT, G));
+    moe_to_counts(s->rows_from, G, COUNTS(s, D_RECV, G), COUNTS(s, D_RECV_AT, G));
+    remote_counts(s->send.row_count, G, me, COUNTS(s, R_SEND, G), COUNTS(s, R_SEND_AT, G));
+    remote_counts(s->rows_from, G, me, COUNTS(s, R_RECV, G), COUNTS(s, R_RECV_AT, G));
+    /* Back: a row per pair, or with a reduced combine a row per (token,
+     * rank) in the last wave that holds one of its experts there. */
+    const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
+    const moe_index *back_count = reduced ? f->closing + w * G : s->send.pair_count;
+    remote_counts(back_count, G, me, COUNTS(s, C_RECV, G), COUNTS(s, C_RECV_AT, G));
+    moe_index back = -back_count[me];
+    for (int r = 0; r < G; r++)
+        back += back_count[r];
+    s->back_in = back;
+    s->out_rows = reduced ? s->rows_in : s->pairs_in;
+    return most;
+}
+
+/* Wave w's buffers, from the workspace's slots for it (kept across
+ * forwards); a failed allocation is noted in local. */
+static void wave_buffers(const moe_ep *ep, waves_forward *f, int w, moe_status *local)
+{
+    const moe_config *cfg = ep->cfg;
+    const int me = ep->comm.rank, k = (int)cfg->topk;
+    wave_state *s = &f->ws[w];
+    moe_buffer *b = ep->work->wave + w * MOE_WAVE_BUFFERS;
+    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+    const size_t row = sizeof(float) * (size_t)cfg->hidden, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
+    const size_t wire_in = f->dispatch_wire.bytes, wire_out = f->combine_wire.bytes;
+    const moe_index remote_in = s->rows_in - s->rows_from[me], back = s->back_in;
+    s->sums = reduced ? moe_buffer_fit(&b[MOE_WAVE_SUMS], row * (size_t)s->rows_in, "sums", me, local) : NULL;
+    s->slot_pair = reduced ? moe_buffer_fit(&b[MOE_WAVE_SLOT_PAIR], sizeof(int32_t) * (size_t)(s->rows_in * k), "the pairs of each row", me, local) : NULL;
+    s->closing_from = reduced ? moe_xcalloc((size_t)ep->comm.ranks, sizeof(moe_index)) : NULL;
+    s->send_rows = moe_buffer_fit(&b[MOE_WAVE_SEND_ROWS], wire_in * (size_t)(s->rows_out - s->send.row_count[me]), "dispatch rows", me, local);
+    s->send_meta = moe_buffer_fit(&b[MOE_WAVE_SEND_META], meta * (size_t)s->rows_out, "dispatch ids", me, local);
+    s->recv_rows = moe_buffer_fit(&b[MOE_WAVE_RECV_ROWS], wire_in * (size_t)remote_in, "received rows", me, local);
+    s->recv_meta = moe_buffer_fit(&b[MOE_WAVE_RECV_META], meta * (size_t)s->rows_in, "received ids", me, local);
+    s->expert_out = moe_buffer_fit(&b[MOE_WAVE_EXPERT_OUT], row * (size_t)s->pairs_in, "expert outputs", me, local);
+    s->back = moe_buffer_fit(&b[MOE_WAVE_BACK], wire_out * (size_t)back, "combined rows", me, local);
+    /* bf16 or fp8 on the wire: the values decoded beside the wire rows */
+    const bool narrow_in = f->dispatch_wire.dtype != MOE_DTYPE_FP32, narrow_out = f->combine_wire.dtype != MOE_DTYPE_FP32;
+    s->recv_values = narrow_in ? moe_buffer_fit(&b[MOE_WAVE_RECV_VALUES], row * (size_t)remote_in, "decoded rows", me, local)
+                               : (float *)s->recv_rows;
+    s->out_wire = narrow_out ? moe_buffer_fit(&b[MOE_WAVE_OUT_WIRE], wire_out * (size_t)s->out_rows, "expert outputs on the wire", me, local)
+                             : (uint8_t *)(reduced ? s->sums : s->expert_out);
+    s->back_values = narrow_out ? moe_buffer_fit(&b[MOE_WAVE_BACK_VALUES], row * (size_t)back, "decoded outputs", me, local)
+                                : (float *)s->back;
+    s->row_at = moe_buffer_fit(&b[MOE_WAVE_ROW_AT], sizeof(float *) * (size_t)s->rows_in, "the row table", me, local);
+}
+
+/* The buffers every wave shares: the expert batch's rows and activations
+ * (most rows), the reduce table, the quantised tokens, the shared
+ * experts' outputs. */
+static void shared_buffers(const moe_ep *ep, waves_forward *f, moe_index most, moe_status *local)
+{
+    const moe_config *cfg = ep->cfg;
+    const int me = ep->comm.rank;
+    const moe_index T = cfg->tokens, d = cfg->hidden, k = cfg->topk;
+    struct moe_ep_workspace *work = ep->work;
     f->expert_in = moe_buffer_fit(&work->expert_in, sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", me, local);
-    f->scratch = moe_buffer_fit(&work->scratch, sizeof(float) * (size_t)(most * 2 * ffn), "expert activations", me, local);
+    f->scratch = moe_buffer_fit(&work->scratch, sizeof(float) * (size_t)(most * 2 * cfg->ffn), "expert activations", me, local);
     f->slot_rows = moe_buffer_fit(&work->slot_rows, sizeof(float *) * (size_t)(T * k), "the reduce table", me, local);
     if (f->slot_rows) /* a dropped pair's slot stays NULL: no wave fills it */
         memset(f->slot_rows, 0, sizeof(float *) * (size_t)(T * k));
@@ -325,8 +340,38 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
     if (cfg->shared_experts > 0)
         f->shared_out = moe_buffer_fit(&work->shared_out, sizeof(float) * (size_t)(cfg->shared_experts * T * d),
                                        "shared-expert outputs", me, local);
+}
+
+/* Stage plan, for every wave at once: each wave's rows per destination, one
+ * count exchange for all of them (per destination and wave, the rows, then
+ * the pairs of each of the destination's experts: EM slots, EM the most
+ * experts a rank holds), so that every buffer is sized exactly before
+ * anything moves. Allocation failures are recorded in local. */
+static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_t *ids,
+                       waves_forward *f, moe_forward_stats *stats, moe_status *local)
+{
+    const moe_config *cfg = ep->cfg;
+    const int G = ep->comm.ranks, W = sched->waves;
+    moe_waves_init_by(&f->waves, &ep->placement, W, cfg->tokens, sched->wave_by);
+    stats->wave_kind = f->waves.kind;
+    int EM = 0;
+    for (int r = 0; r < G; r++)
+        if (moe_placement_local_experts(&ep->placement, r) > EM)
+            EM = moe_placement_local_experts(&ep->placement, r);
+    const int stride = 1 + EM; /* counts of one (rank, wave) */
+    f->ws = moe_xcalloc((size_t)W, sizeof *f->ws);
+    int *counts_in = exchange_counts(ep, sched, ids, f, stride);
+    moe_ep_fit_slots(&ep->work->wave, &ep->work->waves, W, MOE_WAVE_BUFFERS);
+    f->closing = cfg->combine == MOE_COMBINE_REDUCED
+                     ? last_waves(&ep->placement, &f->waves, ids, cfg->tokens, (int)cfg->topk) : NULL;
+    moe_index most = MOE_SHARED_ROW_BLOCK; /* rows of the largest expert batch, for scratch */
+    for (int w = 0; w < W; w++) {
+        const moe_index rows = wave_counts(ep, f, w, counts_in, stride);
+        most = rows > most ? rows : most;
+        wave_buffers(ep, f, w, local);
+    }
+    shared_buffers(ep, f, most, local);
     free(counts_in);
-    free(counts_out);
 }
 
 /* Stage pack, every wave: rows for other ranks into the wave's send buffer
