@@ -98,6 +98,70 @@ static void round_sums(const moe_config *cfg, double *sums, double *allow, moe_i
  * token, its unselected terms 0 * out added. With only_rank >= 0, only the
  * pairs that rank computes (pair_rank, or the placement's expert_rank), as
  * one sum per token. */
+/* The tokens expert e is evaluated on, into row (n) with their gate
+ * weights for e into gate (n); returns n. With pair_rank, only the pairs
+ * summed on rank `pass` (when passes > 1) or `only_rank` (>= 0); literal:
+ * every token, a weight of 0 where e is not chosen. */
+static moe_index forward_rows(const int32_t *ids, const float *weights, moe_index T, int k, int e,
+                              const int32_t *pair_rank, int passes, int pass, int only_rank,
+                              bool literal, moe_index *row, double *gate)
+{
+    moe_index n = 0;
+    for (moe_index i = 0; i < T; i++) {
+        double g = 0.0;
+        for (int s = 0; s < k; s++) {
+            const int32_t at = pair_rank ? pair_rank[i * k + s] : -1;
+            if (ids[i * k + s] == e && (passes == 1 || at == pass) &&
+                (only_rank < 0 || !pair_rank || at == only_rank))
+                g = weights[i * k + s];
+        }
+        if (g != 0.0 || literal) {
+            row[n] = i;
+            gate[n++] = g;
+        }
+    }
+    return n;
+}
+
+/* An expert's fp64 weights and the rows it runs on: xe, out and scratch
+ * hold the most rows any expert had so far, at most `block` (a rank's
+ * tokens: an expert's rows go in blocks of that many). */
+typedef struct {
+    double *w1, *w2;              /* (2f, d), (d, f) */
+    double *xe, *out, *scratch;   /* (cap, d), (cap, d), (cap, 3f) */
+    moe_index cap, block;
+} expert_work;
+
+/* Expert e on its n rows (row, gate), in blocks: each output times its
+ * gate weight into y (pairs) or into sums (a reduced combine's). */
+static void expert_terms(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x_dispatched,
+                         int e, moe_index n, const moe_index *row, const double *gate, double *y,
+                         double *allow, double *sums, expert_work *b)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn;
+    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+    if (n > b->cap && b->cap < b->block) {
+        free(b->xe);
+        free(b->out);
+        free(b->scratch);
+        b->cap = n < b->block ? n : b->block;
+        b->xe = moe_xmalloc(sizeof(double) * (size_t)(b->cap * d));
+        b->out = moe_xmalloc(sizeof(double) * (size_t)(b->cap * d));
+        b->scratch = moe_xmalloc(sizeof(double) * (size_t)(b->cap * 3 * f));
+    }
+    generated_f64(cfg, false, e, b->w1, b->w2);
+    for (moe_index first = 0; first < n; first += b->cap) {
+        const moe_index rows = n - first < b->cap ? n - first : b->cap;
+        gather_f64(x_dispatched, row + first, rows, d, b->xe);
+        moe_expert_forward_f64(gemm, b->w1, b->w2, b->xe, rows, d, f, b->scratch, b->out);
+        if (!reduced)
+            accumulate(cfg, y, allow, b->out, gate + first, row + first, rows, d);
+        for (moe_index m = 0; reduced && m < rows; m++)
+            for (moe_index j = 0; j < d; j++)
+                sums[row[first + m] * d + j] += gate[first + m] * b->out[m * d + j];
+    }
+}
+
 static void routed_terms(const moe_config *cfg, enum moe_truth_gemm gemm,
                          const float *x_dispatched, const int32_t *ids, const float *weights,
                          moe_index tokens, int ranks, const int32_t *pair_rank, int only_rank,
@@ -105,16 +169,11 @@ static void routed_terms(const moe_config *cfg, enum moe_truth_gemm gemm,
 {
     const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
     const int E = (int)cfg->experts, k = (int)cfg->topk;
-    double *w1_64 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
-    double *w2_64 = moe_xmalloc(sizeof(double) * (size_t)(d * f));
+    expert_work work = {.w1 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d)),
+                        .w2 = moe_xmalloc(sizeof(double) * (size_t)(d * f)),
+                        .block = cfg->tokens > 0 ? cfg->tokens : 1};
     double *gate = moe_xmalloc(sizeof(double) * (size_t)T + 1);      /* (n) their gate weights for e */
     moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1); /* (n) and which tokens */
-    /* rows xe, out and scratch hold: the most any expert had so far, at
-     * most a rank's tokens (an expert's rows go in blocks of that many) */
-    const moe_index block = cfg->tokens > 0 ? cfg->tokens : 1;
-    moe_index cap = 0;
-    double *xe = NULL, *out = NULL, *scratch = NULL; /* (n, d), (n, d), (n, 3f) */
-
     memset(y, 0, sizeof(double) * (size_t)(T * d));
     /* A reduced combine rounds the sum of each rank's experts instead. */
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
@@ -137,42 +196,10 @@ static void routed_terms(const moe_config *cfg, enum moe_truth_gemm gemm,
     for (int e = 0; e < E; e++) {
         if (only_rank >= 0 && !pair_rank && placement.expert_rank[e] != only_rank)
             continue;
-        moe_index n = 0;
-        for (moe_index i = 0; i < T; i++) {
-            double g = 0.0;
-            for (int s = 0; s < k; s++) {
-                const int32_t at = pair_rank ? pair_rank[i * k + s] : -1;
-                if (ids[i * k + s] == e && (passes == 1 || at == pass) &&
-                    (only_rank < 0 || !pair_rank || at == only_rank))
-                    g = weights[i * k + s];
-            }
-            if (g != 0.0 || literal) {
-                row[n] = i;
-                gate[n++] = g;
-            }
-        }
-        if (n > 0) { /* an expert no token selected adds nothing: not even its weights */
-            if (n > cap && cap < block) {
-                free(xe);
-                free(out);
-                free(scratch);
-                cap = n < block ? n : block;
-                xe = moe_xmalloc(sizeof(double) * (size_t)(cap * d));
-                out = moe_xmalloc(sizeof(double) * (size_t)(cap * d));
-                scratch = moe_xmalloc(sizeof(double) * (size_t)(cap * 3 * f));
-            }
-            generated_f64(cfg, false, e, w1_64, w2_64);
-            for (moe_index first = 0; first < n; first += cap) {
-                const moe_index rows = n - first < cap ? n - first : cap;
-                gather_f64(x_dispatched, row + first, rows, d, xe);
-                moe_expert_forward_f64(gemm, w1_64, w2_64, xe, rows, d, f, scratch, out);
-                if (!reduced)
-                    accumulate(cfg, y, allow, out, gate + first, row + first, rows, d);
-                for (moe_index m = 0; reduced && m < rows; m++)
-                    for (moe_index j = 0; j < d; j++)
-                        sums[row[first + m] * d + j] += gate[first + m] * out[m * d + j];
-            }
-        }
+        const moe_index n = forward_rows(ids, weights, T, k, e, pair_rank, passes, pass, only_rank,
+                                         literal, row, gate);
+        if (n > 0) /* an expert no token selected adds nothing: not even its weights */
+            expert_terms(cfg, gemm, x_dispatched, e, n, row, gate, y, allow, sums, &work);
         if (!reduced || only_rank >= 0)
             continue;
         /* the rank whose sum this expert adds to, and the next expert's
@@ -192,13 +219,13 @@ static void routed_terms(const moe_config *cfg, enum moe_truth_gemm gemm,
         moe_placement_free(&placement);
     free(node_partial);
     free(partial);
-    free(scratch);
-    free(out);
-    free(xe);
+    free(work.scratch);
+    free(work.out);
+    free(work.xe);
     free(row);
     free(gate);
-    free(w2_64);
-    free(w1_64);
+    free(work.w2);
+    free(work.w1);
 }
 
 void moe_truth_add_shared(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
