@@ -445,11 +445,11 @@ void moe_report_print_machine(FILE *out, const moe_run_summary *s)
                 s->cores - s->ranks_on_host * s->bound, s->cores);
 }
 
-void moe_report_print(FILE *out, const moe_run_summary *s)
+/* The title line, the config and the machine. */
+static void print_header(FILE *out, const moe_run_summary *s)
 {
     const moe_config *cfg = s->cfg;
-    const double G = s->ranks, d = (double)cfg->hidden;
-
+    const double G = s->ranks;
     if (s->path->low_latency)
         fprintf(out, "moe-ep %s · MoE forward with expert parallelism · low-latency mode, one-sided "
                      "MPI (%s) · gemm %s\n",
@@ -478,12 +478,13 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
             (long long)cfg->topk, (long long)cfg->shared_experts,
             (unsigned long long)cfg->seed, (long long)cfg->iters);
     moe_report_print_machine(out, s);
+}
 
-    print_routing(out, s);
-    print_traffic(out, s);
-    if (s->backward)
-        print_backward(out, s);
-
+/* The stage times, the pipeline, the link model and the experts' rate. */
+static void print_time(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
+    const double G = s->ranks, d = (double)cfg->hidden;
     fprintf(out, "time      ms per forward, max over ranks, median of %lld iters%s\n",
             (long long)cfg->iters,
             s->waves > 0 ? "; dispatch and combine: in flight, summed over waves" : "");
@@ -550,7 +551,12 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
             s->expert_flops * 1e-9,
             s->expert_window > 0 ? (s->expert_flops + s->fill_flops) * 1e-9 / s->expert_window : 0.0,
             1e3 * s->expert_window, fill, 1e3 * s->expert_seconds);
+}
 
+/* With --waves W1,W2,...: each W's pipeline against its bound. */
+static void print_curve(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
     if (s->curve_count > 1) {
         /* Each point against moe_curve_bound, and the seed's five-stage
          * formula T(1 + 4/W), T = (T_compute + T_comm)/5 at the first W (the
@@ -580,7 +586,12 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                     base > 0 ? 100.0 * (p->rows_sent / base - 1.0) : 0.0);
         }
     }
+}
 
+/* The golden set written, and the memory. */
+static void print_outputs(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
     if (cfg->dump[0]) {
         char size[32];
         fprintf(out, "golden    %s: %s in %.2f s (moe-ep verify %s CANDIDATE.safetensors)\n", cfg->dump,
@@ -593,8 +604,13 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
                 moe_format_bytes(s->rss_peak, peak, sizeof peak),
                 moe_format_bytes(s->memory_estimate, estimate, sizeof estimate));
     }
-    if (!s->checked)
-        return;
+}
+
+/* --check: the truth, the comparisons and the verdict. */
+static void print_check(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
+    const double G = s->ranks;
     fprintf(out, "truth     dense fp64: all %lld experts on all %.0f tokens, gate-weighted "
                  "(zero when not selected), plus shared experts\n",
             (long long)cfg->experts, G * (double)cfg->tokens);
@@ -638,4 +654,18 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
             s->tol.abs, s->tol.rel,
             cfg->combine_dtype == MOE_DTYPE_BF16 ? "+1 bf16 step per combined term" : "",
             100.0 * s->cmp.max_used);
+}
+
+void moe_report_print(FILE *out, const moe_run_summary *s)
+{
+    print_header(out, s);
+    print_routing(out, s);
+    print_traffic(out, s);
+    if (s->backward)
+        print_backward(out, s);
+    print_time(out, s);
+    print_curve(out, s);
+    print_outputs(out, s);
+    if (s->checked)
+        print_check(out, s);
 }
