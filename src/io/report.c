@@ -294,6 +294,82 @@ static void print_routing(FILE *out, const moe_run_summary *s)
     }
 }
 
+/* The dispatch's bytes from rank to rank: the matrix up to 16 ranks, the
+ * spread of what each sends and receives beyond. */
+static void print_matrix(FILE *out, const moe_run_summary *s)
+{
+    const int G = s->ranks;
+    char b1[32], b2[32], b3[32];
+    if (s->matrix && G <= 16) {
+        fprintf(out, "          dispatch KiB, from rank (row) to rank (column):\n          %6s", "");
+        for (int q = 0; q < G; q++)
+            fprintf(out, " %7d", q);
+        fprintf(out, "\n");
+        for (int r = 0; r < G; r++) {
+            fprintf(out, "          %6d", r);
+            for (int q = 0; q < G; q++)
+                fprintf(out, " %7.0f", s->matrix[r * G + q] / 1024.0);
+            fprintf(out, "\n");
+        }
+    } else if (s->matrix) {
+        moe_spread out_bytes = {INFINITY, 0, 0}, in_bytes = {INFINITY, 0, 0};
+        for (int r = 0; r < G; r++) {
+            double sent = 0, got = 0;
+            for (int q = 0; q < G; q++) {
+                sent += s->matrix[r * G + q];
+                got += s->matrix[q * G + r];
+            }
+            out_bytes = (moe_spread){fmin(out_bytes.min, sent), out_bytes.mean + sent / G, fmax(out_bytes.max, sent)};
+            in_bytes = (moe_spread){fmin(in_bytes.min, got), in_bytes.mean + got / G, fmax(in_bytes.max, got)};
+        }
+        fprintf(out, "          dispatch per rank (G = %d, matrix left out): sent min %s mean %s max %s\n", G,
+                moe_format_bytes(out_bytes.min, b1, sizeof b1), moe_format_bytes(out_bytes.mean, b2, sizeof b2),
+                moe_format_bytes(out_bytes.max, b3, sizeof b3));
+        fprintf(out, "          %*s received min %s mean %s max %s\n", 41, "",
+                moe_format_bytes(in_bytes.min, b1, sizeof b1), moe_format_bytes(in_bytes.mean, b2, sizeof b2),
+                moe_format_bytes(in_bytes.max, b3, sizeof b3));
+    }
+}
+
+/* On virtual nodes: the bytes within and between nodes, the rows per token
+ * of the flat and the two-stage dispatch, and what the links carried. */
+static void print_nodes(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
+    const int G = s->ranks;
+    const double T = (double)cfg->tokens;
+    char b1[32], b2[32];
+    if (s->matrix && s->nodes > 1) {
+        double intra = 0, inter = 0;
+        for (int r = 0; r < G; r++)
+            for (int q = 0; q < G; q++)
+                if (r != q)
+                    *(r / s->ranks_per_node == q / s->ranks_per_node ? &intra : &inter) += s->matrix[r * G + q];
+        fprintf(out, "          dispatch between ranks: intra-node %s, inter-node %s (%.0f%%)\n",
+                moe_format_bytes(intra, b1, sizeof b1), moe_format_bytes(inter, b2, sizeof b2),
+                intra + inter > 0 ? 100.0 * inter / (intra + inter) : 0.0);
+        const moe_node_rows *nr = &s->node_rows;
+        fprintf(out, "          rows per token: the flat dispatch %.2f between nodes + %.2f within; the "
+                     "two-stage %.2f between (once per other node reached) + %.2f within: %.0f%% "
+                     "fewer on the inter-node tier\n",
+                nr->flat_inter / (G * T), nr->flat_intra / (G * T), nr->two_stage_inter / (G * T),
+                nr->two_stage_intra / (G * T),
+                nr->flat_inter > 0 ? 100.0 * (1.0 - nr->two_stage_inter / nr->flat_inter) : 0.0);
+        if (s->path->two_stage) {
+            const double tokens = G * T, flat_rows = inter / moe_dispatch_row_bytes(cfg);
+            fprintf(out, "          two-stage dispatch: %.0f rows between nodes (%.2f per token, once per "
+                         "node reached but its own), %.0f forwarded within nodes; the flat dispatch "
+                         "above sends %.0f rows between nodes (%.2f per token), %.0f%% more\n",
+                    s->rows_inter, s->rows_inter / tokens, s->rows_intra, flat_rows,
+                    flat_rows / tokens, s->rows_inter > 0 ? 100.0 * (flat_rows / s->rows_inter - 1.0) : 0.0);
+        }
+        if (s->tier_bytes[0] + s->tier_bytes[1] > 0)
+            fprintf(out, "          on the links, as the link model charges them (dispatch and combine, "
+                         "all ranks): intra-node %.0f B, inter-node %.0f B\n",
+                    s->tier_bytes[0], s->tier_bytes[1]);
+    }
+}
+
 static void print_traffic(FILE *out, const moe_run_summary *s)
 {
     const moe_config *cfg = s->cfg;
@@ -347,64 +423,8 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
             fprintf(out, ": one row per (token, expert) pair (--combine reduced sends %.0f, one per "
                          "(token, rank))\n", s->rows_one_wave > 0 ? s->rows_one_wave : s->rows_sent);
     }
-    if (s->matrix && G <= 16) {
-        fprintf(out, "          dispatch KiB, from rank (row) to rank (column):\n          %6s", "");
-        for (int q = 0; q < G; q++)
-            fprintf(out, " %7d", q);
-        fprintf(out, "\n");
-        for (int r = 0; r < G; r++) {
-            fprintf(out, "          %6d", r);
-            for (int q = 0; q < G; q++)
-                fprintf(out, " %7.0f", s->matrix[r * G + q] / 1024.0);
-            fprintf(out, "\n");
-        }
-    } else if (s->matrix) {
-        moe_spread out_bytes = {INFINITY, 0, 0}, in_bytes = {INFINITY, 0, 0};
-        for (int r = 0; r < G; r++) {
-            double sent = 0, got = 0;
-            for (int q = 0; q < G; q++) {
-                sent += s->matrix[r * G + q];
-                got += s->matrix[q * G + r];
-            }
-            out_bytes = (moe_spread){fmin(out_bytes.min, sent), out_bytes.mean + sent / G, fmax(out_bytes.max, sent)};
-            in_bytes = (moe_spread){fmin(in_bytes.min, got), in_bytes.mean + got / G, fmax(in_bytes.max, got)};
-        }
-        fprintf(out, "          dispatch per rank (G = %d, matrix left out): sent min %s mean %s max %s\n", G,
-                moe_format_bytes(out_bytes.min, b1, sizeof b1), moe_format_bytes(out_bytes.mean, b2, sizeof b2),
-                moe_format_bytes(out_bytes.max, b3, sizeof b3));
-        fprintf(out, "          %*s received min %s mean %s max %s\n", 41, "",
-                moe_format_bytes(in_bytes.min, b1, sizeof b1), moe_format_bytes(in_bytes.mean, b2, sizeof b2),
-                moe_format_bytes(in_bytes.max, b3, sizeof b3));
-    }
-    if (s->matrix && s->nodes > 1) {
-        double intra = 0, inter = 0;
-        for (int r = 0; r < G; r++)
-            for (int q = 0; q < G; q++)
-                if (r != q)
-                    *(r / s->ranks_per_node == q / s->ranks_per_node ? &intra : &inter) += s->matrix[r * G + q];
-        fprintf(out, "          dispatch between ranks: intra-node %s, inter-node %s (%.0f%%)\n",
-                moe_format_bytes(intra, b1, sizeof b1), moe_format_bytes(inter, b2, sizeof b2),
-                intra + inter > 0 ? 100.0 * inter / (intra + inter) : 0.0);
-        const moe_node_rows *nr = &s->node_rows;
-        fprintf(out, "          rows per token: the flat dispatch %.2f between nodes + %.2f within; the "
-                     "two-stage %.2f between (once per other node reached) + %.2f within: %.0f%% "
-                     "fewer on the inter-node tier\n",
-                nr->flat_inter / (G * T), nr->flat_intra / (G * T), nr->two_stage_inter / (G * T),
-                nr->two_stage_intra / (G * T),
-                nr->flat_inter > 0 ? 100.0 * (1.0 - nr->two_stage_inter / nr->flat_inter) : 0.0);
-        if (s->path->two_stage) {
-            const double tokens = G * T, flat_rows = inter / moe_dispatch_row_bytes(cfg);
-            fprintf(out, "          two-stage dispatch: %.0f rows between nodes (%.2f per token, once per "
-                         "node reached but its own), %.0f forwarded within nodes; the flat dispatch "
-                         "above sends %.0f rows between nodes (%.2f per token), %.0f%% more\n",
-                    s->rows_inter, s->rows_inter / tokens, s->rows_intra, flat_rows,
-                    flat_rows / tokens, s->rows_inter > 0 ? 100.0 * (flat_rows / s->rows_inter - 1.0) : 0.0);
-        }
-        if (s->tier_bytes[0] + s->tier_bytes[1] > 0)
-            fprintf(out, "          on the links, as the link model charges them (dispatch and combine, "
-                         "all ranks): intra-node %.0f B, inter-node %.0f B\n",
-                    s->tier_bytes[0], s->tier_bytes[1]);
-    }
+    print_matrix(out, s);
+    print_nodes(out, s);
     /* The seeds' arithmetic, with the wire rows (wire.h) in place of d x 4 B. */
     const moe_wire in = moe_wire_dispatch(cfg), back = moe_wire_combine(cfg);
     const double there = G * T * k * moe_dispatch_row_bytes(cfg), home = G * T * k * moe_combine_row_bytes(cfg);
