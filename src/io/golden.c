@@ -802,6 +802,98 @@ static double *load_allowance(verify_run *v, json_t *info, const char *name, int
 /* Candidate tensor e against its golden tensor, if it belongs to `stage`:
  * one line of the table (and the evidence under a failure). Returns
  * MOE_EXIT_OK, or the code of a file that could not be read (st set). */
+/* Whether e has the golden tensor's shape and kind of values; if not, the
+ * line that says why, and its stage failed unless near-ties explain it. */
+static bool comparable(verify_run *v, const moe_st_entry *e, const moe_st_entry *golden, int stage,
+                       const char *stage_name)
+{
+    bool same_shape = golden->ndim == e->ndim;
+    for (int dim = 0; same_shape && dim < e->ndim; dim++)
+        same_shape = golden->shape[dim] == e->shape[dim];
+    if (same_shape && moe_st_dtype_is_integer(golden->dtype) == moe_st_dtype_is_integer(e->dtype))
+        return true;
+    char cshape[96], gshape[96];
+    shape_text(e->ndim, e->shape, cshape, sizeof cshape);
+    shape_text(golden->ndim, golden->shape, gshape, sizeof gshape);
+    if (v->first_failing < stage)
+        fprintf(v->out, "%-28s %-9s not compared: %s differs upstream (candidate %s %s, golden %s %s)\n",
+                e->name, stage_name, moe_golden_stage_names[v->first_failing],
+                moe_st_dtype_name(e->dtype), cshape, moe_st_dtype_name(golden->dtype), gshape);
+    else if (v->tied_count > 0 && same_kind_of(golden, e))
+        fprintf(v->out, "%-28s %-9s not compared: %lld tokens routed differently at near-ties change its "
+                        "shape (candidate %s, golden %s)\n",
+                e->name, stage_name, (long long)v->tied_count, cshape, gshape);
+    else
+        fprintf(v->out, "%-28s %-9s FAIL: candidate %s %s, golden %s %s\n", e->name, stage_name,
+                moe_st_dtype_name(e->dtype), cshape, moe_st_dtype_name(golden->dtype), gshape);
+    if (!(v->tied_count > 0 && same_kind_of(golden, e)))
+        fail_stage(v, stage);
+    return false;
+}
+
+/* The top-k ids against the golden's: exact, or different only at
+ * near-ties (the tokens so tied are remembered: their rows are left out
+ * downstream). A golden id outside [0, E) is a usage error. */
+static int compare_ids(verify_run *v, const moe_st_entry *e, const void *ref, const void *got,
+                       const moe_st_entry *as, int64_t count, verdict *result, moe_status *st)
+{
+    const int k = (int)e->shape[e->ndim - 1];
+    for (int64_t i = 0; i < count; i++)
+        if (((const int32_t *)ref)[i] < 0 || ((const int32_t *)ref)[i] >= v->experts_config) {
+            moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' holds id %d, outside [0, %lld)",
+                     e->name, ((const int32_t *)ref)[i], (long long)v->experts_config);
+            return st->code;
+        }
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1); /* as the golden's I32 */
+    for (int64_t i = 0; i < count; i++) {
+        const double id = moe_st_element(got, as->dtype, i);
+        ids[i] = id >= INT32_MIN && id <= INT32_MAX ? (int32_t)id : -1;
+    }
+    free(v->tied);
+    v->tokens = k > 0 ? count / k : 0;
+    v->tied = moe_xcalloc((size_t)v->tokens + 1, 1);
+    compare_topk(ref, ids, count, k, v->selection, v->experts, v->sel_abs, v->sel_rel, v->tied,
+                 result);
+    v->tied_count = 0;
+    for (int64_t t = 0; t < v->tokens; t++)
+        v->tied_count += v->tied[t];
+    free(ids);
+    return MOE_EXIT_OK;
+}
+
+/* The tensor's line of the table, the notes on near-ties and rows left
+ * out, and on a difference the first element explained and its stage
+ * failed. */
+static void print_verdict(verify_run *v, const moe_st_entry *e, int stage, const char *stage_name,
+                          const char *rule_text, enum moe_golden_rule rule, const verdict *result,
+                          const uint8_t *skip, bool uncounted, const moe_st_entry *golden,
+                          const void *ref, const moe_st_entry *as, const void *got)
+{
+    char where[64] = "", used[16];
+    if (result->bad)
+        index_text(result->first_bad, e->ndim, e->shape, where, sizeof where);
+    snprintf(used, sizeof used, rule == MOE_RULE_TOLERANCE ? "%.1f" : "-", 100.0 * result->max_used);
+    fprintf(v->out, "%-28s %-9s %-10s %11.3e %11.3e %8s %10lld  %s%s\n", e->name, stage_name,
+            rule_text, result->max_abs, result->max_rel, used, (long long)result->bad,
+            result->bad ? where : "-", result->near_ties ? " (near-ties accepted)" : "");
+    if (result->near_ties)
+        fprintf(v->out, "%-28s %lld top-k ids of %lld tokens differ only by near-ties; their rows "
+                        "are left out downstream\n", "", (long long)result->near_ties, (long long)v->tied_count);
+    if (skip) {
+        int64_t left_out = 0;
+        for (int64_t i = 0; i < e->shape[0]; i++)
+            left_out += skip[i];
+        if (left_out)
+            fprintf(v->out, "%-28s %lld rows of tied tokens left out\n", "", (long long)left_out);
+    }
+    if (result->bad && uncounted)
+        fprintf(v->out, "%-28s differs, but tokens routed differently at near-ties change it: not counted\n", "");
+    if (result->bad && !uncounted) {
+        explain_mismatch(v, e->name, golden, ref, as, got, result->first_bad);
+        fail_stage(v, stage);
+    }
+}
+
 static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_status *st)
 {
     json_t *info = json_object_get(v->tensors, e->name);
@@ -822,26 +914,7 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
     v->compared++;
     /* A tensor that cannot be compared is a failure of its stage, or the
      * consequence of an earlier stage's. */
-    bool same_shape = golden.ndim == e->ndim;
-    for (int dim = 0; same_shape && dim < e->ndim; dim++)
-        same_shape = golden.shape[dim] == e->shape[dim];
-    if (!same_shape || moe_st_dtype_is_integer(golden.dtype) != moe_st_dtype_is_integer(e->dtype)) {
-        char cshape[96], gshape[96];
-        shape_text(e->ndim, e->shape, cshape, sizeof cshape);
-        shape_text(golden.ndim, golden.shape, gshape, sizeof gshape);
-        if (v->first_failing < stage)
-            fprintf(v->out, "%-28s %-9s not compared: %s differs upstream (candidate %s %s, golden %s %s)\n",
-                    e->name, stage_name, moe_golden_stage_names[v->first_failing],
-                    moe_st_dtype_name(e->dtype), cshape, moe_st_dtype_name(golden.dtype), gshape);
-        else if (v->tied_count > 0 && same_kind_of(&golden, e))
-            fprintf(v->out, "%-28s %-9s not compared: %lld tokens routed differently at near-ties change its "
-                            "shape (candidate %s, golden %s)\n",
-                    e->name, stage_name, (long long)v->tied_count, cshape, gshape);
-        else
-            fprintf(v->out, "%-28s %-9s FAIL: candidate %s %s, golden %s %s\n", e->name, stage_name,
-                    moe_st_dtype_name(e->dtype), cshape, moe_st_dtype_name(golden.dtype), gshape);
-        if (!(v->tied_count > 0 && same_kind_of(&golden, e)))
-            fail_stage(v, stage);
+    if (!comparable(v, e, &golden, stage, stage_name)) {
         free(ref);
         return MOE_EXIT_OK;
     }
@@ -874,58 +947,19 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
         uncounted = skip == NULL;
     }
     if (rule == MOE_RULE_TOPK) {
-        const int k = (int)e->shape[e->ndim - 1];
-        for (int64_t i = 0; i < count; i++)
-            if (((const int32_t *)ref)[i] < 0 || ((const int32_t *)ref)[i] >= v->experts_config) {
-                moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' holds id %d, outside [0, %lld)",
-                         e->name, ((const int32_t *)ref)[i], (long long)v->experts_config);
-                free(skip);
-                free(allow);
-                free(got);
-                free(ref);
-                return st->code;
-            }
-        int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1); /* as the golden's I32 */
-        for (int64_t i = 0; i < count; i++) {
-            const double id = moe_st_element(got, as.dtype, i);
-            ids[i] = id >= INT32_MIN && id <= INT32_MAX ? (int32_t)id : -1;
+        if (compare_ids(v, e, ref, got, &as, count, &result, st)) {
+            free(skip);
+            free(allow);
+            free(got);
+            free(ref);
+            return st->code;
         }
-        free(v->tied);
-        v->tokens = k > 0 ? count / k : 0;
-        v->tied = moe_xcalloc((size_t)v->tokens + 1, 1);
-        compare_topk(ref, ids, count, k, v->selection, v->experts, v->sel_abs, v->sel_rel, v->tied,
-                     &result);
-        v->tied_count = 0;
-        for (int64_t t = 0; t < v->tokens; t++)
-            v->tied_count += v->tied[t];
-        free(ids);
     } else {
         compare_values(ref, golden.dtype, got, as.dtype, count, rule, &tol, skip,
                        e->shape[0] ? count / e->shape[0] : 1, &result);
     }
-    char where[64] = "", used[16];
-    if (result.bad)
-        index_text(result.first_bad, e->ndim, e->shape, where, sizeof where);
-    snprintf(used, sizeof used, rule == MOE_RULE_TOLERANCE ? "%.1f" : "-", 100.0 * result.max_used);
-    fprintf(v->out, "%-28s %-9s %-10s %11.3e %11.3e %8s %10lld  %s%s\n", e->name, stage_name,
-            rule_text, result.max_abs, result.max_rel, used, (long long)result.bad,
-            result.bad ? where : "-", result.near_ties ? " (near-ties accepted)" : "");
-    if (result.near_ties)
-        fprintf(v->out, "%-28s %lld top-k ids of %lld tokens differ only by near-ties; their rows "
-                        "are left out downstream\n", "", (long long)result.near_ties, (long long)v->tied_count);
-    if (skip) {
-        int64_t left_out = 0;
-        for (int64_t i = 0; i < e->shape[0]; i++)
-            left_out += skip[i];
-        if (left_out)
-            fprintf(v->out, "%-28s %lld rows of tied tokens left out\n", "", (long long)left_out);
-    }
-    if (result.bad && uncounted)
-        fprintf(v->out, "%-28s differs, but tokens routed differently at near-ties change it: not counted\n", "");
-    if (result.bad && !uncounted) {
-        explain_mismatch(v, e->name, &golden, ref, &as, got, result.first_bad);
-        fail_stage(v, stage);
-    }
+    print_verdict(v, e, stage, stage_name, rule_text, rule, &result, skip, uncounted, &golden, ref, &as,
+                  got);
     free(skip);
     free(allow);
     free(got);
