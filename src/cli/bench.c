@@ -745,6 +745,31 @@ static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const
         training_row(r, s, a->flops / a->gemm, a->wgrad_rate, peak_rate(&a->peak));
 }
 
+/* The forward's sweep: one row per W, its rates against the anchors. */
+static void print_wave_rows(FILE *out, const bench_row *rows)
+{
+    fprintf(out, "          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
+                 "routed experts' compute; peak = the layer's expert FLOPs at the widest FMA peak "
+                 "(all ranks) / the layer's time, exp = the experts' GFLOP/s / that peak\n");
+    fprintf(out, "%4s %-12s %22s %10s %9s %8s %5s %9s %7s %5s %9s %7s %8s %14s\n", "W", "waves",
+            "layer ms (med min-max)", "tokens/s", "per rank", "ceiling", "peak", "GFLOP/s", "gemm",
+            "exp", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
+    for (const bench_row *r = rows; r->waves; r++) {
+        char rate[16] = "-", efficiency[16] = "-"; /* no all-to-all figures: "-" */
+        if (!isnan(r->a2a_efficiency)) {
+            snprintf(rate, sizeof rate, "%.2f", r->a2a_bytes_per_second * 1e-9);
+            snprintf(efficiency, sizeof efficiency, "%.2f", r->a2a_efficiency);
+        }
+        fprintf(out, "%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %9.0f %7.0f%% %4.0f%% %9.1f %7.2f %4.0f%% "
+                     "%9s %7s %7.0f%% %8.0f (%.2f)\n",
+                r->waves, r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
+                1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
+                r->tokens_per_second / r->ranks, 100.0 * r->ceiling, 100.0 * r->of_peak,
+                r->expert_gflops, r->gemm_efficiency, 100.0 * r->experts_of_peak, rate, efficiency,
+                100.0 * r->overlap, r->rss_mb, r->rss_ratio);
+    }
+}
+
 int moe_cli_bench(const moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
@@ -824,26 +849,7 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
         if (path->training) {
             print_training(stdout, rows, wgrad_anchor_rate);
         } else {
-        printf("          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
-               "routed experts' compute; peak = the layer's expert FLOPs at the widest FMA peak "
-               "(all ranks) / the layer's time, exp = the experts' GFLOP/s / that peak\n");
-        printf("%4s %-12s %22s %10s %9s %8s %5s %9s %7s %5s %9s %7s %8s %14s\n", "W", "waves",
-               "layer ms (med min-max)", "tokens/s", "per rank", "ceiling", "peak", "GFLOP/s",
-               "gemm", "exp", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
-        for (const bench_row *r = rows; r->waves; r++) {
-            char rate[16] = "-", efficiency[16] = "-"; /* no all-to-all figures: "-" */
-            if (!isnan(r->a2a_efficiency)) {
-                snprintf(rate, sizeof rate, "%.2f", r->a2a_bytes_per_second * 1e-9);
-                snprintf(efficiency, sizeof efficiency, "%.2f", r->a2a_efficiency);
-            }
-            printf("%4d %-12s %8.2f %6.2f-%-6.2f %10.0f %9.0f %7.0f%% %4.0f%% %9.1f %7.2f %4.0f%% "
-                   "%9s %7s %7.0f%% %8.0f (%.2f)\n",
-                   r->waves, r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert slots" : "token chunks",
-                   1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
-                   r->tokens_per_second / r->ranks, 100.0 * r->ceiling, 100.0 * r->of_peak,
-                   r->expert_gflops, r->gemm_efficiency, 100.0 * r->experts_of_peak, rate, efficiency,
-                   100.0 * r->overlap, r->rss_mb, r->rss_ratio);
-        }
+            print_wave_rows(stdout, rows);
         }
         fflush(stdout);
         if (cfg->csv[0])
