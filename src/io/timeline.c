@@ -166,10 +166,78 @@ static void write_curve(FILE *out, const moe_timeline_curve *curve, int left, in
             lx, y0 + 30, lx + 24, y0 + 30, lx + 30, y0 + 34);
 }
 
+/* One event of rank r as a rectangle in its lanes (y0: the comm lane's
+ * top, lane high; the compute lane below it), with its wave number when
+ * it is wide enough. The comm lane holds dispatch above and combine below:
+ * wave w+1's dispatch and wave w-1's combine overlap in time. The two-stage
+ * dispatch's hops take a quarter each, the inter-node ones at the lane's
+ * edges: D1, D2, C2, C1. */
+static void draw_event(FILE *out, const moe_event *e, int r, int left, double t0, double scale,
+                       int y0, int lane)
+{
+    char suffix[24];
+    const double x = left + (e->start - t0) * scale;
+    double w = (e->end - e->start) * scale;
+    if (w < 0.5)
+        w = 0.5;
+    const int half = lane / 2, quarter = lane / 4;
+    const bool dispatch = moe_event_goes_out(e->kind), inter = e->tier == MOE_TIER_INTER;
+    int y = y0 + lane, h = lane;
+    if (is_comm(e->kind) && e->tier < 0)
+        y = y0 + (dispatch ? 0 : half), h = half;
+    else if (is_comm(e->kind))
+        y = y0 + quarter * (dispatch ? (inter ? 0 : 1) : (inter ? 3 : 2)), h = quarter;
+    fprintf(out, "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" "
+                 "stroke=\"white\" stroke-width=\"0.5\"%s><title>rank %d %s%s%s: "
+                 "%.3f-%.3f ms, %lld rows</title></rect>\n",
+            x, y + 1, w, h - 2, colours[e->kind],
+            e->tier == MOE_TIER_INTRA ? " fill-opacity=\"0.6\"" : "",
+            r, moe_event_names[e->kind], e->tier < 0 ? "" : inter ? " inter-node" : " intra-node",
+            wave_suffix(e->wave, suffix, sizeof suffix), 1e3 * (e->start - t0),
+            1e3 * (e->end - t0), (long long)e->rows);
+    if (w > 16 && h >= 10 && e->wave >= 0)
+        fprintf(out, "<text x=\"%.2f\" y=\"%.1f\" text-anchor=\"middle\" "
+                     "font-size=\"%d\" fill=\"#222\">%d</text>\n",
+                x + w / 2, y + h / 2.0 + 4, h >= 20 ? 11 : 9, e->wave);
+}
+
+/* The legend under the panels, at height ly: each kind of event drawn,
+ * then what the numbers and the comm lane's quarters mean. */
+static void draw_legend(FILE *out, const moe_timeline_panel *panels, int n_panels, bool merge,
+                        int left, int ly)
+{
+    bool shown[MOE_EVENT_KINDS] = {false}; /* the legend names the kinds drawn */
+    for (int p = 0; p < n_panels; p++)
+        for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
+            shown[panels[p].events[n].kind] = true;
+    if (merge) /* drawn as one block in L1's colour */
+        shown[MOE_EVENT_ACTIVATION] = shown[MOE_EVENT_L2] = false;
+    int x = left; /* each entry as wide as its label (about 6.5 px a character at 11 px) */
+    for (int kind = 0; kind < MOE_EVENT_KINDS; kind++) {
+        if (!shown[kind])
+            continue;
+        char label[64];
+        snprintf(label, sizeof label, "%s%s",
+                 merge && kind == MOE_EVENT_L1 ? "experts (L1, act., L2)" : moe_event_names[kind],
+                 is_comm(kind) ? " (comm)" : "");
+        fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>\n", x, ly,
+                colours[kind]);
+        fprintf(out, "<text x=\"%d\" y=\"%d\">%s</text>\n", x + 20, ly + 11, label);
+        x += 20 + (int)(6.5 * (double)strlen(label)) + 30;
+    }
+    bool tiers = false;
+    for (int p = 0; p < n_panels; p++)
+        for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
+            tiers = tiers || panels[p].events[n].tier >= 0;
+    fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave%s</text>\n",
+            x, ly + 11,
+            tiers ? "; comm lane, top to bottom: inter-node dispatch, intra-node dispatch (pale), "
+                    "intra-node combine (pale), inter-node combine" : "");
+}
+
 void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels,
                             const moe_timeline_curve *curve)
 {
-    char suffix[24];
     double span = 0.0;
     int ranks = 1;
     for (int p = 0; p < n_panels; p++) {
@@ -235,32 +303,7 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
                     run = (expert_run){e->start, e->end, e->wave};
                     continue;
                 }
-                const double x = left + (e->start - t0) * scale;
-                double w = (e->end - e->start) * scale;
-                if (w < 0.5)
-                    w = 0.5;
-                /* The comm lane holds dispatch above and combine below:
-                 * wave w+1's dispatch and wave w-1's combine overlap in time.
-                 * The two-stage dispatch's hops take a quarter each, the
-                 * inter-node ones at the lane's edges: D1, D2, C2, C1. */
-                const int half = lane / 2, quarter = lane / 4;
-                const bool dispatch = moe_event_goes_out(e->kind), inter = e->tier == MOE_TIER_INTER;
-                int y = y0 + lane, h = lane;
-                if (is_comm(e->kind) && e->tier < 0)
-                    y = y0 + (dispatch ? 0 : half), h = half;
-                else if (is_comm(e->kind))
-                    y = y0 + quarter * (dispatch ? (inter ? 0 : 1) : (inter ? 3 : 2)), h = quarter;
-                fprintf(out, "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" "
-                             "stroke=\"white\" stroke-width=\"0.5\"%s><title>rank %d %s%s%s: "
-                             "%.3f-%.3f ms, %lld rows</title></rect>\n",
-                        x, y + 1, w, h - 2, colours[e->kind], e->tier == MOE_TIER_INTRA ? " fill-opacity=\"0.6\"" : "",
-                        r, moe_event_names[e->kind], e->tier < 0 ? "" : inter ? " inter-node" : " intra-node",
-                        wave_suffix(e->wave, suffix, sizeof suffix), 1e3 * (e->start - t0),
-                        1e3 * (e->end - t0), (long long)e->rows);
-                if (w > 16 && h >= 10 && e->wave >= 0)
-                    fprintf(out, "<text x=\"%.2f\" y=\"%.1f\" text-anchor=\"middle\" "
-                                 "font-size=\"%d\" fill=\"#222\">%d</text>\n",
-                            x + w / 2, y + h / 2.0 + 4, h >= 20 ? 11 : 9, e->wave);
+                draw_event(out, e, r, left, t0, scale, y0, lane);
             }
             draw_run(out, &run, r, left, t0, scale, y0 + lane, lane);
         }
@@ -276,33 +319,7 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
         }
     }
     const int ly = n_panels * panel_height + 12;
-    bool shown[MOE_EVENT_KINDS] = {false}; /* the legend names the kinds drawn */
-    for (int p = 0; p < n_panels; p++)
-        for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
-            shown[panels[p].events[n].kind] = true;
-    if (merge) /* drawn as one block in L1's colour */
-        shown[MOE_EVENT_ACTIVATION] = shown[MOE_EVENT_L2] = false;
-    int x = left; /* each entry as wide as its label (about 6.5 px a character at 11 px) */
-    for (int kind = 0; kind < MOE_EVENT_KINDS; kind++) {
-        if (!shown[kind])
-            continue;
-        char label[64];
-        snprintf(label, sizeof label, "%s%s",
-                 merge && kind == MOE_EVENT_L1 ? "experts (L1, act., L2)" : moe_event_names[kind],
-                 is_comm(kind) ? " (comm)" : "");
-        fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"14\" fill=\"%s\"/>\n", x, ly,
-                colours[kind]);
-        fprintf(out, "<text x=\"%d\" y=\"%d\">%s</text>\n", x + 20, ly + 11, label);
-        x += 20 + (int)(6.5 * (double)strlen(label)) + 30;
-    }
-    bool tiers = false;
-    for (int p = 0; p < n_panels; p++)
-        for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
-            tiers = tiers || panels[p].events[n].tier >= 0;
-    fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave%s</text>\n",
-            x, ly + 11,
-            tiers ? "; comm lane, top to bottom: inter-node dispatch, intra-node dispatch (pale), "
-                    "intra-node combine (pale), inter-node combine" : "");
+    draw_legend(out, panels, n_panels, merge, left, ly);
     if (with_curve)
         write_curve(out, curve, left, ly + legend, plot);
     fprintf(out, "</svg>\n");
