@@ -216,20 +216,16 @@ static void print_waves(const moe_ep *ep, const double *home, const home_layout 
 }
 
 /* Rank 0: the walk of token g from the home record and every rank's. */
-static void print_token(const moe_run_context *ctx, int64_t g, const double *home,
-                        const home_layout *h, const double *ranks, const rank_layout *rl)
+/* The router's part of a token's walk: the gate, its logits and scores
+ * (up to ALL_SCORES experts), the groups kept, the top-k and where each
+ * expert lives. */
+static void print_router(const moe_run_context *ctx, const double *home, const home_layout *h)
 {
     const moe_config *cfg = &ctx->cfg;
     const moe_ep *ep = &ctx->ep;
-    const int G = ctx->comm->ranks, E = h->E, k = h->k, S = h->S;
-    const moe_index T = cfg->tokens, d = cfg->hidden;
-    const int home_rank = (int)(g / T);
+    const int E = h->E, k = h->k;
     const bool v3 = cfg->router == MOE_ROUTER_DEEPSEEK_V3;
     const bool sigmoid = v3 && ep->bias;
-    printf("\ntoken %lld: rank %d's token %lld (node %d)\n", (long long)g, home_rank,
-           (long long)(g % T), node_of(ep, home_rank));
-    print_row("x", home + h->x, d);
-    /* the router */
     printf("  %-11s %s\n", "router",
            v3 ? (sigmoid ? "deepseek-v3: scores = sigmoid(logits); selection on scores + bias"
                          : "deepseek-v3 without a bias: scores = softmax(logits)")
@@ -262,6 +258,20 @@ static void print_token(const moe_run_context *ctx, int64_t g, const double *hom
                s ? "" : "top-k", e, home[h->logits + e], home[h->scores + e], home[h->weights + s], r,
                node_of(ep, r));
     }
+}
+
+static void print_token(const moe_run_context *ctx, int64_t g, const double *home,
+                        const home_layout *h, const double *ranks, const rank_layout *rl)
+{
+    const moe_config *cfg = &ctx->cfg;
+    const moe_ep *ep = &ctx->ep;
+    const int G = ctx->comm->ranks, k = h->k, S = h->S;
+    const moe_index T = cfg->tokens, d = cfg->hidden;
+    const int home_rank = (int)(g / T);
+    printf("\ntoken %lld: rank %d's token %lld (node %d)\n", (long long)g, home_rank,
+           (long long)(g % T), node_of(ep, home_rank));
+    print_row("x", home + h->x, d);
+    print_router(ctx, home, h);
     /* the dispatch: one row per rank that holds any of its experts */
     int copies = 0, nodes = 0, last_node = -1;
     for (int r = 0; r < G; r++)
