@@ -161,7 +161,7 @@ def main(argv):
         print(line, flush=True)
     build(tree, log)
     rate = killed / len(mutants) if mutants else 1.0
-    print("mutants: %d of %d killed (%.0f %%; the goal is %.0f %%) in %.0f s" %
+    print("mutants: %d of %d killed (%.1f %%; the goal is %.0f %%) in %.0f s" %
           (killed, len(mutants), 100 * rate, 100 * GOAL, time.time() - start))
     shutil.rmtree(scratch, ignore_errors=True)
     return 0 if rate >= GOAL else 1

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "moe/common.h"
 #include "moe/config.h"
 #include "suites.h"
 
@@ -19,6 +20,16 @@ static int parse(moe_config *cfg, moe_status *st, const char *line)
     memset(st, 0, sizeof *st);
     return moe_config_parse(cfg, MOE_CMD_RUN, argc, argv, st);
 }
+
+/* The median the bench and the report quote: the middle value, or the mean
+ * of the two middle ones for an even count (v is sorted in place). */
+START_TEST(median_of_odd_and_even_counts)
+{
+    double odd[3] = {5.0, 1.0, 3.0}, even[4] = {4.0, 1.0, 3.0, 2.0};
+    ck_assert_double_eq(moe_median(odd, 3), 3.0);
+    ck_assert_double_eq(moe_median(even, 4), 2.5);
+}
+END_TEST
 
 START_TEST(flags_set_fields)
 {
@@ -225,6 +236,7 @@ Suite *make_config_suite(void)
 {
     Suite *s = suite_create("config");
     TCase *tc = tcase_create("parse");
+    tcase_add_test(tc, median_of_odd_and_even_counts);
     tcase_add_test(tc, flags_set_fields);
     tcase_add_test(tc, flags_override_preset_in_any_order);
     tcase_add_test(tc, preset_syntax_error_names_file_and_line);

@@ -82,6 +82,20 @@ START_TEST(one_hot_expert_takes_every_copy)
 }
 END_TEST
 
+/* Equal loads per copy: the copy goes to the lower expert, as upstream's
+ * (weight / logcnt).max(dim=-1).indices takes the first maximum. */
+START_TEST(equal_loads_copy_the_lower_expert_first)
+{
+    enum { E = 4, G = 1, P = E + 1 };
+    const double load[E] = {4.0, 4.0, 1.0, 1.0};
+    moe_replicas r;
+    moe_eplb_place(load, E, P, 1, 1, G, &r);
+    ck_assert_int_eq(r.copies[0], 2);
+    ck_assert_int_eq(r.copies[1], 1);
+    moe_replicas_free(&r);
+}
+END_TEST
+
 START_TEST(unplaceable_sizes_say_why)
 {
     ck_assert_ptr_nonnull(moe_eplb_unplaceable(8, 10, 4));
@@ -159,6 +173,7 @@ Suite *make_eplb_suite(void)
     TCase *tc = tcase_create("placement");
     tcase_add_loop_test(tc, matches_the_reference, 0, sizeof cases / sizeof cases[0]);
     tcase_add_test(tc, one_hot_expert_takes_every_copy);
+    tcase_add_test(tc, equal_loads_copy_the_lower_expert_first);
     tcase_add_test(tc, unplaceable_sizes_say_why);
     tcase_add_test(tc, replica_choice_prefers_the_node_then_spreads);
     tcase_add_test(tc, dedup_choice_shares_the_row);
