@@ -1,7 +1,8 @@
 /* path.h — the way a layer runs, chosen once from the validated
  * configuration.
  *
- * moe-ep runs the layer in five ways, all exact against the dense truth:
+ * moe-ep runs the layer in five ways, all exact against the dense truth;
+ * two of them also have a blocking form, so the table has seven entries:
  *
  *   path                 flags                       forward
  *   reference            --blocking                  moe_ep_forward_ref (ep_ref.c), never removed
@@ -30,8 +31,8 @@
  * (T, k); a training step also logits (T, E) and dy (T, d)), the outputs
  * (y (T, d), the forward's stats; a training step's gradients and backward
  * stats) and the schedule a pipelined path follows (its waves, progress,
- * link model and trace; NULL for the other paths, and for a training step
- * whose backward is blocking). */
+ * link model and trace; NULL: the config's), which the other paths do not
+ * read. */
 typedef struct {
     const moe_schedule *sched;
     const float *x, *logits, *dy;
@@ -46,8 +47,7 @@ typedef struct {
 typedef struct moe_path_s {
     const char *name;
     bool reference_run; /* a blocking reference (--blocking): each all-to-all waited for */
-    bool pipelined;   /* waves under a schedule: a trace, a timeline, overlap, the
-                         all-to-alls timed alone (time_alltoalls) */
+    bool pipelined;   /* waves under a schedule: a trace, a timeline, overlap */
     bool low_latency; /* one row per (token, expert) pair into fixed buffers, summed at home */
     bool training;    /* a forward and a backward: gradients */
     bool two_stage;   /* dispatch and combine in two hops, between nodes and within */
@@ -55,15 +55,14 @@ typedef struct moe_path_s {
     /* One run: a forward, or a training step. Collective; MOE_EXIT_OK or an
      * exit code with st set, the same on every rank. */
     int (*run)(const moe_ep *ep, const moe_path_args *a, moe_status *st);
-    /* The all-to-alls of the last run alone, seconds on this rank (pipelined
-     * paths; NULL otherwise). */
+    /* The all-to-alls of the last run alone, seconds on this rank (the
+     * pipelined forwards; NULL for the others and the training steps). */
     double (*time_alltoalls)(const moe_ep *ep, const moe_schedule *sched);
     /* The forward of the same dispatch in waves (itself for a pipelined
      * forward; the flat wave forward for the low-latency path and a
-     * training step), and
-     * the blocking forward whose bits a run reproduces (itself for a
-     * blocking forward; the reference for the low-latency path and a
-     * training step). */
+     * training step), and the blocking forward whose bits a run reproduces
+     * (itself for a blocking forward; the reference for the low-latency
+     * path and a training step). */
     const struct moe_path_s *waves, *blocking;
 } moe_path;
 
