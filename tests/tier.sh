@@ -13,8 +13,12 @@ esac
 # full CMD...: run CMD in the full tier only (a success in the fast tier).
 full() { [ "$tier" != full ] || "$@"; }
 
-# tier_rows < TABLE: the rows of TABLE this tier runs. A row that begins
-# with 'full ' belongs to the full tier only; the word is taken off.
-tier_rows() {
-  if [ "$tier" = full ]; then sed 's/^full //'; else grep -v '^full '; fi
+# tier_row ROW: a table row that begins with 'full ' belongs to the full
+# tier only. Prints ROW without that word when this tier runs it; fails
+# when it does not.
+tier_row() {
+  case $1 in
+    'full '*) [ "$tier" = full ] && echo "${1#full }" ;;
+    *) echo "$1" ;;
+  esac
 }

@@ -82,11 +82,12 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         cfg->waves_count = 4;
         cfg->iters = 5;
     }
+    const moe_path *path = NULL; /* the path the validated config asks for */
     if (moe_fault_validate(st) == MOE_EXIT_OK &&
         moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
         moe_config_resolve_nodes(cfg, c->node_ranks, c->ranks, st) == MOE_EXIT_OK &&
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
-        const moe_path *path = moe_path_choose(cfg);
+        path = moe_path_choose(cfg);
         if (path->low_latency) /* every pair comes home alone (ep_ll.c) */
             cfg->combine = MOE_COMBINE_PAIRS;
         if (c->rank == 0)
@@ -120,7 +121,7 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         const double have = moe_memory_available() / c->ranks_on_host;
         if (need > have) {
             char b1[32], b2[32], b3[32] = "";
-            const bool ll = moe_path_choose(cfg)->low_latency;
+            const bool ll = path->low_latency;
             if (ll)
                 moe_format_bytes(moe_ll_buffer_bytes(cfg, c->ranks), b3, sizeof b3);
             moe_fail(st, MOE_EXIT_USAGE,

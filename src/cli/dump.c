@@ -17,14 +17,13 @@
 #include "moe/check.h"
 #include "moe/cli.h"
 #include "moe/ep.h"
-#include "moe/path.h"
 #include "moe/gemm.h"
 #include "moe/golden.h"
+#include "moe/path.h"
 #include "moe/quant.h"
 #include "moe/rng.h"
 #include "moe/truth.h"
 #include "moe/wire.h"
-
 
 typedef struct {
     uint64_t seed;

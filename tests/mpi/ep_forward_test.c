@@ -58,7 +58,7 @@ typedef struct {
 } test_options;
 
 /* ceil(T k / E * C): the capacity per expert and rank, in real arithmetic. */
-static moe_index by_hand_capacity(const moe_config *cfg, moe_index T)
+static moe_index capacity_per_expert(const moe_config *cfg, moe_index T)
 {
     const double share = (double)T * (double)cfg->topk / (double)cfg->experts;
     return (moe_index)ceil(share * cfg->capacity_factor);
@@ -146,7 +146,7 @@ static moe_index capacity_by_hand(const moe_config *cfg, const int32_t *ids, con
                                   moe_index T, int32_t *kept)
 {
     const moe_index pairs = T * cfg->topk;
-    const moe_index capacity = by_hand_capacity(cfg, T);
+    const moe_index capacity = capacity_per_expert(cfg, T);
     moe_index dropped = 0;
     for (moe_index m = 0; m < pairs; m++) {
         moe_index before = 0;
@@ -297,7 +297,7 @@ static int check_padding(const moe_comm *c, const moe_config *cfg, const moe_pla
     const double pads = moe_comm_sum(c, (double)padded->pad_rows);
     const double pairs = moe_comm_sum(c, (double)stats.pairs_received);
     const double extra = moe_comm_sum(c, padded->expert_flops - stats.expert_flops);
-    const double want = (double)cfg->experts * c->ranks * (double)by_hand_capacity(cfg, T);
+    const double want = (double)cfg->experts * c->ranks * (double)capacity_per_expert(cfg, T);
     const bool ok = differ == 0.0 && pads + pairs == want && extra == pads * row_flops;
     if (c->rank == 0)
         printf("pad to capacity: %.0f values differ from the run without; %.0f pairs + %.0f zero rows "
