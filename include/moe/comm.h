@@ -143,6 +143,5 @@ void moe_comm_barrier_idle(const moe_comm *c);
  * (caller frees both), NULL elsewhere. Collective. */
 void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int count, int **offset,
                             moe_event **all);
-double moe_comm_time(void);
 
 #endif

@@ -74,7 +74,7 @@ typedef struct {
     enum moe_progress_kind progress; /* who drives the nonblocking collectives */
     bool link;                       /* emulate ep->link (when --link configured one) */
     moe_trace *trace;                /* this rank's events are appended here; NULL: none */
-    double origin;                   /* MPI_Wtime the events count from */
+    double origin;                   /* the clock time (clock.h) events count from */
     bool serial;                     /* the backward waits for each all-to-all as it posts it
                                         (under the link model: the serial time) */
 } moe_schedule;

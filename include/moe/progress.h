@@ -28,7 +28,7 @@ typedef struct {
     int count;         /* requests in use */
     bool active;       /* posted and not yet complete */
     bool mpi_done;     /* MPI has completed the requests */
-    double posted;     /* MPI_Wtime at post */
+    double posted;     /* clock time (clock.h) at post */
     double ready_at;   /* posted + the modelled link duration */
     double completed;  /* max(MPI completion seen, ready_at) */
 } moe_comm_op;
@@ -63,7 +63,7 @@ void moe_progress_lock(moe_progress *p);
 void moe_progress_unlock(moe_progress *p);
 
 /* Mark op as posted at `posted` (its requests filled in, under the lock); its
- * data counts as arrived no earlier than ready_at (MPI_Wtime; <= posted when
+ * data counts as arrived no earlier than ready_at (clock.h; <= posted when
  * there is no link model). */
 void moe_progress_track(moe_progress *p, int op, double posted, double ready_at);
 

@@ -95,8 +95,8 @@ typedef struct {
     moe_index pad_rows;          /* --pad-to-capacity: zero rows the experts computed */
     moe_index layout_slots;      /* rows of the tensors the expert GEMMs read (--expert-layout;
                                     one per wave), of which pairs_received hold rows */
-    double expert_start, expert_end; /* MPI_Wtime at the experts stage's ends */
-    double done;                 /* MPI_Wtime when y was complete (before any measuring pass) */
+    double expert_start, expert_end; /* clock times (clock.h) at the experts stage's ends */
+    double done;                 /* clock time when y was complete (before any measuring pass) */
     double bytes_dispatched;     /* payload + ids sent, self included */
     double bytes_combined;       /* expert outputs sent back, self included */
     double tier_bytes[2];        /* the wave paths: bytes sent to other ranks over each tier

@@ -23,6 +23,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "moe/clock.h"
 #include "moe/cli.h"
 #include "moe/gemm.h"
 #include "moe/peak.h"
@@ -70,9 +71,9 @@ static double timed(const moe_comm *c, void (*fn)(void *), void *arg, bool per_r
         for (size_t i = 0; i < EVICT_BYTES; i += 64)
             evict[i] = (unsigned char)n;
         moe_comm_barrier(c);
-        const double start = moe_comm_time();
+        const double start = moe_clock_now();
         fn(arg);
-        const double own = moe_comm_time() - start;
+        const double own = moe_stage_since(start);
         t[n] = per_rank ? own : moe_comm_max(c, own);
     }
     free((void *)evict);
@@ -520,12 +521,12 @@ static int latency_point(const moe_comm *c, const moe_config *base, const moe_li
     moe_forward_stats stats;
     for (int i = -warmup; i < n && rc == MOE_EXIT_OK; i++) {
         moe_comm_barrier(c);
-        const double start = moe_comm_time();
+        const double start = moe_clock_now();
         const moe_path_args a = {.sched = &sched, .x = x, .ids = ids, .weights = weights, .y = y,
                                  .fwd = &stats};
         rc = ep.path->run(&ep, &a, st);
         if (i >= 0)
-            t[i] = moe_comm_time() - start;
+            t[i] = moe_stage_since(start);
     }
     if (rc == MOE_EXIT_OK) {
         moe_comm_max_array(c, t, n);

@@ -1,6 +1,7 @@
 /* context.c — the set-up and the timed forwards that run and bench share
  * (see context.h). */
 #define _POSIX_C_SOURCE 200809L
+#include "moe/clock.h"
 #include "moe/context.h"
 #include "moe/wire.h"
 
@@ -233,7 +234,7 @@ static void backward_row(moe_run_context *ctx, int it, double origin, bool *iden
 {
     double *row = ctx->per_iter_bwd + (size_t)it * BWD_COLS;
     memcpy(row, ctx->last_bwd.seconds, sizeof ctx->last_bwd.seconds);
-    row[BWD_STEP] = moe_comm_time() - origin;
+    row[BWD_STEP] = moe_stage_since(origin);
     moe_comm_max_array(ctx->comm, row, BWD_COLS);
     const uint64_t digest = grads_digest(ctx);
     if (it == 0)
@@ -301,10 +302,10 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
         moe_trace_clear(&ctx->trace);
         moe_comm_barrier(c);
-        const double origin = moe_comm_time();
+        const double origin = moe_clock_now();
         moe_ep_route(&ctx->ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
         moe_ep_place(&ctx->ep, ctx->ids, ctx->weights, ctx->placed);
-        const double route = moe_comm_time() - origin;
+        const double route = moe_stage_since(origin);
         rc = forward(ctx, origin);
         const double layer = ctx->last.done - origin; /* to y complete */
         ctx->last.seconds[MOE_STAGE_ROUTE] = route;

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/clock.h"
 #include "moe/check.h"
 #include "moe/cli.h"
 #include "moe/context.h"
@@ -317,7 +318,7 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
     one_wave.trace = &serial;
     moe_forward_stats f;
     moe_comm_barrier(c);
-    one_wave.origin = moe_comm_time();
+    one_wave.origin = moe_clock_now();
     float *y = moe_xmalloc(sizeof(float) * (size_t)(ctx->cfg.tokens * ctx->cfg.hidden));
     moe_ep_grads g = {0}; /* a training step's: the same step, its backward in one wave */
     moe_backward_stats bwd;
@@ -623,9 +624,9 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
             rc = compare_backward_with_reference(&ctx);
     }
     if (rc == MOE_EXIT_OK && cfg->dump[0]) {
-        const double t = moe_comm_time();
+        const double t = moe_clock_now();
         rc = moe_cli_dump(c, &ctx.ep, ctx.x, ctx.dy, &s->dump_bytes, &ctx.status);
-        s->dump_seconds = moe_comm_time() - t;
+        s->dump_seconds = moe_stage_since(t);
     }
     /* The curve: every further wave count of --waves W1,W2,...; the report
      * stays that of the first. */

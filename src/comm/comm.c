@@ -293,8 +293,6 @@ void moe_comm_barrier_idle(const moe_comm *c)
     }
 }
 
-double moe_comm_time(void) { return MPI_Wtime(); }
-
 void moe_comm_finalize(void) { MOE_MPI(MPI_Finalize()); }
 
 void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int count, int **offset,

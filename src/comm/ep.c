@@ -542,7 +542,7 @@ void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, f
                    moe_forward_stats *stats)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
-    const double start = MPI_Wtime();
+    const double start = moe_stage_begin();
     if (y) {
         for (int s = 0; s < (int)ep->cfg->shared_experts; s++)
             for (moe_index first = 0, rows; first < T; first += rows) {
@@ -556,8 +556,7 @@ void moe_ep_shared(const moe_ep *ep, const float *x, float *y, float *scratch, f
         while (moe_shared_work_step(&w, NULL))
             ;
     }
-    stats->done = MPI_Wtime();
-    stats->seconds[MOE_STAGE_SHARED] = stats->done - start;
+    stats->done = moe_stage_end(&stats->seconds[MOE_STAGE_SHARED], start);
 }
 
 void moe_ep_shared_add(const moe_ep *ep, const float *out, float *y)
@@ -578,12 +577,12 @@ void moe_shared_work_init(moe_shared_work *w, const moe_ep *ep, const float *x, 
 
 void moe_shared_work_finish(moe_shared_work *w, float *y, moe_forward_stats *stats)
 {
-    const double rest = MPI_Wtime();
+    const double rest = moe_stage_begin();
     while (moe_shared_work_step(w, NULL))
         ;
     moe_ep_shared_add(w->ep, w->out, y);
-    stats->done = MPI_Wtime();
-    stats->seconds[MOE_STAGE_SHARED] = stats->fill_seconds + (stats->done - rest);
+    stats->seconds[MOE_STAGE_SHARED] = stats->fill_seconds; /* the pieces in the waits */
+    stats->done = moe_stage_end(&stats->seconds[MOE_STAGE_SHARED], rest);
 }
 
 bool moe_shared_work_step(moe_shared_work *w, const moe_ffn_hooks *hooks)
@@ -594,15 +593,14 @@ bool moe_shared_work_step(moe_shared_work *w, const moe_ffn_hooks *hooks)
     const int blocks = w->pieces / (int)w->ep->cfg->shared_experts, s = w->next / blocks;
     const moe_index first = (moe_index)(w->next % blocks) * MOE_SHARED_ROW_BLOCK;
     w->next++;
-    const double flops = moe_gemm_sflops(), start = MPI_Wtime();
+    const double flops = moe_gemm_sflops(), start = moe_stage_begin();
     const moe_index rows = shared_piece(w->ep, s, first, w->x, w->scratch,
                                         w->out + (s * T + first) * d, hooks);
-    const double end = MPI_Wtime();
+    const double end = moe_stage_event(w->trace, w->origin, start,
+                                       (moe_event){.wave = -1, .kind = MOE_EVENT_SHARED, .rows = rows,
+                                                   .tier = -1});
     w->seconds += end - start;
     w->flops += moe_gemm_sflops() - flops;
-    if (w->trace)
-        moe_trace_add(w->trace, (moe_event){-1, MOE_EVENT_SHARED, start - w->origin,
-                                            end - w->origin, 0.0, rows, -1});
     return true;
 }
 

@@ -92,7 +92,7 @@ typedef struct {
     moe_progress *progress; /* NULL: blocking */
     const moe_link *link;   /* the emulated links, or NULL */
     moe_trace *trace;       /* this rank's events are appended here; NULL: none */
-    double origin;          /* MPI_Wtime the events count from */
+    double origin;          /* when the events count from (clock.h) */
     bool serial;            /* wait for each operation as it is posted */
     moe_link_state links;
     int W, lookahead;
@@ -247,17 +247,19 @@ static void finish(bwd_run *b, int op, moe_backward_stats *stats, int stage)
 {
     if (!b->progress)
         return;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_progress_wait(b->progress, op);
-    stats->seconds[stage] += MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[stage], t);
 }
 
-/* A compute event from `start` to now (nothing without a trace). */
-static void compute_event(const bwd_run *b, int kind, int wave, double start, moe_index rows)
+/* A compute stage ends: its time since `start` into *seconds and, with a
+ * trace, its event. */
+static void compute_end(const bwd_run *b, double *seconds, int kind, int wave, double start,
+                        moe_index rows)
 {
-    if (b->trace)
-        moe_trace_add(b->trace, (moe_event){wave, kind, start - b->origin, MPI_Wtime() - b->origin,
-                                            0.0, rows, -1});
+    const double now = moe_stage_event(b->trace, b->origin, start,
+                                       (moe_event){.wave = wave, .kind = kind, .rows = rows, .tier = -1});
+    *seconds += now - start;
 }
 
 /* Between pieces of computation: the operations in flight move. */
@@ -276,7 +278,7 @@ static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run
     const int G = ep->comm.ranks, me = ep->comm.rank, op = op_combine(w);
     const moe_index d = ep->cfg->hidden;
     const moe_index *out = split(b, HOME_ROWS, w, G), *in = split(b, IN_ROWS, w, G);
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     exchange(ep, b, op, 0, C_DY, out, split_at(b, HOME_ROWS, w, G), in, split_at(b, IN_ROWS, w, G),
              b->send_dy, b->dy_in, b->row);
     moe_pipeline_link_bytes(ep, in, out, (double)d * sizeof(float), b->bytes[op]);
@@ -288,7 +290,7 @@ static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run
         if (r != me)
             stats->bytes_remote += (double)out[r] * (double)d * sizeof(float);
     }
-    stats->seconds[MOE_BWD_COMBINE] += MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_BWD_COMBINE], t);
 }
 
 /* Rows of an expert's data gradient at a time: its temporaries (x, dy,
@@ -351,7 +353,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     q.weights = moe_xmalloc(sizeof(float) * (size_t)moe_ep_grad_weights_floats(ep));
     if (b->W > 1)
         q.work = moe_expert_grad_work_alloc(block, d, ff);
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_index rows = 0;
     moe_gemm_reset_flops();
     for (int l = 0; l < ep->local_experts; l++) {
@@ -395,8 +397,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
         }
     }
     stats->dgrad_flops += moe_gemm_sflops();
-    stats->seconds[MOE_BWD_DGRAD] += MPI_Wtime() - t;
-    compute_event(b, MOE_EVENT_DGRAD, w, t, rows);
+    compute_end(b, &stats->seconds[MOE_BWD_DGRAD], MOE_EVENT_DGRAD, w, t, rows);
     if (b->W > 1)
         moe_expert_grad_work_free(&q.work);
     free(q.weights);
@@ -415,7 +416,7 @@ static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     const int k = (int)ep->cfg->topk;
     const moe_recv_plan *recv = &f->recv;
     float *gate = moe_xmalloc(sizeof(float) * (size_t)moe_ep_largest_batch(recv) + 1);
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_gemm_reset_flops();
     for (int l = 0; l < ep->local_experts; l++) {
         const moe_index first = recv->expert_offset[l], n = recv->expert_offset[l + 1] - first;
@@ -428,8 +429,7 @@ static void experts_wgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
         poll(b);
     }
     stats->wgrad_flops = moe_gemm_sflops();
-    stats->seconds[MOE_BWD_WGRAD] += MPI_Wtime() - t;
-    compute_event(b, MOE_EVENT_WGRAD, -1, t, recv->pairs);
+    compute_end(b, &stats->seconds[MOE_BWD_WGRAD], MOE_EVENT_WGRAD, -1, t, recv->pairs);
     free(gate);
 }
 
@@ -444,7 +444,7 @@ static void dispatch_backward(const moe_ep *ep, bwd_run *b, int w, moe_backward_
     const int out_kind = reduced ? IN_ROWS : IN_PAIRS, back_kind = reduced ? HOME_ROWS : HOME_PAIRS;
     const moe_index *out = split(b, out_kind, w, G), *out_at = split_at(b, out_kind, w, G);
     const moe_index *pairs = split(b, IN_PAIRS, w, G);
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     exchange(ep, b, op, 0, C_DX, out, out_at, split(b, back_kind, w, G),
              split_at(b, back_kind, w, G), reduced ? b->sums : b->pair_dx, b->back, b->row);
     exchange(ep, b, op, 1, C_DG, pairs, split_at(b, IN_PAIRS, w, G), split(b, HOME_PAIRS, w, G),
@@ -461,7 +461,7 @@ static void dispatch_backward(const moe_ep *ep, bwd_run *b, int w, moe_backward_
         if (r != me)
             stats->bytes_remote += bytes;
     }
-    stats->seconds[MOE_BWD_DISPATCH] += MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_BWD_DISPATCH], t);
 }
 
 /* Stage shared: each shared expert's dx (into shared_dx, summed in
@@ -473,7 +473,7 @@ static void shared_backward(const moe_ep *ep, const float *x, const float *dy, b
 {
     const moe_config *cfg = ep->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden, ff = cfg->ffn;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     float *dx = moe_xmalloc(sizeof(float) * (size_t)(MOE_SHARED_ROW_BLOCK * d));
     moe_expert_grad_work work = {0};
     if (cfg->shared_experts > 0) /* all T rows, for the wgrad */
@@ -500,8 +500,7 @@ static void shared_backward(const moe_ep *ep, const float *x, const float *dy, b
     moe_expert_grad_work_free(&work);
     free(weights);
     free(dx);
-    stats->seconds[MOE_BWD_SHARED] += MPI_Wtime() - t;
-    compute_event(b, MOE_EVENT_SHARED_BWD, -1, t, T);
+    compute_end(b, &stats->seconds[MOE_BWD_SHARED], MOE_EVENT_SHARED_BWD, -1, t, T);
 }
 
 /* Stage reduce at home: dx (T, d) = the rows that came home (ascending
@@ -514,7 +513,7 @@ static void reduce_home(const moe_ep *ep, const moe_ref_forward *f, const int32_
     const int G = ep->comm.ranks, k = (int)cfg->topk;
     const moe_index T = cfg->tokens, d = cfg->hidden;
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)G);
     const float **slot_rows = moe_xmalloc(sizeof(float *) * (size_t)(T * k) + 1);
     for (int r = 0; r < G; r++)
@@ -535,7 +534,7 @@ static void reduce_home(const moe_ep *ep, const moe_ref_forward *f, const int32_
             dx[n] += b->shared_dx[n];
     free(slot_rows);
     free(from);
-    stats->seconds[MOE_BWD_REDUCE] += MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_BWD_REDUCE], t);
 }
 
 /* Stage router: dx += the router's share, rounded once from fp64; dW_g
@@ -545,10 +544,10 @@ static void router_backward(const moe_ep *ep, const float *x, const float *logit
                             double *dgate_w, moe_backward_stats *stats)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_router_gate_backward_rounded(&ep->router, ep->gate, x, logits, ids, dweights, T, d, dx,
                                      dgate_w);
-    stats->seconds[MOE_BWD_ROUTER] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_BWD_ROUTER], t);
 }
 
 /* The all-to-alls of every wave as comm events, the rows and bytes this
@@ -628,9 +627,9 @@ typedef struct {
 /* Until the paired forward's operation op is in; its wait into `stage`. */
 static void paired_wait(moe_progress *p, int op, paired_forward *pf, int stage)
 {
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_progress_wait(p, op);
-    pf->stats->seconds[stage] += MPI_Wtime() - t;
+    moe_stage_end(&pf->stats->seconds[stage], t);
 }
 
 /* The backward's buffers, its waves' plan and this rank's dy rows packed in
@@ -672,9 +671,9 @@ static void bwd_open(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     b->dg_back = moe_xmalloc(sizeof(float) * (size_t)pairs_out + 1);
     b->shared_dx = cfg->shared_experts > 0 ? moe_xmalloc(sizeof(float) * (size_t)(T * d)) : NULL;
     plan_waves(ep, f, ids, b);
-    const double t0 = MPI_Wtime();
+    const double t0 = moe_stage_begin();
     moe_gather_rows(dy, d, f->send.row_token, f->send.row_offset[G], b->send_dy);
-    bwd->seconds[MOE_BWD_COMBINE] += MPI_Wtime() - t0;
+    moe_stage_end(&bwd->seconds[MOE_BWD_COMBINE], t0);
 }
 
 /* Wave by wave, as the combines backward land: the combine w + A posted as
@@ -731,13 +730,13 @@ static void bwd_home(const moe_ep *ep, const moe_ref_forward *f, const float *x,
     double *partial = moe_xmalloc(sizeof(double) * (size_t)most);
     reduce_home(ep, f, ids, b, dweights, g->dx, bwd);
     router_backward(ep, x, logits, ids, dweights, g->dx, partial, bwd);
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_comm_sum_ordered(&ep->comm, partial, E * d); /* the gate's, in fp64 so far */
     for (moe_index n = 0; n < E * d; n++)
         g->dgate[n] = (float)partial[n];
     sum_over_ranks(&ep->comm, g->dshared_w1, partial, S * 2 * ff * d);
     sum_over_ranks(&ep->comm, g->dshared_w2, partial, S * d * ff);
-    bwd->seconds[MOE_BWD_ALLREDUCE] = MPI_Wtime() - t;
+    moe_stage_end(&bwd->seconds[MOE_BWD_ALLREDUCE], t);
     free(partial);
     free(dweights);
 }
@@ -813,12 +812,12 @@ static int step(const moe_ep *ep, const moe_schedule *sched, const float *x, con
 {
     memset(bwd, 0, sizeof *bwd);
     moe_ref_forward f;
-    const double start = MPI_Wtime();
+    const double start = moe_stage_begin();
     const int rc = moe_ep_ref_run(ep, x, ids, weights, y, fwd, fwd_capture, &f, st);
-    if (sched && sched->trace) /* the blocking forward, one block */
-        moe_trace_add(sched->trace, (moe_event){-1, MOE_EVENT_FORWARD, start - sched->origin,
-                                                MPI_Wtime() - sched->origin, 0.0,
-                                                ep->cfg->tokens, -1});
+    if (sched) /* the blocking forward, one block */
+        moe_stage_event(sched->trace, sched->origin, start,
+                        (moe_event){.wave = -1, .kind = MOE_EVENT_FORWARD,
+                                    .rows = ep->cfg->tokens, .tier = -1});
     if (rc == MOE_EXIT_OK) {
         moe_ep_ref_release(&f); /* the backward's buffers take their place */
         backward(ep, sched, &f, x, logits, ids, dy, g, bwd, bwd_capture, NULL);
@@ -842,7 +841,7 @@ int moe_ep_pair_step(const moe_ep *ep, const moe_schedule *sched, enum moe_pair_
     moe_schedule quiet = *sched; /* no pictures of these */
     quiet.trace = NULL;
     moe_comm_barrier(&ep->comm);
-    const double start = MPI_Wtime();
+    const double start = moe_stage_begin();
     if (rc == MOE_EXIT_OK && mode == MOE_PAIR_SERIAL) { /* one wave, each all-to-all waited for */
         quiet.waves = 1;
         quiet.serial = true;
@@ -859,7 +858,7 @@ int moe_ep_pair_step(const moe_ep *ep, const moe_schedule *sched, enum moe_pair_
         backward(ep, &quiet, &a, x, logits, ids, dy, g, bwd, NULL, &b);
         moe_ep_ref_free(&b.f);
     }
-    *seconds = MPI_Wtime() - start;
+    *seconds = moe_stage_since(start);
     moe_ep_ref_free(&a);
     return rc;
 }

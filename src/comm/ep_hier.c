@@ -248,7 +248,7 @@ static void hier_plan(hier_forward *f, const int32_t *ids)
             for (int n = moe_token_destinations(&ep->placement, NULL, ids, k, i, dest, last) - 1; n >= 0; n--)
                 out[(dest[n] * W + w) * 2 + 1]++;
     }
-    const double counts_posted = MPI_Wtime();
+    const double counts_posted = moe_stage_begin();
     MOE_MPI(MPI_Alltoall(out, 2 * W, MPI_INT, in, 2 * W, MPI_INT, c->comm));
     moe_pipeline_count_round(ep, f->link, counts_posted, sizeof(int) * (double)(2 * W));
     const size_t row = f->in_wire.bytes, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
@@ -334,7 +334,7 @@ static void wave_experts(hier_forward *f, int w)
     float *sums = f->reduced ? fit(f, w, MOE_HIER_SUMS, sizeof(float) * (size_t)(h->rows2 * d), "sums per (token, rank)")
                              : NULL;
     f->clock.wave = w;
-    f->clock.mark = MPI_Wtime();
+    f->clock.mark = moe_stage_begin();
     moe_pipeline_experts(ep, &h->recv, h->row_at, h->meta2, h->expert_out, sums, expert_in, scratch,
                          &f->clock);
     const float *back = f->reduced ? sums : h->expert_out;
@@ -508,7 +508,7 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
 {
     const moe_ep *ep = f->ep;
     const moe_index T = ep->cfg->tokens, k = ep->cfg->topk, d = ep->cfg->hidden;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     const float **slot_rows = grow(f, &ep->work->slot_rows, sizeof(float *) * (size_t)(T * k),
                                    "the reduce table");
     memset(slot_rows, 0, sizeof(float *) * (size_t)(T * k)); /* a dropped pair's stays NULL */
@@ -531,7 +531,7 @@ static void hier_reduce(hier_forward *f, const float *x, const float *weights, f
     else
         moe_ep_reduce(ep, slot_rows, weights, y);
     free(from);
-    stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_REDUCE], t);
     if (f->shared_out) { /* the shared experts ran in the pipeline's waits */
         f->shared.scratch = ep->work->scratch.data;
         moe_shared_work_finish(&f->shared, y, stats);
@@ -632,12 +632,12 @@ int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float
     f.hw = moe_xcalloc((size_t)f.W, sizeof *f.hw);
     f.rows_from = moe_xcalloc((size_t)G, sizeof(moe_index));
 
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     f.link = sched ? moe_schedule_link(ep, sched) : &(const moe_link){.enabled = false};
     hier_plan(&f, ids);
     for (int w = 0; w < f.W; w++)
         moe_ep_pack(ep, x, ids, weights, &f.hw[w].p1, -1, f.hw[w].send1, f.hw[w].meta1_out);
-    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_PLAN], t);
     moe_status local = {0};
     if (!moe_ep_agreed(c, "plan", &local)) { /* an injected fault: every rank stops here */
         *st = local;
@@ -673,13 +673,12 @@ static void hier_run(hier_forward *f, const moe_schedule *sched, const float *x,
         moe_shared_work_init(&f->shared, ep, x, scratch, f->shared_out, sched->trace, sched->origin);
     }
     moe_gemm_reset_flops();
-    const double start = MPI_Wtime();
+    const double start = moe_stage_begin();
     f->clock = (moe_stage_clock){&f->progress, sched ? sched->trace : NULL, sched ? sched->origin : 0.0,
                                  start, 0.0, 0, 0, sched ? relay_landed : NULL, f, 0};
     hier_pipeline(f, sched ? sched->lookahead : 1);
-    const double end = MPI_Wtime();
+    const double end = moe_stage_end(&stats->pipeline_seconds, start);
     moe_progress_stop(&f->progress);
-    stats->pipeline_seconds = end - start;
     stats->fill_seconds = f->shared.seconds;
     stats->fill_flops = f->shared.flops;
     stats->seconds[MOE_STAGE_EXPERTS] = f->clock.compute;
@@ -715,7 +714,7 @@ double moe_ep_hier_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
     moe_progress_init(&f.progress, MOE_PROGRESS_POLL, HOPS * W);
     f.link = &(const moe_link){.enabled = false};
     MOE_MPI(MPI_Barrier(ep->comm.comm));
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     for (int w = 0; w < W; w++)
         for (int hop = 0; hop < HOPS; hop++) {
             f.hw[w].posted = hop;
@@ -726,7 +725,7 @@ double moe_ep_hier_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
         }
     for (int op = 0; op < HOPS * W; op++)
         moe_progress_wait(&f.progress, op);
-    const double real = MPI_Wtime() - t;
+    const double real = moe_stage_since(t);
     moe_progress_free(&f.progress);
     moe_ep_types_free(&f.types);
     return real > modelled ? real : modelled;

@@ -474,7 +474,7 @@ typedef struct {
     moe_index *pos;     /* (T k) each pair's row in the staging buffer, -1: dropped */
     moe_index sent;     /* rows this rank sends (one per kept pair) */
     moe_index computed; /* pairs this rank's experts computed */
-    double posted;      /* MPI_Wtime the dispatch was posted */
+    double posted;      /* when the dispatch was posted (clock.h) */
     float *shared;      /* (S, T, d) the shared experts' outputs, added after the routed sum */
     moe_link_state links;
     moe_index *to, *from; /* --link: rows to and from each rank */
@@ -484,22 +484,22 @@ typedef struct {
 static void ll_plan(const moe_ep *ep, ll_forward *f, const float *x, const int32_t *ids,
                     const float *weights, moe_forward_stats *stats)
 {
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     f->pos = moe_xmalloc(sizeof(moe_index) * (size_t)(ep->cfg->tokens * f->s->k) + 1);
     f->sent = ll_pack(ep, f->s, x, ids, weights, f->pos);
-    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_PLAN], t);
 }
 
 /* dispatch, posted: put, the rows and the arrivals on their way; get, the
  * staging marked ready for the owners to read. */
 static void ll_dispatch_post(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats)
 {
-    f->posted = MPI_Wtime();
+    f->posted = moe_stage_begin();
     if (ep->cfg->rma == MOE_RMA_PUT)
         ll_dispatch_put(ep, f->s);
     else
         mark_ready(f->s, ep->comm.rank, SIG_DISPATCH_READY);
-    stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - f->posted;
+    moe_stage_end(&stats->seconds[MOE_STAGE_DISPATCH], f->posted);
 }
 
 /* shared: the shared experts compute before the dispatch's receive
@@ -520,7 +520,7 @@ static void ll_shared(const moe_ep *ep, ll_forward *f, const float *x, moe_forwa
  * (the ready mark, then the rows); the shared experts ran meanwhile. */
 static void ll_dispatch_wait(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats)
 {
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     const bool put = ep->cfg->rma == MOE_RMA_PUT;
     if (put)
         wait_signal(f->s, ep->comm.rank, SIG_DISPATCH, f->s->forwards * f->s->G);
@@ -534,25 +534,24 @@ static void ll_dispatch_wait(const moe_ep *ep, ll_forward *f, moe_forward_stats 
         moe_pipeline_link_bytes(ep, f->from, f->to, moe_ll_row_bytes(ep->cfg), bytes);
         moe_pipeline_hold(&ep->link, &f->links, f->posted, bytes, put ? 1 : 2, ep->comm.comm);
     }
-    stats->seconds[MOE_STAGE_DISPATCH] += MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_DISPATCH], t);
 }
 
 /* experts: each local expert on its slots, in the layout --expert-layout asks. */
 static void ll_compute(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats)
 {
-    stats->expert_start = MPI_Wtime();
+    stats->expert_start = moe_stage_begin();
     moe_gemm_reset_flops();
     f->computed = ll_experts(ep, f->s, &stats->layout_slots);
     stats->expert_flops = moe_gemm_sflops();
-    stats->expert_end = MPI_Wtime();
-    stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - stats->expert_start;
+    stats->expert_end = moe_stage_end(&stats->seconds[MOE_STAGE_EXPERTS], stats->expert_start);
 }
 
 /* combine: each output back to its pair's home slot (put, then wait for
  * every owner's counter; or pulled), under the link model as the dispatch. */
 static void ll_combine(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats)
 {
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     const bool put = ep->cfg->rma == MOE_RMA_PUT;
     if (put) {
         ll_combine_put(ep, f->s);
@@ -565,7 +564,7 @@ static void ll_combine(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats
         moe_pipeline_link_bytes(ep, f->to, f->from, (double)f->s->out, bytes);
         moe_pipeline_hold(&ep->link, &f->links, t, bytes, put ? 1 : 2, ep->comm.comm);
     }
-    stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_COMBINE], t);
 }
 
 /* reduce: a token's outputs summed in slot order (as --combine pairs),
@@ -573,7 +572,7 @@ static void ll_combine(const moe_ep *ep, ll_forward *f, moe_forward_stats *stats
 static void ll_reduce(const moe_ep *ep, ll_forward *f, const float *weights, float *y,
                       moe_forward_stats *stats)
 {
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     const moe_index d = ep->cfg->hidden, pairs = ep->cfg->tokens * f->s->k;
     const moe_wire cw = moe_wire_combine(ep->cfg);
     float *back = moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1);
@@ -583,8 +582,7 @@ static void ll_reduce(const moe_ep *ep, ll_forward *f, const float *weights, flo
         slot_rows[n] = f->pos[n] < 0 ? NULL : back + f->pos[n] * d;
     moe_ep_reduce(ep, slot_rows, weights, y);
     moe_ep_shared_add(ep, f->shared, y);
-    stats->done = MPI_Wtime();
-    stats->seconds[MOE_STAGE_REDUCE] = stats->done - t;
+    stats->done = moe_stage_end(&stats->seconds[MOE_STAGE_REDUCE], t);
     free(slot_rows);
     free(back);
 }

@@ -12,16 +12,15 @@
 void moe_pipeline_after_stage(void *arg, enum moe_ffn_stage stage)
 {
     moe_stage_clock *clock = arg;
-    const double now = MPI_Wtime();
+    const double now = moe_stage_event(clock->trace, clock->origin, clock->mark,
+                                       (moe_event){.wave = clock->wave,
+                                                   .kind = MOE_EVENT_L1 + (int)stage,
+                                                   .rows = clock->rows, .tier = -1});
     clock->compute += now - clock->mark;
-    if (clock->trace)
-        moe_trace_add(clock->trace, (moe_event){clock->wave, MOE_EVENT_L1 + (int)stage,
-                                                clock->mark - clock->origin, now - clock->origin,
-                                                0.0, clock->rows, -1});
     moe_progress_poll(clock->progress);
     if (clock->between)
         clock->between(clock->between_arg);
-    clock->mark = MPI_Wtime();
+    clock->mark = moe_stage_begin();
 }
 
 /* What a shared piece's hooks do between its stages: poll, then the
@@ -87,7 +86,7 @@ static void link_bound(double now, double done, MPI_Comm comm)
 void moe_pipeline_track(moe_progress *p, int op, const moe_link *link, moe_link_state *links,
                         double bytes[2][MOE_TIERS], MPI_Comm comm)
 {
-    const double now = MPI_Wtime(), done = moe_link_schedule(link, links, now, bytes[0], bytes[1]);
+    const double now = moe_clock_now(), done = moe_link_schedule(link, links, now, bytes[0], bytes[1]);
     link_bound(now, done, comm);
     moe_progress_track(p, op, now, done);
 }
@@ -102,10 +101,8 @@ void moe_pipeline_hold(const moe_link *link, moe_link_state *links, double poste
         if (bytes[0][t] > 0 || bytes[1][t] > 0)
             latency = link->latency[t] > latency ? link->latency[t] : latency;
     done += (rounds - 1) * latency;
-    const double now = MPI_Wtime();
-    link_bound(now, done, comm);
-    while (MPI_Wtime() < done)
-        ;
+    link_bound(moe_clock_now(), done, comm);
+    moe_clock_hold(done);
 }
 
 void moe_pipeline_count_round(const moe_ep *ep, const moe_link *link, double posted,
@@ -153,8 +150,8 @@ void moe_pipeline_experts(const moe_ep *ep, const moe_recv_plan *recv, const flo
     moe_ep_layout_close(&layout);
     if (sums) /* --combine reduced: one row per (token, rank) */
         moe_ep_reduce_at_source(ep, recv, recv_meta, expert_out, sums);
-    const double now = MPI_Wtime(); /* the last scatter belongs to the last L2 */
-    clock->compute += now - clock->mark;
+    const double now = moe_stage_end(&clock->compute, clock->mark); /* the last scatter
+                                                                        belongs to the last L2 */
     clock->mark = now;
     if (clock->trace && clock->trace->count > 0 &&
         clock->trace->events[clock->trace->count - 1].kind == MOE_EVENT_L2)

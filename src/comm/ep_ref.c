@@ -96,7 +96,7 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, moe_ref_forward *f,
     const moe_comm *c = &ep->comm;
     const int G = c->ranks, k = (int)cfg->topk;
     const moe_index T = cfg->tokens, d = cfg->hidden;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_send_plan_build(&f->send, &ep->placement, ids, T, k, NULL, 0);
     moe_to_counts(f->send.row_count, G, f->send_counts, f->send_at);
     MOE_MPI(MPI_Alltoall(f->send_counts, 1, MPI_INT, f->recv_counts, 1, MPI_INT, c->comm));
@@ -119,7 +119,7 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, moe_ref_forward *f,
         f->recv_decoded = moe_try_malloc(sizeof(float) * (size_t)(f->rows_in * d), "the decoded rows", c->rank, local);
     if (f->combine_wire.dtype != MOE_DTYPE_FP32)
         f->back_decoded = moe_try_malloc(sizeof(float) * (size_t)(back * d), "the decoded outputs", c->rank, local);
-    stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_PLAN], t);
 }
 
 /* One all-to-all of a step: blocking (flight NULL), or posted as request
@@ -181,10 +181,10 @@ static void ref_plan_receive(const moe_ep *ep, moe_ref_forward *f, moe_forward_s
 {
     f->recv_values = moe_ep_wire_values(&f->dispatch_wire, f->recv_rows, f->rows_in, f->recv_decoded);
     const moe_index d = ep->cfg->hidden, f_size = ep->cfg->ffn;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_recv_plan_build(&f->recv, &ep->placement, ep->comm.rank, f->recv_meta, f->rows_in,
                         (int)ep->cfg->topk, f->rows_from, NULL, 0);
-    stats->seconds[MOE_STAGE_PLAN] += MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_PLAN], t);
     const moe_index most = moe_ep_largest_batch(&f->recv);
     const int rank = ep->comm.rank;
     f->expert_out = moe_try_malloc(sizeof(float) * (size_t)(f->recv.pairs * d), "the expert outputs", rank, local);
@@ -206,7 +206,7 @@ static void ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
                         moe_ep_capture *capture, const moe_ref_flight *flight)
 {
     const moe_index d = ep->cfg->hidden;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_gemm_reset_flops();
     const float **row_at = moe_xmalloc(sizeof(float *) * (size_t)f->rows_in + 1);
     for (moe_index m = 0; m < f->rows_in; m++)
@@ -231,8 +231,7 @@ static void ref_experts(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
     }
     moe_ep_layout_close(&layout);
     stats->expert_start = t;
-    stats->expert_end = MPI_Wtime();
-    stats->seconds[MOE_STAGE_EXPERTS] = stats->expert_end - t;
+    stats->expert_end = moe_stage_end(&stats->seconds[MOE_STAGE_EXPERTS], t);
 }
 
 /* Stage combine: every expert output back to its row's home rank (one
@@ -241,7 +240,7 @@ static void ref_combine(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
                         const moe_ref_flight *flight)
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
     if (reduced) { /* one row per row received, back where it came from */
         moe_ep_reduce_at_source(ep, &f->recv, f->recv_meta, f->expert_out, f->sums);
@@ -262,7 +261,7 @@ static void ref_combine(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
         ref_launched(ep, flight, op, 1, reduced ? f->send.row_count : f->send.pair_count,
                      reduced ? f->rows_from : f->recv.source_pairs,
                      (double)moe_combine_row_bytes(ep->cfg));
-    stats->seconds[MOE_STAGE_COMBINE] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_COMBINE], t);
     stats->bytes_combined = (double)back * moe_combine_row_bytes(ep->cfg);
     stats->pairs_back_remote = reduced ? f->send.row_offset[G] - f->send.row_count[me]
                                        : f->send.pair_offset[G] - f->send.pair_count[me];
@@ -275,7 +274,7 @@ static void ref_reduce(const moe_ep *ep, moe_ref_forward *f, const float *x, con
 {
     const int G = ep->comm.ranks;
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     const float **slot_rows = moe_xcalloc((size_t)(T * ep->cfg->topk) + 1, sizeof(float *)); /* (T, k) */
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)G);
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
@@ -291,7 +290,7 @@ static void ref_reduce(const moe_ep *ep, moe_ref_forward *f, const float *x, con
     }
     free(from);
     free(slot_rows);
-    stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_REDUCE], t);
     moe_ep_shared(ep, x, y, f->scratch, f->expert_in, stats);
 }
 
@@ -345,10 +344,10 @@ static void ref_pack_dispatch(const moe_ep *ep, const float *x, const int32_t *i
                               const float *weights, moe_ref_forward *f, moe_forward_stats *stats,
                               const moe_ref_flight *flight)
 {
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     moe_ep_pack(ep, x, ids, weights, &f->send, -1, f->send_rows, f->send_meta);
     ref_dispatch(ep, f, stats, flight);
-    stats->seconds[MOE_STAGE_DISPATCH] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_DISPATCH], t);
 }
 
 int moe_ep_ref_begin(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,

@@ -23,6 +23,7 @@
 #define MOE_EP_STAGES_H
 
 #include "moe/backward.h"
+#include "moe/clock.h"
 #include "moe/ep.h"
 #include "moe/progress.h"
 #include "moe/wire.h"
@@ -107,7 +108,7 @@ void moe_ep_fit_slots(moe_buffer **slots, int *held, int W, int per_wave);
 typedef struct {
     moe_progress *progress;
     moe_trace *trace;  /* NULL: no events */
-    double origin;     /* MPI_Wtime of the aligned start */
+    double origin;     /* clock time (clock.h) of the aligned start */
     double mark;       /* start of the current compute segment */
     double compute;    /* compute seconds so far */
     int wave;

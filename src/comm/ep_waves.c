@@ -234,7 +234,7 @@ static int *exchange_counts(const moe_ep *ep, const moe_schedule *sched, const i
             const int r = ep->placement.expert_rank[e], l = e - ep->placement.first_expert[r];
             counts_out[(r * W + moe_wave_of(&f->waves, i, e)) * stride + 1 + l]++;
         }
-    const double counts_posted = MPI_Wtime();
+    const double counts_posted = moe_stage_begin();
     MOE_MPI(MPI_Alltoall(counts_out, W * stride, MPI_INT, counts_in, W * stride, MPI_INT, c->comm));
     moe_pipeline_count_round(ep, moe_schedule_link(ep, sched), counts_posted,
                              sizeof(int) * (double)(W * stride));
@@ -514,7 +514,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     moe_progress progress;
     moe_progress_init(&progress, sched->progress, 2 * W);
     moe_gemm_reset_flops();
-    const double start = MPI_Wtime();
+    const double start = moe_stage_begin();
     moe_stage_clock clock = {&progress, sched->trace, sched->origin, start, 0.0, 0, 0, NULL, NULL, 0};
     moe_link_state links = {{{0}}};
     int posted = 0; /* dispatches posted so far */
@@ -527,15 +527,13 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
         moe_progress_wait(&progress, w);
         moe_pipeline_fail_here(c, "dispatch");
         clock.wave = w;
-        clock.mark = MPI_Wtime();
+        clock.mark = moe_stage_begin();
         wave_plan_receive(ep, f, w);
         moe_pipeline_experts(ep, &ws[w].recv, ws[w].row_at, ws[w].recv_meta, ws[w].expert_out,
                              NULL, f->expert_in, f->scratch, &clock);
         if (ws[w].sums) { /* --combine reduced: the rows whose last wave this is */
             wave_sums(ep, f, w);
-            const double now = MPI_Wtime();
-            clock.compute += now - clock.mark;
-            clock.mark = now;
+            clock.mark = moe_stage_end(&clock.compute, clock.mark);
         }
         moe_pipeline_fail_here(c, "experts");
         wave_combine(&ws[w], &progress, W + w, G, &f->types, &f->combine_wire, c->comm, link, &links);
@@ -545,8 +543,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
         moe_pipeline_fill(&progress, W + w, &f->shared, NULL, NULL);
         moe_progress_wait(&progress, W + w);
     }
-    const double end = MPI_Wtime();
-    stats->pipeline_seconds = end - start;
+    const double end = moe_stage_end(&stats->pipeline_seconds, start);
     stats->fill_seconds = f->shared.seconds;
     stats->fill_flops = f->shared.flops;
     stats->compute_seconds = clock.compute + f->shared.seconds;
@@ -592,7 +589,7 @@ static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forw
 {
     const int G = ep->comm.ranks, me = ep->comm.rank;
     const moe_index d = ep->cfg->hidden;
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     const int W = sched->waves;
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
     const float **from = moe_xmalloc(sizeof(float *) * (size_t)(W * G));
@@ -611,7 +608,7 @@ static void waves_reduce(const moe_ep *ep, const moe_schedule *sched, waves_forw
     else
         moe_ep_reduce(ep, f->slot_rows, weights, y);
     free(from);
-    stats->seconds[MOE_STAGE_REDUCE] = MPI_Wtime() - t;
+    moe_stage_end(&stats->seconds[MOE_STAGE_REDUCE], t);
     moe_shared_work_finish(&f->shared, y, stats);
 }
 
@@ -630,12 +627,12 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
     f.dispatch_wire = moe_wire_dispatch(ep->cfg);
     f.combine_wire = moe_wire_combine(ep->cfg);
 
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     waves_plan(ep, sched, ids, &f, stats, &local);
     const bool well = moe_ep_agreed(&ep->comm, "plan", &local);
     if (well) {
         waves_pack(ep, sched, x, ids, weights, &f);
-        stats->seconds[MOE_STAGE_PLAN] = MPI_Wtime() - t;
+        moe_stage_end(&stats->seconds[MOE_STAGE_PLAN], t);
         waves_pipeline(ep, sched, &f, stats);
         waves_reduce(ep, sched, &f, ids, weights, y, stats);
         ep->work->last = f.ws; /* for moe_ep_time_alltoalls */
@@ -664,7 +661,7 @@ double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
     moe_link_state alone = {{{0}}};
     double modelled = 0.0;
     MOE_MPI(MPI_Barrier(c->comm));
-    const double t = MPI_Wtime();
+    const double t = moe_stage_begin();
     for (int w = 0; w < W; w++) {
         wave_state *s = &ws[w];
         start_dispatch(s, G, &types, c->comm, &requests[3 * w]);
@@ -676,7 +673,7 @@ double moe_ep_time_alltoalls(const moe_ep *ep, const moe_schedule *sched)
         }
     }
     MOE_MPI(MPI_Waitall(3 * W, requests, statuses));
-    const double real = MPI_Wtime() - t;
+    const double real = moe_stage_since(t);
     free(statuses);
     free(requests);
     moe_ep_types_free(&types);

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/clock.h"
 #include "moe/common.h"
 
 int moe_progress_thread_level = MPI_THREAD_SINGLE;
@@ -31,10 +32,9 @@ static bool test_round(moe_progress *p, double *next_ready)
         if (!op->mpi_done) {
             int done = 0;
             MPI_Status statuses[2];
-            double t = MPI_Wtime();
+            const double t = moe_stage_begin();
             MOE_MPI(MPI_Testall(op->count, op->requests, &done, statuses));
-            double now = MPI_Wtime();
-            p->test_seconds += now - t;
+            const double now = moe_stage_end(&p->test_seconds, t);
             p->tests++;
             if (done) {
                 op->mpi_done = true;
@@ -44,7 +44,7 @@ static bool test_round(moe_progress *p, double *next_ready)
             }
         }
         if (op->mpi_done) {
-            if (MPI_Wtime() >= op->ready_at)
+            if (moe_clock_now() >= op->ready_at)
                 op->active = false;
             else if (op->ready_at < *next_ready)
                 *next_ready = op->ready_at;
@@ -78,7 +78,7 @@ static void *progress_thread(void *arg)
             /* Only arrivals to wait for: sleep until the first, or a post. */
             struct timespec until;
             clock_gettime(CLOCK_REALTIME, &until);
-            double wait = next_ready - MPI_Wtime();
+            double wait = next_ready - moe_clock_now();
             double abs_time = (double)until.tv_sec + until.tv_nsec * 1e-9 + (wait > 0 ? wait : 0);
             until.tv_sec = (time_t)abs_time;
             until.tv_nsec = (long)((abs_time - floor(abs_time)) * 1e9);
@@ -184,7 +184,7 @@ void moe_progress_wait(moe_progress *p, int op)
             if (!p->ops[op].active)
                 return;
             if (p->ops[op].mpi_done) {
-                double wait = p->ops[op].ready_at - MPI_Wtime();
+                double wait = p->ops[op].ready_at - moe_clock_now();
                 sleep_for(needs_mpi && wait > ARRIVAL_SLICE ? ARRIVAL_SLICE : wait);
             } else {
                 sched_yield();
