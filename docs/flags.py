@@ -3,7 +3,7 @@
     /usr/bin/python3 docs/flags.py --write [--builddir DIR]   rewrite docs/flags.md
     /usr/bin/python3 docs/flags.py --check [--builddir DIR]   exit 1 when it is stale
 
-The table is src/core/config.c's flag table as `moe-ep COMMAND --help`
+The table is src/core/flags.c's flag table as `moe-ep COMMAND --help`
 prints it, one row per flag: its argument, what it does, its range and
 default, and the commands that take it. A flag whose text differs between
 commands gets a row per text. tests/docs/flags runs --check.
@@ -22,7 +22,7 @@ RANGE = re.compile(r"\s*([\[(][^\[\]()]*\.\.[^\[\]()]*[\])])$")
 HEADER = """# Flags
 
 Every flag of every command, generated from the flag table
-(src/core/config.c) as `moe-ep COMMAND --help` prints it:
+(src/core/flags.c) as `moe-ep COMMAND --help` prints it:
 `/usr/bin/python3 docs/flags.py --write` rewrites this page, and
 tests/docs/flags fails when it is stale. A range `[a..b]` includes both
 ends, `(a..b]` not a. `moe-ep verify` takes no flags: `moe-ep verify

@@ -31,6 +31,7 @@
 #include "moe/dims.h"
 #include "moe/experts.h"
 #include "moe/router.h"
+#include "moe/config.h"
 
 /* An expert's weights as the backward's data GEMMs take them, in the layout
  * of the GEMM kind: W1 (2f, d) as the operand (K = 2f, N = d) of dx = dH W1,
@@ -146,5 +147,15 @@ void moe_router_gate_backward_rounded(const moe_router *r, const float *gate, co
                                       const float *logits, const int32_t *ids,
                                       const double *dweights, moe_index tokens, moe_index hidden,
                                       float *dx, double *dgate_w);
+
+/* --backward and --grad-output: the training step mirrors the flat
+ * dispatch, fp32 both ways, in waves of tokens, through the router's own
+ * weights. MOE_EXIT_OK or MOE_EXIT_USAGE with st set. */
+int moe_backward_validate(const moe_config *cfg, moe_status *st);
+
+/* Bytes a training step adds to a rank's peak (moe_config_memory_per_rank):
+ * the gradients, the step's buffers, with --check and --dump the truth's
+ * and rank 0's gathered backward stage. */
+double moe_backward_memory(const moe_config *cfg, int ranks);
 
 #endif

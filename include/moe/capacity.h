@@ -55,4 +55,8 @@ moe_index moe_capacity_drop(const int32_t *ids, const float *weights, moe_index 
 moe_index moe_capacity_apply(const moe_config *cfg, const int32_t *ids, const float *weights,
                              moe_index tokens, int32_t *kept);
 
+/* --capacity-factor, --drop-policy, --pad-to-capacity: each needs what it
+ * acts on, and a padded expert computes its pairs in one batch. MOE_EXIT_OK or MOE_EXIT_USAGE with st set. */
+int moe_capacity_validate(const moe_config *cfg, int ranks, moe_status *st);
+
 #endif

@@ -144,4 +144,17 @@ char *moe_format_bytes(double bytes, char *buf, size_t size);
 /* The median of v (n); sorts v. */
 double moe_median(double *v, int n);
 
+/* Well-formed UTF-8 (no overlong forms, surrogates or code points past
+ * U+10FFFF). */
+bool moe_utf8_valid(const char *text);
+
+/* A number as moe-ep reads it: a digit first, or a sign then a digit when
+ * `sign` (no leading space, "+ 1", "inf" or "nan"), or ".5". */
+bool moe_number_start(const char *value, bool sign);
+
+/* A comma-separated list of decimal integers in [min, max], strictly (no
+ * spaces, signs or empty items), into out: their count; -1 when an item is
+ * not such an integer, -2 when there are more than `capacity`. */
+int moe_parse_int_list(const char *text, int64_t min, int64_t max, int64_t *out, int capacity);
+
 #endif

@@ -162,11 +162,6 @@ bool moe_config_norm_topk(const moe_config *cfg);
  * two-stage dispatch's per-node sums with --combine reduced). */
 bool moe_config_truth_shares(const moe_config *cfg);
 
-/* A comma-separated list of decimal integers in [min, max], strictly (no
- * spaces, signs or empty items), into out: their count; -1 when an item is
- * not such an integer, -2 when there are more than `capacity`. */
-int moe_parse_int_list(const char *text, int64_t min, int64_t max, int64_t *out, int capacity);
-
 /* The tensor the expert GEMMs read: --expert-layout, auto resolved (rows,
  * or masked with --mode low-latency); and the tokens per rank the masked
  * layout and the low-latency buffers hold (--max-tokens-per-rank, auto:
@@ -177,14 +172,6 @@ int64_t moe_config_max_tokens(const moe_config *cfg);
 /* Check the combination for G ranks (k <= E, sizes that fit the index
  * types). Ranks without an expert (E < G) are allowed. */
 int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st);
-
-/* --redundant-experts, --eplb-window and --expert-load for `ranks` members
- * of the EP group (`group` names them in the error: "ranks", "GPUs of
- * --ep"): E + N slots, the same number on each, each a 16-bit id on the
- * wire; inference only. Part of moe_config_validate; `plan` calls it for
- * its EP group. Returns MOE_EXIT_OK or MOE_EXIT_USAGE with st set. */
-int moe_config_check_replicas(const moe_config *cfg, int ranks, const char *group,
-                              moe_status *st);
 
 /* --ranks-per-node auto (stored as MOE_RANKS_PER_NODE_AUTO) becomes the
  * ranks of a real node: node_ranks, R when every machine holds R
@@ -217,6 +204,12 @@ void moe_config_print_flags(FILE *out, enum moe_command command);
 /* The directories searched for data/KIND ("presets", "clusters"), in order,
  * separated by ':': $MOE_EP_DATA_DIR/KIND, the source tree's, the installed. */
 const char *moe_config_data_path(const char *kind);
+
+/* Open data/KIND/NAME.conf on that path (a preset or a cluster), or NAME
+ * itself when it is a path; its path into file. flag names the flag for
+ * messages ("preset" or "cluster"). NULL with st set when there is none. */
+FILE *moe_config_open_conf(const char *flag, const char *kind, const char *name, char *file,
+                           size_t size, moe_status *st);
 
 /* The configuration as text, one "key=value" line per flag of command
  * (after the preset), the command first: what every rank of a job must

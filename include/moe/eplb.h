@@ -37,6 +37,7 @@
 #define MOE_EPLB_H
 
 #include "moe/common.h"
+#include "moe/config.h"
 
 typedef struct {
     int logical;      /* E */
@@ -84,5 +85,12 @@ int moe_replica_of(const moe_replicas *r, int expert, uint64_t token, int node, 
  * costs no row. Deterministic, from the routing alone. */
 void moe_replicas_of_token(const moe_replicas *r, const int32_t *ids, int topk, uint64_t token,
                            int node, int ranks_per_node, int32_t *placed);
+
+/* --redundant-experts, --eplb-window, --expert-load and --replica-choice for `ranks` members
+ * of the EP group (`group` names them in the error: "ranks", "GPUs of
+ * --ep"): E + N slots, the same number on each, each a 16-bit id on the
+ * wire; inference only. Part of moe_config_validate; `plan` calls it for
+ * its EP group. Returns MOE_EXIT_OK or MOE_EXIT_USAGE with st set. */
+int moe_eplb_validate(const moe_config *cfg, int ranks, const char *group, moe_status *st);
 
 #endif

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "moe/dims.h"
+#include "moe/config.h"
 
 typedef struct {
     int ranks;           /* G */
@@ -237,5 +238,14 @@ void moe_combine_locate(const moe_send_plan *plan, const float *const *from, moe
  * weights were applied before L2). A NULL row (a dropped pair) adds nothing. */
 void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe_index tokens,
                         int topk, moe_index hidden, float *y);
+
+/* --expert-layout and --expert-alignment: A a power of two; the
+ * low-latency mode receives into a slot layout, the backward reads the
+ * received rows. MOE_EXIT_OK or MOE_EXIT_USAGE with st set. */
+int moe_layout_validate(const moe_config *cfg, moe_status *st);
+
+/* Bytes of the layout tensor (--expert-layout), fp32, on a rank: a
+ * masked one whole, a contiguous one's rows and padding, none for rows. */
+double moe_layout_memory(const moe_config *cfg, int ranks);
 
 #endif

@@ -28,6 +28,7 @@
 
 #include "moe/common.h"
 #include "moe/dims.h"
+#include "moe/config.h"
 
 #define MOE_ROUTER_MAX_EXPERTS 4096 /* the --experts bound */
 
@@ -107,5 +108,14 @@ void moe_router_balance(const moe_router *r, const float *logits, const float *s
  * Both balance figures are 1 for perfectly even routing. */
 void moe_balance_losses(const double *pairs, const double *prob, int experts, int topk,
                         const moe_balance_sums *sums, double *aux, double *z, double *seq);
+
+/* The router's flags checked together (collective errors in moe_config_validate):
+ * --groups and --topk-groups for deepseek-v3 only, groups that divide E and
+ * keep k experts, the --skew spec. MOE_EXIT_OK or MOE_EXIT_USAGE with st set. */
+int moe_router_validate(const moe_config *cfg, moe_status *st);
+
+/* --steps and --bias-update: the bias moved is deepseek-v3's; the steps route
+ * fresh batches with the router (no --routing, --backward or --dump). */
+int moe_router_validate_steps(const moe_config *cfg, moe_status *st);
 
 #endif

@@ -75,4 +75,15 @@ double moe_ll_buffer_bytes(const moe_config *cfg, int ranks);
 /* Bytes of one pair's dispatched row in that mode: values, then its meta. */
 double moe_ll_row_bytes(const moe_config *cfg);
 
+/* --mode low-latency and --max-tokens-per-rank: the buffers hold at least
+ * --tokens; the decode forward runs alone (no backward, two-stage
+ * dispatch, trace, timeline or dump). MOE_EXIT_OK or MOE_EXIT_USAGE with
+ * st set. */
+int moe_ll_validate(const moe_config *cfg, moe_status *st);
+
+/* Bytes the low-latency mode adds on a rank: its window (moe_ll_buffer_bytes),
+ * its experts' decoded batch and activations, the shared experts' outputs
+ * kept apart. */
+double moe_ll_memory(const moe_config *cfg, int ranks);
+
 #endif

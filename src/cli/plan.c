@@ -246,7 +246,7 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
         moe_skew_parse(cfg.skew, (int)cfg.experts, skew, &st);
     }
     if (st.code == MOE_EXIT_OK)
-        moe_config_check_replicas(&cfg, (int)cfg.ep, "GPUs of --ep", &st);
+        moe_eplb_validate(&cfg, (int)cfg.ep, "GPUs of --ep", &st);
     double *load = NULL;
     if (st.code == MOE_EXIT_OK && cfg.redundant_experts > 0) {
         load = moe_xmalloc(sizeof(double) * (size_t)cfg.experts);

@@ -70,3 +70,64 @@ moe_index moe_capacity_drop(const int32_t *ids, const float *weights, moe_index 
     free(start);
     return dropped;
 }
+
+/* --capacity-factor: the forward drops pairs; what reads every pair of
+ * the routing refuses. --drop-policy and --pad-to-capacity say nothing
+ * without the capacity they act on. */
+static int validate_drops(const moe_config *cfg, moe_status *st)
+{
+    if (cfg->drop_policy != MOE_DROP_PROBS && !(cfg->capacity_factor > 0))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--drop-policy chooses what --capacity-factor drops: add --capacity-factor C");
+    if (cfg->pad_to_capacity && !(cfg->capacity_factor > 0))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--pad-to-capacity fills each expert to the capacity of --capacity-factor: "
+                        "add --capacity-factor C");
+    if (!(cfg->capacity_factor > 0))
+        return MOE_EXIT_OK;
+    const char *other = cfg->backward ? "--backward (the gradient of a dropped pair is not built)"
+                        : cfg->dump[0] ? "--dump (a golden set holds every pair of the routing)"
+                                       : NULL;
+    if (other)
+        return moe_fail(st, MOE_EXIT_USAGE, "--capacity-factor drops pairs of the forward: drop %s",
+                        other);
+    return MOE_EXIT_OK;
+}
+
+/* --pad-to-capacity: the zero rows of an expert are G C minus the pairs it
+ * computes, so each expert must compute all its pairs in one batch, on the
+ * flat path where each pair reaches one copy of its expert. */
+static int validate_padding(const moe_config *cfg, int ranks, moe_status *st)
+{
+    if (!cfg->pad_to_capacity)
+        return MOE_EXIT_OK;
+    const char *other = cfg->mode == MOE_MODE_LOW_LATENCY
+                            ? "--mode low-latency (its masked layout is the fixed shape, computed "
+                              "only where its counts fill it)"
+                        : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
+                            ? "--dispatch hierarchical (its waves split an expert's pairs by tokens)"
+                        : cfg->redundant_experts > 0
+                            ? "--redundant-experts (copies split an expert's pairs)"
+                            : NULL;
+    if (other)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--pad-to-capacity fills each expert's whole batch to G C rows: drop %s", other);
+    const int64_t fewest = cfg->experts / ranks; /* waves of expert slots up to this many */
+    for (int n = 0; n < cfg->waves_count && !cfg->blocking; n++) {
+        const int64_t W = cfg->waves_list[n];
+        if (W > 1 && (cfg->wave_by == MOE_WAVE_BY_TOKENS || W > fewest))
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--pad-to-capacity fills each expert's whole batch to G C rows: waves of "
+                            "tokens split it (--waves %lld, the fewest experts a rank holds %lld); "
+                            "use --wave-by experts with at most that many waves, or --blocking",
+                            (long long)W, (long long)fewest);
+    }
+    return MOE_EXIT_OK;
+}
+
+int moe_capacity_validate(const moe_config *cfg, int ranks, moe_status *st)
+{
+    if (validate_drops(cfg, st) || validate_padding(cfg, ranks, st))
+        return st->code;
+    return MOE_EXIT_OK;
+}

@@ -3,6 +3,7 @@
 #define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
 #include "moe/common.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #ifdef __GLIBC__
@@ -317,4 +318,54 @@ double moe_median(double *v, int n)
 {
     qsort(v, (size_t)n, sizeof *v, compare_doubles);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+bool moe_utf8_valid(const char *text)
+{
+    for (const unsigned char *c = (const unsigned char *)text; *c;) {
+        int extra = *c < 0x80 ? 0 : (*c & 0xe0) == 0xc0 ? 1 : (*c & 0xf0) == 0xe0 ? 2
+                  : (*c & 0xf8) == 0xf0 ? 3 : -1;
+        if (extra < 0)
+            return false;
+        uint32_t point = extra ? *c & (0x3f >> extra) : *c;
+        c++;
+        for (int n = 0; n < extra; n++, c++) {
+            if ((*c & 0xc0) != 0x80)
+                return false;
+            point = point << 6 | (*c & 0x3f);
+        }
+        static const uint32_t least[] = {0, 0x80, 0x800, 0x10000};
+        if (point < least[extra] || point > 0x10ffff || (point >= 0xd800 && point <= 0xdfff))
+            return false;
+    }
+    return true;
+}
+
+bool moe_number_start(const char *value, bool sign)
+{
+    const char *c = value;
+    if (sign && (*c == '-' || *c == '+'))
+        c++;
+    if (*c == '.')
+        c++;
+    return isdigit((unsigned char)*c);
+}
+
+int moe_parse_int_list(const char *text, int64_t min, int64_t max, int64_t *out, int capacity)
+{
+    int count = 0;
+    for (const char *item = text;; item++) {
+        char *end;
+        errno = 0;
+        const long long v = strtoll(item, &end, 10);
+        if (!moe_number_start(item, false) || (*end != ',' && *end != '\0') || errno == ERANGE ||
+            v < min || v > max)
+            return -1;
+        if (count == capacity)
+            return -2;
+        out[count++] = v;
+        if (*end == '\0')
+            return count;
+        item = end;
+    }
 }

@@ -1,5 +1,6 @@
 /* eplb.c — redundant experts placed by DeepSeek's EPLB algorithm (eplb.h). */
 #include "moe/eplb.h"
+#include "moe/layout.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -238,4 +239,37 @@ int moe_replica_of(const moe_replicas *r, int expert, uint64_t token, int node, 
             return copy[c];
     MOE_ASSERT(0);
     return -1;
+}
+
+int moe_eplb_validate(const moe_config *cfg, int ranks, const char *group, moe_status *st)
+{
+    const int64_t N = cfg->redundant_experts, E = cfg->experts, P = E + N;
+    if (N == 0) {
+        if (cfg->replica_choice != MOE_REPLICA_SPREAD)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--replica-choice chooses among the copies of --redundant-experts: add "
+                            "--redundant-experts N");
+        if (cfg->expert_load[0] || cfg->eplb_window != 1)
+            return moe_fail(st, MOE_EXIT_USAGE, "--%s is the load of redundant experts: add --redundant-experts N",
+                            cfg->expert_load[0] ? "expert-load" : "eplb-window");
+        return MOE_EXIT_OK;
+    }
+    if (P % ranks != 0) {
+        const int64_t next = (P + ranks - 1) / ranks * ranks - E;
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--redundant-experts %lld: the %lld + %lld = %lld physical experts must be a "
+                        "multiple of the %d %s (each the same number of slots): the next N that fits "
+                        "is %lld", (long long)N, (long long)E, (long long)N, (long long)P, ranks,
+                        group, (long long)next);
+    }
+    if (P > MOE_META_MAX_EXPERTS)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--redundant-experts must be at most %lld (E + N physical ids travel as 16 bits), got %lld",
+                        (long long)(MOE_META_MAX_EXPERTS - E), (long long)N);
+    const char *other = cfg->backward ? "--backward (the copies' weight gradients would need summing)"
+                        : cfg->dump[0] ? "--dump (a golden set names experts by their logical id)"
+                                       : NULL;
+    if (other)
+        return moe_fail(st, MOE_EXIT_USAGE, "--redundant-experts serves inference: drop %s", other);
+    return MOE_EXIT_OK;
 }

@@ -461,3 +461,34 @@ void moe_combine_reduce(const float *const *slot_rows, const float *weights, moe
         }
     }
 }
+
+/* --expert-layout: what each layout needs (layout.h). */
+int moe_layout_validate(const moe_config *cfg, moe_status *st)
+{
+    const int64_t A = cfg->expert_alignment;
+    if (A & (A - 1))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--expert-alignment must be a power of two in [1, 1024], got %lld", (long long)A);
+    const int layout = moe_config_layout(cfg);
+    if (cfg->mode == MOE_MODE_LOW_LATENCY && layout == MOE_LAYOUT_ROWS)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--mode low-latency receives into the masked layout: --expert-layout must "
+                        "be auto, masked or contiguous, got rows");
+    if (cfg->backward && layout != MOE_LAYOUT_ROWS && cfg->mode == MOE_MODE_NORMAL)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--backward reads the forward's received rows in place: --expert-layout "
+                        "must be auto or rows, got %s", moe_config_choice_name("expert-layout", layout));
+    return MOE_EXIT_OK;
+}
+
+double moe_layout_memory(const moe_config *cfg, int ranks)
+{
+    const double EL = (double)((cfg->experts + cfg->redundant_experts + ranks - 1) / ranks);
+    const double T = (double)cfg->tokens, k = (double)cfg->topk, d = (double)cfg->hidden;
+    if (moe_config_layout(cfg) == MOE_LAYOUT_MASKED) /* whole: its empty slots are never touched,
+                                                       but the allocation must succeed */
+        return EL * ranks * (double)moe_config_max_tokens(cfg) * d * 4.0;
+    if (moe_config_layout(cfg) == MOE_LAYOUT_CONTIGUOUS) /* its rows and padding */
+        return (T * k + EL * (double)(cfg->expert_alignment - 1)) * d * 4.0;
+    return 0.0;
+}

@@ -380,3 +380,51 @@ void moe_balance_losses(const double *pairs, const double *prob, int experts, in
     *z = N > 0 ? sums->z_sum / N : 0.0;
     *seq = sums->sequences > 0 ? sums->seq_sum / sums->sequences : 0.0;
 }
+
+int moe_router_validate(const moe_config *cfg, moe_status *st)
+{
+    const int64_t E = cfg->experts, N = cfg->groups, M = cfg->topk_groups;
+    if (cfg->router != MOE_ROUTER_DEEPSEEK_V3) {
+        if (N != 1 || M != 1)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--groups and --topk-groups need --router deepseek-v3");
+    } else {
+        if (E % N != 0)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--groups must divide --experts %lld, got %lld", (long long)E, (long long)N);
+        if (M > N)
+            return moe_fail(st, MOE_EXIT_USAGE, "--topk-groups must be in [1, %lld] (at most --groups), got %lld",
+                            (long long)N, (long long)M);
+        if (cfg->bias_scale > 0 && N > 1 && E / N < 2)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--groups %lld leaves 1 expert per group, but the biased group score sums "
+                            "the top 2: use at most %lld groups, or --bias-scale 0",
+                            (long long)N, (long long)(E / 2));
+        if (cfg->topk > M * (E / N))
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--topk must be at most %lld (the experts in the %lld kept groups of %lld), got %lld",
+                            (long long)(M * (E / N)), (long long)M, (long long)(E / N), (long long)cfg->topk);
+    }
+    float skew[4096];
+    return moe_skew_parse(cfg->skew, (int)E, skew, st);
+}
+
+/* --steps and --bias-update: the bias is the deepseek-v3 router's; the
+ * steps route fresh batches of the router's own. */
+int moe_router_validate_steps(const moe_config *cfg, moe_status *st)
+{
+    if (cfg->bias_update > 0 && (cfg->router != MOE_ROUTER_DEEPSEEK_V3 || !(cfg->bias_scale > 0)))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--bias-update moves deepseek-v3's correction bias: add --router deepseek-v3 "
+                        "with --bias-scale above 0 (without a bias the router is V2's)");
+    if (cfg->steps == 1 && !(cfg->bias_update > 0) && (cfg->steps_csv[0] || cfg->steps_plot[0]))
+        return moe_fail(st, MOE_EXIT_USAGE, "--%s records the steps: add --steps N",
+                        cfg->steps_csv[0] ? "steps-csv" : "steps-plot");
+    if ((cfg->steps > 1 || cfg->bias_update > 0) && cfg->routing[0])
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--steps routes fresh batches with the router: drop --routing");
+    if ((cfg->steps > 1 || cfg->bias_update > 0) && (cfg->backward || cfg->dump[0]))
+        return moe_fail(st, MOE_EXIT_USAGE, "--steps and --bias-update run forwards: drop %s",
+                        cfg->backward ? "--backward" : "--dump");
+    return MOE_EXIT_OK;
+}

@@ -156,3 +156,42 @@ double moe_ll_buffer_bytes(const moe_config *cfg, int ranks)
     const double row = moe_ll_row_bytes(cfg), out = (double)cw.bytes;
     return 32.0 + 8.0 * G * EL + 8.0 * E + N * k * (row + out) + EL * G * N * (row + out);
 }
+
+/* --mode low-latency: a forward of its own (ep_ll.c), one round each way;
+ * and the tokens per rank its buffers and the masked layout hold. */
+int moe_ll_validate(const moe_config *cfg, moe_status *st)
+{
+    const bool masked = moe_config_layout(cfg) == MOE_LAYOUT_MASKED;
+    if (cfg->mode != MOE_MODE_LOW_LATENCY && !masked) {
+        if (cfg->max_tokens_per_rank >= 0)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--max-tokens-per-rank sizes the low-latency mode's buffers and the "
+                            "masked layout: add --mode low-latency or --expert-layout masked");
+        return MOE_EXIT_OK;
+    }
+    if (cfg->max_tokens_per_rank >= 0 && cfg->max_tokens_per_rank < cfg->tokens)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--max-tokens-per-rank must be in [%lld, %d] (at least --tokens: a rank's "
+                        "tokens must fit the fixed buffers), got %lld",
+                        (long long)cfg->tokens, 1 << 24, (long long)cfg->max_tokens_per_rank);
+    if (cfg->mode != MOE_MODE_LOW_LATENCY)
+        return MOE_EXIT_OK;
+    const char *other = cfg->backward                             ? "--backward"
+                        : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL ? "--dispatch hierarchical"
+                        : cfg->trace[0]                           ? "--trace"
+                        : cfg->timeline[0]                        ? "--timeline"
+                        : cfg->dump[0]                            ? "--dump"
+                                                                  : NULL;
+    if (other)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--mode low-latency runs the decode forward alone (one round each way, no "
+                        "waves): %s needs --mode normal", other);
+    return MOE_EXIT_OK;
+}
+
+double moe_ll_memory(const moe_config *cfg, int ranks)
+{
+    const double T = (double)cfg->tokens, k = (double)cfg->topk, d = (double)cfg->hidden;
+    const double f = (double)cfg->ffn, S = (double)cfg->shared_experts;
+    return moe_ll_buffer_bytes(cfg, ranks) + T * k * (d + 2.0 * f) * 4.0 + S * T * d * 4.0;
+}
