@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # dualpipe.sh — DualPipe's pairing at the layer against waves, in the two
 # regimes of the seed notes: `moe-ep bench --backward --schedule dualpipe`
 # (pairs of micro-batches: serial, waves only, DualPipe only, both) at a

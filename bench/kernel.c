@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* kernel.c — the expert GEMM alone on one core: moe-ep's packed kernel at
  * each tile width, OpenBLAS's sgemm and, when built with it, libxsmm's JIT
  * kernels, on the experts' shapes with E experts' weights streaming through

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # np-sweep.sh — `moe-ep bench` at several rank counts, in one table:
 #   bench/np-sweep.sh "1 2 4" [bench flags ...]   (default flags: --preset laptop --waves 1,4)
 # Each rank count runs `mpirun -np N moe-ep bench --csv FILE` with the same

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Write docs/flags.md from the flag table, or check that it is current.
 
     /usr/bin/python3 docs/flags.py --write [--builddir DIR]   rewrite docs/flags.md

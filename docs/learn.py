@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Fill the command outputs of docs/learn.md and the other docs, or check that they are current.
 
     /usr/bin/python3 docs/learn.py --write [--stale] [--builddir DIR] [--mpirun CMD]   rewrite the outputs

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The load-balance lesson in one table: v3-mini at 8 ranks with a hot expert, and each cure.
 
     /usr/bin/python3 docs/lesson.py [--write] [--repeat N] [--builddir DIR] [--mpirun CMD]

@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # render-timeline.sh — render a --timeline SVG or a --report page to PNG in
 # headless Chromium, to check that a browser draws it as intended.
 #

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # tier.sh — the test tier, sourced by the test scripts.
 #
 # `make check` (the README's `./run check`) runs the fast tier,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The data and the layer of moe-ep, in numpy, for the peer implementations.
 
 The tokens and weights follow docs/data.md (Philox4x32-10, the same values as

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The moe-ep layer (softmax top-k, one all-to-all out and back) with mpi4py
 and numpy, as a user would write it: a peer for `moe-ep bench`.
 

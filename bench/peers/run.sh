@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: MIT
 # run.sh — moe-ep against its peers (mpi4py + numpy, PyTorch + gloo) on one
 # workload, each timed its own way (median of its forwards) and each checked
 # on a few tokens against the dense float64 reference:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The moe-ep layer (softmax top-k, one all-to-all out and back) in PyTorch
 with the gloo backend on 127.0.0.1: a peer for `moe-ep bench`.
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* backward.h — the gradients of the MoE layer's pieces: the SwiGLU expert
  * (fp32 on the EP path, fp64 for the truth) and the router.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* capacity.h — expert capacity and token dropping (GShard, Switch,
  * Megatron-Core).
  *

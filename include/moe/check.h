@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check.h — the collective comparison of the EP output with the dense truth.
  *
  * Each rank compares its own tokens; the tolerance's rms and the worst

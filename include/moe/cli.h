@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cli.h — the subcommands of the moe-ep binary. Each takes the arguments after
  * its name and returns the exit code, the same on every rank. */
 #ifndef MOE_CLI_H

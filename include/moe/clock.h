@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* clock.h — the stage clock: the comm layer's one timer.
  *
  * The algorithm code never reads the time. A stage says where it begins

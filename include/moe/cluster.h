@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cluster.h — the seeds' arithmetic for a model on a cluster (`moe-ep plan`).
  *
  * Not the dispatch plan (layout.h): "plan" in the code means which rows go

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* comm.h — the MPI side of moe-ep: start-up, collective errors, reductions.
  *
  * Only src/comm calls MPI. Errors are decided collectively: every rank says

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* common.h — status reporting, invariant checks and checked allocation.
  *
  * Errors that come from user input or the environment are values

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* config.h — the run configuration: flags, presets, validation, memory estimate.
  *
  * Pure: no MPI. Every rank parses the same arguments and reaches the same

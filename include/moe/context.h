@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* context.h — what `moe-ep run` and `moe-ep bench` both set up, in one
  * value: the validated configuration, the EP object, the schedule of the
  * forwards under way, this rank's buffers, the summary the report prints,

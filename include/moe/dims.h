@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dims.h — the one dimension legend of moe-ep.
  *
  * Every buffer in the code carries a shape comment written with these letters,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep.h — the expert-parallel MoE layer across the ranks of a communicator.
  *
  * A forward is a short sequence of named stages, each with one contract

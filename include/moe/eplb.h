@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* eplb.h — redundant experts: DeepSeek's expert-parallel load balancer.
  *
  * Pure: no MPI. Given a load per logical expert (tokens routed to it over

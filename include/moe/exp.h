@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* exp.h — e^x in fp64, specified to the bit.
  *
  * The router's softmax and sigmoid and the dense truth's SwiGLU call this

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* experts.h — the SwiGLU expert FFN, fp32 (EP path) and fp64 (dense truth).
  *
  *   h = x W1^T            (rows, 2f): columns [0, f) gate, [f, 2f) up

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* files.h — output files: written atomically, and their paths checked before
  * a run starts. Every file moe-ep writes goes through here. No MPI. */
 #ifndef MOE_FILES_H

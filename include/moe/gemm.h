@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* gemm.h — the one place every matrix product goes through: the BLAS calls
  * and the two kernels of our own.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* golden.h — golden sets: stage-by-stage tensors for a GPU port, and the
  * comparison of a port's tensors with them (`moe-ep verify`).
  *

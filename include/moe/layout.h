@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* layout.h — expert placement and the dispatch/combine plan of one rank.
  *
  * Pure: no MPI. Given the routing of a rank's T tokens, this module says which

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* link.h — the emulated interconnect: when an all-to-all's data "arrives".
  *
  * On one machine an all-to-all is a memcpy, far faster than a cluster's links,

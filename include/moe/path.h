@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* path.h — the way a layer runs, chosen once from the validated
  * configuration.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* peak.h — the physical limit of the cores: fp32 fused multiply-adds per
  * second at each vector width the CPU has, and what the CPU and OpenBLAS
  * call themselves. Pure: no MPI (bench runs it on every rank). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* progress.h — who makes nonblocking collectives move while experts compute.
  *
  * Most MPI libraries (Open MPI 4.1 among them) move a nonblocking collective

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* quant.h — bit-exact BF16 and FP8 (E4M3) emulation, and block quantisation.
  *
  * Pure C, no MPI. Values stay in fp32 buffers; "rounding to bf16" means

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* report.h — rank 0's text report of a run. Pure formatting: the numbers are
  * gathered by the caller (src/cli/run.c); nothing here communicates.
  */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* rng.h — Philox4x32-10 and the synthetic-data mapping.
  *
  * Every element of every generated tensor is a pure function of

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* router.h — token → experts: gate logits, scores, top-k, weights.
  *
  * Pure C, no MPI. The gate is computed per token with a fixed-order dot

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* routing.h — inputs replayed from files: top-k ids and weights
  * (`moe-ep run --routing FILE.safetensors`) instead of the synthetic router,
  * the upstream gradient of a training step (`--grad-output`), and the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* safetensors.h — reading and writing the safetensors format.
  *
  * A file is: 8 bytes, little-endian u64 N; N bytes of JSON header; the data.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* sha256.h — SHA-256 (FIPS 180-4), for the checksums of golden files. Pure. */
 #ifndef MOE_SHA256_H
 #define MOE_SHA256_H

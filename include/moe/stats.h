@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* stats.h — what one forward pass measures on one rank: stage times, rows,
  * bytes. Pure data, no MPI; the comm layer fills it, the report prints it.
  */

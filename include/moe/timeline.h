@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* timeline.h — pictures of a forward: Chrome trace JSON and an SVG Gantt chart.
  *
  * Pure formatting of events already gathered on one rank (no MPI). Both

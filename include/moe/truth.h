@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* truth.h — the dense fp64 ground truth and the comparison against it.
  *
  * The truth is the dense sum: every expert applied to every token in fp64,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* wire.h — the bytes a row puts on the wire: the one definition that the
  * all-to-alls send, and that the traffic figures, the link model, bench's
  * all-to-all anchor and `moe-ep plan` count.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* bench.c — `moe-ep bench`: the wave pipeline at each W, against anchors
  * measured in the same run.
  *

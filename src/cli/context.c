@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* context.c — the set-up and the timed forwards that run and bench share
  * (see context.h). */
 #define _POSIX_C_SOURCE 200809L

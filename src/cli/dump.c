@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dump.c — `moe-ep run --dump DIR`: the golden set of this run.
  *
  * The tokens are routed again and one more forward on the blocking

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* explain.c — `moe-ep explain`: the walk of chosen tokens through the layer.
  *
  * One forward on the blocking reference path, captured as --dump captures

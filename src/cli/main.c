@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* main.c — the moe-ep binary: MPI start-up and the subcommand dispatch.
  *
  * Every rank parses the same arguments, so usage errors are decided alike on

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* plan.c — `moe-ep plan`: the seeds' arithmetic for a model on a cluster.
  *
  * No communication happens: rank 0 prints (any other rank stays quiet), so

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* run.c — `moe-ep run`: one EP forward per iteration, the report, the check.
  *
  * Phases, as HPCG runs them: set-up (parse, validate, agree), generation,

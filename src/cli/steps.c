@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* steps.c — `moe-ep run --steps N [--bias-update GAMMA]`: the load over
  * steps, and DeepSeek-V3's auxiliary-loss-free balancing.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* verify.c — `moe-ep verify GOLDEN_DIR CANDIDATE.safetensors`: a port's
  * tensors against a golden set, stage by stage (src/io/golden.c). Rank 0
  * does the work; it needs no mpirun. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check.c — collective comparison with the dense truth (see check.h). */
 #include "moe/check.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* clock.c — the stage clock (see clock.h). */
 #include <mpi.h>
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* comm.c — MPI start-up, thread settings and collective errors (see comm.h). */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include "moe/comm.h"

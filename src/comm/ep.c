@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep.c — the EP object (weights, placement, router, link model) and the
  * stages every path shares: route, pack, experts, reduce, shared (see
  * ep.h and ep_stages.h). The paths themselves are ep_ref.c, ep_waves.c,

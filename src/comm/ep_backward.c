@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep_backward.c — the backward of a training step (see ep.h,
  * moe_ep_backward_ref and moe_ep_backward_step): the forward's stages run
  * in mirror image, one sequence for the blocking and the nonblocking path.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep_hier.c — the two-stage (hierarchical) dispatch and combine
  * (--dispatch hierarchical), pipelined in waves of tokens.
  *

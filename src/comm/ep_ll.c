@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep_ll.c — the low-latency forward of decode (--mode low-latency).
  *
  * No count exchange and no deduplication: every (token, expert) pair of a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep_pipeline.c — the plumbing both pipelined forwards share (ep_waves.c,
  * the flat dispatch; ep_hier.c, the two-stage one): the compute clock and
  * its hooks, posting an operation under the link model, the timeline's comm

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep_ref.c — the blocking reference EP forward (see ep.h), and only it.
  *
  * Per rank, after route:  plan → pack → dispatch → experts → combine →

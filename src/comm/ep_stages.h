@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep_stages.h — the stages both EP paths share, and their private plumbing.
  *
  * Not a public header: only the EP forwards (src/comm/ep*.c) include it. Each

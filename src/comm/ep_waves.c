@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep_waves.c — the wave-pipelined EP forward (see ep.h).
  *
  * The forward is split into W waves (layout.h: groups of expert slots, or

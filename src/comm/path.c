@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* path.c — the path table (path.h): each path's run, the all-to-alls it
  * can time alone, its twins, chosen once from the validated config. */
 #include "moe/path.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* progress.c — driving nonblocking collectives: polling or a thread (see progress.h). */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/progress.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* backward.c — gradients of the SwiGLU expert and of the router (see
  * backward.h). */
 #include "moe/backward.h"

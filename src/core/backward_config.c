@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* backward_config.c — the training step's flags (--backward,
  * --grad-output): the rules moe_config_validate calls and the bytes
  * moe_config_memory_per_rank adds (backward.h). Apart from backward.c so

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* capacity.c — expert capacity and token dropping (see capacity.h). */
 #include "moe/capacity.h"
 #include "moe/common.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cluster.c — the seeds' arithmetic for `moe-ep plan` (see cluster.h, docs/plan.md). */
 #include "moe/cluster.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* common.c — status, invariant and allocation helpers (see common.h). */
 #define _POSIX_C_SOURCE 200809L
 #define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */

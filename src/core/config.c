@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* config.c — parsing, presets and validation of a run (see config.h).
  *
  * One table describes every flag (flags.c): its name (also the preset key),

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* datafile.c — where presets and cluster files are found: the data path
  * (MOE_EP_DATA_DIR, the source tree's data/, the installed share/moe-ep)
  * and opening a .conf by name or path (see config.h).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* eplb.c — redundant experts placed by DeepSeek's EPLB algorithm (eplb.h). */
 #include "moe/eplb.h"
 #include "moe/layout.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* exp.c — the specified fp64 exponential (see exp.h). */
 #include "moe/exp.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* experts.c — SwiGLU expert FFN in fp32 and fp64 (see experts.h). */
 #include "moe/experts.h"
 

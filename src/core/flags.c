@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* flags.c — the flag table (flags.h): every flag's name (also its preset
  * key), type, allowed range, default and help; --help, the canonical
  * config and a golden manifest's flags printed from it.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* flags.h — the flag table, private to src/core: config.c parses and
  * validates with it, flags.c holds it and prints --help, the canonical
  * config and a golden manifest's flags from it.

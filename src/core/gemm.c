@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* gemm.c — the BLAS wrapper and the exact and packed kernels, with shape
  * checks and FLOP counting (see gemm.h). */
 #include "moe/gemm.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* lanes8.h — 8-lane fp32 helpers of the SwiGLU, forward and backward.
  *
  * Private to src/core. Every operation is one IEEE single-precision

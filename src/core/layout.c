@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* layout.c — placement and the dispatch/combine plan (see layout.h). */
 #include "moe/layout.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* link.c — the emulated interconnect model (see link.h, docs/link-model.md). */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/link.h"

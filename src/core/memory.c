@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* memory.c — the bytes a rank holds at its peak (moe_config_memory_per_rank,
  * config.h): the forward's own, plus what each feature says it adds
  * (layout.h, wire.h, backward.h), the truth's, a dump's and bench's.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* peak.c — the cores' fp32 FMA rate at each vector width (see peak.h). */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/peak.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* quant.c — BF16 and FP8 E4M3 conversions and block quantisation (see quant.h). */
 #include "moe/quant.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* rng.c — Philox4x32-10 and the synthetic-data mapping (see rng.h, docs/data.md). */
 #include "moe/rng.h"
 

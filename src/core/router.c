@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* router.c — gate logits, softmax and DeepSeek-V3 selection, skew (see router.h). */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/router.h"

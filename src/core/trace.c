@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* trace.c — a rank's list of timeline events (see stats.h). */
 #include <stdlib.h>
 

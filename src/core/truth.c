@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* truth.c — dense fp64 ground truth and comparison (see truth.h). */
 #include "moe/truth.h"
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* wire.c — rows as they travel (see wire.h). */
 #include "moe/wire.h"
 

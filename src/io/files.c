@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* files.c — atomic output files and output path checks (see files.h). */
 #define _GNU_SOURCE
 #include "moe/files.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* golden.c — writing golden sets and verifying candidates (see golden.h). */
 #define _GNU_SOURCE
 #include "moe/golden.h"

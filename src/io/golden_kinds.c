@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* golden_kinds.c — the tensors of a golden set, one row a kind, in the
  * order docs/golden.md lists them (its "The tensors" and "Tolerances"
  * tables are this one). */

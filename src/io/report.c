@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* report.c — rank 0's text report (see report.h). */
 #include "moe/report.h"
 

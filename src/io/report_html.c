@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* report_html.c — `run --report FILE.html`: one self-contained page of a
  * run (see report.h). Inline CSS and SVG only: no script, no network, so
  * the file opens anywhere, mailed or offline.

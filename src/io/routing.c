@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* routing.c — reading and validating a routing file (see routing.h). */
 #include "moe/routing.h"
 

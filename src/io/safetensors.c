@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* safetensors.c — the safetensors format with jansson (see safetensors.h). */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/safetensors.h"

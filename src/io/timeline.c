@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* timeline.c — Chrome trace JSON and the SVG Gantt chart (see timeline.h). */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/timeline.h"

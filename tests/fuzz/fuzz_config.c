@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* fuzz_config.c — libFuzzer target: a preset file's text, through the parser
  * and the validation every rank runs. Built by `make fuzz` (clang). */
 #define _POSIX_C_SOURCE 200809L

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* fuzz_golden.c — libFuzzer target: any bytes as the manifest.json of a
  * golden set whose tensor files are a shipped set's (copied once into a
  * scratch directory), verified against that set's own output.safetensors.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* fuzz_safetensors.c — libFuzzer target: any bytes as a safetensors file,
  * through the validating reader and a read of every tensor it accepts.
  * Built by `make fuzz` (clang). */

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Golden sets crafted to break verify: every case is a copy of a shipped set
 with one inconsistency, and with checksums that match (a careless or hostile
 editor fixes them), as the untrusted input verify must treat a set as.

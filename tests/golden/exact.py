@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Recompute, bit for bit with numpy, every expert output of a `--gemm exact`
 golden set (from the dumped dispatch rows, weights and top-k weights) and
 the dense truth of any golden set (from the dumped tokens, routing and

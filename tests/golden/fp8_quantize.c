@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* fp8_quantize — moe-ep's E4M3 block quantiser on a file, for
  * tests/golden/fp8_recipes.py to compare with each upstream recipe restated
  * in numpy:

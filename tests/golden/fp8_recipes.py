@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The FP8 recipes of docs/golden.md restated from their upstream code in
 numpy, against moe-ep's quantiser (tests/golden/fp8_quantize), byte for byte.
 

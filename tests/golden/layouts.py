@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Rebuild a golden set's layout tensors (dispatch.rank{r}.layout.*) from its
 top-k ids, its dispatched rows and the placement, and require them exactly.
 

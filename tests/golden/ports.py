@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Ports of the expert layer that a GPU engineer could legitimately write,
 each checked with `moe-ep verify` against golden sets: every one must pass,
 and the worst share of the tolerance each uses is printed.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Recompute a golden set's combined output from its dumped inputs, top-k and
 dispatched rows with numpy, and compare it with the dumped output.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Recompute every gradient of a golden set made with --backward from its
 dumped tensors with numpy, and compare them with the set's.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Print `NP ARGS...` that regenerate a golden set from its manifest's config.
 
     /usr/bin/python3 tests/golden/regenerate-args.py data/golden/NAME/manifest.json

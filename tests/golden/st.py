@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Read and write safetensors files with the standard library and numpy only.
 
 Used by the golden-set tests; no C code of moe-ep takes part, so the files are

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Check the figures `moe-ep bench` prints against each other, not its labels.
 
     bench_check.py waves CSV SVG OUTPUT   the W sweep (tests/mpi/np2_bench.case)

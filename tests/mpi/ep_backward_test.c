@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep_backward_test.c — the EP backward on G ranks against itself run again
  * and against the same layer on one rank.
  *

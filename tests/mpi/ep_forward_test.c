@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* ep_forward_test.c — the EP forward on G ranks against the dense truth and
  * against the same layer on one rank.
  *

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Check `moe-ep explain`'s printed walk against the golden set of the same run.
 
     /usr/bin/python3 tests/mpi/explain_check.py WALK.txt GOLDEN_DIR TOKENS

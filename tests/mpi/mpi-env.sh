@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # mpi-env.sh — the environment mpirun needs on a single machine, sourced by
 # ./run and by the MPI test runners. Each line is only a default: a value
 # already in the environment wins.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """make mutants: apply each mutant of tests/mutants/mutants.txt alone to a
 scratch copy of the tree and run the fast tier on it, stopping at the first
 test that fails (the mutant is killed) or passing them all (it survived).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_backward.c — the layer's gradients against central finite
  * differences of an fp64 forward written out here from the definition
  * (router, experts, shared experts), and the fp32 expert backward against

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_capacity.c — expert capacity and the drop decisions on hand-made routings. */
 #include <math.h>
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_cluster.c — `moe-ep plan` reproduces the seeds' figures for DeepSeek-V3. */
 #include <math.h>
 

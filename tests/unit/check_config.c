@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_config.c — flag parsing, presets, validation. */
 #define _GNU_SOURCE
 #include <stdio.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_eplb.c — redundant experts: the EPLB port against the reference
  * algorithm's own outputs, its invariants, and the replica choice rule. */
 #include <check.h>

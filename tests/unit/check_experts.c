@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_experts.c — the SwiGLU FFN against a naive loop, and the comparison. */
 #include <float.h>
 #include <math.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_golden.c — SHA-256 against FIPS 180-4's examples, and safetensors
  * round trips and corrupt files. */
 #define _POSIX_C_SOURCE 200809L

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_layout.c — placement, and the dispatch/combine plan run through an
  * in-process all-to-all: every (token, slot) must come back as the output of
  * its own expert for its own token (the permutation and its inverse). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_link.c — the --link spec and the FIFO link model. */
 #include <math.h>
 #include <string.h>

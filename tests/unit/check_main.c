@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_main.c — runs every unit suite (pure core, no MPI); exit 1 on any failure. */
 #include <stdlib.h>
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_quant.c — BF16 and FP8 E4M3 against known bit patterns, and the
  * block quantiser. */
 #include <math.h>

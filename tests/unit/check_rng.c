@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_rng.c — Philox4x32-10 against Random123's known answers, and the
  * synthetic-data mapping of docs/data.md. */
 #include <math.h>

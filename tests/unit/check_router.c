@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check_router.c — gate logits and softmax top-k on hand-made cases. */
 #include <math.h>
 #include <stdlib.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* suites.h — one Check suite per core module, chained by check_main.c. */
 #ifndef MOE_TEST_SUITES_H
 #define MOE_TEST_SUITES_H
