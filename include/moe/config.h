@@ -134,6 +134,11 @@ typedef struct {
     double tflops;               /* TFLOP/s per GPU */
     char nodes_per_token[MOE_NAME_MAX]; /* plan: a measured histogram N:PERCENT,... ("": sample) */
     int64_t ranks_per_node;      /* R, virtual nodes; 0 = all ranks on one node */
+    /* Not a flag: a library caller's own weights for the truth (moe-ep.h,
+     * moe_ep_config_use_weights), fp32, read where the generated ones
+     * would be made: w1 (E, 2f, d), w2 (E, d, f), shared_w1 (S, 2f, d),
+     * shared_w2 (S, d, f), each NULL for the generated ones. */
+    const float *given_w1, *given_w2, *given_shared_w1, *given_shared_w2;
 } moe_config;
 
 /* Every flag at the default its table entry names (the one --help prints). */

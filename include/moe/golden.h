@@ -96,14 +96,23 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
  * replaces all it holds, so a directory with anything else is refused). */
 int moe_golden_check_target(const char *dir, moe_status *st);
 
+/* What verify compared, per stage (enum moe_stage_file): tensors
+ * compared, and of those failed. */
+typedef struct {
+    int compared[MOE_GOLDEN_STAGES];
+    int failed[MOE_GOLDEN_STAGES];
+} moe_golden_result;
+
 /* Compare the tensors of candidate with the set in dir, in pipeline order,
- * and print the table to out. Candidate ids of any integer dtype and values
+ * and print the table to out; result (may be NULL) receives the counts
+ * per stage. Candidate ids of any integer dtype and values
  * of any real dtype are compared as the golden ones; a shape or kind that
  * differs fails the tensor's stage, or, after a stage that failed already,
  * is shown as following from it. Returns MOE_EXIT_OK (all within contract),
  * MOE_EXIT_CHECK_FAILED (some not; the first failing stage is named), or
  * MOE_EXIT_USAGE for a golden set or candidate that cannot be read (st says
  * what). */
-int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_status *st);
+int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_golden_result *result,
+                      moe_status *st);
 
 #endif

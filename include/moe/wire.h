@@ -87,4 +87,9 @@ int moe_ll_validate(const moe_config *cfg, moe_status *st);
  * kept apart. */
 double moe_ll_memory(const moe_config *cfg, int ranks);
 
+/* x (rows, d) as a rank receives it: rounded to --dispatch-dtype (and back
+ * to fp32) into scratch (rows, d), or x itself for fp32. */
+const float *moe_wire_dispatched(const moe_config *cfg, const float *x, moe_index rows,
+                                 float *scratch);
+
 #endif

@@ -1,11 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 /* verify.c — `moe-ep verify GOLDEN_DIR CANDIDATE.safetensors`: a port's
- * tensors against a golden set, stage by stage (src/io/golden.c). Rank 0
- * does the work; it needs no mpirun. */
+ * tensors against a golden set, stage by stage: the library's moe_ep_verify
+ * (src/api/api.c, over src/io/golden.c). Rank 0 does the work; it needs no
+ * mpirun. */
 #include <string.h>
 
 #include "moe/cli.h"
-#include "moe/golden.h"
+#include "moe-ep/moe-ep.h"
 
 static void print_usage(FILE *out)
 {
@@ -32,8 +33,12 @@ int moe_cli_verify(const moe_comm *c, int argc, char **argv)
     if (argc != 2)
         rc = moe_fail(&st, MOE_EXIT_USAGE, "verify needs GOLDEN_DIR and CANDIDATE.safetensors, got %d argument%s",
                       argc, argc == 1 ? "" : "s");
-    else if (c->rank == 0)
-        rc = moe_golden_verify(argv[0], argv[1], stdout, &st);
+    else if (c->rank == 0) { /* the library's verify (moe-ep.h), its table on stdout */
+        moe_ep_verify_result r;
+        rc = moe_ep_verify(argv[0], argv[1], stdout, &r);
+        if (rc != MOE_EXIT_OK && rc != MOE_EXIT_CHECK_FAILED)
+            moe_fail(&st, rc, "%s", r.message);
+    }
     fflush(stdout);
     /* every rank leaves with rank 0's verdict */
     moe_status shared = {0};

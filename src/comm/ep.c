@@ -14,6 +14,7 @@
 #include "moe/capacity.h"
 #include "moe/gemm.h"
 #include "moe/experts.h"
+#include "moe/model.h"
 #include "moe/path.h"
 #include "moe/progress.h"
 #include "moe/quant.h"
@@ -91,13 +92,10 @@ static void generate_experts(moe_ep *ep, int from, int to)
         float *dst1 = shared ? ep->shared_w1 + (n - ep->local_experts) * w1_size : ep->w1 + n * w1_size;
         float *dst2 = shared ? ep->shared_w2 + (n - ep->local_experts) * w2_size : ep->w2 + n * w2_size;
         const int slot = ep->first_expert + n;
-        if (shared)
-            moe_shared_expert_generate(cfg->seed, n - ep->local_experts, d, f, w1, w2);
-        else
-            moe_expert_generate(cfg->seed, ep->replicas.physical ? ep->replicas.phy2log[slot] : slot,
-                                d, f, w1, w2);
-        moe_precision_weights(cfg->param_dtype, w1, 2 * f * d);
-        moe_precision_weights(cfg->param_dtype, w2, d * f);
+        moe_model_expert(cfg, shared,
+                         shared ? n - ep->local_experts
+                                : ep->replicas.physical ? ep->replicas.phy2log[slot] : slot,
+                         w1, w2);
         moe_expert_layout(ep->gemm, d, f, w1, w2, dst1, dst2);
     }
     free(w2);
@@ -112,13 +110,6 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     ep->path = moe_path_choose(cfg);
     const int physical = (int)(cfg->experts + cfg->redundant_experts);
     moe_placement_init(&ep->placement, physical, comm->ranks);
-    ep->router = (moe_router){.kind = (enum moe_router_kind)cfg->router,
-                              .experts = (int)cfg->experts,
-                              .topk = (int)cfg->topk,
-                              .normalize = moe_config_norm_topk(cfg),
-                              .groups = (int)cfg->groups,
-                              .topk_groups = (int)cfg->topk_groups,
-                              .route_scale = (float)cfg->route_scale};
     ep->gemm = (enum moe_gemm_kind)cfg->gemm;
     moe_sgemm_packed_force((enum moe_isa)cfg->packed_isa);
     ep->link.ranks_per_node = cfg->ranks_per_node > 0 ? (int)cfg->ranks_per_node : comm->ranks;
@@ -146,21 +137,17 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
     /* with --redundant-experts the routed ones wait for moe_ep_place_replicas */
     generate_experts(ep, cfg->redundant_experts > 0 ? ep->local_experts : 0,
                      ep->local_experts + (int)S);
-    moe_synth_fill(cfg->seed, MOE_TENSOR_GATE, 0, 0, cfg->experts * d,
-                   moe_synth_weight_scale(d), ep->gate);
-    moe_precision_weights(cfg->param_dtype, ep->gate, cfg->experts * d);
-    for (int64_t e = 1; e <= cfg->gate_ties; e++) /* --gate-ties: exact ties on every token */
-        memcpy(ep->gate + e * d, ep->gate, sizeof(float) * (size_t)d);
-    if (cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0) {
-        ep->bias = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
-        moe_synth_fill(cfg->seed, MOE_TENSOR_BIAS, 0, 0, cfg->experts, (float)cfg->bias_scale,
-                       ep->bias);
-        ep->router.bias = ep->bias;
+    moe_model_gate(cfg, ep->gate);
+    ep->bias = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
+    ep->skew = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
+    ep->router = moe_model_router(cfg, ep->bias, ep->skew);
+    if (!ep->router.bias) { /* NULL says "no bias" to the dump, explain and --steps */
+        free(ep->bias);
+        ep->bias = NULL;
     }
-    if (cfg->skew[0]) {
-        ep->skew = moe_xmalloc(sizeof(float) * (size_t)cfg->experts);
-        moe_skew_parse(cfg->skew, (int)cfg->experts, ep->skew, &ignored);
-        ep->router.skew = ep->skew;
+    if (!ep->router.skew) {
+        free(ep->skew);
+        ep->skew = NULL;
     }
     return MOE_EXIT_OK;
 }
@@ -327,13 +314,7 @@ moe_expert_grad_weights moe_ep_grad_weights(const moe_ep *ep, bool shared, int n
 
 const float *moe_ep_dispatched_tokens(const moe_ep *ep, const float *x, float *scratch)
 {
-    if (ep->cfg->dispatch_dtype == MOE_DTYPE_FP32)
-        return x;
-    const moe_fp8_format fp8 = {(enum moe_fp8_recipe)ep->cfg->fp8_recipe,
-                                ep->cfg->fp8_scale == MOE_FP8_SCALE_UE8M0};
-    moe_precision_dispatch(ep->cfg->dispatch_dtype, fp8, x, ep->cfg->tokens,
-                           ep->cfg->hidden, scratch);
-    return scratch;
+    return moe_wire_dispatched(ep->cfg, x, ep->cfg->tokens, scratch);
 }
 
 void moe_ep_pack(const moe_ep *ep, const float *x, const int32_t *ids, const float *weights,

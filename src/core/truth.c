@@ -49,12 +49,27 @@ static void accumulate(const moe_config *cfg, double *y, double *allow, const do
     }
 }
 
-/* Routed expert n (or shared expert n) generated, rounded to --dtype, in
- * fp64. */
+/* A weight rounded to --dtype (moe_precision_weights), in fp64. */
+static double weight_as_held(const moe_config *cfg, float w)
+{
+    return cfg->param_dtype == MOE_DTYPE_BF16 ? moe_round_bf16(w) : w;
+}
+
+/* Routed expert n (or shared expert n) generated, or the caller's
+ * (moe_config.given_w1 ...), rounded to --dtype, in fp64. */
 static void generated_f64(const moe_config *cfg, bool shared, int n, double *w1_64, double *w2_64)
 {
-    moe_expert_generate_f64(cfg->seed, shared, n, cfg->param_dtype, cfg->hidden, cfg->ffn, w1_64,
-                            w2_64);
+    const float *w1 = shared ? cfg->given_shared_w1 : cfg->given_w1;
+    const float *w2 = shared ? cfg->given_shared_w2 : cfg->given_w2;
+    const moe_index d = cfg->hidden, f = cfg->ffn;
+    if (!w1 || !w2) {
+        moe_expert_generate_f64(cfg->seed, shared, n, cfg->param_dtype, d, f, w1_64, w2_64);
+        return;
+    }
+    for (moe_index m = 0; m < 2 * f * d; m++)
+        w1_64[m] = weight_as_held(cfg, w1[(moe_index)n * 2 * f * d + m]);
+    for (moe_index m = 0; m < d * f; m++)
+        w2_64[m] = weight_as_held(cfg, w2[(moe_index)n * d * f + m]);
 }
 
 /* rows (n, d) of src (T, d) in fp64. */

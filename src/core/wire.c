@@ -196,3 +196,14 @@ double moe_ll_memory(const moe_config *cfg, int ranks)
     const double f = (double)cfg->ffn, S = (double)cfg->shared_experts;
     return moe_ll_buffer_bytes(cfg, ranks) + T * k * (d + 2.0 * f) * 4.0 + S * T * d * 4.0;
 }
+
+const float *moe_wire_dispatched(const moe_config *cfg, const float *x, moe_index rows,
+                                 float *scratch)
+{
+    if (cfg->dispatch_dtype == MOE_DTYPE_FP32)
+        return x;
+    const moe_fp8_format fp8 = {(enum moe_fp8_recipe)cfg->fp8_recipe,
+                                cfg->fp8_scale == MOE_FP8_SCALE_UE8M0};
+    moe_precision_dispatch(cfg->dispatch_dtype, fp8, x, rows, cfg->hidden, scratch);
+    return scratch;
+}

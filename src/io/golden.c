@@ -438,6 +438,7 @@ typedef struct {
     FILE *out;
     int first_failing;      /* stage, MOE_GOLDEN_STAGES while none failed */
     int compared;
+    moe_golden_result result; /* per stage: tensors compared and failed */
     int64_t ranks, config_tokens, experts_config, topk, hidden; /* the config's G, T, E, k, d */
     uint8_t *tied;          /* (tokens) whose top-k differs only by near-ties; NULL: none yet */
     int64_t tokens, tied_count;
@@ -726,6 +727,7 @@ static void fail_stage(verify_run *v, int stage)
 {
     if (stage < v->first_failing)
         v->first_failing = stage;
+    v->result.failed[stage]++;
 }
 
 /* Companions of a candidate tensor, read with it rather than on their own:
@@ -913,6 +915,7 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
     if (!ref)
         return st->code;
     v->compared++;
+    v->result.compared[stage]++;
     /* A tensor that cannot be compared is a failure of its stage, or the
      * consequence of an earlier stage's. */
     if (!comparable(v, e, &golden, stage, stage_name)) {
@@ -1152,8 +1155,11 @@ static int validate_manifest(verify_run *v, const char *path, moe_status *st)
     return MOE_EXIT_OK;
 }
 
-int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_status *st)
+int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_golden_result *result,
+                      moe_status *st)
 {
+    if (result)
+        memset(result, 0, sizeof *result);
     char path[700];
     snprintf(path, sizeof path, "%s/manifest.json", dir);
     json_error_t error;
@@ -1201,6 +1207,8 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_sta
     json_decref(v.convention);
     moe_st_close(&v.cand);
     json_decref(v.manifest);
+    if (result)
+        *result = v.result;
     if (rc != MOE_EXIT_OK)
         return rc;
     if (v.compared == 0)

@@ -1,0 +1,165 @@
+/* SPDX-License-Identifier: MIT */
+/* moe-ep.h — the moe-ep library: one Mixture-of-Experts layer run with
+ * expert parallelism over a caller's MPI communicator, and its dense fp64
+ * truth, for a program or a test suite to call.
+ *
+ *   moe_ep_config   the run's flags: the same table, presets and validation
+ *                   as `moe-ep run` (moe_ep_config_set(c, "--tokens", "64"))
+ *   moe_ep_context  the layer on a communicator, on the path the config
+ *                   chooses (docs/waves.md, docs/low-latency.md): route
+ *                   caller tokens with the configured router, or bring
+ *                   your own top-k ids and weights; forward into your buffer
+ *   moe_ep_truth    the dense fp64 sum of every selected expert on caller
+ *                   tokens and routing, no MPI: what a port is checked against
+ *
+ * Weights are the configuration's own synthetic ones (docs/data.md: a
+ * function of --seed and the shape), the same in the truth and on every
+ * rank; moe_ep_config_tokens gives the tokens `moe-ep run` would use.
+ * Shapes use the CLI's letters: T tokens per rank, d hidden, k top-k, E
+ * experts. Row-major fp32 unless said.
+ *
+ * Errors: every call returns MOE_EP_OK or a code (MOE_EP_BAD_INPUT: an
+ * argument or a flag is wrong; MOE_EP_RUNTIME: the run failed) and keeps
+ * one line on its object naming the argument (moe_ep_config_error,
+ * moe_ep_context_error). A context's calls are collective: every rank gets
+ * the same code and message. No global state for the caller to manage.
+ * An MPI failure inside a forward, and running out of memory, still end
+ * the job (as in any MPI program).
+ */
+#ifndef MOE_EP_PUBLIC_H
+#define MOE_EP_PUBLIC_H
+
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The API this header describes; moe_ep_api_version() is the library's. */
+#define MOE_EP_API_VERSION 1
+
+enum { MOE_EP_OK = 0, MOE_EP_FAIL = 1, MOE_EP_BAD_INPUT = 2, MOE_EP_RUNTIME = 3 };
+
+typedef struct moe_ep_config moe_ep_config;
+typedef struct moe_ep_context moe_ep_context;
+
+/* The layer's shape (after presets and flags). */
+typedef struct {
+    int64_t tokens;         /* T, per rank */
+    int64_t hidden;         /* d */
+    int64_t ffn;            /* f, one expert's */
+    int64_t experts;        /* E, routed */
+    int64_t topk;           /* k */
+    int64_t shared_experts; /* S */
+} moe_ep_shape;
+
+int moe_ep_api_version(void);
+
+/* A configuration with the CLI's defaults; NULL when out of memory. */
+moe_ep_config *moe_ep_config_new(void);
+void moe_ep_config_free(moe_ep_config *c);
+
+/* Set one flag of `moe-ep run` ("--tokens" or "tokens", value as on the
+ * command line; a switch takes "true" or "false"); "--preset" loads a
+ * preset that later flags override. */
+int moe_ep_config_set(moe_ep_config *c, const char *flag, const char *value);
+
+/* Check the flags together for `ranks` ranks, as `moe-ep run` does. */
+int moe_ep_config_validate(moe_ep_config *c, int ranks);
+
+moe_ep_shape moe_ep_config_shape(const moe_ep_config *c);
+
+/* The last error's message ("" when none). */
+const char *moe_ep_config_error(const moe_ep_config *c);
+
+/* x (T, d): the tokens rank `rank` holds in `moe-ep run` (global ids
+ * rank*T .. rank*T + T-1). */
+int moe_ep_config_tokens(moe_ep_config *c, int rank, float *x);
+
+/* The weights the config generates (docs/data.md), rounded to --dtype, as
+ * every rank and the truth hold them: routed expert n (shared expert n
+ * when `shared`) into w1 (2f, d) (rows 0..f-1 the gate projection, f..2f-1
+ * the up projection) and w2 (d, f); the router's gate (E, d). */
+int moe_ep_config_expert(moe_ep_config *c, int shared, int n, float *w1, float *w2);
+int moe_ep_config_gate(moe_ep_config *c, float *gate);
+
+/* The truth (moe_ep_truth, moe_ep_check) on the caller's expert weights
+ * instead: w1 (E, 2f, d), w2 (E, d, f), shared_w1 (S, 2f, d), shared_w2
+ * (S, d, f), fp32, rounded to --dtype as generated ones are; routed or
+ * shared pairs NULL keep the generated ones. Read at each call: keep them
+ * alive while the config uses them. Not for a context (its ranks generate
+ * their weights). */
+int moe_ep_config_use_weights(moe_ep_config *c, const float *w1, const float *w2,
+                              const float *shared_w1, const float *shared_w2);
+
+/* ids, weights (tokens, k): the configured router (--router, its bias and
+ * groups) on x (tokens, d) with the config's gate, or `gate` (E, d) when
+ * not NULL. A token's routing depends on its row only. No MPI. */
+int moe_ep_config_route(moe_ep_config *c, const float *x, int64_t tokens, const float *gate,
+                        int32_t *ids, float *weights);
+
+/* y (tokens, d), fp64: the dense truth for x (tokens, d) routed by ids
+ * and weights (tokens, k; -1 ids contribute nothing), the experts' GEMMs
+ * in a fixed order (the same bits on every machine), the roundings the
+ * config asks for (--dtype, --dispatch-dtype, --combine-dtype) applied as
+ * the EP path applies them, with its combine's sums per rank for `ranks`
+ * ranks. No MPI. */
+int moe_ep_truth(moe_ep_config *c, int ranks, const float *x, const int32_t *ids,
+                 const float *weights, int64_t tokens, double *y);
+
+/* Check y (tokens, d), fp32, from a port or moe_ep_context_forward,
+ * against that truth under moe-ep's tolerance (docs/numerics.md: |y - t| <=
+ * abs + rel |t|, rel = 2^-24 (d + f + k + S), abs = rel rms(t), plus one
+ * bf16 step of each rounded term with --combine-dtype bf16). MOE_EP_OK
+ * when every value is within it, MOE_EP_FAIL with the worst value in the
+ * message otherwise; *used (may be NULL) is the largest share of the
+ * tolerance any value took (<= 1 passes). No MPI. */
+int moe_ep_check(moe_ep_config *c, int ranks, const float *x, const int32_t *ids,
+                 const float *weights, int64_t tokens, const float *y, double *used);
+
+/* The layer on comm (duplicated: the caller's communicator is not
+ * touched): the config validated for its size, the weights generated.
+ * Collective. On failure *out is NULL and the message is the config's. */
+int moe_ep_context_new(moe_ep_config *c, MPI_Comm comm, moe_ep_context **out);
+void moe_ep_context_free(moe_ep_context *ctx);
+const char *moe_ep_context_error(const moe_ep_context *ctx);
+
+/* ids, weights (T, k): the configured router on this rank's x (T, d). */
+int moe_ep_context_route(moe_ep_context *ctx, const float *x, int32_t *ids, float *weights);
+
+/* y (T, d): the layer on this rank's x (T, d) with routing ids, weights
+ * (T, k) (expert ids in [0, E), each at most once per token). Collective:
+ * a bad argument on any rank fails every rank with that rank's message. */
+int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *ids,
+                           const float *weights, float *y);
+
+/* Golden sets (docs/golden.md): `moe-ep run --dump DIR` writes one; verify
+ * checks a port's tensors against it. */
+#define MOE_EP_VERIFY_STAGES 7 /* inputs router layout dispatch experts output backward */
+
+typedef struct {
+    int verdict;       /* MOE_EP_OK: all within contract; MOE_EP_FAIL: some not;
+                          MOE_EP_BAD_INPUT: a file cannot be read (message says which) */
+    int compared;      /* tensors compared */
+    int first_failing; /* the first stage that failed, -1 when none */
+    int stage_compared[MOE_EP_VERIFY_STAGES]; /* per stage: tensors compared */
+    int stage_failed[MOE_EP_VERIFY_STAGES];   /* and of those failed or not comparable */
+    char message[512]; /* one line: what failed first, or why nothing could be compared */
+} moe_ep_verify_result;
+
+/* The name of a stage ("inputs", "router", ...); NULL past the last. */
+const char *moe_ep_verify_stage_name(int stage);
+
+/* Compare candidate.safetensors with the golden set in golden_dir, writing
+ * the per-tensor table to table (NULL: none); result filled. Returns its
+ * verdict. What `moe-ep verify` prints. No MPI. */
+int moe_ep_verify(const char *golden_dir, const char *candidate, FILE *table,
+                  moe_ep_verify_result *result);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

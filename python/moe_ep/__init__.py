@@ -1,0 +1,346 @@
+# SPDX-License-Identifier: MIT
+"""moe-ep from Python: an MoE layer's dense fp64 truth and golden-set verify,
+over the C library (libmoe-ep) with ctypes; numpy arrays in and out.
+
+    import moe_ep
+    cfg = moe_ep.Config(preset="tiny", tokens=24)     # any flag of `moe-ep run`
+    x = cfg.tokens(rank=0)                            # (T, d) float32, or your own
+    ids, weights = moe_ep.route(x, cfg)               # the configured router, or your own top-k
+    y = moe_ep.reference(x, ids, weights, cfg)        # (T, d) float64, no MPI
+    r = moe_ep.check(my_layer_output, x, ids, weights, cfg)   # moe-ep's tolerance
+    v = moe_ep.verify("golden/", {"output.y": y_port, ...})   # per-stage result
+
+reference() and check() take the caller's expert weights (w1 (E, 2f, d),
+w2 (E, d, f), shared_w1, shared_w2) or use the config's generated ones
+(cfg.expert(n), cfg.gate()). Bad arguments raise ValueError with the
+library's message. The library is found at $MOE_EP_LIBRARY, in the build
+tree (../.libs next to this package), or where the system's loader looks.
+"""
+import ctypes
+import ctypes.util
+import os
+import tempfile
+
+import numpy as np
+
+from . import safetensors
+
+__all__ = ["Config", "route", "reference", "check", "verify", "CheckResult", "VerifyResult",
+           "library"]
+
+API_VERSION = 1
+OK, FAIL, BAD_INPUT, RUNTIME = 0, 1, 2, 3
+STAGES = 7
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("tokens", "hidden", "ffn", "experts", "topk",
+                                              "shared_experts")]
+
+
+class _VerifyResult(ctypes.Structure):
+    _fields_ = [("verdict", ctypes.c_int), ("compared", ctypes.c_int), ("first_failing", ctypes.c_int),
+                ("stage_compared", ctypes.c_int * STAGES), ("stage_failed", ctypes.c_int * STAGES),
+                ("message", ctypes.c_char * 512)]
+
+
+_lib = None
+
+
+def _candidates():
+    env = os.environ.get("MOE_EP_LIBRARY")
+    if env:
+        yield env
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "..", "..", ".libs", "libmoe-ep.so")
+    found = ctypes.util.find_library("moe-ep")
+    if found:
+        yield found
+    yield "libmoe-ep.so.1"
+
+
+def library():
+    """The loaded libmoe-ep (ctypes.CDLL), its API version checked."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    errors = []
+    for path in _candidates():
+        try:
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            break
+        except OSError as e:
+            errors.append("%s: %s" % (path, e))
+    else:
+        raise OSError("moe_ep: libmoe-ep not found (set MOE_EP_LIBRARY): " + "; ".join(errors))
+    P, F, I, D = ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int32), \
+        ctypes.POINTER(ctypes.c_double)
+    sig = {
+        "moe_ep_api_version": (ctypes.c_int, []),
+        "moe_ep_config_new": (P, []),
+        "moe_ep_config_free": (None, [P]),
+        "moe_ep_config_set": (ctypes.c_int, [P, ctypes.c_char_p, ctypes.c_char_p]),
+        "moe_ep_config_validate": (ctypes.c_int, [P, ctypes.c_int]),
+        "moe_ep_config_shape": (_Shape, [P]),
+        "moe_ep_config_error": (ctypes.c_char_p, [P]),
+        "moe_ep_config_tokens": (ctypes.c_int, [P, ctypes.c_int, F]),
+        "moe_ep_config_expert": (ctypes.c_int, [P, ctypes.c_int, ctypes.c_int, F, F]),
+        "moe_ep_config_gate": (ctypes.c_int, [P, F]),
+        "moe_ep_config_use_weights": (ctypes.c_int, [P, F, F, F, F]),
+        "moe_ep_config_route": (ctypes.c_int, [P, F, ctypes.c_int64, F, I, F]),
+        "moe_ep_truth": (ctypes.c_int, [P, ctypes.c_int, F, I, F, ctypes.c_int64, D]),
+        "moe_ep_check": (ctypes.c_int, [P, ctypes.c_int, F, I, F, ctypes.c_int64, F, D]),
+        "moe_ep_verify_stage_name": (ctypes.c_char_p, [ctypes.c_int]),
+        "moe_ep_verify": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, P,
+                                         ctypes.POINTER(_VerifyResult)]),
+    }
+    for name, (restype, argtypes) in sig.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    if lib.moe_ep_api_version() != API_VERSION:
+        raise OSError("moe_ep: libmoe-ep speaks API %d, this package %d"
+                      % (lib.moe_ep_api_version(), API_VERSION))
+    _lib = lib
+    return lib
+
+
+def _ptr(array, ctype):
+    return array.ctypes.data_as(ctypes.POINTER(ctype)) if array is not None else None
+
+
+def _raise(code, message):
+    if code == BAD_INPUT:
+        raise ValueError(message)
+    raise RuntimeError(message)
+
+
+class Config:
+    """The flags of `moe-ep run`, checked by the library as the CLI checks
+    them: Config(preset="tiny", tokens=24, router="deepseek-v3") sets
+    --preset first, then each keyword (underscores become dashes; True and
+    False for switches)."""
+
+    def __init__(self, preset=None, **flags):
+        self._lib = library()
+        self._c = self._lib.moe_ep_config_new()
+        if not self._c:
+            raise MemoryError("moe_ep: no memory for a config")
+        self._given = None
+        if preset is not None:
+            self.set("preset", preset)
+        for name, value in flags.items():
+            self.set(name, value)
+
+    def __del__(self):
+        if getattr(self, "_c", None):
+            self._lib.moe_ep_config_free(self._c)
+            self._c = None
+
+    def _check(self, code):
+        if code != OK:
+            _raise(code, self._lib.moe_ep_config_error(self._c).decode())
+
+    def set(self, flag, value):
+        """One flag: set("tokens", 64), set("--router", "deepseek-v3")."""
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        self._check(self._lib.moe_ep_config_set(self._c, flag.replace("_", "-").encode(), text.encode()))
+        return self
+
+    def validate(self, ranks=1):
+        self._check(self._lib.moe_ep_config_validate(self._c, int(ranks)))
+        return self
+
+    @property
+    def shape(self):
+        """dict: tokens (per rank), hidden, ffn, experts, topk, shared_experts."""
+        s = self._lib.moe_ep_config_shape(self._c)
+        return {name: getattr(s, name) for name, _ in _Shape._fields_}
+
+    def tokens(self, rank=0):
+        """x (T, d) float32: the tokens of `rank` in `moe-ep run`."""
+        s = self.shape
+        x = np.empty((s["tokens"], s["hidden"]), dtype=np.float32)
+        self._check(self._lib.moe_ep_config_tokens(self._c, int(rank), _ptr(x, ctypes.c_float)))
+        return x
+
+    def expert(self, n, shared=False):
+        """(w1 (2f, d), w2 (d, f)) float32: the generated weights of expert n."""
+        s = self.shape
+        w1 = np.empty((2 * s["ffn"], s["hidden"]), dtype=np.float32)
+        w2 = np.empty((s["hidden"], s["ffn"]), dtype=np.float32)
+        self._check(self._lib.moe_ep_config_expert(self._c, int(bool(shared)), int(n),
+                                                    _ptr(w1, ctypes.c_float), _ptr(w2, ctypes.c_float)))
+        return w1, w2
+
+    def gate(self):
+        """W_g (E, d) float32, as the router holds it."""
+        s = self.shape
+        g = np.empty((s["experts"], s["hidden"]), dtype=np.float32)
+        self._check(self._lib.moe_ep_config_gate(self._c, _ptr(g, ctypes.c_float)))
+        return g
+
+    def _use_weights(self, w1, w2, shared_w1, shared_w2):
+        s = self.shape
+        E, S, d, f = s["experts"], s["shared_experts"], s["hidden"], s["ffn"]
+        arrays = [_array(w1, "w1", (E, 2 * f, d), np.float32, optional=True),
+                  _array(w2, "w2", (E, d, f), np.float32, optional=True),
+                  _array(shared_w1, "shared_w1", (S, 2 * f, d), np.float32, optional=True),
+                  _array(shared_w2, "shared_w2", (S, d, f), np.float32, optional=True)]
+        self._given = arrays  # kept alive while the library reads them
+        self._check(self._lib.moe_ep_config_use_weights(self._c, *[_ptr(a, ctypes.c_float) for a in arrays]))
+
+
+def _array(value, name, shape, dtype, optional=False):
+    """value as a C-contiguous array of dtype and shape, or ValueError naming it."""
+    if value is None:
+        if optional:
+            return None
+        raise ValueError("%s is required" % name)
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.shape != tuple(shape):
+        raise ValueError("%s must have shape %s, got %s" % (name, tuple(shape), array.shape))
+    if array.dtype.kind not in "fiub":
+        raise ValueError("%s must hold numbers, got dtype %s" % (name, array.dtype))
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+def _config(config, flags):
+    if config is None:
+        return Config(**flags)
+    if flags:
+        raise ValueError("give flags to Config, or pass config=None: got both (%s)" % ", ".join(flags))
+    if not isinstance(config, Config):
+        raise ValueError("config must be a moe_ep.Config, got %s" % type(config).__name__)
+    return config
+
+
+def _routing(cfg, x, topk_ids, topk_weights):
+    s = cfg.shape
+    x = _array(x, "x", (np.shape(x)[0] if np.ndim(x) == 2 else -1, s["hidden"]), np.float32)
+    T = x.shape[0]
+    ids = _array(topk_ids, "topk_ids", (T, s["topk"]), np.int32)
+    weights = _array(topk_weights, "topk_weights", (T, s["topk"]), np.float32)
+    return x, ids, weights, T
+
+
+def route(x, config=None, gate=None, **flags):
+    """(topk_ids (T, k) int32, topk_weights (T, k) float32): the configured
+    router on x (T, d), with the config's gate or `gate` (E, d)."""
+    cfg = _config(config, flags)
+    s = cfg.shape
+    x = _array(x, "x", (np.shape(x)[0] if np.ndim(x) == 2 else -1, s["hidden"]), np.float32)
+    g = _array(gate, "gate", (s["experts"], s["hidden"]), np.float32, optional=True)
+    ids = np.empty((x.shape[0], s["topk"]), dtype=np.int32)
+    weights = np.empty((x.shape[0], s["topk"]), dtype=np.float32)
+    cfg._check(cfg._lib.moe_ep_config_route(cfg._c, _ptr(x, ctypes.c_float), x.shape[0],
+                                            _ptr(g, ctypes.c_float), _ptr(ids, ctypes.c_int32),
+                                            _ptr(weights, ctypes.c_float)))
+    return ids, weights
+
+
+def reference(x, topk_ids, topk_weights, config=None, ranks=1, w1=None, w2=None, shared_w1=None,
+              shared_w2=None, **flags):
+    """y (T, d) float64: the dense truth of the layer on x (T, d) routed by
+    topk_ids, topk_weights (T, k): every selected expert in fp64 (fixed
+    order: the same bits on every machine), gate-weighted, summed in id
+    order, plus the shared experts; the config's roundings (--dtype,
+    --dispatch-dtype, --combine-dtype over `ranks` ranks) as the EP path
+    applies them. Weights: the caller's, or the config's generated ones."""
+    cfg = _config(config, flags)
+    x, ids, weights, T = _routing(cfg, x, topk_ids, topk_weights)
+    cfg._use_weights(w1, w2, shared_w1, shared_w2)
+    y = np.empty((T, cfg.shape["hidden"]), dtype=np.float64)
+    cfg._check(cfg._lib.moe_ep_truth(cfg._c, int(ranks), _ptr(x, ctypes.c_float), _ptr(ids, ctypes.c_int32),
+                                     _ptr(weights, ctypes.c_float), T, _ptr(y, ctypes.c_double)))
+    return y
+
+
+class CheckResult:
+    """passed; used, the largest share of the tolerance a value took (<= 1
+    passes); message, the worst value when it failed."""
+
+    def __init__(self, passed, used, message):
+        self.passed, self.used, self.message = passed, used, message
+
+    def __bool__(self):
+        return self.passed
+
+    def __repr__(self):
+        return "CheckResult(passed=%s, used=%.3g%s)" % (self.passed, self.used,
+                                                         ", message=%r" % self.message if self.message else "")
+
+
+def check(y, x, topk_ids, topk_weights, config=None, ranks=1, w1=None, w2=None, shared_w1=None,
+          shared_w2=None, **flags):
+    """y (T, d), a layer's fp32 output, against reference() under moe-ep's
+    tolerance (docs/numerics.md)."""
+    cfg = _config(config, flags)
+    x, ids, weights, T = _routing(cfg, x, topk_ids, topk_weights)
+    y = _array(y, "y", (T, cfg.shape["hidden"]), np.float32)
+    cfg._use_weights(w1, w2, shared_w1, shared_w2)
+    used = ctypes.c_double(0.0)
+    code = cfg._lib.moe_ep_check(cfg._c, int(ranks), _ptr(x, ctypes.c_float), _ptr(ids, ctypes.c_int32),
+                                 _ptr(weights, ctypes.c_float), T, _ptr(y, ctypes.c_float),
+                                 ctypes.byref(used))
+    if code not in (OK, FAIL):
+        cfg._check(code)
+    message = cfg._lib.moe_ep_config_error(cfg._c).decode() if code == FAIL else ""
+    return CheckResult(code == OK, used.value, message)
+
+
+class VerifyResult:
+    """What verify compared: passed; verdict (0 pass, 1 fail); compared
+    (tensors); first_failing (a stage name or None); stages, a list of
+    (stage, compared, failed); table, verify's per-tensor table; message."""
+
+    def __init__(self, r, table, lib):
+        self.verdict, self.compared, self.table = r.verdict, r.compared, table
+        self.passed = r.verdict == OK
+        self.first_failing = lib.moe_ep_verify_stage_name(r.first_failing).decode() \
+            if r.first_failing >= 0 else None
+        self.stages = [(lib.moe_ep_verify_stage_name(s).decode(), r.stage_compared[s], r.stage_failed[s])
+                       for s in range(STAGES)]
+        self.message = r.message.decode()
+
+    def __bool__(self):
+        return self.passed
+
+    def __str__(self):
+        return self.table
+
+    def __repr__(self):
+        return "VerifyResult(passed=%s, compared=%d, first_failing=%r)" % (self.passed, self.compared,
+                                                                           self.first_failing)
+
+
+def verify(golden_dir, candidate):
+    """candidate: a safetensors path, or a dict name -> numpy array or torch
+    tensor (written to a temporary safetensors file). A VerifyResult; a
+    golden set or candidate that cannot be read raises ValueError."""
+    lib = library()
+    if not isinstance(golden_dir, (str, os.PathLike)):
+        raise ValueError("golden_dir must be a path, got %s" % type(golden_dir).__name__)
+    with tempfile.TemporaryDirectory(prefix="moe_ep.") as tmp:
+        path = candidate
+        if isinstance(candidate, dict):
+            if not candidate:
+                raise ValueError("candidate must be a non-empty dict of name -> array")
+            path = os.path.join(tmp, "candidate.safetensors")
+            safetensors.write(path, candidate)
+        elif not isinstance(candidate, (str, os.PathLike)):
+            raise ValueError("candidate must be a path or a dict of arrays, got %s" % type(candidate).__name__)
+        table_path = os.path.join(tmp, "table.txt")
+        libc = ctypes.CDLL(None)
+        libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        out = libc.fopen(table_path.encode(), b"w")
+        r = _VerifyResult()
+        lib.moe_ep_verify(os.fsencode(golden_dir), os.fsencode(path), out, ctypes.byref(r))
+        libc.fclose(out)
+        with open(table_path, encoding="utf-8", errors="replace") as f:
+            table = f.read()
+    if r.verdict not in (OK, FAIL):
+        _raise(r.verdict, r.message.decode())
+    return VerifyResult(r, table, lib)

@@ -1,0 +1,428 @@
+/* SPDX-License-Identifier: MIT */
+/* api.c — the library's public calls (include/moe-ep/moe-ep.h) over the
+ * same config, EP object, paths and truth the CLI runs.
+ */
+#include "moe-ep/moe-ep.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/capacity.h"
+#include "moe/config.h"
+#include "moe/ep.h"
+#include "moe/golden.h"
+#include "moe/model.h"
+#include "moe/path.h"
+#include "moe/rng.h"
+#include "moe/truth.h"
+#include "moe/wire.h"
+
+struct moe_ep_config {
+    moe_config cfg;
+    char error[MOE_MESSAGE_MAX];
+};
+
+struct moe_ep_context {
+    moe_config cfg; /* validated for the communicator; the EP object holds &cfg */
+    moe_comm comm;  /* on a duplicate of the caller's communicator */
+    moe_ep ep;
+    int32_t *placed; /* (T, k) the pairs as placed (capacity drops) */
+    moe_forward_stats stats;
+    char error[MOE_MESSAGE_MAX];
+};
+
+int moe_ep_api_version(void) { return MOE_EP_API_VERSION; }
+
+/* The call's verdict: st's code, its message kept in `error`. */
+static int verdict(const moe_status *st, char *error)
+{
+    snprintf(error, MOE_MESSAGE_MAX, "%s", st->code ? st->message : "");
+    return st->code;
+}
+
+static int bad(char *error, const char *fmt, const char *what)
+{
+    moe_status st = {0};
+    moe_fail(&st, MOE_EXIT_USAGE, fmt, what);
+    return verdict(&st, error);
+}
+
+moe_ep_config *moe_ep_config_new(void)
+{
+    moe_ep_config *c = calloc(1, sizeof *c);
+    if (c)
+        moe_config_defaults(&c->cfg);
+    return c;
+}
+
+void moe_ep_config_free(moe_ep_config *c) { free(c); }
+
+const char *moe_ep_config_error(const moe_ep_config *c) { return c ? c->error : "no config"; }
+
+int moe_ep_config_set(moe_ep_config *c, const char *flag, const char *value)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    if (!flag || !value)
+        return bad(c->error, "moe_ep_config_set: %s is NULL", !flag ? "flag" : "value");
+    char name[MOE_NAME_MAX + 2];
+    snprintf(name, sizeof name, "%s%s", strncmp(flag, "--", 2) ? "--" : "", flag);
+    char *argv[] = {name, (char *)value};
+    moe_status st = {0};
+    moe_config_parse(&c->cfg, MOE_CMD_RUN, 2, argv, &st);
+    return verdict(&st, c->error);
+}
+
+int moe_ep_config_validate(moe_ep_config *c, int ranks)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    moe_status st = {0};
+    if (ranks < 1)
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_config_validate: ranks must be at least 1, got %d",
+                 ranks);
+    else
+        moe_config_validate(&c->cfg, ranks, &st);
+    return verdict(&st, c->error);
+}
+
+moe_ep_shape moe_ep_config_shape(const moe_ep_config *c)
+{
+    const moe_config *cfg = &c->cfg;
+    return (moe_ep_shape){cfg->tokens, cfg->hidden, cfg->ffn, cfg->experts, cfg->topk,
+                          cfg->shared_experts};
+}
+
+int moe_ep_config_tokens(moe_ep_config *c, int rank, float *x)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    if (!x)
+        return bad(c->error, "moe_ep_config_tokens: %s is NULL", "x");
+    if (rank < 0)
+        return bad(c->error, "moe_ep_config_tokens: %s must be at least 0", "rank");
+    const moe_config *cfg = &c->cfg;
+    moe_synth_tokens(cfg->seed, (uint64_t)rank * (uint64_t)cfg->tokens, cfg->tokens, cfg->hidden,
+                     (float)cfg->init_scale, cfg->input_dist, x);
+    moe_precision_weights(cfg->param_dtype, x, cfg->tokens * cfg->hidden);
+    c->error[0] = '\0';
+    return MOE_EP_OK;
+}
+
+int moe_ep_config_expert(moe_ep_config *c, int shared, int n, float *w1, float *w2)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    const int64_t count = shared ? c->cfg.shared_experts : c->cfg.experts;
+    if (!w1 || !w2)
+        return bad(c->error, "moe_ep_config_expert: %s is NULL", !w1 ? "w1" : "w2");
+    if (n < 0 || n >= count) {
+        moe_status st = {0};
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_config_expert: n must be in [0, %lld) (the %s experts), got %d",
+                 (long long)count, shared ? "shared" : "routed", n);
+        return verdict(&st, c->error);
+    }
+    moe_model_expert(&c->cfg, shared != 0, n, w1, w2);
+    c->error[0] = '\0';
+    return MOE_EP_OK;
+}
+
+int moe_ep_config_gate(moe_ep_config *c, float *gate)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    if (!gate)
+        return bad(c->error, "moe_ep_config_gate: %s is NULL", "gate");
+    moe_model_gate(&c->cfg, gate);
+    c->error[0] = '\0';
+    return MOE_EP_OK;
+}
+
+int moe_ep_config_use_weights(moe_ep_config *c, const float *w1, const float *w2,
+                              const float *shared_w1, const float *shared_w2)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    if (!w1 != !w2 || !shared_w1 != !shared_w2)
+        return bad(c->error, "moe_ep_config_use_weights: %s must be both given or both NULL",
+                   !w1 != !w2 ? "w1 and w2" : "shared_w1 and shared_w2");
+    c->cfg.given_w1 = w1;
+    c->cfg.given_w2 = w2;
+    c->cfg.given_shared_w1 = shared_w1;
+    c->cfg.given_shared_w2 = shared_w2;
+    c->error[0] = '\0';
+    return MOE_EP_OK;
+}
+
+int moe_ep_config_route(moe_ep_config *c, const float *x, int64_t tokens, const float *gate,
+                        int32_t *ids, float *weights)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : NULL;
+    if (null)
+        return bad(c->error, "moe_ep_config_route: %s is NULL", null);
+    moe_status st = {0};
+    if (tokens < 1)
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_config_route: tokens must be at least 1, got %lld",
+                 (long long)tokens);
+    else if (moe_config_validate(&c->cfg, 1, &st) == MOE_EXIT_OK) {
+        const moe_index E = c->cfg.experts, d = c->cfg.hidden;
+        float *own = gate ? NULL : moe_xmalloc(sizeof(float) * (size_t)(E * d));
+        float *logits = moe_xmalloc(sizeof(float) * (size_t)(2 * tokens * E + 2 * E));
+        float *scores = logits + tokens * E, *bias = scores + tokens * E, *skew = bias + E;
+        if (own)
+            moe_model_gate(&c->cfg, own);
+        const moe_router r = moe_model_router(&c->cfg, bias, skew);
+        moe_router_logits(x, gate ? gate : own, tokens, d, (int)E, logits);
+        moe_router_select(&r, logits, tokens, scores, ids, weights);
+        free(logits);
+        free(own);
+    }
+    return verdict(&st, c->error);
+}
+
+/* ids (rows, k) in [-1, E), each expert at most once a token; weights
+ * finite. A message naming the first bad pair. */
+static int check_routing(const moe_config *cfg, const int32_t *ids, const float *weights,
+                         moe_index rows, moe_status *st)
+{
+    const int k = (int)cfg->topk, E = (int)cfg->experts;
+    for (moe_index i = 0; i < rows; i++)
+        for (int s = 0; s < k; s++) {
+            const int32_t e = ids[i * k + s];
+            if (e < MOE_DROPPED || e >= E)
+                return moe_fail(st, MOE_EXIT_USAGE, "ids[%lld][%d] must be in [-1, %d), got %d",
+                                (long long)i, s, E, e);
+            for (int t = 0; t < s; t++)
+                if (e >= 0 && ids[i * k + t] == e)
+                    return moe_fail(st, MOE_EXIT_USAGE,
+                                    "ids[%lld] names expert %d twice (slots %d and %d)",
+                                    (long long)i, e, t, s);
+            if (!isfinite(weights[i * k + s]))
+                return moe_fail(st, MOE_EXIT_USAGE, "weights[%lld][%d] is not finite",
+                                (long long)i, s);
+        }
+    return MOE_EXIT_OK;
+}
+
+/* The truth's arguments checked (`call` names the function); y and allow
+ * (tokens, d; allow may be NULL) filled when they pass. */
+static int truth_of(moe_ep_config *c, const char *call, int ranks, const float *x,
+                    const int32_t *ids, const float *weights, int64_t tokens, double *y,
+                    double *allow)
+{
+    moe_status st = {0};
+    const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : NULL;
+    if (null)
+        moe_fail(&st, MOE_EXIT_USAGE, "%s: %s is NULL", call, null);
+    else if (tokens < 1 || ranks < 1)
+        moe_fail(&st, MOE_EXIT_USAGE, "%s: %s must be at least 1, got %lld", call,
+                 tokens < 1 ? "tokens" : "ranks", (long long)(tokens < 1 ? tokens : ranks));
+    else if (moe_config_validate(&c->cfg, ranks, &st) == MOE_EXIT_OK)
+        check_routing(&c->cfg, ids, weights, tokens, &st);
+    if (st.code)
+        return verdict(&st, c->error);
+    float *scratch = c->cfg.dispatch_dtype == MOE_DTYPE_FP32
+                         ? NULL
+                         : moe_xmalloc(sizeof(float) * (size_t)(tokens * c->cfg.hidden));
+    moe_truth_forward(&c->cfg, MOE_TRUTH_EXACT, x, moe_wire_dispatched(&c->cfg, x, tokens, scratch),
+                      ids, weights, tokens, ranks, y, allow);
+    free(scratch);
+    return verdict(&st, c->error);
+}
+
+int moe_ep_truth(moe_ep_config *c, int ranks, const float *x, const int32_t *ids,
+                 const float *weights, int64_t tokens, double *y)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    if (!y)
+        return bad(c->error, "moe_ep_truth: %s is NULL", "y");
+    return truth_of(c, "moe_ep_truth", ranks, x, ids, weights, tokens, y, NULL);
+}
+
+int moe_ep_check(moe_ep_config *c, int ranks, const float *x, const int32_t *ids,
+                 const float *weights, int64_t tokens, const float *y, double *used)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    if (!y)
+        return bad(c->error, "moe_ep_check: %s is NULL", "y");
+    const moe_index n = (tokens > 0 ? tokens : 0) * c->cfg.hidden;
+    double *ref = moe_xmalloc(sizeof(double) * (size_t)(2 * n) + 1), *allow = ref + n;
+    int rc = truth_of(c, "moe_ep_check", ranks, x, ids, weights, tokens, ref, allow);
+    if (rc == MOE_EP_OK) {
+        const moe_tolerance tol = moe_tolerance_for(&c->cfg, sqrt(moe_sum_squares(ref, n) / (double)n));
+        moe_compare_stats s;
+        moe_compare(y, ref, allow, n, tol, &s);
+        if (used)
+            *used = s.max_used;
+        if (s.first_nonfinite >= 0 || !(s.max_used <= 1.0)) {
+            const moe_index at = s.first_nonfinite >= 0 ? s.first_nonfinite : s.worst;
+            snprintf(c->error, sizeof c->error,
+                     "y[%lld][%lld] = %.9g, truth %.9g: %.0f %% of the tolerance (%.3e + %.3e |t|)",
+                     (long long)(at / c->cfg.hidden), (long long)(at % c->cfg.hidden),
+                     (double)y[at], ref[at], 100.0 * s.max_used, tol.abs, tol.rel);
+            rc = MOE_EP_FAIL;
+        }
+    }
+    free(ref);
+    return rc;
+}
+
+/* What the library runs: the forward paths, on its caller's buffers. */
+static int library_run(const moe_config *cfg, const moe_path *path, moe_status *st)
+{
+    const char *cli = cfg->dump[0] ? "--dump" : cfg->trace[0] ? "--trace"
+                      : cfg->timeline[0] ? "--timeline" : cfg->report[0] ? "--report"
+                      : cfg->routing[0] ? "--routing (pass ids and weights instead)"
+                      : cfg->redundant_experts ? "--redundant-experts" : NULL;
+    if (cfg->given_w1 || cfg->given_shared_w1)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "moe_ep_config_use_weights: a context's ranks generate their weights; "
+                        "the caller's are for the truth only");
+    if (path->training)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--backward: the library runs the forward (API %d); the training step "
+                        "is moe-ep run --backward's", MOE_EP_API_VERSION);
+    if (cli)
+        return moe_fail(st, MOE_EXIT_USAGE, "%s is moe-ep run's, not the library's: drop it", cli);
+    return MOE_EXIT_OK;
+}
+
+/* Validate c for comm's size and agree on it, as moe-ep run does. */
+static int context_config(moe_ep_context *ctx, moe_status *st)
+{
+    const moe_comm *m = &ctx->comm;
+    moe_config *cfg = &ctx->cfg;
+    if (moe_config_resolve_nodes(cfg, m->node_ranks, m->ranks, st) == MOE_EXIT_OK &&
+        moe_config_validate(cfg, m->ranks, st) == MOE_EXIT_OK) {
+        const moe_path *path = moe_path_choose(cfg);
+        if (path->low_latency) /* every pair comes home alone (ep_ll.c), as moe-ep run sets it */
+            cfg->combine = MOE_COMBINE_PAIRS;
+        library_run(cfg, path, st);
+    }
+    if (st->code == MOE_EXIT_OK &&
+        moe_config_memory_per_rank(cfg, MOE_CMD_RUN, m->ranks) >
+            moe_memory_available() / m->ranks_on_host)
+        moe_fail(st, MOE_EXIT_USAGE, "this config needs more memory per rank than is free");
+    if (moe_comm_agree(m, st))
+        return st->code;
+    char *text = moe_config_canonical(cfg, MOE_CMD_RUN);
+    const int rc = moe_comm_same_config(m, text, st);
+    free(text);
+    return rc;
+}
+
+int moe_ep_context_new(moe_ep_config *c, MPI_Comm comm, moe_ep_context **out)
+{
+    if (!out)
+        return c ? bad(c->error, "moe_ep_context_new: %s is NULL", "out") : MOE_EP_BAD_INPUT;
+    *out = NULL;
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    moe_ep_context *ctx = moe_xcalloc(1, sizeof *ctx);
+    ctx->cfg = c->cfg;
+    MPI_Comm dup;
+    MOE_MPI(MPI_Comm_dup(comm, &dup));
+    moe_comm_attach(&ctx->comm, dup);
+    moe_status st = {0};
+    if (context_config(ctx, &st) == MOE_EXIT_OK &&
+        moe_ep_init(&ctx->ep, &ctx->cfg, &ctx->comm, &st) == MOE_EXIT_OK) {
+        ctx->placed = moe_xmalloc(sizeof(int32_t) * (size_t)(ctx->cfg.tokens * ctx->cfg.topk));
+        *out = ctx;
+        return verdict(&st, c->error);
+    }
+    MOE_MPI(MPI_Comm_free(&ctx->comm.comm));
+    free(ctx);
+    return verdict(&st, c->error);
+}
+
+void moe_ep_context_free(moe_ep_context *ctx)
+{
+    if (!ctx)
+        return;
+    moe_ep_free(&ctx->ep);
+    MOE_MPI(MPI_Comm_free(&ctx->comm.comm));
+    free(ctx->placed);
+    free(ctx);
+}
+
+const char *moe_ep_context_error(const moe_ep_context *ctx) { return ctx ? ctx->error : "no context"; }
+
+int moe_ep_context_route(moe_ep_context *ctx, const float *x, int32_t *ids, float *weights)
+{
+    if (!ctx)
+        return MOE_EP_BAD_INPUT;
+    const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : NULL;
+    if (null)
+        return bad(ctx->error, "moe_ep_context_route: %s is NULL", null);
+    const moe_index T = ctx->cfg.tokens, E = ctx->cfg.experts;
+    float *logits = moe_xmalloc(sizeof(float) * (size_t)(2 * T * E));
+    moe_ep_route(&ctx->ep, x, logits, logits + T * E, ids, weights);
+    free(logits);
+    ctx->error[0] = '\0';
+    return MOE_EP_OK;
+}
+
+int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *ids,
+                           const float *weights, float *y)
+{
+    if (!ctx)
+        return MOE_EP_BAD_INPUT;
+    moe_status st = {0};
+    const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : !y ? "y" : NULL;
+    if (null)
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_context_forward: %s is NULL", null);
+    else
+        check_routing(&ctx->cfg, ids, weights, ctx->cfg.tokens, &st);
+    if (moe_comm_agree(&ctx->comm, &st)) /* one verdict: no rank enters the forward alone */
+        return verdict(&st, ctx->error);
+    moe_ep_place(&ctx->ep, ids, weights, ctx->placed);
+    const moe_path_args a = {.x = x, .ids = ctx->placed, .weights = weights, .y = y,
+                             .fwd = &ctx->stats};
+    ctx->ep.path->run(&ctx->ep, &a, &st);
+    return verdict(&st, ctx->error);
+}
+
+const char *moe_ep_verify_stage_name(int stage)
+{
+    return stage >= 0 && stage < MOE_GOLDEN_STAGES ? moe_golden_stage_names[stage] : NULL;
+}
+
+int moe_ep_verify(const char *golden_dir, const char *candidate, FILE *table,
+                  moe_ep_verify_result *result)
+{
+    _Static_assert(MOE_EP_VERIFY_STAGES == MOE_GOLDEN_STAGES, "the header's stage count");
+    moe_ep_verify_result r = {.first_failing = -1};
+    moe_status st = {0};
+    FILE *out = table ? table : fopen("/dev/null", "w");
+    if (!golden_dir || !candidate)
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_verify: %s is NULL", !golden_dir ? "golden_dir" : "candidate");
+    else if (!out)
+        moe_fail(&st, MOE_EXIT_RUNTIME, "moe_ep_verify: cannot open /dev/null");
+    moe_golden_result counts;
+    memset(&counts, 0, sizeof counts);
+    const int rc = st.code ? st.code : moe_golden_verify(golden_dir, candidate, out, &counts, &st);
+    if (out && out != table)
+        fclose(out);
+    for (int s = 0; s < MOE_GOLDEN_STAGES; s++) {
+        r.stage_compared[s] = counts.compared[s];
+        r.stage_failed[s] = counts.failed[s];
+        r.compared += counts.compared[s];
+        if (counts.failed[s] && r.first_failing < 0)
+            r.first_failing = s;
+    }
+    r.verdict = rc == MOE_EXIT_OK ? MOE_EP_OK : rc == MOE_EXIT_CHECK_FAILED ? MOE_EP_FAIL : rc;
+    if (st.code)
+        snprintf(r.message, sizeof r.message, "%s", st.message);
+    else if (r.first_failing >= 0)
+        snprintf(r.message, sizeof r.message, "first failing stage: %s",
+                 moe_golden_stage_names[r.first_failing]);
+    if (result)
+        *result = r;
+    return r.verdict;
+}

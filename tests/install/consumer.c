@@ -1,0 +1,79 @@
+/* SPDX-License-Identifier: MIT */
+/* consumer.c — a program outside the tree that uses the installed library
+ * as a test suite would: build a config from flags, run the layer on
+ * MPI_COMM_WORLD with its own routing (each token's top-k by a rule of its
+ * own, not the library's router), check the output against the library's
+ * truth (and that a wrong value fails it), and check that a bad argument
+ * comes back as an error naming it.
+ * Prints one line per rank; exit 0 when every check passes.
+ */
+#include <moe-ep/moe-ep.h>
+
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int fail(int rank, const char *what, const char *message)
+{
+    fprintf(stderr, "consumer rank %d: %s: %s\n", rank, what, message);
+    return 1;
+}
+
+int main(int argc, char **argv)
+{
+    MPI_Init(&argc, &argv);
+    int rank, ranks, bad = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+    if (moe_ep_api_version() != MOE_EP_API_VERSION)
+        return fail(rank, "version", "the library is not the header's");
+    moe_ep_config *c = moe_ep_config_new();
+    const char *flags[][2] = {{"--preset", "tiny"}, {"--tokens", "24"}, {"--shared-experts", "1"}};
+    for (int n = 0; n < 3 && !bad; n++)
+        if (moe_ep_config_set(c, flags[n][0], flags[n][1]))
+            bad = fail(rank, flags[n][0], moe_ep_config_error(c));
+    moe_ep_context *ctx = NULL;
+    if (!bad && moe_ep_context_new(c, MPI_COMM_WORLD, &ctx))
+        bad = fail(rank, "context", moe_ep_config_error(c));
+    if (bad) {
+        MPI_Finalize();
+        return 1;
+    }
+    const moe_ep_shape s = moe_ep_config_shape(c);
+    float *x = malloc(sizeof(float) * (size_t)(s.tokens * s.hidden));
+    float *y = malloc(sizeof(float) * (size_t)(s.tokens * s.hidden));
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(s.tokens * s.topk));
+    float *weights = malloc(sizeof(float) * (size_t)(s.tokens * s.topk));
+    moe_ep_config_tokens(c, rank, x);
+    for (int64_t i = 0; i < s.tokens; i++) /* the caller's routing: experts g, g+1, ... */
+        for (int64_t j = 0; j < s.topk; j++) {
+            ids[i * s.topk + j] = (int32_t)((rank * s.tokens + i + j) % s.experts);
+            weights[i * s.topk + j] = 1.0f / (float)(j + 2);
+        }
+    double used = 0.0;
+    if (moe_ep_context_forward(ctx, x, ids, weights, y))
+        bad = fail(rank, "forward", moe_ep_context_error(ctx));
+    else if (moe_ep_check(c, ranks, x, ids, weights, s.tokens, y, &used))
+        bad = fail(rank, "check", moe_ep_config_error(c));
+    y[0] += 0.01f * (1.0f + (y[0] < 0 ? -y[0] : y[0])); /* a wrong value must be caught */
+    if (!bad && moe_ep_check(c, ranks, x, ids, weights, s.tokens, y, NULL) != MOE_EP_FAIL)
+        bad = fail(rank, "check", "a wrong y[0][0] passed");
+    else if (!bad && rank == 0)
+        printf("consumer: a wrong value is caught: %s\n", moe_ep_config_error(c));
+    ids[0] = (int32_t)s.experts; /* out of range, on every rank */
+    if (moe_ep_context_forward(ctx, x, ids, weights, y) != MOE_EP_BAD_INPUT)
+        bad = fail(rank, "bad ids", "accepted");
+    else if (rank == 0)
+        printf("consumer: a bad id is refused: %s\n", moe_ep_context_error(ctx));
+    if (!bad)
+        printf("consumer rank %d: %lld tokens through the layer on %d ranks, within the truth's "
+               "tolerance (%.1f %% of it used)\n", rank, (long long)s.tokens, ranks, 100.0 * used);
+    moe_ep_context_free(ctx);
+    moe_ep_config_free(c);
+    free(weights);
+    free(ids);
+    free(y);
+    free(x);
+    MPI_Finalize();
+    return bad;
+}

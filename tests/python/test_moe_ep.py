@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: MIT
+"""The Python package (python/moe_ep) against what it wraps and against an
+independent numpy layer: reference() is the shipped golden sets' truth bit
+for bit, route() their routing; reference() on caller weights is a numpy
+SwiGLU MoE in fp64; check() passes a correct fp32 layer and fails a wrong
+one; verify() passes a set's own tensors and names the stage of a wrong
+one, and `python3 -m moe_ep verify` exits as moe-ep verify does; bad
+arguments raise ValueError naming them. Prints one line per test and
+"python: N passed, M failed"; exit 1 on any failure."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+SRCDIR = os.environ.get("MOE_EP_SRCDIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(SRCDIR, "python"))
+import moe_ep  # noqa: E402
+from moe_ep import safetensors  # noqa: E402
+
+GOLDEN = os.path.join(SRCDIR, "data", "golden")
+NOT_FLAGS = {"ranks", "preset", "dump", "check", "iters"}
+results = []
+
+
+class Skip(Exception):
+    pass
+
+
+def test(fn):
+    try:
+        fn()
+        results.append((fn.__name__, None))
+    except Skip as e:
+        print("SKIP: %s (%s)" % (fn.__name__, e))
+    except Exception as e:  # a failed assert or an unexpected error alike
+        results.append((fn.__name__, "%s: %s" % (type(e).__name__, e)))
+    return fn
+
+
+def golden(name):
+    d = os.path.join(GOLDEN, name)
+    manifest = json.load(open(os.path.join(d, "manifest.json")))
+    cfg = moe_ep.Config()
+    for key, value in manifest["config"].items():
+        if key not in NOT_FLAGS and value != "":
+            cfg.set(key, value)
+    tensors = {}
+    for f in os.listdir(d):
+        if f.endswith(".safetensors"):
+            tensors.update(safetensors.read(os.path.join(d, f)))
+    return d, cfg, int(manifest["config"]["ranks"]), tensors
+
+
+def numpy_moe(x, ids, weights, w1, w2, sw1, sw2):
+    """The layer in fp64, written from docs/golden.md: y = sum_k weight *
+    W2 (silu(W1_gate x) * W1_up x), plus the shared experts' outputs."""
+    x = x.astype(np.float64)
+    f = w2.shape[2]
+
+    def ffn(a, b):
+        h = x @ a.astype(np.float64).T
+        g, u = h[:, :f], h[:, f:]
+        return (g / (1.0 + np.exp(-g)) * u) @ b.astype(np.float64).T
+
+    y = np.zeros_like(x)
+    for e in range(w1.shape[0]):
+        gate = np.where(ids == e, weights, 0.0).sum(axis=1, dtype=np.float64)
+        if gate.any():
+            y += gate[:, None] * ffn(w1[e], w2[e])
+    for s in range(sw1.shape[0]):
+        y += ffn(sw1[s], sw2[s])
+    return y
+
+
+@test
+def reference_is_the_golden_truth_bit_for_bit():
+    for name in ("softmax-fp32", "v3-router", "softmax-reduced"):
+        d, cfg, ranks, t = golden(name)
+        y = moe_ep.reference(t["tokens.x"], t["router.topk_ids"], t["router.topk_weights"], cfg, ranks=ranks)
+        assert np.array_equal(y, t["output.truth"]), "%s: max diff %g" % (name, np.abs(y - t["output.truth"]).max())
+
+
+@test
+def route_is_the_golden_routing():
+    for name in ("softmax-fp32", "v3-router"):
+        d, cfg, ranks, t = golden(name)
+        ids, weights = moe_ep.route(t["tokens.x"], cfg)
+        assert np.array_equal(ids, t["router.topk_ids"]), name
+        assert np.array_equal(weights, t["router.topk_weights"]), name
+
+
+@test
+def generated_weights_are_the_golden_ones():
+    d, cfg, ranks, t = golden("softmax-fp32")
+    w1, w2 = cfg.expert(3)
+    assert np.array_equal(w1, t["experts.w1"][3]) and np.array_equal(w2, t["experts.w2"][3])
+    assert np.array_equal(cfg.gate(), t["gate.weight"])
+
+
+@test
+def reference_on_caller_weights_is_a_numpy_moe():
+    cfg = moe_ep.Config(preset="tiny", tokens=20, shared_experts=1, seed=7)
+    s = cfg.shape
+    rng = np.random.default_rng(5)
+    E, S, d, f, k = s["experts"], s["shared_experts"], s["hidden"], s["ffn"], s["topk"]
+    w1 = (rng.standard_normal((E, 2 * f, d)) / np.sqrt(d)).astype(np.float32)
+    w2 = (rng.standard_normal((E, d, f)) / np.sqrt(f)).astype(np.float32)
+    sw1 = (rng.standard_normal((S, 2 * f, d)) / np.sqrt(d)).astype(np.float32)
+    sw2 = (rng.standard_normal((S, d, f)) / np.sqrt(f)).astype(np.float32)
+    x = rng.uniform(-1, 1, (20, d)).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(20)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1, (20, k)).astype(np.float32)
+    y = moe_ep.reference(x, ids, weights, cfg, w1=w1, w2=w2, shared_w1=sw1, shared_w2=sw2)
+    want = numpy_moe(x, ids, weights, w1, w2, sw1, sw2)
+    err = np.abs(y - want).max() / np.abs(want).max()
+    assert err < 1e-12, "relative difference %g" % err
+    generated = moe_ep.reference(x, ids, weights, cfg)
+    assert np.abs(generated - y).max() > 1e-3, "the caller's weights were not used"
+
+
+@test
+def check_passes_a_right_layer_and_fails_a_wrong_one():
+    d, cfg, ranks, t = golden("softmax-fp32")
+    x, ids, weights = t["tokens.x"], t["router.topk_ids"], t["router.topk_weights"]
+    r = moe_ep.check(t["output.y"], x, ids, weights, cfg, ranks=ranks)
+    assert r.passed and 0 < r.used <= 1, repr(r)
+    wrong = t["output.y"].copy()
+    wrong[5, 7] += 1e-4
+    r = moe_ep.check(wrong, x, ids, weights, cfg, ranks=ranks)
+    assert not r.passed and "y[5][7]" in r.message, repr(r)
+
+
+@test
+def verify_passes_a_sets_own_tensors_and_names_a_wrong_stage():
+    d, cfg, ranks, t = golden("softmax-fp32")
+    names = ["router.topk_ids", "router.topk_weights", "experts.rank0.out", "output.y"]
+    v = moe_ep.verify(d, {n: t[n] for n in names})
+    assert v.passed and v.compared == 4 and v.first_failing is None, repr(v)
+    assert dict((s, c) for s, c, _ in v.stages) == {"inputs": 0, "router": 2, "layout": 0, "dispatch": 0,
+                                                  "experts": 1, "output": 1, "backward": 0}, v.stages
+    bad = dict((n, t[n]) for n in names)
+    bad["experts.rank0.out"] = bad["experts.rank0.out"] * np.float32(1.01)
+    v = moe_ep.verify(d, bad)
+    assert not v.passed and v.first_failing == "experts" and "experts.rank0.out" in v.table, repr(v)
+
+
+@test
+def module_verify_exits_as_the_cli_does():
+    d, cfg, ranks, t = golden("softmax-fp32")
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        good, bad = os.path.join(tmp, "good.safetensors"), os.path.join(tmp, "bad.safetensors")
+        safetensors.write(good, {"output.y": t["output.y"]})
+        safetensors.write(bad, {"output.y": t["output.y"] + np.float32(1e-3)})
+        env = dict(os.environ, PYTHONPATH=os.path.join(SRCDIR, "python"))
+        codes = [subprocess.run([sys.executable, "-m", "moe_ep", "verify", d, p], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE).returncode
+                 for p in (good, bad, os.path.join(tmp, "missing.safetensors"))]
+    assert codes == [0, 1, 2], codes
+
+
+@test
+def bad_arguments_raise_value_error_naming_them():
+    cfg = moe_ep.Config(preset="tiny", tokens=4)
+    x = cfg.tokens(0)
+    ids, weights = moe_ep.route(x, cfg)
+    cases = [
+        (lambda: moe_ep.Config(tokens=0), "--tokens"),
+        (lambda: moe_ep.Config(no_such_flag=1), "no-such-flag"),
+        (lambda: moe_ep.reference(x[:, :3], ids, weights, cfg), "x must have shape"),
+        (lambda: moe_ep.reference(x, ids[:, :1], weights, cfg), "topk_ids"),
+        (lambda: moe_ep.reference(x, ids + 100, weights, cfg), "ids[0][0]"),
+        (lambda: moe_ep.reference(x, ids, weights * np.nan, cfg), "not finite"),
+        (lambda: moe_ep.reference(x, ids, weights, cfg, w1=np.zeros((1, 2, 3))), "w1 must have shape"),
+        (lambda: moe_ep.reference(x, ids, weights, cfg, w1=np.zeros((8, 128, 128), np.float32)),
+         "w1 and w2"),
+        (lambda: moe_ep.verify("/nonexistent", {"output.y": x}), "manifest"),
+        (lambda: moe_ep.verify(GOLDEN + "/softmax-fp32", {}), "non-empty dict"),
+    ]
+    for call, fragment in cases:
+        try:
+            call()
+        except ValueError as e:
+            assert fragment in str(e), "%r lacks %r" % (str(e), fragment)
+        else:
+            raise AssertionError("no ValueError for %s" % fragment)
+
+
+@test
+def torch_example_passes_where_torch_is():
+    env = dict(os.environ, PYTHONPATH=os.path.join(SRCDIR, "python"))
+    run = subprocess.run([sys.executable, os.path.join(SRCDIR, "examples", "torch_moe_test.py")], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print("  " + run.stdout.strip().replace("\n", "\n  "))
+    if run.returncode == 77:
+        raise Skip("no torch here")
+    assert run.returncode == 0, run.stdout
+
+
+failed = [(n, why) for n, why in results if why]
+for name, why in results:
+    print("%s: %s%s" % ("FAIL" if why else "PASS", name, " (%s)" % why if why else ""))
+print("python: %d passed, %d failed" % (len(results) - len(failed), len(failed)))
+sys.exit(1 if failed else 0)
