@@ -16,6 +16,7 @@
 #include "moe/model.h"
 #include "moe/path.h"
 #include "moe/rng.h"
+#include "moe/settle.h"
 #include "moe/truth.h"
 #include "moe/wire.h"
 
@@ -273,9 +274,13 @@ int moe_ep_check(moe_ep_config *c, int ranks, const float *x, const int32_t *ids
     return rc;
 }
 
-/* What the library runs: the forward paths, on its caller's buffers. */
-static int library_run(const moe_config *cfg, const moe_path *path, moe_status *st)
+/* What the library runs (moe_config_settle's checks): the forward paths,
+ * on its caller's buffers, with the caller's weights only in the truth. */
+static int library_checks(const moe_config *cfg, const moe_path *path, const moe_comm *c, void *arg,
+                          moe_status *st)
 {
+    (void)c;
+    (void)arg;
     const char *cli = cfg->dump[0] ? "--dump" : cfg->trace[0] ? "--trace"
                       : cfg->timeline[0] ? "--timeline" : cfg->report[0] ? "--report"
                       : cfg->routing[0] ? "--routing (pass ids and weights instead)"
@@ -293,30 +298,6 @@ static int library_run(const moe_config *cfg, const moe_path *path, moe_status *
     return MOE_EXIT_OK;
 }
 
-/* Validate c for comm's size and agree on it, as moe-ep run does. */
-static int context_config(moe_ep_context *ctx, moe_status *st)
-{
-    const moe_comm *m = &ctx->comm;
-    moe_config *cfg = &ctx->cfg;
-    if (moe_config_resolve_nodes(cfg, m->node_ranks, m->ranks, st) == MOE_EXIT_OK &&
-        moe_config_validate(cfg, m->ranks, st) == MOE_EXIT_OK) {
-        const moe_path *path = moe_path_choose(cfg);
-        if (path->low_latency) /* every pair comes home alone (ep_ll.c), as moe-ep run sets it */
-            cfg->combine = MOE_COMBINE_PAIRS;
-        library_run(cfg, path, st);
-    }
-    if (st->code == MOE_EXIT_OK &&
-        moe_config_memory_per_rank(cfg, MOE_CMD_RUN, m->ranks) >
-            moe_memory_available() / m->ranks_on_host)
-        moe_fail(st, MOE_EXIT_USAGE, "this config needs more memory per rank than is free");
-    if (moe_comm_agree(m, st))
-        return st->code;
-    char *text = moe_config_canonical(cfg, MOE_CMD_RUN);
-    const int rc = moe_comm_same_config(m, text, st);
-    free(text);
-    return rc;
-}
-
 int moe_ep_context_new(moe_ep_config *c, MPI_Comm comm, moe_ep_context **out)
 {
     if (!out)
@@ -330,7 +311,8 @@ int moe_ep_context_new(moe_ep_config *c, MPI_Comm comm, moe_ep_context **out)
     MOE_MPI(MPI_Comm_dup(comm, &dup));
     moe_comm_attach(&ctx->comm, dup);
     moe_status st = {0};
-    if (context_config(ctx, &st) == MOE_EXIT_OK &&
+    if (moe_config_settle(&ctx->cfg, &ctx->comm, MOE_CMD_RUN, library_checks, NULL, &st) ==
+            MOE_EXIT_OK &&
         moe_ep_init(&ctx->ep, &ctx->cfg, &ctx->comm, &st) == MOE_EXIT_OK) {
         ctx->placed = moe_xmalloc(sizeof(int32_t) * (size_t)(ctx->cfg.tokens * ctx->cfg.topk));
         *out = ctx;

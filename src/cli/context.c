@@ -17,6 +17,7 @@
 #include "moe/golden.h"
 #include "moe/path.h"
 #include "moe/routing.h"
+#include "moe/settle.h"
 
 /* Every output path can be written, and no two name the same place (nor a
  * file inside the dump's directory, which the dump replaces). Rank 0. */
@@ -52,28 +53,41 @@ static int check_outputs(const moe_config *cfg, moe_status *st)
     return MOE_EXIT_OK;
 }
 
-/* text + "KEY=DIGEST\n", the 64-bit digest of the file at path (nothing
- * when it cannot be read: its loader says why, collectively). */
-static char *append_file_digest(char *text, const char *key, const char *path)
+/* What run and bench check beyond the config itself (moe_config_settle's
+ * checks): the output paths (rank 0), and the flags whose combination
+ * only the command knows. */
+static int command_checks(const moe_config *cfg, const moe_path *path, const moe_comm *c,
+                          void *arg, moe_status *st)
 {
-    moe_status ignored = {0};
-    FILE *fp = moe_open_input("", path, &ignored);
-    if (!fp)
-        return text;
-    uint64_t digest = 0;
-    char block[1 << 16];
-    for (size_t got; (got = fread(block, 1, sizeof block, fp)) > 0;)
-        digest = digest * 0x100000001b3u ^ moe_digest64(block, got);
-    fclose(fp);
-    const size_t len = strlen(text);
-    text = realloc(text, len + strlen(key) + 24);
-    MOE_ASSERT(text != NULL);
-    sprintf(text + len, "%s=%016llx\n", key, (unsigned long long)digest);
-    return text;
+    const enum moe_command command = *(const enum moe_command *)arg;
+    if (c->rank == 0 && check_outputs(cfg, st))
+        return st->code;
+    if (command == MOE_CMD_RUN && path->training && cfg->waves_count > 1)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--waves W1,W2,... sweeps the forward's wave pipeline, and run --backward "
+                        "runs one schedule (the blocking forward, its backward in W waves): give "
+                        "one --waves, or sweep them with moe-ep bench --backward");
+    if (command == MOE_CMD_BENCH && cfg->schedule == MOE_SCHEDULE_DUALPIPE && !path->training)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--schedule dualpipe pairs one micro-batch's forward with another's "
+                        "backward: add --backward");
+    if (command == MOE_CMD_BENCH && cfg->schedule == MOE_SCHEDULE_DUALPIPE && cfg->plot[0])
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--plot draws the wave sweep of one micro-batch; with --schedule dualpipe "
+                        "write the table with --csv");
+    if (command == MOE_CMD_BENCH && path->reference_run)
+        return moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
+    if (cfg->compare_serial && !cfg->timeline[0])
+        return moe_fail(st, MOE_EXIT_USAGE, "--compare-serial needs --timeline FILE.svg");
+    if (path->reference_run && (cfg->trace[0] || cfg->timeline[0]))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--trace and --timeline show the wave pipeline; drop --blocking");
+    return MOE_EXIT_OK;
 }
 
-/* Parse and validate `command`'s arguments on every rank, check the output
- * paths, estimate memory; agree. */
+/* Parse `command`'s arguments on every rank and settle the config
+ * (settle.h): validated, the command's checks, the memory estimate, one
+ * verdict, the same config everywhere. */
 static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, int argc,
                   char **argv, moe_status *st)
 {
@@ -84,66 +98,9 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         cfg->waves_count = 4;
         cfg->iters = 5;
     }
-    const moe_path *path = NULL; /* the path the validated config asks for */
-    if (moe_fault_validate(st) == MOE_EXIT_OK &&
-        moe_config_parse(cfg, command, argc, argv, st) == MOE_EXIT_OK &&
-        moe_config_resolve_nodes(cfg, c->node_ranks, c->ranks, st) == MOE_EXIT_OK &&
-        moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {
-        path = moe_path_choose(cfg);
-        if (path->low_latency) /* every pair comes home alone (ep_ll.c) */
-            cfg->combine = MOE_COMBINE_PAIRS;
-        if (c->rank == 0)
-            check_outputs(cfg, st);
-        if (command == MOE_CMD_RUN && path->training && cfg->waves_count > 1 &&
-            st->code == MOE_EXIT_OK)
-            moe_fail(st, MOE_EXIT_USAGE,
-                     "--waves W1,W2,... sweeps the forward's wave pipeline, and run --backward "
-                     "runs one schedule (the blocking forward, its backward in W waves): give "
-                     "one --waves, or sweep them with moe-ep bench --backward");
-        if (command == MOE_CMD_BENCH && cfg->schedule == MOE_SCHEDULE_DUALPIPE &&
-            !path->training && st->code == MOE_EXIT_OK)
-            moe_fail(st, MOE_EXIT_USAGE,
-                     "--schedule dualpipe pairs one micro-batch's forward with another's "
-                     "backward: add --backward");
-        if (command == MOE_CMD_BENCH && cfg->schedule == MOE_SCHEDULE_DUALPIPE && cfg->plot[0] &&
-            st->code == MOE_EXIT_OK)
-            moe_fail(st, MOE_EXIT_USAGE,
-                     "--plot draws the wave sweep of one micro-batch; with --schedule dualpipe "
-                     "write the table with --csv");
-        if (command == MOE_CMD_BENCH && path->reference_run && st->code == MOE_EXIT_OK)
-            moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
-        if (cfg->compare_serial && !cfg->timeline[0] && st->code == MOE_EXIT_OK)
-            moe_fail(st, MOE_EXIT_USAGE, "--compare-serial needs --timeline FILE.svg");
-        if (path->reference_run && (cfg->trace[0] || cfg->timeline[0]) && st->code == MOE_EXIT_OK)
-            moe_fail(st, MOE_EXIT_USAGE,
-                     "--trace and --timeline show the wave pipeline; drop --blocking");
-    }
-    if (st->code == MOE_EXIT_OK) {
-        const double need = moe_config_memory_per_rank(cfg, command, c->ranks);
-        const double have = moe_memory_available() / c->ranks_on_host;
-        if (need > have) {
-            char b1[32], b2[32], b3[32] = "";
-            const bool ll = path->low_latency;
-            if (ll)
-                moe_format_bytes(moe_ll_buffer_bytes(cfg, c->ranks), b3, sizeof b3);
-            moe_fail(st, MOE_EXIT_USAGE,
-                     "this config needs about %s per rank%s%s%s, but %s is available per rank "
-                     "(%d ranks on this host); lower --tokens, --hidden, --ffn%s or --experts",
-                     moe_format_bytes(need, b1, sizeof b1), ll ? " (the low-latency buffers " : "",
-                     b3, ll ? ")" : "", moe_format_bytes(have, b2, sizeof b2), c->ranks_on_host,
-                     ll || moe_config_layout(cfg) == MOE_LAYOUT_MASKED ? ", --max-tokens-per-rank" : "");
-        }
-    }
-    if (moe_comm_agree(c, st))
-        return st->code;
-    char *text = moe_config_canonical(cfg, command);
-    if (cfg->routing[0]) /* the file's contents, not just its name */
-        text = append_file_digest(text, "routing-file-digest", cfg->routing);
-    if (cfg->grad_output[0])
-        text = append_file_digest(text, "grad-output-file-digest", cfg->grad_output);
-    const int rc = moe_comm_same_config(c, text, st);
-    free(text);
-    return rc;
+    if (moe_fault_validate(st) == MOE_EXIT_OK)
+        moe_config_parse(cfg, command, argc, argv, st);
+    return moe_config_settle(cfg, c, command, command_checks, &command, st);
 }
 
 /* The routing and traffic figures of one forward, reduced over ranks. */

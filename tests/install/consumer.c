@@ -65,6 +65,15 @@ int main(int argc, char **argv)
         bad = fail(rank, "bad ids", "accepted");
     else if (rank == 0)
         printf("consumer: a bad id is refused: %s\n", moe_ep_context_error(ctx));
+    moe_ep_config *wrong = moe_ep_config_new(); /* refused on every rank, with its reason */
+    moe_ep_context *none = NULL;
+    moe_ep_config_set(wrong, "--preset", "tiny");
+    moe_ep_config_set(wrong, "--backward", "true");
+    if (moe_ep_context_new(wrong, MPI_COMM_WORLD, &none) != MOE_EP_BAD_INPUT || none)
+        bad = fail(rank, "a --backward context", "accepted");
+    else if (rank == 0)
+        printf("consumer: a context the library cannot run is refused: %s\n", moe_ep_config_error(wrong));
+    moe_ep_config_free(wrong);
     if (!bad)
         printf("consumer rank %d: %lld tokens through the layer on %d ranks, within the truth's "
                "tolerance (%.1f %% of it used)\n", rank, (long long)s.tokens, ranks, 100.0 * used);
