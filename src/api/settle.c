@@ -70,6 +70,8 @@ int moe_config_settle(moe_config *cfg, const moe_comm *c, enum moe_command comma
         text = append_file_digest(text, "routing-file-digest", cfg->routing);
     if (cfg->grad_output[0])
         text = append_file_digest(text, "grad-output-file-digest", cfg->grad_output);
+    if (cfg->expert_load[0])
+        text = append_file_digest(text, "expert-load-file-digest", cfg->expert_load);
     const int rc = moe_comm_same_config(c, text, st);
     free(text);
     return rc;

@@ -113,11 +113,20 @@ int moe_grad_output_load(const char *path, moe_index tokens, moe_index hidden, m
     return rc;
 }
 
+/* How many of the n bytes at p are printable ASCII before the first that is not. */
+static size_t printable(const char *p, size_t n)
+{
+    size_t m = 0;
+    while (m < n && p[m] >= 0x20 && p[m] < 0x7f)
+        m++;
+    return m;
+}
+
 int moe_expert_load_read(const char *path, int experts, double *load, moe_status *st)
 {
-    FILE *file = fopen(path, "r");
+    FILE *file = moe_open_input("--expert-load: ", path, st); /* a regular file: no FIFO to block on */
     if (!file)
-        return moe_fail(st, MOE_EXIT_USAGE, "--expert-load: cannot read '%s': %s", path, strerror(errno));
+        return st->code;
     char line[4096];
     int count = 0, line_no = 0, rc = MOE_EXIT_OK;
     while (rc == MOE_EXIT_OK && fgets(line, sizeof line, file)) {
@@ -136,10 +145,15 @@ int moe_expert_load_read(const char *path, int experts, double *load, moe_status
             errno = 0;
             const double v = strtod(p, &end);
             const size_t len = strcspn(p, " \t\r\n,");
-            if (end != p + len || errno == ERANGE || !isfinite(v) || v < 0)
+            const size_t shown = len < 40 ? len : 40, text = printable(p, shown);
+            if (text < shown) /* a binary file: name the byte, do not echo it */
+                rc = moe_fail(st, MOE_EXIT_USAGE,
+                              "--expert-load: line %d of '%s' holds the byte 0x%02x: not a text file of loads",
+                              line_no, path, (unsigned char)p[text]);
+            else if (end != p + len || errno == ERANGE || !isfinite(v) || v < 0)
                 rc = moe_fail(st, MOE_EXIT_USAGE,
                               "--expert-load: line %d of '%s': '%.*s' is not a load (a finite number >= 0)",
-                              line_no, path, (int)(len < 40 ? len : 40), p);
+                              line_no, path, (int)shown, p);
             else if (count >= experts)
                 rc = moe_fail(st, MOE_EXIT_USAGE,
                               "--expert-load: '%s' holds more than the %d numbers of --experts (line %d)",
