@@ -176,6 +176,37 @@ static int bad(moe_st_file *f, moe_status *st, const char *what)
     return st->code;
 }
 
+static int by_begin(const void *a, const void *b)
+{
+    const moe_st_entry *x = *(const moe_st_entry *const *)a, *y = *(const moe_st_entry *const *)b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin;
+}
+
+/* No two tensors on the same bytes (the format lays them one after the
+ * other): a file whose weights point at its ids' bytes is refused. */
+static int check_disjoint(moe_st_file *f, moe_status *st)
+{
+    const moe_st_entry **order = moe_xmalloc(sizeof *order * (size_t)f->count + 1);
+    for (int n = 0; n < f->count; n++)
+        order[n] = &f->entries[n];
+    qsort(order, (size_t)f->count, sizeof *order, by_begin);
+    const moe_st_entry *last = NULL; /* the non-empty tensor that ends last so far */
+    char names[2 * MOE_ST_NAME_MAX + 80] = "";
+    for (int n = 0; n < f->count && !names[0]; n++) {
+        if (order[n]->end == order[n]->begin)
+            continue;
+        if (last && order[n]->begin < last->end)
+            snprintf(names, sizeof names, "tensors '%s' and '%s' share bytes (overlapping data_offsets)",
+                     last->name, order[n]->name);
+        if (!last || order[n]->end > last->end)
+            last = order[n];
+    }
+    free(order);
+    if (names[0])
+        return bad(f, st, names);
+    return MOE_EXIT_OK;
+}
+
 int moe_st_open(const char *path, moe_st_file *f, moe_status *st)
 {
     memset(f, 0, sizeof *f);
@@ -268,7 +299,7 @@ int moe_st_open(const char *path, moe_st_file *f, moe_status *st)
         f->count++;
     }
     json_decref(root);
-    return MOE_EXIT_OK;
+    return check_disjoint(f, st);
 }
 
 const moe_st_entry *moe_st_find(const moe_st_file *f, const char *name)

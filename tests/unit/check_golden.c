@@ -100,6 +100,11 @@ static const struct {
     {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8, "do not match"},
     {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,8]}}", 8, "list of sizes"},
     {NULL, 0, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8, "bad data_offsets"},
+    /* two tensors on the same bytes (a routing file whose weights are its ids) */
+    {NULL, 0, "{\"ids\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+              "\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, "share bytes"},
+    {NULL, 0, "{\"ids\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+              "\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", 12, "share bytes"},
 };
 
 /* The candidate dtypes verify converts: every element as its value. */
