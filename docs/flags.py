@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 COMMANDS = ("run", "bench", "explain", "plan")
 LINE = re.compile(r"^  (--[a-z0-9-]+)( \S+)?\s{2,}(.*)$")
 DEFAULT = re.compile(r"\s*\(default ([^()]*)\)$")
+SEARCH_PATH = re.compile(r"^(Presets are searched in|Models|Clusters): ")
 RANGE = re.compile(r"\s*([\[(][^\[\]()]*\.\.[^\[\]()]*[\])])$")
 
 HEADER = """# Flags
@@ -101,6 +102,8 @@ def render_man(builddir):
         lines = help_of(builddir, command).rstrip("\n").split("\n")
         prose = []
         for line in lines:
+            if SEARCH_PATH.match(line):  # this machine's directories: the FILES section says it
+                continue
             m = LINE.match(line)
             if m:
                 if prose:
@@ -114,6 +117,10 @@ def render_man(builddir):
                 prose = []
         if prose:
             out += [".PP", roff(" ".join(prose))]
+    out += [".SH FILES", "Presets (\\fB\\-\\-preset\\fR NAME) and cluster files (\\fB\\-\\-cluster\\fR NAME) "
+            "are searched in $MOE_EP_DATA_DIR/presets (/clusters), the source tree's data/, then "
+            "share/moe\\-ep/ of the installed prefix; \\fBmoe\\-ep run \\-\\-help\\fR and "
+            "\\fBmoe\\-ep plan \\-\\-help\\fR print the path."]
     out += [".SH SEE ALSO", "The README and docs/ (installed under share/doc/moe\\-ep): docs/flags.md, "
             "docs/golden.md, docs/learn.md.", ""]
     return "\n".join(out)
