@@ -122,10 +122,11 @@ FILE *moe_open_input(const char *what, const char *path, moe_status *st);
  * stages and the dump fail as an allocation or I/O failure would (comm.h),
  * mpi fails an MPI call, write fails the golden writer after its first file
  * (as a full disk would), kill ends the writing process with SIGKILL there.
- * moe_fault_validate refuses a malformed value (exit 2); moe_fault_armed
+ * moe_fault_validate refuses a malformed value, or a rank past the job's
+ * `ranks` (a fault that would never fire), with exit 2; moe_fault_armed
  * says whether `rank` is to fail at `stage`. */
 extern const char *const moe_fault_stages[];
-int moe_fault_validate(moe_status *st);
+int moe_fault_validate(int ranks, moe_status *st);
 bool moe_fault_armed(int rank, const char *stage);
 
 /* Bytes of memory this machine can still give (MemAvailable), or its

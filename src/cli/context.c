@@ -98,7 +98,7 @@ static int set_up(const moe_comm *c, moe_config *cfg, enum moe_command command, 
         cfg->waves_count = 4;
         cfg->iters = 5;
     }
-    if (moe_fault_validate(st) == MOE_EXIT_OK)
+    if (moe_fault_validate(c->ranks, st) == MOE_EXIT_OK)
         moe_config_parse(cfg, command, argc, argv, st);
     return moe_config_settle(cfg, c, command, command_checks, &command, st);
 }

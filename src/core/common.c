@@ -204,12 +204,18 @@ static bool fault_spec(long *rank, const char **stage)
     return false;
 }
 
-int moe_fault_validate(moe_status *st)
+int moe_fault_validate(int ranks, moe_status *st)
 {
     long rank;
     const char *stage, *spec = getenv("MOE_EP_FAULT");
-    if (!spec || !*spec || fault_spec(&rank, &stage))
+    if (!spec || !*spec)
         return MOE_EXIT_OK;
+    if (fault_spec(&rank, &stage))
+        return rank < ranks ? MOE_EXIT_OK
+                            : moe_fail(st, MOE_EXIT_USAGE,
+                                       "MOE_EP_FAULT names rank %ld, but the job has %d rank%s "
+                                       "(0..%d): the fault would never fire", rank, ranks,
+                                       ranks == 1 ? "" : "s", ranks - 1);
     char names[160] = "";
     for (const char *const *s = moe_fault_stages; *s; s++)
         snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *s, s[1] ? "|" : "");
