@@ -1142,10 +1142,21 @@ static int validate_manifest(verify_run *v, const char *path, moe_status *st)
         if (!json_is_string(value))
             return bad_manifest(st, path, "config value '%s' is not a string", key);
     }
+    json_t *stages = json_object_get(m, "stages");
+    bool known = json_is_array(stages);
+    for (size_t n = 0; known && n < json_array_size(stages); n++) {
+        const char *name = json_string_value(json_array_get(stages, n));
+        known = false;
+        for (int s = 0; name && s < MOE_GOLDEN_STAGES && !known; s++)
+            known = !strcmp(name, moe_golden_stage_names[s]);
+    }
+    if (!known)
+        return bad_manifest(st, path, "\"stages\" is not a list of stage names");
     json_object_foreach(v->files, key, value) {
         const char *sha = json_string_value(json_object_get(value, "sha256"));
         if (!sha || strlen(sha) != 64 || strspn(sha, "0123456789abcdef") != 64 ||
-            !json_is_integer(json_object_get(value, "bytes")) || strchr(key, '/') || !strcmp(key, "..") )
+            !json_is_integer(json_object_get(value, "bytes")) ||
+            json_integer_value(json_object_get(value, "bytes")) < 0 || strchr(key, '/') || !strcmp(key, ".."))
             return bad_manifest(st, path, "file '%s' has no \"sha256\" of 64 hex digits and \"bytes\"", key);
     }
     json_object_foreach(v->tensors, key, value) {

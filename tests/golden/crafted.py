@@ -136,3 +136,7 @@ case("file-outside", 2, "has no \"sha256\" of 64 hex digits", bad_file_name)
 case("ids-u8", 2, "compared as topk is not (tokens, k) I32", i8_ids)
 case("pair-out-of-range", 1, "first failing stage: experts", pair_out_of_range)
 case("integer-tolerance", 0, "-", integer_tolerance)
+case("stages-string", 2, "\"stages\" is not a list of stage names", lambda d, m: m.__setitem__("stages", "router"))
+case("stages-unknown", 2, "\"stages\" is not a list of stage names", lambda d, m: m.__setitem__("stages", ["router", "x"]))
+case("bytes-negative", 2, "has no \"sha256\" of 64 hex digits and \"bytes\"",
+     lambda d, m: m["files"]["router.safetensors"].__setitem__("bytes", -1))
