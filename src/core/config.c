@@ -105,10 +105,10 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
         errno = 0;
         double v = strtod(value, &end);
         if (!moe_number_start(value, true) || strpbrk(value, "xX") || *end != '\0' || errno == ERANGE ||
-            !(moe_flag_takes_none(flag) ? v > (double)flag->min : v >= (double)flag->min) ||
+            !(moe_flag_min_open(flag) ? v > (double)flag->min : v >= (double)flag->min) ||
             !(v <= (double)flag->max))
             return moe_fail(st, MOE_EXIT_USAGE, "%s must be a number in %c%lld, %lld]%s, got '%s'",
-                            where, moe_flag_takes_none(flag) ? '(' : '[', (long long)flag->min,
+                            where, moe_flag_min_open(flag) ? '(' : '[', (long long)flag->min,
                             (long long)flag->max, moe_flag_takes_none(flag) ? " or none" : "", value);
         *(double *)base = v;
         return MOE_EXIT_OK;
@@ -315,9 +315,6 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                             (long long)cfg->tokens, (long long)cfg->waves_list[n]);
     if (moe_router_validate(cfg, st))
         return st->code;
-    if (!(cfg->init_scale > 0))
-        return moe_fail(st, MOE_EXIT_USAGE, "--init-scale must be a number in (0, 1e18], got %g",
-                        cfg->init_scale);
     /* The largest value the layer can make: |h| <= S sqrt(d) (a row of W1
      * has norm <= 1 at scale 1/sqrt(d)), the activation <= |h|^2, an output
      * <= sqrt(f) times that. Past FLT_MAX (bf16's range too) fp32 turns

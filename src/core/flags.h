@@ -45,6 +45,7 @@ typedef struct {
                                    NULL: none (preset, cluster) */
     const char *help;
     unsigned commands; /* RUN, PLAN or BOTH */
+    bool min_open; /* FLAG_REAL: min itself is refused, the range is (min, max] */
 } flag_spec;
 
 extern const flag_spec moe_flags[];
@@ -64,5 +65,7 @@ bool moe_flag_takes_auto(const flag_spec *flag);
 /* A FLAG_REAL whose value name ends in "|none" takes "none", stored as 0,
  * or a number above its min (0 is not one: "none" says it). */
 bool moe_flag_takes_none(const flag_spec *flag);
+/* A FLAG_REAL's range is (min, max]: it takes none, or says min_open. */
+bool moe_flag_min_open(const flag_spec *flag);
 
 #endif
