@@ -139,6 +139,11 @@ typedef struct {
      * would be made: w1 (E, 2f, d), w2 (E, d, f), shared_w1 (S, 2f, d),
      * shared_w2 (S, d, f), each NULL for the generated ones. */
     const float *given_w1, *given_w2, *given_shared_w1, *given_shared_w2;
+    /* Not flags: --waves given on the command line (a preset's or the
+     * default W is fitted to --tokens instead: moe_config_fit), and the W
+     * so fitted down (0: none), for the report. */
+    bool waves_given;
+    int64_t waves_fitted_from;
 } moe_config;
 
 /* Every flag at the default its table entry names (the one --help prints). */
@@ -174,6 +179,12 @@ bool moe_config_truth_shares(const moe_config *cfg);
  * --tokens). */
 int moe_config_layout(const moe_config *cfg);
 int64_t moe_config_max_tokens(const moe_config *cfg);
+
+/* Fit what the user did not set to the input: a default or preset --waves
+ * above --tokens becomes --tokens (decode runs T = 1), the list kept
+ * ascending without repeats. A value given on the command line is left
+ * for moe_config_validate to refuse. */
+void moe_config_fit(moe_config *cfg);
 
 /* Check the combination for G ranks (k <= E, sizes that fit the index
  * types). Ranks without an expert (E < G) are allowed. */

@@ -54,6 +54,8 @@ static char *append_file_digest(char *text, const char *key, const char *path)
 int moe_config_settle(moe_config *cfg, const moe_comm *c, enum moe_command command,
                       moe_settle_checks checks, void *arg, moe_status *st)
 {
+    if (st->code == MOE_EXIT_OK)
+        moe_config_fit(cfg);
     if (st->code == MOE_EXIT_OK &&
         moe_config_resolve_nodes(cfg, c->node_ranks, c->ranks, st) == MOE_EXIT_OK &&
         moe_config_validate(cfg, c->ranks, st) == MOE_EXIT_OK) {

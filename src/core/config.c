@@ -95,6 +95,7 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
             return moe_fail(st, MOE_EXIT_USAGE, "%s lists at most %d wave counts, got '%s'",
                             where, MOE_MAX_WAVE_RUNS, value);
         cfg->waves_count = count;
+        cfg->waves_given = !strncmp(where, "--", 2); /* not a preset's or the default */
         return MOE_EXIT_OK;
     }
     case FLAG_REAL: {
@@ -301,6 +302,23 @@ int moe_config_parse(moe_config *cfg, enum moe_command command, int argc, char *
             return st->code;
     }
     return MOE_EXIT_OK;
+}
+
+void moe_config_fit(moe_config *cfg)
+{
+    if (cfg->waves_given)
+        return;
+    int kept = 0;
+    for (int n = 0; n < cfg->waves_count; n++) {
+        int64_t W = cfg->waves_list[n];
+        if (W > cfg->tokens) {
+            cfg->waves_fitted_from = W > cfg->waves_fitted_from ? W : cfg->waves_fitted_from;
+            W = cfg->tokens;
+        }
+        if (kept == 0 || cfg->waves_list[kept - 1] != W)
+            cfg->waves_list[kept++] = W;
+    }
+    cfg->waves_count = kept;
 }
 
 int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)

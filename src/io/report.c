@@ -489,6 +489,10 @@ static void print_header(FILE *out, const moe_run_summary *s)
     fprintf(out, "config    preset %s · G=%d ranks · T=%lld tokens per rank (%.0f in all) · d=%lld · f=%lld\n",
             cfg->preset[0] ? cfg->preset : "(none)", s->ranks, (long long)cfg->tokens, G * (double)cfg->tokens,
             (long long)cfg->hidden, (long long)cfg->ffn);
+    if (cfg->waves_fitted_from > 0)
+        fprintf(out, "          W = %lld: the default of %lld waves fitted to T = %lld tokens (--waves "
+                     "sets W)\n", (long long)cfg->waves_list[0], (long long)cfg->waves_fitted_from,
+                (long long)cfg->tokens);
     char redundant[48] = "";
     if (cfg->redundant_experts)
         snprintf(redundant, sizeof redundant, " + %lld redundant", (long long)cfg->redundant_experts);
