@@ -121,7 +121,8 @@ FILE *moe_open_input(const char *what, const char *path, moe_status *st);
  * fail at STAGE, one of moe_fault_stages (NULL-terminated): the forward's
  * stages and the dump fail as an allocation or I/O failure would (comm.h),
  * mpi fails an MPI call, write fails the golden writer after its first file
- * (as a full disk would), kill ends the writing process with SIGKILL there.
+ * (as a full disk would), kill ends the writing process with SIGKILL there,
+ * term sends it SIGTERM there (as mpirun passes on a Ctrl-C).
  * moe_fault_validate refuses a malformed value, or a rank past the job's
  * `ranks` (a fault that would never fire), with exit 2; moe_fault_armed
  * says whether `rank` is to fail at `stage`. */

@@ -183,7 +183,7 @@ void moe_to_counts(const moe_index *count, int n, int *counts, int *displs)
 }
 
 const char *const moe_fault_stages[] = {"generate", "plan", "dispatch", "experts", "combine",
-                                        "dump", "mpi", "write", "kill", NULL};
+                                        "dump", "mpi", "write", "kill", "term", NULL};
 
 /* MOE_EP_FAULT=RANK:STAGE: a rank in [0, 2^20) and a known stage, nothing else. */
 static bool fault_spec(long *rank, const char **stage)

@@ -280,6 +280,8 @@ static int write_files(const char *work, const moe_golden_tensor *tensors, int n
                               "write on rank %d (MOE_EP_FAULT)", path, moe_message_rank);
             if (moe_fault_armed(moe_message_rank, "kill"))
                 raise(SIGKILL);
+            if (moe_fault_armed(moe_message_rank, "term"))
+                raise(SIGTERM);
         }
     }
     free(batch);
@@ -289,6 +291,52 @@ static int write_files(const char *work, const moe_golden_tensor *tensors, int n
         rc = moe_write_file_atomic(path, write_json, manifest, st);
     }
     return rc;
+}
+
+/* SIGINT and SIGTERM while a set is being written (Ctrl-C, which mpirun
+ * passes on as SIGTERM): the work directory's files, their temporaries and
+ * the directory itself are removed, then the signal ends the process as it
+ * would have. The paths are made before the handler is armed: it calls
+ * only unlink, rmdir, sigaction and raise. */
+enum { CLEANUP_FILES = 2 * (MOE_GOLDEN_STAGES + 1) };
+static char cleanup_dir[PATH_MAX + 96];
+static char cleanup_file[CLEANUP_FILES][2 * PATH_MAX + 160];
+static struct sigaction cleanup_old[2];
+static const int cleanup_signals[2] = {SIGINT, SIGTERM};
+
+static void cleanup_on_signal(int sig)
+{
+    for (int n = 0; n < CLEANUP_FILES; n++)
+        unlink(cleanup_file[n]);
+    rmdir(cleanup_dir);
+    for (int s = 0; s < 2; s++)
+        sigaction(cleanup_signals[s], &cleanup_old[s], NULL);
+    raise(sig);
+}
+
+/* Arm (work not NULL) or disarm the clean-up of work. */
+static void cleanup_arm(const char *work)
+{
+    if (!work) {
+        for (int s = 0; s < 2; s++)
+            sigaction(cleanup_signals[s], &cleanup_old[s], NULL);
+        return;
+    }
+    snprintf(cleanup_dir, sizeof cleanup_dir, "%s", work);
+    for (int stage = 0; stage <= MOE_GOLDEN_STAGES; stage++) {
+        char name[64];
+        if (stage < MOE_GOLDEN_STAGES)
+            snprintf(name, sizeof name, "%s.safetensors", moe_golden_stage_names[stage]);
+        else
+            snprintf(name, sizeof name, "manifest.json");
+        snprintf(cleanup_file[2 * stage], sizeof cleanup_file[0], "%s/%s", work, name);
+        snprintf(cleanup_file[2 * stage + 1], sizeof cleanup_file[0], "%s/%s.tmp.%ld", work, name,
+                 (long)getpid());
+    }
+    struct sigaction on = {.sa_handler = cleanup_on_signal};
+    sigemptyset(&on.sa_mask);
+    for (int s = 0; s < 2; s++)
+        sigaction(cleanup_signals[s], &on, &cleanup_old[s]);
 }
 
 int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
@@ -302,6 +350,7 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
     snprintf(work, sizeof work, "%s.partial.%s.%ld", path, host, (long)getpid());
     if (mkdir(work, 0777) != 0)
         return moe_fail(st, MOE_EXIT_RUNTIME, "--dump: cannot create '%s': %s", work, strerror(errno));
+    cleanup_arm(work);
     json_t *manifest = manifest_head(config_json, tensors, n);
     int rc = write_files(work, tensors, n, manifest, bytes, st);
     if (rc == MOE_EXIT_OK)
@@ -311,6 +360,7 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
         rc = swap_in(work, path, st);
     if (rc != MOE_EXIT_OK)
         remove_set_dir(work); /* the old set stays as it was */
+    cleanup_arm(NULL);
     return rc;
 }
 
