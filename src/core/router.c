@@ -306,12 +306,18 @@ int moe_skew_parse(const char *spec, int experts, float *skew, moe_status *st)
     int items = 0;
     for (char *save = NULL, *item = strtok_r(text, ",", &save); item;
          item = strtok_r(NULL, ",", &save), items++) {
+        if (!strncmp(item, "hot:", 4)) /* hot:0=+2,hot:5=+1 says the same as hot:0=+2,5=+1 */
+            item += 4;
         errno = 0;
         long e = strtol(item, &end, 10);
-        if (end == item || *end != '=' || errno || e < 0 || e >= experts)
+        if (end == item || *end != '=' || errno || item[0] == '-' || item[0] == '+')
             return moe_fail(st, MOE_EXIT_USAGE,
-                            "--skew hot: expert must be in [0, %d] as in hot:0=+2, got '%s'",
-                            experts - 1, item);
+                            "--skew hot: '%s' is not EXPERT=B (an expert id, '=', a logit bias), "
+                            "as in hot:0=+2,5=+1", item);
+        if (e >= experts)
+            return moe_fail(st, MOE_EXIT_USAGE,
+                            "--skew hot: expert must be in [0, %d] (--experts %d), got %ld in '%s'",
+                            experts - 1, experts, e, item);
         const char *value = end + 1;
         double b = strtod(value, &end);
         if (end == value || *end || !isfinite(b) || fabs(b) > 100)

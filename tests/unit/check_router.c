@@ -225,7 +225,14 @@ START_TEST(skew_specs)
     ck_assert_float_eq(skew[0], 0.0f);
     ck_assert_float_eq(skew[3], (float)-log(4.0));
     ck_assert_int_eq(moe_skew_parse("hot:8=+1", 8, skew, &st), MOE_EXIT_USAGE);
-    ck_assert_ptr_nonnull(strstr(st.message, "--skew"));
+    ck_assert_ptr_nonnull(strstr(st.message, "expert must be in [0, 7] (--experts 8), got 8"));
+    /* "hot:" repeated on each item reads as the one-prefix form */
+    float again[8];
+    ck_assert_int_eq(moe_skew_parse("hot:0=+2,hot:5=-1.5", 8, again, &st), 0);
+    ck_assert_int_eq(moe_skew_parse("hot:0=+2,5=-1.5", 8, skew, &st), 0);
+    ck_assert_mem_eq(again, skew, sizeof skew);
+    ck_assert_int_eq(moe_skew_parse("hot:x=1", 8, skew, &st), MOE_EXIT_USAGE);
+    ck_assert_ptr_nonnull(strstr(st.message, "'x=1' is not EXPERT=B"));
     ck_assert_int_eq(moe_skew_parse("warm:1", 8, skew, &st), MOE_EXIT_USAGE);
     ck_assert_int_eq(moe_skew_parse("zipf:-1", 8, skew, &st), MOE_EXIT_USAGE);
 }
