@@ -349,9 +349,11 @@ void moe_router_balance(const moe_router *r, const float *logits, const float *s
     double *count = moe_xcalloc((size_t)E, sizeof(double));
     double *mean_p = moe_xcalloc((size_t)E, sizeof(double));
     for (moe_index t = 0; t < tokens; t++) {
-        const float *logit = logits + t * E, *score = scores + t * E;
+        const float *raw = logits + t * E, *score = scores + t * E;
+        float logit[MOE_ROUTER_MAX_EXPERTS]; /* as the router saw them: --skew added */
         double most = -INFINITY, total = 0.0, exps = 0.0;
         for (int e = 0; e < E; e++) {
+            logit[e] = r->skew ? raw[e] + r->skew[e] : raw[e];
             most = fmax(most, (double)logit[e]);
             total += score[e];
         }

@@ -296,6 +296,16 @@ START_TEST(balance_losses_on_hand_made_routings)
     moe_balance_losses(pairs2, prob2, E, k, &sums2, &aux, &z, &seq);
     ck_assert_double_eq_tol(aux, 2.0, 1e-12);
     ck_assert_double_eq_tol(seq, 2.0, 1e-12);
+    /* the z-loss is of the logits the router chose from: --skew's included */
+    const float skew[E] = {3.0f, 0.0f, 0.0f, 0.0f};
+    moe_router r_skew = r;
+    r_skew.skew = skew;
+    moe_balance_sums sums3 = {0};
+    double pairs3[E] = {0}, prob3[E] = {0};
+    moe_router_balance(&r_skew, logits, scores, skewed, T, pairs3, prob3, &sums3);
+    moe_balance_losses(pairs3, prob3, E, k, &sums3, &aux, &z, &seq);
+    const double lse = log(exp(3.0) + 3.0);
+    ck_assert_double_eq_tol(z, lse * lse, 1e-12);
 }
 END_TEST
 
