@@ -478,7 +478,8 @@ static void replica_detail(moe_run_context *ctx, traffic_detail *out)
 
 /* --capacity-factor: the pairs dropped per logical expert, the pairs per
  * rank routed and kept, and the dispatch rows (as this forward sends them:
- * waves, or a row per pair with --mode low-latency) without the drops. */
+ * waves, a row per pair with --mode low-latency, both hops of the two-stage
+ * dispatch) without the drops. */
 static void drop_detail(moe_run_context *ctx, const moe_waves *waves, traffic_detail *out)
 {
     const moe_comm *c = ctx->comm;
@@ -504,6 +505,18 @@ static void drop_detail(moe_run_context *ctx, const moe_waves *waves, traffic_de
         undropped = 0.0;
         for (int r = 0; r < G; r++)
             undropped += rows[r];
+    }
+    if (ep->path->two_stage) { /* its first hop's rows too, one per (token, node), as rows_sent counts */
+        const int R = ep->link.ranks_per_node, nodes = G / R;
+        moe_placement by_node = ep->placement;
+        by_node.ranks = nodes;
+        by_node.expert_rank = moe_xmalloc(sizeof(int) * (size_t)by_node.experts);
+        for (int e = 0; e < by_node.experts; e++)
+            by_node.expert_rank[e] = ep->placement.expert_rank[e] / R;
+        moe_rows_per_destination(&by_node, every, T, k, NULL, rows);
+        for (int n = 0; n < nodes; n++)
+            undropped += rows[n];
+        free(by_node.expert_rank);
     }
     moe_comm_sum_array(c, dropped, E + 2 * G);
     s->rows_undropped = moe_comm_sum(c, undropped);
