@@ -37,7 +37,8 @@ extern const char *const moe_grad_names[MOE_GRAD_TENSORS];
 /* One gradient tensor against its truth, over every rank's part. */
 typedef struct {
     bool checked;
-    double length;       /* the accumulation length its tolerance counts (truth.h) */
+    double length;       /* the accumulation length its tolerance counts (truth.h); for a
+                            tensor split by expert, the longest of any expert's */
     double rms;          /* of the truth (per expert for dW: the largest) */
     double max_abs;      /* max |got - truth| */
     double max_used;     /* max |got - truth| / (abs + rel |truth|); <= 1 passes */
