@@ -193,6 +193,10 @@ static void print_drops(FILE *out, const moe_run_summary *s)
             (long long)cfg->topk,
             cfg->drop_policy == MOE_DROP_PROBS ? "largest gate weights (--drop-policy probs)"
                                                : "first tokens (--drop-policy position)");
+    if (cfg->redundant_experts > 0)
+        fprintf(out, "          with --redundant-experts the capacity is per logical expert, over all "
+                     "its copies: the drops follow the logical load and can undo the balance the "
+                     "copies made (see max/mean per rank below)\n");
     fprintf(out, "          dropped %.0f of %.0f pairs (%.2f%%)", s->pairs_dropped, pairs,
             pairs > 0 ? 100.0 * s->pairs_dropped / pairs : 0.0);
     int shown = 0;
