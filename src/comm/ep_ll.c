@@ -61,6 +61,7 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "moe/ep.h"
 #include "moe/gemm.h"
@@ -121,7 +122,27 @@ static struct moe_ll_state *ll_open(const moe_ep *ep, moe_status *st)
     int *model = NULL, found = 0;
     if (made == MPI_SUCCESS)
         MOE_MPI(MPI_Win_get_attr(s->win, MPI_WIN_MODEL, &model, &found));
-    if (made != MPI_SUCCESS || !found || *model != MPI_WIN_UNIFIED) {
+    struct rlimit limit;
+    const bool limited = getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY;
+    int error_class = MPI_SUCCESS;
+    if (made != MPI_SUCCESS)
+        MPI_Error_class(made, &error_class);
+    /* a shared-memory window maps every local rank's part into each process */
+    void *probe = made != MPI_SUCCESS && limited
+                      ? malloc((size_t)s->size * (size_t)ep->comm.ranks_on_host) : NULL;
+    const bool no_room = made != MPI_SUCCESS && limited && !probe; /* the limit, not MPI, refused it */
+    free(probe);
+    if (made != MPI_SUCCESS && (no_room || error_class == MPI_ERR_NO_MEM)) {
+        char size[32], cap[32] = "";
+        if (limited)
+            moe_format_bytes((double)limit.rlim_cur, cap, sizeof cap);
+        moe_fail(&local, MOE_EXIT_RUNTIME,
+                 "--mode low-latency: its one-sided window, %s per rank, could not be allocated%s%s%s; "
+                 "raise the limit, or lower --max-tokens-per-rank, --tokens or --hidden",
+                 moe_format_bytes((double)s->size, size, sizeof size),
+                 limited ? " under an address-space limit (ulimit -v) of " : " (out of memory)", cap,
+                 limited ? " per process" : "");
+    } else if (made != MPI_SUCCESS || !found || *model != MPI_WIN_UNIFIED) {
         char why[MPI_MAX_ERROR_STRING] = "the window's memory model is not MPI_WIN_UNIFIED";
         int len = 0;
         if (made != MPI_SUCCESS)
