@@ -139,10 +139,10 @@ typedef struct {
      * would be made: w1 (E, 2f, d), w2 (E, d, f), shared_w1 (S, 2f, d),
      * shared_w2 (S, d, f), each NULL for the generated ones. */
     const float *given_w1, *given_w2, *given_shared_w1, *given_shared_w2;
-    /* Not flags: --waves given on the command line (a preset's or the
-     * default W is fitted to --tokens instead: moe_config_fit), and the W
-     * so fitted down (0: none), for the report. */
-    bool waves_given;
+    /* Not flags: which flags were given on the command line (bit n: the
+     * table's flag n; moe_config_given), and the W moe_config_fit fitted
+     * down to --tokens (0: none), for the report. */
+    uint64_t given[2];
     int64_t waves_fitted_from;
 } moe_config;
 
@@ -179,6 +179,11 @@ bool moe_config_truth_shares(const moe_config *cfg);
  * --tokens). */
 int moe_config_layout(const moe_config *cfg);
 int64_t moe_config_max_tokens(const moe_config *cfg);
+
+/* Was `flag` ("waves") given on the command line (not by a preset, not the
+ * default)? Does it hold its default value (whoever set it)? */
+bool moe_config_given(const moe_config *cfg, const char *flag);
+bool moe_config_at_default(const moe_config *cfg, const char *flag);
 
 /* Fit what the user did not set to the input: a default or preset --waves
  * above --tokens becomes --tokens (decode runs T = 1), the list kept

@@ -51,6 +51,59 @@ static char *append_file_digest(char *text, const char *key, const char *path)
     return text;
 }
 
+/* A flag given on the command line, away from its default, that this run
+ * would ignore is refused, by one rule: each flag below acts only through
+ * the setting it names. (At its default it changes nothing: a golden set's
+ * manifest replays every flag.) */
+static bool waves_run(const moe_config *cfg, const moe_path *path)
+{
+    (void)cfg;
+    return path->pipelined || (path->training && !path->reference_run);
+}
+static bool flat_waves_run(const moe_config *cfg, const moe_path *path)
+{
+    return path->pipelined && !path->two_stage && !path->training && waves_run(cfg, path);
+}
+static bool low_latency_run(const moe_config *cfg, const moe_path *path)
+{
+    (void)cfg;
+    return path->low_latency;
+}
+static bool normal_run(const moe_config *cfg, const moe_path *path)
+{
+    return !low_latency_run(cfg, path);
+}
+static bool contiguous_layout(const moe_config *cfg, const moe_path *path)
+{
+    (void)path;
+    return moe_config_layout(cfg) == MOE_LAYOUT_CONTIGUOUS;
+}
+
+static const struct {
+    const char *flag;
+    bool (*acts)(const moe_config *cfg, const moe_path *path);
+    const char *through;
+} flag_uses[] = {
+    {"waves", waves_run, "the wave pipeline, which --blocking and --mode low-latency do not run"},
+    {"lookahead", waves_run, "the wave pipeline, which --blocking and --mode low-latency do not run"},
+    {"progress", waves_run, "the all-to-alls in flight, which --blocking and --mode low-latency do not have"},
+    {"wave-by", flat_waves_run, "the flat dispatch's waves (the two-stage dispatch and --backward "
+                                "always split by tokens)"},
+    {"rma", low_latency_run, "--mode low-latency"},
+    {"blocking", normal_run, "--mode normal (the low-latency mode has one form)"},
+    {"expert-alignment", contiguous_layout, "--expert-layout contiguous"},
+};
+
+static int check_flag_uses(const moe_config *cfg, const moe_path *path, moe_status *st)
+{
+    for (size_t n = 0; n < sizeof flag_uses / sizeof flag_uses[0]; n++)
+        if (moe_config_given(cfg, flag_uses[n].flag) && !moe_config_at_default(cfg, flag_uses[n].flag) &&
+            !flag_uses[n].acts(cfg, path))
+            return moe_fail(st, MOE_EXIT_USAGE, "--%s acts only through %s: it would do nothing "
+                            "here; drop it", flag_uses[n].flag, flag_uses[n].through);
+    return MOE_EXIT_OK;
+}
+
 int moe_config_settle(moe_config *cfg, const moe_comm *c, enum moe_command command,
                       moe_settle_checks checks, void *arg, moe_status *st)
 {
@@ -62,7 +115,10 @@ int moe_config_settle(moe_config *cfg, const moe_comm *c, enum moe_command comma
         const moe_path *path = moe_path_choose(cfg);
         if (path->low_latency) /* every pair comes home alone (ep_ll.c) */
             cfg->combine = MOE_COMBINE_PAIRS;
-        if ((!checks || checks(cfg, path, c, arg, st) == MOE_EXIT_OK) && st->code == MOE_EXIT_OK)
+        if (command == MOE_CMD_RUN)
+            check_flag_uses(cfg, path, st);
+        if (st->code == MOE_EXIT_OK && (!checks || checks(cfg, path, c, arg, st) == MOE_EXIT_OK) &&
+            st->code == MOE_EXIT_OK)
             check_memory(cfg, command, c, path, st);
     }
     if (moe_comm_agree(c, st))

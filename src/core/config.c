@@ -43,6 +43,9 @@ bool moe_config_norm_topk(const moe_config *cfg)
 static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, const char *where,
                      moe_status *st)
 {
+    const size_t index = (size_t)(flag - moe_flags);
+    if (!strncmp(where, "--", 2) && index < 128) /* the command line's, not a preset's or the default */
+        cfg->given[index / 64] |= 1ull << (index % 64);
     char *base = (char *)cfg + flag->offset;
     char *end = NULL;
     switch (flag->kind) {
@@ -95,7 +98,6 @@ static int set_value(moe_config *cfg, const flag_spec *flag, const char *value, 
             return moe_fail(st, MOE_EXIT_USAGE, "%s lists at most %d wave counts, got '%s'",
                             where, MOE_MAX_WAVE_RUNS, value);
         cfg->waves_count = count;
-        cfg->waves_given = !strncmp(where, "--", 2); /* not a preset's or the default */
         return MOE_EXIT_OK;
     }
     case FLAG_REAL: {
@@ -304,9 +306,17 @@ int moe_config_parse(moe_config *cfg, enum moe_command command, int argc, char *
     return MOE_EXIT_OK;
 }
 
+bool moe_config_given(const moe_config *cfg, const char *flag)
+{
+    const flag_spec *spec = moe_flag_find(flag, strlen(flag));
+    MOE_ASSERT(spec != NULL);
+    const size_t index = (size_t)(spec - moe_flags);
+    return index < 128 && (cfg->given[index / 64] >> (index % 64) & 1);
+}
+
 void moe_config_fit(moe_config *cfg)
 {
-    if (cfg->waves_given)
+    if (moe_config_given(cfg, "waves"))
         return;
     int kept = 0;
     for (int n = 0; n < cfg->waves_count; n++) {

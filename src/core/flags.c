@@ -160,6 +160,7 @@ const flag_spec moe_flags[] = {
     {"nodes-per-token", FLAG_TEXT, FIELD(nodes_per_token), 0, 0, "HIST", NULL, "", "nodes a token reaches, measured: N:PERCENT,... as run prints it (default: sampled from the router)", PLAN, false},
 };
 const size_t moe_flag_count = sizeof moe_flags / sizeof moe_flags[0];
+_Static_assert(sizeof moe_flags / sizeof moe_flags[0] <= 128, "moe_config.given holds 128 flags");
 
 
 const char *const moe_command_names[] = {"run", "plan", "bench", "explain"};
@@ -223,6 +224,48 @@ void moe_config_print_flags(FILE *out, enum moe_command command)
     }
 }
 
+/* A flag's value in cfg as the command line would give it. */
+static void value_of(const moe_config *cfg, const flag_spec *flag, char *value, size_t size)
+{
+    const char *base = (const char *)cfg + flag->offset;
+    switch (flag->kind) {
+    case FLAG_INT:
+        if (moe_flag_takes_auto(flag) && *(const int64_t *)base < 0)
+            snprintf(value, size, "auto");
+        else
+            snprintf(value, size, "%lld", (long long)*(const int64_t *)base);
+        break;
+    case FLAG_SEED:
+        snprintf(value, size, "%llu", (unsigned long long)*(const uint64_t *)base);
+        break;
+    case FLAG_BOOL:
+        snprintf(value, size, "%s", *(const bool *)base ? "true" : "false");
+        break;
+    case FLAG_REAL:
+        if (moe_flag_takes_none(flag) && *(const double *)base == 0.0)
+            snprintf(value, size, "none");
+        else
+            snprintf(value, size, "%.17g", *(const double *)base);
+        break;
+    case FLAG_CHOICE:
+        snprintf(value, size, "%s", "");
+        for (const flag_choice *c = flag->choices; c->name; c++)
+            if (c->value == *(const int *)base)
+                snprintf(value, size, "%s", c->name);
+        break;
+    case FLAG_WAVES: {
+        size_t used = 0;
+        value[0] = '\0';
+        for (int w = 0; w < cfg->waves_count; w++)
+            used += (size_t)snprintf(value + used, size - used, "%s%lld", w ? "," : "",
+                                     (long long)cfg->waves_list[w]);
+        break;
+    }
+    default: /* preset, cluster, text */
+        snprintf(value, size, "%s", base);
+    }
+}
+
 void moe_config_describe(const moe_config *cfg, enum moe_command command,
                          void (*emit)(void *ctx, const char *name, const char *value), void *ctx)
 {
@@ -230,46 +273,22 @@ void moe_config_describe(const moe_config *cfg, enum moe_command command,
         const flag_spec *flag = &moe_flags[n];
         if (!(flag->commands & (1u << command)))
             continue;
-        const char *base = (const char *)cfg + flag->offset;
         char value[MOE_NAME_MAX + 32];
-        switch (flag->kind) {
-        case FLAG_INT:
-            if (moe_flag_takes_auto(flag) && *(const int64_t *)base < 0)
-                snprintf(value, sizeof value, "auto");
-            else
-                snprintf(value, sizeof value, "%lld", (long long)*(const int64_t *)base);
-            break;
-        case FLAG_SEED:
-            snprintf(value, sizeof value, "%llu", (unsigned long long)*(const uint64_t *)base);
-            break;
-        case FLAG_BOOL:
-            snprintf(value, sizeof value, "%s", *(const bool *)base ? "true" : "false");
-            break;
-        case FLAG_REAL:
-            if (moe_flag_takes_none(flag) && *(const double *)base == 0.0)
-                snprintf(value, sizeof value, "none");
-            else
-                snprintf(value, sizeof value, "%.17g", *(const double *)base);
-            break;
-        case FLAG_CHOICE:
-            snprintf(value, sizeof value, "%s", "");
-            for (const flag_choice *c = flag->choices; c->name; c++)
-                if (c->value == *(const int *)base)
-                    snprintf(value, sizeof value, "%s", c->name);
-            break;
-        case FLAG_WAVES: {
-            size_t used = 0;
-            value[0] = '\0';
-            for (int w = 0; w < cfg->waves_count; w++)
-                used += (size_t)snprintf(value + used, sizeof value - used, "%s%lld", w ? "," : "",
-                                         (long long)cfg->waves_list[w]);
-            break;
-        }
-        default: /* preset, cluster, text */
-            snprintf(value, sizeof value, "%s", base);
-        }
+        value_of(cfg, flag, value, sizeof value);
         emit(ctx, flag->name, value);
     }
+}
+
+bool moe_config_at_default(const moe_config *cfg, const char *flag)
+{
+    const flag_spec *spec = moe_flag_find(flag, strlen(flag));
+    MOE_ASSERT(spec != NULL);
+    moe_config fresh;
+    moe_config_defaults(&fresh);
+    char now[MOE_NAME_MAX + 32], first[MOE_NAME_MAX + 32];
+    value_of(cfg, spec, now, sizeof now);
+    value_of(&fresh, spec, first, sizeof first);
+    return !strcmp(now, first);
 }
 
 static void canonical_line(void *ctx, const char *name, const char *value)
