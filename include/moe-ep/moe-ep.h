@@ -69,6 +69,7 @@ int moe_ep_config_set(moe_ep_config *c, const char *flag, const char *value);
 /* Check the flags together for `ranks` ranks, as `moe-ep run` does. */
 int moe_ep_config_validate(moe_ep_config *c, int ranks);
 
+/* The shape (all zero for a NULL config). */
 moe_ep_shape moe_ep_config_shape(const moe_ep_config *c);
 
 /* The last error's message ("" when none). */

@@ -21,6 +21,10 @@ moe_router moe_model_router(const moe_config *cfg, float *bias, float *skew);
 /* gate (E, d): W_g, rounded to --dtype, --gate-ties' rows copied. */
 void moe_model_gate(const moe_config *cfg, float *gate);
 
+/* x (T, d): T tokens of the stream from global row first_token (rng.h,
+ * --input-dist), rounded to --dtype. */
+void moe_model_tokens(const moe_config *cfg, uint64_t first_token, float *x);
+
 /* Routed expert n (shared expert n when `shared`): w1 (2f, d), w2 (d, f),
  * rounded to --dtype. */
 void moe_model_expert(const moe_config *cfg, bool shared, int n, float *w1, float *w2);

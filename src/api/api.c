@@ -15,7 +15,6 @@
 #include "moe/golden.h"
 #include "moe/model.h"
 #include "moe/path.h"
-#include "moe/rng.h"
 #include "moe/settle.h"
 #include "moe/truth.h"
 #include "moe/wire.h"
@@ -91,6 +90,8 @@ int moe_ep_config_validate(moe_ep_config *c, int ranks)
 
 moe_ep_shape moe_ep_config_shape(const moe_ep_config *c)
 {
+    if (!c)
+        return (moe_ep_shape){0};
     const moe_config *cfg = &c->cfg;
     return (moe_ep_shape){cfg->tokens, cfg->hidden, cfg->ffn, cfg->experts, cfg->topk,
                           cfg->shared_experts};
@@ -104,10 +105,7 @@ int moe_ep_config_tokens(moe_ep_config *c, int rank, float *x)
         return bad(c->error, "moe_ep_config_tokens: %s is NULL", "x");
     if (rank < 0)
         return bad(c->error, "moe_ep_config_tokens: %s must be at least 0", "rank");
-    const moe_config *cfg = &c->cfg;
-    moe_synth_tokens(cfg->seed, (uint64_t)rank * (uint64_t)cfg->tokens, cfg->tokens, cfg->hidden,
-                     (float)cfg->init_scale, cfg->input_dist, x);
-    moe_precision_weights(cfg->param_dtype, x, cfg->tokens * cfg->hidden);
+    moe_model_tokens(&c->cfg, (uint64_t)rank * (uint64_t)c->cfg.tokens, x);
     c->error[0] = '\0';
     return MOE_EP_OK;
 }

@@ -252,11 +252,8 @@ void moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weights, in
 
 void moe_ep_generate_batch(const moe_ep *ep, uint64_t batch, float *x)
 {
-    const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
-    const uint64_t first_token = (batch * (uint64_t)ep->comm.ranks + (uint64_t)ep->comm.rank) * (uint64_t)T;
-    moe_synth_tokens(ep->cfg->seed, first_token, T, d, (float)ep->cfg->init_scale,
-                     ep->cfg->input_dist, x);
-    moe_precision_weights(ep->cfg->param_dtype, x, T * d);
+    const uint64_t T = (uint64_t)ep->cfg->tokens;
+    moe_model_tokens(ep->cfg, (batch * (uint64_t)ep->comm.ranks + (uint64_t)ep->comm.rank) * T, x);
 }
 
 void moe_ep_generate_tokens(const moe_ep *ep, float *x)

@@ -38,6 +38,13 @@ void moe_model_gate(const moe_config *cfg, float *gate)
         memcpy(gate + e * d, gate, sizeof(float) * (size_t)d);
 }
 
+void moe_model_tokens(const moe_config *cfg, uint64_t first_token, float *x)
+{
+    moe_synth_tokens(cfg->seed, first_token, cfg->tokens, cfg->hidden, (float)cfg->init_scale,
+                     cfg->input_dist, x);
+    moe_precision_weights(cfg->param_dtype, x, cfg->tokens * cfg->hidden);
+}
+
 void moe_model_expert(const moe_config *cfg, bool shared, int n, float *w1, float *w2)
 {
     const moe_index d = cfg->hidden, f = cfg->ffn;
