@@ -191,6 +191,10 @@ bool moe_config_at_default(const moe_config *cfg, const char *flag);
  * for moe_config_validate to refuse. */
 void moe_config_fit(moe_config *cfg);
 
+/* The most physical experts one of `ranks` ranks holds: ceil((E + N) / G),
+ * N the --redundant-experts copies (what the memory estimates size by). */
+int64_t moe_config_most_local_experts(const moe_config *cfg, int ranks);
+
 /* Check the combination for G ranks (k <= E, sizes that fit the index
  * types). Ranks without an expert (E < G) are allowed. */
 int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st);

@@ -14,6 +14,10 @@
  * which is renamed over path only if everything was written. Returns
  * MOE_EXIT_OK, or MOE_EXIT_RUNTIME with st naming the path and the reason;
  * nothing is left behind on failure. */
+/* The temporary path moe_write_file_atomic writes before its rename:
+ * PATH.tmp.PID. */
+void moe_temp_path(const char *path, char *tmp, size_t size);
+
 int moe_write_file_atomic(const char *path, void (*writer)(FILE *, const void *),
                           const void *arg, moe_status *st);
 

@@ -198,6 +198,11 @@ void moe_gather_row_ptrs(const float *const *row_at, moe_index width, const moe_
 void moe_scatter_rows(const float *src, moe_index width, const moe_index *index, moe_index rows,
                       float *dst);
 
+/* nodes = p's experts by node of ranks_per_node consecutive ranks: expert
+ * e on node expert_rank[e] / R, of G / R nodes (expert_rank allocated;
+ * moe_placement_free frees it). */
+void moe_placement_by_node(const moe_placement *p, int ranks_per_node, moe_placement *nodes);
+
 /* rows (G): dispatch rows this rank sends to each rank in one forward, the
  * sum over the waves of their deduplicated plans (waves NULL: one plan). */
 void moe_rows_per_destination(const moe_placement *p, const int32_t *ids, moe_index tokens,

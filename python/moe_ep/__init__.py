@@ -216,9 +216,14 @@ def _config(config, flags):
     return config
 
 
+def _tokens(cfg, x):
+    """x as (T, d) float32 for any T, or ValueError naming it."""
+    return _array(x, "x", (np.shape(x)[0] if np.ndim(x) == 2 else -1, cfg.shape["hidden"]), np.float32)
+
+
 def _routing(cfg, x, topk_ids, topk_weights):
     s = cfg.shape
-    x = _array(x, "x", (np.shape(x)[0] if np.ndim(x) == 2 else -1, s["hidden"]), np.float32)
+    x = _tokens(cfg, x)
     T = x.shape[0]
     ids = _array(topk_ids, "topk_ids", (T, s["topk"]), np.int32)
     weights = _array(topk_weights, "topk_weights", (T, s["topk"]), np.float32)
@@ -230,7 +235,7 @@ def route(x, config=None, gate=None, **flags):
     router on x (T, d), with the config's gate or `gate` (E, d)."""
     cfg = _config(config, flags)
     s = cfg.shape
-    x = _array(x, "x", (np.shape(x)[0] if np.ndim(x) == 2 else -1, s["hidden"]), np.float32)
+    x = _tokens(cfg, x)
     g = _array(gate, "gate", (s["experts"], s["hidden"]), np.float32, optional=True)
     ids = np.empty((x.shape[0], s["topk"]), dtype=np.int32)
     weights = np.empty((x.shape[0], s["topk"]), dtype=np.float32)

@@ -507,16 +507,12 @@ static void drop_detail(moe_run_context *ctx, const moe_waves *waves, traffic_de
             undropped += rows[r];
     }
     if (ep->path->two_stage) { /* its first hop's rows too, one per (token, node), as rows_sent counts */
-        const int R = ep->link.ranks_per_node, nodes = G / R;
-        moe_placement by_node = ep->placement;
-        by_node.ranks = nodes;
-        by_node.expert_rank = moe_xmalloc(sizeof(int) * (size_t)by_node.experts);
-        for (int e = 0; e < by_node.experts; e++)
-            by_node.expert_rank[e] = ep->placement.expert_rank[e] / R;
+        moe_placement by_node;
+        moe_placement_by_node(&ep->placement, ep->link.ranks_per_node, &by_node);
         moe_rows_per_destination(&by_node, every, T, k, NULL, rows);
-        for (int n = 0; n < nodes; n++)
+        for (int n = 0; n < by_node.ranks; n++)
             undropped += rows[n];
-        free(by_node.expert_rank);
+        moe_placement_free(&by_node);
     }
     moe_comm_sum_array(c, dropped, E + 2 * G);
     s->rows_undropped = moe_comm_sum(c, undropped);

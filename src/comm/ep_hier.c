@@ -620,13 +620,11 @@ int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float
     moe_ep_types_create(ep, &f.types);
     f.in_wire = moe_wire_dispatch(cfg);
     f.out_wire = moe_wire_combine(cfg);
-    f.by_node = (moe_placement){.experts = E, .ranks = f.nodes};
+    moe_placement_by_node(&ep->placement, R, &f.by_node);
     f.in_node = (moe_placement){.experts = E, .ranks = R + 1};
-    f.by_node.expert_rank = moe_xmalloc(sizeof(int) * (size_t)E);
     f.in_node.expert_rank = moe_xmalloc(sizeof(int) * (size_t)E);
     for (int e = 0; e < E; e++) {
         const int r = ep->placement.expert_rank[e];
-        f.by_node.expert_rank[e] = r / R;
         f.in_node.expert_rank[e] = r / R == f.node ? r % R : R;
     }
     moe_waves_init_by(&f.waves, &ep->placement, f.W, cfg->tokens, MOE_WAVE_BY_TOKENS);

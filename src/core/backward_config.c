@@ -42,7 +42,7 @@ double moe_backward_memory(const moe_config *cfg, int ranks)
     const double G = ranks, T = (double)cfg->tokens, d = (double)cfg->hidden, f = (double)cfg->ffn;
     const double E = (double)cfg->experts, k = (double)cfg->topk, S = (double)cfg->shared_experts;
     const double N = G * T;
-    const double EL = (double)((cfg->experts + cfg->redundant_experts + ranks - 1) / ranks);
+    const double EL = (double)moe_config_most_local_experts(cfg, ranks);
     const double expert_bytes = 3.0 * f * d * 4.0; /* W1 (2f,d) + W2 (d,f), fp32 */
     /* One expert's weights laid out for the backward, the gradients
      * (routed, shared, gate, dx) and dy; the step's buffers: dy received, dx per

@@ -306,6 +306,11 @@ int moe_config_parse(moe_config *cfg, enum moe_command command, int argc, char *
     return MOE_EXIT_OK;
 }
 
+int64_t moe_config_most_local_experts(const moe_config *cfg, int ranks)
+{
+    return (cfg->experts + cfg->redundant_experts + ranks - 1) / ranks;
+}
+
 bool moe_config_given(const moe_config *cfg, const char *flag)
 {
     const flag_spec *spec = moe_flag_find(flag, strlen(flag));

@@ -27,6 +27,14 @@ void moe_placement_init(moe_placement *p, int experts, int ranks)
     MOE_ASSERT(p->first_expert[ranks] == experts);
 }
 
+void moe_placement_by_node(const moe_placement *p, int ranks_per_node, moe_placement *nodes)
+{
+    *nodes = (moe_placement){.experts = p->experts, .ranks = p->ranks / ranks_per_node};
+    nodes->expert_rank = moe_xmalloc(sizeof(int) * (size_t)p->experts + 1);
+    for (int e = 0; e < p->experts; e++)
+        nodes->expert_rank[e] = p->expert_rank[e] / ranks_per_node;
+}
+
 void moe_placement_free(moe_placement *p)
 {
     free(p->first_expert);
@@ -484,7 +492,7 @@ int moe_layout_validate(const moe_config *cfg, moe_status *st)
 
 double moe_layout_memory(const moe_config *cfg, int ranks)
 {
-    const double EL = (double)((cfg->experts + cfg->redundant_experts + ranks - 1) / ranks);
+    const double EL = (double)moe_config_most_local_experts(cfg, ranks);
     const double T = (double)cfg->tokens, k = (double)cfg->topk, d = (double)cfg->hidden;
     if (moe_config_layout(cfg) == MOE_LAYOUT_MASKED) /* whole: its empty slots are never touched,
                                                        but the allocation must succeed */

@@ -16,7 +16,7 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
     const double G = ranks, T = (double)cfg->tokens, d = (double)cfg->hidden, f = (double)cfg->ffn;
     const double E = (double)cfg->experts, k = (double)cfg->topk, S = (double)cfg->shared_experts;
     const double N = G * T;                                   /* all ranks' tokens */
-    const double EL = (double)((cfg->experts + cfg->redundant_experts + ranks - 1) / ranks);
+    const double EL = (double)moe_config_most_local_experts(cfg, ranks);
     const double expert_bytes = 3.0 * f * d * 4.0;            /* W1 (2f,d) + W2 (d,f), fp32 */
     const double meta = 4.0 * (2.0 * k + 1.0);                /* a row's ids and weights */
     double W = 1.0;                                           /* the most waves of one forward */

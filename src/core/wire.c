@@ -152,7 +152,7 @@ double moe_ll_buffer_bytes(const moe_config *cfg, int ranks)
     const moe_wire cw = moe_wire_combine(cfg);
     const int64_t physical = cfg->experts + cfg->redundant_experts; /* --redundant-experts */
     const double E = (double)physical, G = ranks, k = (double)cfg->topk;
-    const double EL = (double)((physical + ranks - 1) / ranks);
+    const double EL = (double)moe_config_most_local_experts(cfg, ranks);
     const double N = (double)moe_config_max_tokens(cfg);
     const double row = moe_ll_row_bytes(cfg), out = (double)cw.bytes;
     return 32.0 + 8.0 * G * EL + 8.0 * E + N * k * (row + out) + EL * G * N * (row + out);

@@ -13,11 +13,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+void moe_temp_path(const char *path, char *tmp, size_t size)
+{
+    snprintf(tmp, size, "%s.tmp.%ld", path, (long)getpid());
+}
+
 int moe_write_file_atomic(const char *path, void (*writer)(FILE *, const void *),
                           const void *arg, moe_status *st)
 {
     char tmp[PATH_MAX];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    moe_temp_path(path, tmp, sizeof tmp);
     FILE *fp = fopen(tmp, "w");
     if (!fp)
         return moe_fail(st, MOE_EXIT_RUNTIME, "cannot write '%s': %s", tmp, strerror(errno));

@@ -330,8 +330,7 @@ static void cleanup_arm(const char *work)
         else
             snprintf(name, sizeof name, "manifest.json");
         snprintf(cleanup_file[2 * stage], sizeof cleanup_file[0], "%s/%s", work, name);
-        snprintf(cleanup_file[2 * stage + 1], sizeof cleanup_file[0], "%s/%s.tmp.%ld", work, name,
-                 (long)getpid());
+        moe_temp_path(cleanup_file[2 * stage], cleanup_file[2 * stage + 1], sizeof cleanup_file[0]);
     }
     struct sigaction on = {.sa_handler = cleanup_on_signal};
     sigemptyset(&on.sa_mask);
