@@ -96,6 +96,9 @@ int moe_golden_write(const char *dir, const moe_golden_tensor *tensors, int n,
  * replaces all it holds, so a directory with anything else is refused). */
 int moe_golden_check_target(const char *dir, moe_status *st);
 
+/* A file's SHA-256 as 64 hex digits; false when it cannot be read. */
+bool moe_golden_file_sha256(const char *path, char hex[65]);
+
 /* What verify compared, per stage (enum moe_stage_file): tensors
  * compared, and of those failed. */
 typedef struct {

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* verify.c — `moe-ep verify GOLDEN_DIR CANDIDATE.safetensors`: a port's
  * tensors against a golden set, stage by stage: the library's moe_ep_verify
- * (src/api/api.c, over src/io/golden.c). Rank 0 does the work; it needs no
+ * (src/api/api.c, over src/io/verify.c). Rank 0 does the work; it needs no
  * mpirun. */
 #include <string.h>
 

@@ -1,0 +1,917 @@
+/* SPDX-License-Identifier: MIT */
+/* verify.c — a candidate's tensors against a golden set, stage by stage
+ * (moe_golden_verify, golden.h; docs/golden.md section 4). */
+#define _GNU_SOURCE
+#include "moe/golden.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/files.h"
+#include "moe/quant.h"
+
+typedef struct {
+    double max_abs, max_rel, max_used;
+    int64_t first_bad, bad, near_ties;
+} verdict;
+
+/* ids (N, k): a mismatch is a near-tie when the golden selection scores of
+ * the golden and the candidate expert differ by at most the scores'
+ * tolerance; the candidate chose a different but equally good expert. */
+static void compare_topk(const int32_t *ref, const int32_t *got, int64_t n, int k,
+                         const float *selection, int experts, double tol_abs, double tol_rel,
+                         uint8_t *tied, verdict *v)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t token = i / k;
+        if (ref[i] == got[i])
+            continue;
+        bool tie = selection && got[i] >= 0 && got[i] < experts;
+        if (tie) {
+            const double a = selection[token * experts + ref[i]];
+            const double b = selection[token * experts + got[i]];
+            tie = fabs(a - b) <= tol_abs + tol_rel * fabs(a);
+        }
+        if (tie) {
+            v->near_ties++;
+            tied[token] = 1; /* its later tensors legitimately differ */
+            continue;
+        }
+        if (v->bad++ == 0)
+            v->first_bad = i;
+    }
+}
+
+/* A tolerance tensor's contract as the manifest gives it (golden.h). */
+typedef struct {
+    double abs, rel;
+    const double *allow; /* per element, or NULL */
+    bool bf16_step;
+} contract;
+
+/* skip_row, when not NULL, leaves out the rows (of width elements) it marks. */
+static void compare_values(const void *ref, enum moe_st_dtype ref_dtype, const void *got,
+                           enum moe_st_dtype got_dtype, int64_t n, enum moe_golden_rule rule,
+                           const contract *tol, const uint8_t *skip_row, int64_t width, verdict *v)
+{
+    for (int64_t i = 0; i < n; i++) {
+        if (skip_row && skip_row[i / width])
+            continue;
+        const double r = moe_st_element(ref, ref_dtype, i), g = moe_st_element(got, got_dtype, i);
+        double err = fabs(g - r);
+        if (!isfinite(g) && !(isnan(g) && isnan(r)))
+            err = INFINITY;
+        if (isnan(g) && isnan(r))
+            err = 0.0;
+        const double bound = rule == MOE_RULE_EXACT
+                                 ? 0.0
+                                 : tol->abs + tol->rel * fabs(r) + (tol->allow ? tol->allow[i] : 0.0) +
+                                       (tol->bf16_step ? moe_bf16_step(r) : 0.0);
+        const double used = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0.0);
+        v->max_abs = fmax(v->max_abs, err);
+        if (fabs(r) > 0)
+            v->max_rel = fmax(v->max_rel, err / fabs(r));
+        v->max_used = fmax(v->max_used, used);
+        if (err > bound && v->bad++ == 0)
+            v->first_bad = i;
+    }
+}
+
+/* "(2, 3)" */
+static void shape_text(int ndim, const int64_t *shape, char *buf, size_t size)
+{
+    size_t used = (size_t)snprintf(buf, size, "(");
+    for (int dim = 0; dim < ndim && used < size; dim++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", dim ? ", " : "", (long long)shape[dim]);
+    if (used < size)
+        snprintf(buf + used, size - used, ")");
+}
+
+static void index_text(int64_t flat, int ndim, const int64_t *shape, char *buf, size_t size)
+{
+    int64_t idx[MOE_ST_MAX_DIMS];
+    for (int dim = ndim - 1; dim >= 0; dim--) {
+        idx[dim] = shape[dim] ? flat % shape[dim] : 0;
+        flat = shape[dim] ? flat / shape[dim] : 0;
+    }
+    size_t used = (size_t)snprintf(buf, size, "[");
+    for (int dim = 0; dim < ndim; dim++)
+        used += (size_t)snprintf(buf + used, size - used, "%s%lld", dim ? "," : "", (long long)idx[dim]);
+    snprintf(buf + used, size - used, "]");
+}
+
+/* One verify: the golden set, the candidate, and the verdict so far. */
+typedef struct {
+    const char *dir;
+    json_t *manifest, *tensors, *files;
+    json_t *convention;     /* the contract of convention_golden's tensors */
+    moe_st_file cand;
+    float *selection;       /* (N, E) router.selection, for the near-tie rule; NULL without */
+    int experts;
+    double sel_abs, sel_rel;
+    FILE *out;
+    int first_failing;      /* stage, MOE_GOLDEN_STAGES while none failed */
+    int compared;
+    moe_golden_result result; /* per stage: tensors compared and failed */
+    int64_t ranks, config_tokens, experts_config, topk, hidden; /* the config's G, T, E, k, d */
+    uint8_t *tied;          /* (tokens) whose top-k differs only by near-ties; NULL: none yet */
+    int64_t tokens, tied_count;
+} verify_run;
+
+/* Load the golden tensor `name` the manifest lists: its file must match the
+ * manifest's SHA-256, and the tensor there the manifest's dtype and shape
+ * (validate_manifest checked those against the config). */
+static void *load_golden(const verify_run *v, const char *name, moe_st_entry *entry, moe_status *st)
+{
+    json_t *info = json_object_get(v->tensors, name);
+    const char *file = json_string_value(json_object_get(info, "file"));
+    if (!file) {
+        moe_fail(st, MOE_EXIT_USAGE, "golden manifest lists no tensor '%s'", name);
+        return NULL;
+    }
+    char path[2 * PATH_MAX], hex[65];
+    snprintf(path, sizeof path, "%s/%s", v->dir, file);
+    const char *want = json_string_value(json_object_get(json_object_get(v->files, file), "sha256"));
+    if (!want || !moe_golden_file_sha256(path, hex) || strcmp(hex, want) != 0) {
+        moe_fail(st, MOE_EXIT_USAGE,
+                 "golden file '%s' is missing or differs from its manifest checksum; regenerate the "
+                 "set with moe-ep run --dump and the manifest's config", path);
+        return NULL;
+    }
+    moe_st_file f;
+    if (moe_st_open(path, &f, st))
+        return NULL;
+    const moe_st_entry *e = moe_st_find(&f, name);
+    void *data = NULL;
+    json_t *shape = json_object_get(info, "shape");
+    bool as_listed = e && !strcmp(moe_st_dtype_name(e->dtype), json_string_value(json_object_get(info, "dtype"))) &&
+                     (size_t)e->ndim == json_array_size(shape);
+    for (int dim = 0; as_listed && dim < e->ndim; dim++)
+        as_listed = e->shape[dim] == json_integer_value(json_array_get(shape, (size_t)dim));
+    if (!e) {
+        moe_fail(st, MOE_EXIT_USAGE, "golden file '%s' lacks tensor '%s'", path, name);
+    } else if (!as_listed) {
+        moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' in '%s' is not the dtype and shape its "
+                 "manifest lists", name, path);
+    } else {
+        *entry = *e;
+        data = moe_xmalloc((size_t)(e->end - e->begin) + 1);
+        if (moe_st_read(&f, e, data, st)) {
+            free(data);
+            data = NULL;
+        }
+    }
+    moe_st_close(&f);
+    return data;
+}
+
+/* An F8_E4M3 candidate tensor name (rows, d) as F32 values: each byte's
+ * value times its block's scale from the candidate's "name.scale" (rows,
+ * ceil(d/128)), F32, as DeepEP and DeepGEMM ship them. NULL (st set) when
+ * the scales are missing or of another shape. */
+static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, const void *bytes,
+                              moe_status *st)
+{
+    char name[MOE_ST_NAME_MAX + 8];
+    snprintf(name, sizeof name, "%s.scale", e->name);
+    const moe_st_entry *s = moe_st_find(cand, name);
+    /* rows: every dimension but the last ((rows, d), or the masked layout's (EL, C, d)) */
+    const int64_t width = e->ndim >= 2 ? e->shape[e->ndim - 1] : 0;
+    const int64_t rows = width ? moe_st_elements(e->ndim, e->shape) / width : 0;
+    const int64_t blocks = (width + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+    bool same = s && e->ndim >= 2 && s->dtype == MOE_ST_F32 && s->ndim == e->ndim &&
+                s->shape[e->ndim - 1] == blocks;
+    for (int dim = 0; same && dim < e->ndim - 1; dim++)
+        same = s->shape[dim] == e->shape[dim];
+    if (!same) {
+        moe_fail(st, MOE_EXIT_USAGE,
+                 "candidate tensor '%s' is F8_E4M3 (%lld rows of %lld): it needs its scales as "
+                 "'%s', F32, of its shape but for the last dimension, %lld: one per block of 128",
+                 e->name, (long long)rows, (long long)width, name, (long long)blocks);
+        return NULL;
+    }
+    float *scales = moe_xmalloc((size_t)(s->end - s->begin) + 1);
+    if (moe_st_read(cand, s, scales, st)) {
+        free(scales);
+        return NULL;
+    }
+    float *values = moe_xmalloc(sizeof(float) * (size_t)(rows * width) + 1);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < width; j++)
+            values[i * width + j] = (float)moe_st_element(bytes, MOE_ST_F8_E4M3, i * width + j) *
+                                    scales[i * blocks + j / MOE_FP8_BLOCK];
+    free(scales);
+    return values;
+}
+
+/* The golden values of a candidate tensor that the manifest does not list
+ * under its name but DeepEP's conventions use (per source rank r):
+ *   layout.rank{r}.tokens_per_rank   (G)     row r of layout.send_counts
+ *   layout.rank{r}.is_token_in_rank  (T, G)  rows r*T .. of layout.is_token_in_rank
+ *   layout.rank{r}.tokens_per_expert (E)     rank r's tokens' (token, expert) pairs
+ * NULL when the name is none of these. */
+static void *convention_golden(const verify_run *v, const char *name, moe_st_entry *entry)
+{
+    int r;
+    char what[64];
+    if (sscanf(name, "layout.rank%d.%63s", &r, what) != 2)
+        return NULL;
+    const int G = (int)v->ranks;
+    moe_status ignored = {0};
+    moe_st_entry src;
+    void *out = NULL;
+    memset(entry, 0, sizeof *entry);
+    snprintf(entry->name, sizeof entry->name, "%s", name);
+    if (G <= 0 || r < 0 || r >= G)
+        return NULL;
+    if (!strcmp(what, "tokens_per_rank")) {
+        int32_t *counts = load_golden(v, "layout.send_counts", &src, &ignored);
+        if (counts && src.ndim == 2 && src.shape[0] == G && src.shape[1] == G) {
+            out = moe_xmalloc(sizeof(int32_t) * (size_t)G);
+            memcpy(out, counts + (size_t)r * (size_t)G, sizeof(int32_t) * (size_t)G);
+            *entry = (moe_st_entry){.dtype = MOE_ST_I32, .ndim = 1, .shape = {G}};
+        }
+        free(counts);
+    } else if (!strcmp(what, "is_token_in_rank")) {
+        uint8_t *in = load_golden(v, "layout.is_token_in_rank", &src, &ignored);
+        if (in && src.ndim == 2 && src.shape[1] == G && src.shape[0] % G == 0) {
+            const int64_t T = src.shape[0] / G;
+            out = moe_xmalloc((size_t)(T * G) + 1);
+            memcpy(out, in + (size_t)(r * T * G), (size_t)(T * G));
+            *entry = (moe_st_entry){.dtype = MOE_ST_BOOL, .ndim = 2, .shape = {T, G}};
+        }
+        free(in);
+    } else if (!strcmp(what, "tokens_per_expert")) {
+        int32_t *ids = load_golden(v, "router.topk_ids", &src, &ignored);
+        const int64_t E = v->experts_config;
+        if (ids && E > 0 && src.ndim == 2 && src.shape[0] % G == 0) {
+            const int64_t T = src.shape[0] / G, k = src.shape[1];
+            int32_t *count = moe_xcalloc((size_t)E, sizeof(int32_t));
+            for (int64_t n = r * T * k; n < (r + 1) * T * k; n++)
+                if (ids[n] >= 0 && ids[n] < E)
+                    count[ids[n]]++;
+            out = count;
+            *entry = (moe_st_entry){.dtype = MOE_ST_I32, .ndim = 1, .shape = {E}};
+        }
+        free(ids);
+    }
+    snprintf(entry->name, sizeof entry->name, "%s", name);
+    return out;
+}
+
+/* experts.rank{r}.out in another row order (expert-major, as grouped GEMMs
+ * lay it out) with experts.rank{r}.row (rows) beside it, any integer dtype:
+ * candidate row i is golden row row[i]. Returns the rows in golden order (a
+ * new buffer of F32), or NULL with why set when row is not a permutation. */
+static float *golden_order(const moe_st_file *cand, const moe_st_entry *e, const void *got,
+                           const moe_st_entry *perm_entry, char *why, size_t size)
+{
+    const int64_t rows = e->shape[0], width = e->ndim == 2 ? e->shape[1] : 1;
+    if (perm_entry->ndim != 1 || perm_entry->shape[0] != rows || !moe_st_dtype_is_integer(perm_entry->dtype)) {
+        snprintf(why, size, "%s must be (%lld) integers, one golden row per candidate row",
+                 perm_entry->name, (long long)rows);
+        return NULL;
+    }
+    moe_status st = {0};
+    void *perm = moe_xmalloc((size_t)(perm_entry->end - perm_entry->begin) + 1);
+    float *out = moe_xmalloc(sizeof(float) * (size_t)(rows * width) + 1);
+    uint8_t *seen = moe_xcalloc((size_t)rows + 1, 1);
+    bool ok = moe_st_read(cand, perm_entry, perm, &st) == MOE_EXIT_OK;
+    for (int64_t i = 0; ok && i < rows; i++) {
+        const double to = moe_st_element(perm, perm_entry->dtype, i);
+        ok = to >= 0 && to < (double)rows && !seen[(int64_t)to];
+        if (!ok) {
+            snprintf(why, size, "%s is not a permutation of the %lld golden rows (row %lld: %.0f)",
+                     perm_entry->name, (long long)rows, (long long)i, to);
+            break;
+        }
+        seen[(int64_t)to] = 1;
+        for (int64_t j = 0; j < width; j++)
+            out[(int64_t)to * width + j] = (float)moe_st_element(got, e->dtype, i * width + j);
+    }
+    free(seen);
+    free(perm);
+    if (!ok) {
+        free(out);
+        return NULL;
+    }
+    return out;
+}
+
+/* The evidence under a failing tensor's row: the first bad element's
+ * values, and what it stands for where the set says (a token's top-k, an
+ * expert output's (token, expert) pair). */
+static void explain_mismatch(const verify_run *v, const char *name, const moe_st_entry *golden,
+                             const void *ref, const moe_st_entry *cand, const void *got, int64_t first)
+{
+    FILE *out = v->out;
+    moe_status ignored = {0};
+    const int64_t width = golden->ndim > 1 ? golden->shape[golden->ndim - 1] : 1;
+    const int64_t row = first / width;
+    if (!strcmp(name, "router.topk_ids")) {
+        moe_st_entry w_entry;
+        float *w = load_golden(v, "router.topk_weights", &w_entry, &ignored);
+        fprintf(out, "%-28s token %lld: golden ids", "", (long long)row);
+        for (int64_t s = 0; s < width; s++)
+            fprintf(out, " %d", ((const int32_t *)ref)[row * width + s]);
+        if (w) {
+            fprintf(out, " (weights");
+            for (int64_t s = 0; s < width; s++)
+                fprintf(out, " %.6g", w[row * width + s]);
+            fprintf(out, ")");
+        }
+        fprintf(out, ", candidate ids");
+        for (int64_t s = 0; s < width; s++)
+            fprintf(out, " %.0f", moe_st_element(got, cand->dtype, row * width + s));
+        fprintf(out, "\n");
+        free(w);
+        return;
+    }
+    fprintf(out, "%-28s golden %.9g, candidate %.9g", "", moe_st_element(ref, golden->dtype, first),
+            moe_st_element(got, cand->dtype, first));
+    int rank;
+    if (sscanf(name, "experts.rank%d.out", &rank) == 1) {
+        char pair_name[MOE_ST_NAME_MAX];
+        snprintf(pair_name, sizeof pair_name, "experts.rank%d.pair", rank);
+        moe_st_entry p_entry;
+        int32_t *pair = load_golden(v, pair_name, &p_entry, &ignored);
+        if (pair && row < p_entry.shape[0])
+            fprintf(out, " at (token %d, expert %d), column %lld", pair[2 * row], pair[2 * row + 1],
+                    (long long)(first % width));
+        free(pair);
+    }
+    fprintf(out, "\n");
+}
+
+
+/* For a tensor after the router whose rows are tokens: which of its rows
+ * belong to tied tokens (NULL: its rows are not tokens, e.g. counts). */
+static uint8_t *tied_rows(verify_run *v, const char *name, int64_t rows)
+{
+    int r;
+    char golden_name[MOE_ST_NAME_MAX + 8], file[32];
+    int64_t width = 1;
+    moe_status ignored = {0};
+    moe_st_entry entry;
+    int32_t *token = NULL;
+    if (!strncmp(name, "output.", 7) || !strcmp(name, "layout.is_token_in_rank")) {
+        uint8_t *skip = moe_xcalloc((size_t)rows + 1, 1);
+        for (int64_t i = 0; i < rows && i < v->tokens; i++)
+            skip[i] = v->tied[i];
+        return skip;
+    }
+    int used = -1;
+    /* The layout tensors' slots move when a tied token's experts change:
+     * their differences are not counted (as the counts'). */
+    if (sscanf(name, "dispatch.rank%d.layout.%n", &r, &used) == 1 && used > 0)
+        return NULL;
+    used = -1;
+    const bool sums = sscanf(name, "experts.rank%d.sum%n", &r, &used) == 1 && used == (int)strlen(name);
+    if (sscanf(name, "dispatch.rank%d.", &r) == 1 || sums) { /* a sum's rows are the received rows */
+        snprintf(golden_name, sizeof golden_name, "dispatch.rank%d.token", r);
+        snprintf(file, sizeof file, "dispatch.safetensors");
+    } else if (sscanf(name, "experts.rank%d.", &r) == 1) {
+        snprintf(golden_name, sizeof golden_name, "experts.rank%d.pair", r);
+        snprintf(file, sizeof file, "experts.safetensors");
+        width = 2; /* (token, expert) */
+    } else {
+        return NULL;
+    }
+    token = load_golden(v, golden_name, &entry, &ignored);
+    if (!token || entry.shape[0] != rows) {
+        free(token);
+        return NULL;
+    }
+    uint8_t *skip = moe_xcalloc((size_t)rows + 1, 1);
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t t = token[i * width];
+        skip[i] = t >= 0 && t < v->tokens && v->tied[t];
+    }
+    free(token);
+    return skip;
+}
+
+/* Both ids, or both values. */
+static bool same_kind_of(const moe_st_entry *golden, const moe_st_entry *cand)
+{
+    return moe_st_dtype_is_integer(golden->dtype) == moe_st_dtype_is_integer(cand->dtype);
+}
+
+static void fail_stage(verify_run *v, int stage)
+{
+    if (stage < v->first_failing)
+        v->first_failing = stage;
+    v->result.failed[stage]++;
+}
+
+/* Companions of a candidate tensor, read with it rather than on their own:
+ * F8 scales, a row order, DeepEP's per-rank layout (compared in the layout
+ * stage under derived golden values). */
+static bool companion_name(const char *name)
+{
+    const size_t len = strlen(name);
+    return (len > 6 && !strcmp(name + len - 6, ".scale")) ||
+           (len > 4 && !strcmp(name + len - 4, ".row") && !strncmp(name, "experts.rank", 12)) ||
+           !strncmp(name, "layout.rank", 11);
+}
+
+/* The candidate's values of e as compared: read, F8_E4M3 with its scales
+ * made F32, rows put in golden order when a row order comes with them.
+ * *as describes them. Returns MOE_EXIT_OK, MOE_EXIT_CHECK_FAILED (the
+ * tensor's stage failed; printed) or another code with st set. */
+static int candidate_values(verify_run *v, const moe_st_entry *e, const char *stage_name, int stage,
+                            void **got, moe_st_entry *as, moe_status *st)
+{
+    *as = *e;
+    *got = moe_xmalloc((size_t)(e->end - e->begin) + 1);
+    if (moe_st_read(&v->cand, e, *got, st))
+        return st->code;
+    if (e->dtype == MOE_ST_F8_E4M3) {
+        float *values = fp8_with_scales(&v->cand, e, *got, st);
+        free(*got);
+        *got = values;
+        if (!values)
+            return st->code;
+        as->dtype = MOE_ST_F32;
+    }
+    int r;
+    char perm_name[MOE_ST_NAME_MAX + 8];
+    const moe_st_entry *perm = NULL;
+    if (sscanf(e->name, "experts.rank%d.out", &r) == 1) {
+        snprintf(perm_name, sizeof perm_name, "experts.rank%d.row", r);
+        perm = moe_st_find(&v->cand, perm_name);
+    }
+    if (!perm)
+        return MOE_EXIT_OK;
+    char why[256];
+    float *ordered = golden_order(&v->cand, as, *got, perm, why, sizeof why);
+    free(*got);
+    *got = ordered;
+    as->dtype = MOE_ST_F32;
+    if (ordered)
+        return MOE_EXIT_OK;
+    fprintf(v->out, "%-28s %-9s FAIL: %s\n", e->name, stage_name, why);
+    fail_stage(v, stage);
+    return MOE_EXIT_CHECK_FAILED;
+}
+
+/* The per-element allowance a tolerance tensor's manifest entry names, or
+ * NULL (*failed false) without one. */
+static double *load_allowance(verify_run *v, json_t *info, const char *name, int64_t count,
+                              bool *failed, moe_status *st)
+{
+    const char *allow_name = json_string_value(json_object_get(info, "allow"));
+    *failed = false;
+    if (!allow_name)
+        return NULL;
+    moe_st_entry entry;
+    double *allow = load_golden(v, allow_name, &entry, st);
+    if (allow && (entry.dtype != MOE_ST_F64 || moe_st_elements(entry.ndim, entry.shape) != count)) {
+        free(allow);
+        allow = NULL;
+        moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' is not an F64 allowance of %lld elements for '%s'",
+                 allow_name, (long long)count, name);
+    }
+    *failed = allow == NULL;
+    return allow;
+}
+
+/* Candidate tensor e against its golden tensor, if it belongs to `stage`:
+ * one line of the table (and the evidence under a failure). Returns
+ * MOE_EXIT_OK, or the code of a file that could not be read (st set). */
+/* Whether e has the golden tensor's shape and kind of values; if not, the
+ * line that says why, and its stage failed unless near-ties explain it. */
+static bool comparable(verify_run *v, const moe_st_entry *e, const moe_st_entry *golden, int stage,
+                       const char *stage_name)
+{
+    bool same_shape = golden->ndim == e->ndim;
+    for (int dim = 0; same_shape && dim < e->ndim; dim++)
+        same_shape = golden->shape[dim] == e->shape[dim];
+    if (same_shape && moe_st_dtype_is_integer(golden->dtype) == moe_st_dtype_is_integer(e->dtype))
+        return true;
+    char cshape[96], gshape[96];
+    shape_text(e->ndim, e->shape, cshape, sizeof cshape);
+    shape_text(golden->ndim, golden->shape, gshape, sizeof gshape);
+    if (v->first_failing < stage)
+        fprintf(v->out, "%-28s %-9s not compared: %s differs upstream (candidate %s %s, golden %s %s)\n",
+                e->name, stage_name, moe_golden_stage_names[v->first_failing],
+                moe_st_dtype_name(e->dtype), cshape, moe_st_dtype_name(golden->dtype), gshape);
+    else if (v->tied_count > 0 && same_kind_of(golden, e))
+        fprintf(v->out, "%-28s %-9s not compared: %lld tokens routed differently at near-ties change its "
+                        "shape (candidate %s, golden %s)\n",
+                e->name, stage_name, (long long)v->tied_count, cshape, gshape);
+    else
+        fprintf(v->out, "%-28s %-9s FAIL: candidate %s %s, golden %s %s\n", e->name, stage_name,
+                moe_st_dtype_name(e->dtype), cshape, moe_st_dtype_name(golden->dtype), gshape);
+    if (!(v->tied_count > 0 && same_kind_of(golden, e)))
+        fail_stage(v, stage);
+    return false;
+}
+
+/* The top-k ids against the golden's: exact, or different only at
+ * near-ties (the tokens so tied are remembered: their rows are left out
+ * downstream). A golden id outside [0, E) is a usage error. */
+static int compare_ids(verify_run *v, const moe_st_entry *e, const void *ref, const void *got,
+                       const moe_st_entry *as, int64_t count, verdict *result, moe_status *st)
+{
+    const int k = (int)e->shape[e->ndim - 1];
+    for (int64_t i = 0; i < count; i++)
+        if (((const int32_t *)ref)[i] < 0 || ((const int32_t *)ref)[i] >= v->experts_config) {
+            moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' holds id %d, outside [0, %lld)",
+                     e->name, ((const int32_t *)ref)[i], (long long)v->experts_config);
+            return st->code;
+        }
+    int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1); /* as the golden's I32 */
+    for (int64_t i = 0; i < count; i++) {
+        const double id = moe_st_element(got, as->dtype, i);
+        ids[i] = id >= INT32_MIN && id <= INT32_MAX ? (int32_t)id : -1;
+    }
+    free(v->tied);
+    v->tokens = k > 0 ? count / k : 0;
+    v->tied = moe_xcalloc((size_t)v->tokens + 1, 1);
+    compare_topk(ref, ids, count, k, v->selection, v->experts, v->sel_abs, v->sel_rel, v->tied,
+                 result);
+    v->tied_count = 0;
+    for (int64_t t = 0; t < v->tokens; t++)
+        v->tied_count += v->tied[t];
+    free(ids);
+    return MOE_EXIT_OK;
+}
+
+/* The tensor's line of the table, the notes on near-ties and rows left
+ * out, and on a difference the first element explained and its stage
+ * failed. */
+static void print_verdict(verify_run *v, const moe_st_entry *e, int stage, const char *stage_name,
+                          const char *rule_text, enum moe_golden_rule rule, const verdict *result,
+                          const uint8_t *skip, bool uncounted, const moe_st_entry *golden,
+                          const void *ref, const moe_st_entry *as, const void *got)
+{
+    char where[64] = "", used[16];
+    if (result->bad)
+        index_text(result->first_bad, e->ndim, e->shape, where, sizeof where);
+    snprintf(used, sizeof used, rule == MOE_RULE_TOLERANCE ? "%.1f" : "-", 100.0 * result->max_used);
+    fprintf(v->out, "%-28s %-9s %-10s %11.3e %11.3e %8s %10lld  %s%s\n", e->name, stage_name,
+            rule_text, result->max_abs, result->max_rel, used, (long long)result->bad,
+            result->bad ? where : "-", result->near_ties ? " (near-ties accepted)" : "");
+    if (result->near_ties)
+        fprintf(v->out, "%-28s %lld top-k ids of %lld tokens differ only by near-ties; their rows "
+                        "are left out downstream\n", "", (long long)result->near_ties, (long long)v->tied_count);
+    if (skip) {
+        int64_t left_out = 0;
+        for (int64_t i = 0; i < e->shape[0]; i++)
+            left_out += skip[i];
+        if (left_out)
+            fprintf(v->out, "%-28s %lld rows of tied tokens left out\n", "", (long long)left_out);
+    }
+    if (result->bad && uncounted)
+        fprintf(v->out, "%-28s differs, but tokens routed differently at near-ties change it: not counted\n", "");
+    if (result->bad && !uncounted) {
+        explain_mismatch(v, e->name, golden, ref, as, got, result->first_bad);
+        fail_stage(v, stage);
+    }
+}
+
+static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_status *st)
+{
+    json_t *info = json_object_get(v->tensors, e->name);
+    moe_st_entry golden;
+    void *ref = NULL;
+    if (!info && stage == MOE_GOLDEN_LAYOUT &&
+        (ref = convention_golden(v, e->name, &golden)))
+        info = v->convention;
+    const char *stage_name = json_string_value(json_object_get(info, "stage"));
+    if (!info || !stage_name || strcmp(stage_name, moe_golden_stage_names[stage])) {
+        free(ref);
+        return MOE_EXIT_OK;
+    }
+    if (!ref)
+        ref = load_golden(v, e->name, &golden, st);
+    if (!ref)
+        return st->code;
+    v->compared++;
+    v->result.compared[stage]++;
+    /* A tensor that cannot be compared is a failure of its stage, or the
+     * consequence of an earlier stage's. */
+    if (!comparable(v, e, &golden, stage, stage_name)) {
+        free(ref);
+        return MOE_EXIT_OK;
+    }
+    void *got = NULL;
+    moe_st_entry as;
+    int rc = candidate_values(v, e, stage_name, stage, &got, &as, st);
+    const char *rule_text = json_string_value(json_object_get(info, "compare"));
+    const enum moe_golden_rule rule = !strcmp(rule_text, "topk")        ? MOE_RULE_TOPK
+                                      : !strcmp(rule_text, "tolerance") ? MOE_RULE_TOLERANCE
+                                                                        : MOE_RULE_EXACT;
+    const int64_t count = moe_st_elements(e->ndim, e->shape);
+    bool failed = false;
+    double *allow = rc == MOE_EXIT_OK ? load_allowance(v, info, e->name, count, &failed, st) : NULL;
+    if (rc != MOE_EXIT_OK || failed) {
+        free(got);
+        free(ref);
+        return rc == MOE_EXIT_CHECK_FAILED ? MOE_EXIT_OK : st->code;
+    }
+    const contract tol = {json_number_value(json_object_get(info, "abs")),
+                          json_number_value(json_object_get(info, "rel")), allow,
+                          json_is_true(json_object_get(info, "bf16_step"))};
+    verdict result = {0, 0, 0, -1, 0, 0};
+    /* After near-ties, rows of the tied tokens legitimately differ: they are
+     * left out; a tensor whose rows are not tokens (counts) cannot leave
+     * them out, and its differences are not counted. */
+    uint8_t *skip = NULL;
+    bool uncounted = false;
+    if (stage > MOE_GOLDEN_ROUTER && v->tied_count > 0) {
+        skip = tied_rows(v, e->name, e->shape[0]);
+        uncounted = skip == NULL;
+    }
+    if (rule == MOE_RULE_TOPK) {
+        if (compare_ids(v, e, ref, got, &as, count, &result, st)) {
+            free(skip);
+            free(allow);
+            free(got);
+            free(ref);
+            return st->code;
+        }
+    } else {
+        compare_values(ref, golden.dtype, got, as.dtype, count, rule, &tol, skip,
+                       e->shape[0] ? count / e->shape[0] : 1, &result);
+    }
+    print_verdict(v, e, stage, stage_name, rule_text, rule, &result, skip, uncounted, &golden, ref, &as,
+                  got);
+    free(skip);
+    free(allow);
+    free(got);
+    free(ref);
+    return MOE_EXIT_OK;
+}
+
+/* ---- the manifest as untrusted input -------------------------------------
+ *
+ * Everything verify later relies on is checked first: the keys it reads and
+ * their types, tensor entries that name a listed file, a stage, a dtype, a
+ * rule and a shape of sizes whose product cannot overflow, tolerances that
+ * are finite numbers (integers or reals), allowances that are F64 tensors
+ * of their tensor's shape, and the shapes of the tensors the layer defines
+ * against the config's G, T, d, E and k. Golden files are then held to the
+ * manifest (load_golden) and golden ids to [0, E) (verify_tensor). */
+
+static int bad_manifest(moe_status *st, const char *path, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int bad_manifest(moe_status *st, const char *path, const char *fmt, ...)
+{
+    char what[MOE_MESSAGE_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    return moe_fail(st, MOE_EXIT_USAGE, "golden manifest '%s' is not valid: %s", path, what);
+}
+
+/* A config value that must be an integer in [1, max]. */
+static bool config_integer(json_t *config, const char *key, int64_t max, int64_t *out)
+{
+    const char *text = json_string_value(json_object_get(config, key));
+    char *end;
+    if (!text || !isdigit((unsigned char)text[0]))
+        return false;
+    errno = 0;
+    const long long v = strtoll(text, &end, 10);
+    *out = v;
+    return !*end && !errno && v >= 1 && v <= max;
+}
+
+/* The shape the layer gives a tensor of this name, in the config's sizes:
+ * -1 for a size that varies (rows of a rank); false when the name is not
+ * one of the layer's. */
+static bool expected_shape(const verify_run *v, const char *name, int64_t d, int *ndim, int64_t shape[2])
+{
+    const int64_t N = v->ranks * v->config_tokens, E = v->experts_config, k = v->topk, G = v->ranks;
+    static const struct {
+        const char *name;
+        char rows, cols; /* N tokens, G ranks, E experts, k, d hidden, r varying rows, 0 none */
+    } table[] = {{"tokens.x", 'N', 'd'},           {"router.logits", 'N', 'E'},
+                 {"router.scores", 'N', 'E'},      {"router.selection", 'N', 'E'},
+                 {"router.topk_ids", 'N', 'k'},    {"router.topk_weights", 'N', 'k'},
+                 {"gate.weight", 'E', 'd'},        {"gate.bias", 'E', 0},
+                 {"router.skew", 'E', 0},          {"layout.tokens_per_rank", 'G', 0},
+                 {"layout.tokens_per_expert", 'E', 0}, {"layout.is_token_in_rank", 'N', 'G'},
+                 {"layout.send_counts", 'G', 'G'}, {"output.y", 'N', 'd'},
+                 {"output.truth", 'N', 'd'},       {"output.allow", 'N', 'd'}};
+    const char *rank_tensor[][2] = {{"dispatch.rank%d.x%n", "rd"}, {"dispatch.rank%d.token%n", "r"},
+                                    {"experts.rank%d.out%n", "rd"}, {"experts.rank%d.pair%n", "r2"},
+                                    {"experts.rank%d.sum%n", "rd"}};
+    char rows = 0, cols = 0;
+    for (size_t n = 0; n < sizeof table / sizeof table[0]; n++)
+        if (!strcmp(name, table[n].name))
+            rows = table[n].rows, cols = table[n].cols;
+    for (size_t n = 0; n < sizeof rank_tensor / sizeof rank_tensor[0] && !rows; n++) {
+        int r, used = -1;
+        if (sscanf(name, rank_tensor[n][0], &r, &used) == 1 && used == (int)strlen(name) && r >= 0 && r < G)
+            rows = rank_tensor[n][1][0], cols = rank_tensor[n][1][1];
+    }
+    if (!rows)
+        return false;
+    const char sym[2] = {rows, cols};
+    *ndim = cols ? 2 : 1;
+    for (int i = 0; i < *ndim; i++)
+        shape[i] = sym[i] == 'N' ? N : sym[i] == 'G' ? G : sym[i] == 'E' ? E : sym[i] == 'k' ? k
+                 : sym[i] == 'd' ? d : sym[i] == '2' ? 2 : -1;
+    return true;
+}
+
+static int validate_tensor_entry(const verify_run *v, const char *path, const char *name, json_t *t,
+                                 moe_status *st)
+{
+    if (!json_is_object(t))
+        return bad_manifest(st, path, "tensor '%s' is not an object", name);
+    const char *file = json_string_value(json_object_get(t, "file"));
+    const char *stage = json_string_value(json_object_get(t, "stage"));
+    const char *dtype = json_string_value(json_object_get(t, "dtype"));
+    const char *rule = json_string_value(json_object_get(t, "compare"));
+    json_t *shape = json_object_get(t, "shape"), *abs = json_object_get(t, "abs"), *rel = json_object_get(t, "rel");
+    if (!file || !json_object_get(v->files, file))
+        return bad_manifest(st, path, "tensor '%s' names no file of \"files\"", name);
+    bool known = false;
+    for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
+        known |= stage && !strcmp(stage, moe_golden_stage_names[s]);
+    if (!known)
+        return bad_manifest(st, path, "tensor '%s' has no known \"stage\"", name);
+    int kind = -1;
+    for (int k = 0; k < MOE_ST_DTYPES; k++)
+        if (dtype && !strcmp(dtype, moe_st_dtype_name((enum moe_st_dtype)k)))
+            kind = k;
+    if (kind < 0)
+        return bad_manifest(st, path, "tensor '%s' has no known \"dtype\"", name);
+    if (!rule || (strcmp(rule, "exact") && strcmp(rule, "tolerance") && strcmp(rule, "topk")))
+        return bad_manifest(st, path, "tensor '%s' has no \"compare\" of exact, tolerance or topk", name);
+    if (!json_is_array(shape) || json_array_size(shape) > MOE_ST_MAX_DIMS)
+        return bad_manifest(st, path, "tensor '%s' has no \"shape\" of at most %d sizes", name, MOE_ST_MAX_DIMS);
+    int64_t elements = 1;
+    for (size_t dim = 0; dim < json_array_size(shape); dim++) {
+        json_t *size = json_array_get(shape, dim);
+        const json_int_t n = json_is_integer(size) ? json_integer_value(size) : -1;
+        if (n < 0 || (n > 0 && elements > ((int64_t)1 << 40) / n))
+            return bad_manifest(st, path, "tensor '%s' has a shape that is not sizes of at most 2^40 elements in all", name);
+        elements *= n;
+    }
+    if (!strcmp(rule, "topk") && (json_array_size(shape) != 2 || strcmp(dtype, "I32")))
+        return bad_manifest(st, path, "tensor '%s' compared as topk is not (tokens, k) I32", name);
+    /* The tensors verify reads as indices have the dtype it reads them as. */
+    int r, used = -1;
+    const bool index_tensor = !strcmp(name, "router.topk_ids") || !strcmp(name, "layout.send_counts") ||
+                              (sscanf(name, "dispatch.rank%d.token%n", &r, &used) == 1 && used == (int)strlen(name)) ||
+                              (sscanf(name, "experts.rank%d.pair%n", &r, &used) == 1 && used == (int)strlen(name));
+    if ((index_tensor && strcmp(dtype, "I32")) ||
+        (!strcmp(name, "layout.is_token_in_rank") && strcmp(dtype, "BOOL")) ||
+        (!strcmp(name, "router.selection") && strcmp(dtype, "F32")) ||
+        (!strcmp(name, "router.topk_weights") && strcmp(dtype, "F32")))
+        return bad_manifest(st, path, "tensor '%s' is not of the dtype the layer gives it", name);
+    if (!json_is_number(abs) || !json_is_number(rel) || !(json_number_value(abs) >= 0) ||
+        !(json_number_value(rel) >= 0) || !isfinite(json_number_value(abs)) || !isfinite(json_number_value(rel)))
+        return bad_manifest(st, path, "tensor '%s' has no finite \"abs\" and \"rel\" of at least 0", name);
+    json_t *bf16 = json_object_get(t, "bf16_step"), *allow = json_object_get(t, "allow");
+    if (bf16 && !json_is_boolean(bf16))
+        return bad_manifest(st, path, "tensor '%s' has a \"bf16_step\" that is not true or false", name);
+    if (allow) {
+        json_t *a = json_object_get(v->tensors, json_string_value(allow) ? json_string_value(allow) : "");
+        const char *a_dtype = json_string_value(json_object_get(a, "dtype"));
+        if (!json_is_object(a) || !json_equal(json_object_get(a, "shape"), shape) || !a_dtype ||
+            strcmp(a_dtype, "F64"))
+            return bad_manifest(st, path, "tensor '%s' has an \"allow\" that is not an F64 tensor of its shape", name);
+    }
+    int ndim;
+    int64_t want[2];
+    const int64_t d = v->hidden;
+    if (expected_shape(v, name, d, &ndim, want)) {
+        bool ok = json_array_size(shape) == (size_t)ndim;
+        for (int dim = 0; ok && dim < ndim; dim++)
+            ok = want[dim] < 0 || json_integer_value(json_array_get(shape, (size_t)dim)) == want[dim];
+        if (!ok)
+            return bad_manifest(st, path, "tensor '%s' does not have the shape its config gives it", name);
+    }
+    return MOE_EXIT_OK;
+}
+
+static int validate_manifest(verify_run *v, const char *path, moe_status *st)
+{
+    json_t *m = v->manifest, *config = json_object_get(m, "config");
+    const char *format = json_string_value(json_object_get(m, "format"));
+    if (!json_is_object(m) || !format || strcmp(format, "moe-ep golden set"))
+        return moe_fail(st, MOE_EXIT_USAGE, "'%s' is not a moe-ep golden manifest", path);
+    if (!json_is_integer(json_object_get(m, "format_version")) ||
+        json_integer_value(json_object_get(m, "format_version")) != 1)
+        return bad_manifest(st, path, "\"format_version\" is not 1, the version this moe-ep reads");
+    if (!json_is_object(config) || !json_is_object(v->tensors) || !json_is_object(v->files))
+        return bad_manifest(st, path, "\"config\", \"files\" and \"tensors\" must be objects");
+    if (!config_integer(config, "ranks", 1 << 20, &v->ranks) ||
+        !config_integer(config, "tokens", 1 << 24, &v->config_tokens) ||
+        !config_integer(config, "experts", 4096, &v->experts_config) ||
+        !config_integer(config, "topk", v->experts_config, &v->topk) ||
+        !config_integer(config, "hidden", 65536, &v->hidden))
+        return bad_manifest(st, path, "\"config\" lacks ranks, tokens, experts, topk or hidden as "
+                            "integers in their ranges");
+    const char *key;
+    json_t *value;
+    json_object_foreach(config, key, value) {
+        if (!json_is_string(value))
+            return bad_manifest(st, path, "config value '%s' is not a string", key);
+    }
+    json_t *stages = json_object_get(m, "stages");
+    bool known = json_is_array(stages);
+    for (size_t n = 0; known && n < json_array_size(stages); n++) {
+        const char *name = json_string_value(json_array_get(stages, n));
+        known = false;
+        for (int s = 0; name && s < MOE_GOLDEN_STAGES && !known; s++)
+            known = !strcmp(name, moe_golden_stage_names[s]);
+    }
+    if (!known)
+        return bad_manifest(st, path, "\"stages\" is not a list of stage names");
+    json_object_foreach(v->files, key, value) {
+        const char *sha = json_string_value(json_object_get(value, "sha256"));
+        if (!sha || strlen(sha) != 64 || strspn(sha, "0123456789abcdef") != 64 ||
+            !json_is_integer(json_object_get(value, "bytes")) ||
+            json_integer_value(json_object_get(value, "bytes")) < 0 || strchr(key, '/') || !strcmp(key, ".."))
+            return bad_manifest(st, path, "file '%s' has no \"sha256\" of 64 hex digits and \"bytes\"", key);
+    }
+    json_object_foreach(v->tensors, key, value) {
+        if (validate_tensor_entry(v, path, key, value, st))
+            return st->code;
+    }
+    return MOE_EXIT_OK;
+}
+
+int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_golden_result *result,
+                      moe_status *st)
+{
+    if (result)
+        memset(result, 0, sizeof *result);
+    char path[700];
+    snprintf(path, sizeof path, "%s/manifest.json", dir);
+    json_error_t error;
+    verify_run v = {.dir = dir, .out = out, .first_failing = MOE_GOLDEN_STAGES};
+    FILE *fp = moe_open_input("golden manifest: ", path, st);
+    if (!fp)
+        return st->code;
+    v.manifest = json_loadf(fp, 0, &error);
+    fclose(fp);
+    if (!v.manifest)
+        return moe_fail(st, MOE_EXIT_USAGE, "cannot read golden manifest '%s': %s (line %d)", path,
+                        error.text, error.line);
+    v.tensors = json_object_get(v.manifest, "tensors");
+    v.files = json_object_get(v.manifest, "files");
+    if (validate_manifest(&v, path, st)) {
+        json_decref(v.manifest);
+        return st->code;
+    }
+    if (moe_st_open(candidate, &v.cand, st)) {
+        json_decref(v.manifest);
+        return st->code;
+    }
+    v.convention = json_pack("{s:s, s:s, s:s}", "stage", "layout", "compare", "exact", "file",
+                             "layout.safetensors");
+    moe_st_entry sel_entry;
+    moe_status ignored = {0};
+    json_t *sel_info = json_object_get(v.tensors, "router.selection");
+    if (sel_info)
+        v.selection = load_golden(&v, "router.selection", &sel_entry, &ignored);
+    v.experts = v.selection ? (int)sel_entry.shape[1] : 0;
+    v.sel_abs = json_number_value(json_object_get(sel_info, "abs"));
+    v.sel_rel = json_number_value(json_object_get(sel_info, "rel"));
+
+    fprintf(out, "%-28s %-9s %-10s %11s %11s %8s %10s  %s\n", "tensor", "stage", "rule", "max abs",
+            "max rel", "% of tol", "mismatch", "first mismatch");
+    int rc = MOE_EXIT_OK;
+    for (int stage = 0; stage < MOE_GOLDEN_STAGES && rc == MOE_EXIT_OK; stage++)
+        for (int n = 0; n < v.cand.count && rc == MOE_EXIT_OK; n++)
+            rc = verify_tensor(&v, &v.cand.entries[n], stage, st);
+    for (int n = 0; n < v.cand.count && rc == MOE_EXIT_OK; n++)
+        if (!companion_name(v.cand.entries[n].name) && !json_object_get(v.tensors, v.cand.entries[n].name))
+            fprintf(out, "%-28s (not in the golden set: ignored)\n", v.cand.entries[n].name);
+    free(v.tied);
+    free(v.selection);
+    json_decref(v.convention);
+    moe_st_close(&v.cand);
+    json_decref(v.manifest);
+    if (result)
+        *result = v.result;
+    if (rc != MOE_EXIT_OK)
+        return rc;
+    if (v.compared == 0)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "'%s' holds no tensor of the golden set (names as in %s/manifest.json)",
+                        candidate, dir);
+    if (v.first_failing < MOE_GOLDEN_STAGES) {
+        fprintf(out, "verify: FAIL, first failing stage: %s\n", moe_golden_stage_names[v.first_failing]);
+        return MOE_EXIT_CHECK_FAILED;
+    }
+    fprintf(out, "verify: PASS, %d tensors within contract\n", v.compared);
+    return MOE_EXIT_OK;
+}
