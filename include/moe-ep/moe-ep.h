@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* The API this header describes; moe_ep_api_version() is the library's. */
-#define MOE_EP_API_VERSION 1
+#define MOE_EP_API_VERSION 2
 
 enum { MOE_EP_OK = 0, MOE_EP_FAIL = 1, MOE_EP_BAD_INPUT = 2, MOE_EP_RUNTIME = 3 };
 
@@ -147,15 +147,31 @@ typedef struct {
     int first_failing; /* the first stage that failed, -1 when none */
     int stage_compared[MOE_EP_VERIFY_STAGES]; /* per stage: tensors compared */
     int stage_failed[MOE_EP_VERIFY_STAGES];   /* and of those failed or not comparable */
+    int stage_in_set[MOE_EP_VERIFY_STAGES];   /* 1 where the golden set holds tensors of the stage */
+    unsigned missing_required; /* bit (1u << stage) per required stage the candidate left out */
     char message[512]; /* one line: what failed first, or why nothing could be compared */
 } moe_ep_verify_result;
+
+/* How strict verify is beyond the contract; zero is the default. */
+typedef struct {
+    unsigned require;  /* bit (1u << stage) per stage the candidate must hold a tensor of (a
+                          stage the set lacks is not required); ~0u: every stage of the set */
+    int allow_unknown; /* nonzero: ignore candidate tensors the set does not name (default:
+                          such a tensor, a misspelt name say, is MOE_EP_BAD_INPUT) */
+} moe_ep_verify_options;
 
 /* The name of a stage ("inputs", "router", ...); NULL past the last. */
 const char *moe_ep_verify_stage_name(int stage);
 
 /* Compare candidate.safetensors with the golden set in golden_dir, writing
  * the per-tensor table to table (NULL: none); result filled. Returns its
- * verdict. What `moe-ep verify` prints. No MPI. */
+ * verdict: MOE_EP_FAIL also when a required stage is missing. What
+ * `moe-ep verify` prints. options may be NULL (the defaults). No MPI. */
+int moe_ep_verify_with(const char *golden_dir, const char *candidate,
+                       const moe_ep_verify_options *options, FILE *table,
+                       moe_ep_verify_result *result);
+
+/* moe_ep_verify_with under the default options. */
 int moe_ep_verify(const char *golden_dir, const char *candidate, FILE *table,
                   moe_ep_verify_result *result);
 

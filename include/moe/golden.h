@@ -100,22 +100,36 @@ int moe_golden_check_target(const char *dir, moe_status *st);
 bool moe_golden_file_sha256(const char *path, char hex[65]);
 
 /* What verify compared, per stage (enum moe_stage_file): tensors
- * compared, and of those failed. */
+ * compared, and of those failed; the stages the set holds tensors of. */
 typedef struct {
     int compared[MOE_GOLDEN_STAGES];
     int failed[MOE_GOLDEN_STAGES];
+    int in_set[MOE_GOLDEN_STAGES];
+    unsigned missing_required; /* bit per required stage that nothing was compared in */
 } moe_golden_result;
+
+/* How strict verify is beyond the contract (zero: the default). */
+typedef struct {
+    unsigned require;   /* bit per stage (1u << stage) a candidate must hold a tensor of */
+    bool allow_unknown; /* ignore candidate tensors the set does not name, rather than refuse */
+} moe_golden_options;
+
+/* Parse --require's value: stage names separated by commas, or "all" (the
+ * stages the set holds, resolved by verify: every bit set). */
+int moe_golden_parse_require(const char *text, unsigned *require, moe_status *st);
 
 /* Compare the tensors of candidate with the set in dir, in pipeline order,
  * and print the table to out; result (may be NULL) receives the counts
  * per stage. Candidate ids of any integer dtype and values
  * of any real dtype are compared as the golden ones; a shape or kind that
  * differs fails the tensor's stage, or, after a stage that failed already,
- * is shown as following from it. Returns MOE_EXIT_OK (all within contract),
- * MOE_EXIT_CHECK_FAILED (some not; the first failing stage is named), or
- * MOE_EXIT_USAGE for a golden set or candidate that cannot be read (st says
- * what). */
-int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_golden_result *result,
-                      moe_status *st);
+ * is shown as following from it. The table ends with the stages checked and
+ * those of the set the candidate left out. Returns MOE_EXIT_OK (all within
+ * contract), MOE_EXIT_CHECK_FAILED (some not, or a required stage missing;
+ * the first failing stage is named), or MOE_EXIT_USAGE for a golden set or
+ * candidate that cannot be read, or a candidate tensor the set does not name
+ * (st says what). options may be NULL. */
+int moe_golden_verify(const char *dir, const char *candidate, const moe_golden_options *options,
+                      FILE *out, moe_golden_result *result, moe_status *st);
 
 #endif

@@ -28,7 +28,7 @@ from . import safetensors
 __all__ = ["Config", "route", "reference", "check", "verify", "CheckResult", "VerifyResult",
            "library"]
 
-API_VERSION = 1
+API_VERSION = 2
 OK, FAIL, BAD_INPUT, RUNTIME = 0, 1, 2, 3
 STAGES = 7
 
@@ -41,7 +41,12 @@ class _Shape(ctypes.Structure):
 class _VerifyResult(ctypes.Structure):
     _fields_ = [("verdict", ctypes.c_int), ("compared", ctypes.c_int), ("first_failing", ctypes.c_int),
                 ("stage_compared", ctypes.c_int * STAGES), ("stage_failed", ctypes.c_int * STAGES),
+                ("stage_in_set", ctypes.c_int * STAGES), ("missing_required", ctypes.c_uint),
                 ("message", ctypes.c_char * 512)]
+
+
+class _VerifyOptions(ctypes.Structure):
+    _fields_ = [("require", ctypes.c_uint), ("allow_unknown", ctypes.c_int)]
 
 
 _lib = None
@@ -91,7 +96,7 @@ def library():
         "moe_ep_truth": (ctypes.c_int, [P, ctypes.c_int, F, I, F, ctypes.c_int64, D]),
         "moe_ep_check": (ctypes.c_int, [P, ctypes.c_int, F, I, F, ctypes.c_int64, F, D]),
         "moe_ep_verify_stage_name": (ctypes.c_char_p, [ctypes.c_int]),
-        "moe_ep_verify": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, P,
+        "moe_ep_verify_with": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, P, P,
                                          ctypes.POINTER(_VerifyResult)]),
     }
     for name, (restype, argtypes) in sig.items():
@@ -298,7 +303,10 @@ def check(y, x, topk_ids, topk_weights, config=None, ranks=1, w1=None, w2=None, 
 class VerifyResult:
     """What verify compared: passed; verdict (0 pass, 1 fail); compared
     (tensors); first_failing (a stage name or None); stages, a list of
-    (stage, compared, failed); table, verify's per-tensor table; message."""
+    (stage, compared, failed); checked and missing, the names of the set's
+    stages the candidate held tensors of and those it left out;
+    missing_required, the required ones among them; table, verify's
+    per-tensor table; message."""
 
     def __init__(self, r, table, lib):
         self.verdict, self.compared, self.table = r.verdict, r.compared, table
@@ -307,6 +315,10 @@ class VerifyResult:
             if r.first_failing >= 0 else None
         self.stages = [(lib.moe_ep_verify_stage_name(s).decode(), r.stage_compared[s], r.stage_failed[s])
                        for s in range(STAGES)]
+        in_set = [s for s in range(STAGES) if r.stage_in_set[s]]
+        self.checked = [self.stages[s][0] for s in in_set if r.stage_compared[s]]
+        self.missing = [self.stages[s][0] for s in in_set if not r.stage_compared[s]]
+        self.missing_required = [self.stages[s][0] for s in in_set if r.missing_required >> s & 1]
         self.message = r.message.decode()
 
     def __bool__(self):
@@ -320,11 +332,23 @@ class VerifyResult:
                                                                            self.first_failing)
 
 
-def verify(golden_dir, candidate):
+def verify(golden_dir, candidate, require=(), allow_unknown=False):
     """candidate: a safetensors path, or a dict name -> numpy array or torch
-    tensor (written to a temporary safetensors file). A VerifyResult; a
-    golden set or candidate that cannot be read raises ValueError."""
+    tensor (written to a temporary safetensors file). require: stage names
+    the candidate must hold tensors of, or "all" (each missing one fails);
+    allow_unknown: ignore tensors the set does not name (by default such a
+    name, a misspelt one say, raises ValueError). A VerifyResult; a golden
+    set or candidate that cannot be read raises ValueError."""
     lib = library()
+    names = [lib.moe_ep_verify_stage_name(s).decode() for s in range(STAGES)]
+    if isinstance(require, str):
+        require = require.split(",")
+    mask = 0
+    for stage in require:
+        if stage != "all" and stage not in names:
+            raise ValueError("require: %r is not a stage (%s, or all)" % (stage, ", ".join(names)))
+        mask |= 0xFFFFFFFF if stage == "all" else 1 << names.index(stage)
+    options = _VerifyOptions(mask, 1 if allow_unknown else 0)
     if not isinstance(golden_dir, (str, os.PathLike)):
         raise ValueError("golden_dir must be a path, got %s" % type(golden_dir).__name__)
     with tempfile.TemporaryDirectory(prefix="moe_ep.") as tmp:
@@ -342,7 +366,8 @@ def verify(golden_dir, candidate):
         libc.fclose.argtypes = [ctypes.c_void_p]
         out = libc.fopen(table_path.encode(), b"w")
         r = _VerifyResult()
-        lib.moe_ep_verify(os.fsencode(golden_dir), os.fsencode(path), out, ctypes.byref(r))
+        lib.moe_ep_verify_with(os.fsencode(golden_dir), os.fsencode(path), ctypes.byref(options), out,
+                               ctypes.byref(r))
         libc.fclose(out)
         with open(table_path, encoding="utf-8", errors="replace") as f:
             table = f.read()

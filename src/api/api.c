@@ -373,8 +373,9 @@ const char *moe_ep_verify_stage_name(int stage)
     return stage >= 0 && stage < MOE_GOLDEN_STAGES ? moe_golden_stage_names[stage] : NULL;
 }
 
-int moe_ep_verify(const char *golden_dir, const char *candidate, FILE *table,
-                  moe_ep_verify_result *result)
+int moe_ep_verify_with(const char *golden_dir, const char *candidate,
+                       const moe_ep_verify_options *options, FILE *table,
+                       moe_ep_verify_result *result)
 {
     _Static_assert(MOE_EP_VERIFY_STAGES == MOE_GOLDEN_STAGES, "the header's stage count");
     moe_ep_verify_result r = {.first_failing = -1};
@@ -384,25 +385,37 @@ int moe_ep_verify(const char *golden_dir, const char *candidate, FILE *table,
         moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_verify: %s is NULL", !golden_dir ? "golden_dir" : "candidate");
     else if (!out)
         moe_fail(&st, MOE_EXIT_RUNTIME, "moe_ep_verify: cannot open /dev/null");
+    const moe_golden_options opt = {.require = options ? options->require : 0,
+                                    .allow_unknown = options && options->allow_unknown};
     moe_golden_result counts;
     memset(&counts, 0, sizeof counts);
-    const int rc = st.code ? st.code : moe_golden_verify(golden_dir, candidate, out, &counts, &st);
+    const int rc = st.code ? st.code : moe_golden_verify(golden_dir, candidate, &opt, out, &counts, &st);
     if (out && out != table)
         fclose(out);
     for (int s = 0; s < MOE_GOLDEN_STAGES; s++) {
         r.stage_compared[s] = counts.compared[s];
         r.stage_failed[s] = counts.failed[s];
+        r.stage_in_set[s] = counts.in_set[s];
         r.compared += counts.compared[s];
         if (counts.failed[s] && r.first_failing < 0)
             r.first_failing = s;
     }
+    r.missing_required = counts.missing_required;
     r.verdict = rc == MOE_EXIT_OK ? MOE_EP_OK : rc == MOE_EXIT_CHECK_FAILED ? MOE_EP_FAIL : rc;
     if (st.code)
         snprintf(r.message, sizeof r.message, "%s", st.message);
     else if (r.first_failing >= 0)
         snprintf(r.message, sizeof r.message, "first failing stage: %s",
                  moe_golden_stage_names[r.first_failing]);
+    else if (r.missing_required)
+        snprintf(r.message, sizeof r.message, "a required stage holds no candidate tensor");
     if (result)
         *result = r;
     return r.verdict;
+}
+
+int moe_ep_verify(const char *golden_dir, const char *candidate, FILE *table,
+                  moe_ep_verify_result *result)
+{
+    return moe_ep_verify_with(golden_dir, candidate, NULL, table, result);
 }

@@ -630,8 +630,14 @@ static void write_set(const moe_ep *ep, int G, gathered *a, const backward_share
     if (ep->path->training)
         add_backward(&l, ep, G, bwd);
 
+    /* the config as given, with what "auto" resolved to where it changes
+     * the numbers: a port reads the values, not the rule */
+    static const char *const layout_names[] = {
+        [MOE_LAYOUT_ROWS] = "rows", [MOE_LAYOUT_MASKED] = "masked", [MOE_LAYOUT_CONTIGUOUS] = "contiguous"};
     json_t *config_object = json_object();
     moe_config_describe(cfg, MOE_CMD_RUN, emit_config, config_object);
+    json_object_set_new(config_object, "norm-topk", json_string(moe_config_norm_topk(cfg) ? "true" : "false"));
+    json_object_set_new(config_object, "expert-layout", json_string(layout_names[moe_config_layout(cfg)]));
     json_object_set_new(config_object, "ranks", json_sprintf("%d", G));
     char *config = json_dumps(config_object, JSON_PRESERVE_ORDER);
     MOE_ASSERT(config != NULL);

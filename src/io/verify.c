@@ -21,33 +21,56 @@
 typedef struct {
     double max_abs, max_rel, max_used;
     int64_t first_bad, bad, near_ties;
+    int64_t reordered;            /* tokens whose experts came in another order */
+    int64_t toward_zero, away;    /* elements one bf16 step from the golden, by direction */
 } verdict;
 
-/* ids (N, k): a mismatch is a near-tie when the golden selection scores of
- * the golden and the candidate expert differ by at most the scores'
- * tolerance; the candidate chose a different but equally good expert. */
+/* ids (N, k), a token's experts matched as a set: a golden id the
+ * candidate holds in another slot is the same choice (slot_of[i] says
+ * which candidate slot holds golden slot i, so that the weights follow
+ * their ids). A golden id the candidate lacks is paired with a candidate
+ * id the golden lacks, in slot order; the pair is a near-tie when their
+ * golden selection scores differ by at most the scores' tolerance: the
+ * candidate chose a different but equally good expert. */
 static void compare_topk(const int32_t *ref, const int32_t *got, int64_t n, int k,
                          const float *selection, int experts, double tol_abs, double tol_rel,
-                         uint8_t *tied, verdict *v)
+                         uint8_t *tied, int32_t *slot_of, verdict *v)
 {
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t token = i / k;
-        if (ref[i] == got[i])
-            continue;
-        bool tie = selection && got[i] >= 0 && got[i] < experts;
-        if (tie) {
-            const double a = selection[token * experts + ref[i]];
-            const double b = selection[token * experts + got[i]];
-            tie = fabs(a - b) <= tol_abs + tol_rel * fabs(a);
+    uint8_t *used = moe_xmalloc((size_t)k + 1);
+    for (int64_t token = 0; token < n / k; token++) {
+        const int32_t *r = ref + token * k, *g = got + token * k;
+        int32_t *to = slot_of + token * k;
+        bool moved = false;
+        memset(used, 0, (size_t)k);
+        for (int s = 0; s < k; s++) {
+            to[s] = -1;
+            for (int c = 0; c < k && to[s] < 0; c++)
+                if (!used[c] && g[c] == r[s])
+                    to[s] = c, used[c] = 1, moved |= c != s;
         }
-        if (tie) {
-            v->near_ties++;
-            tied[token] = 1; /* its later tensors legitimately differ */
-            continue;
+        for (int s = 0; s < k; s++) {
+            if (to[s] >= 0)
+                continue;
+            int c = 0;
+            while (used[c])
+                c++;
+            to[s] = c, used[c] = 1;
+            bool tie = selection && g[c] >= 0 && g[c] < experts;
+            if (tie) {
+                const double a = selection[token * experts + r[s]];
+                const double b = selection[token * experts + g[c]];
+                tie = fabs(a - b) <= tol_abs + tol_rel * fabs(a);
+            }
+            if (tie) {
+                v->near_ties++;
+                tied[token] = 1; /* its later tensors legitimately differ */
+            } else if (v->bad++ == 0) {
+                v->first_bad = token * k + s;
+            }
         }
-        if (v->bad++ == 0)
-            v->first_bad = i;
+        v->reordered += moved;
     }
+    free(used);
 }
 
 /* A tolerance tensor's contract as the manifest gives it (golden.h). */
@@ -57,7 +80,25 @@ typedef struct {
     bool bf16_step;
 } contract;
 
-/* skip_row, when not NULL, leaves out the rows (of width elements) it marks. */
+/* +1 when g is r's bf16 neighbour away from zero, -1 toward zero, 0 when
+ * either is not a bf16 value or they are not neighbours of one sign. */
+static int bf16_neighbour(double r, double g)
+{
+    const float fr = (float)r, fg = (float)g;
+    uint32_t br, bg;
+    memcpy(&br, &fr, sizeof br);
+    memcpy(&bg, &fg, sizeof bg);
+    if (fr != r || fg != g || (br & 0xffffu) || (bg & 0xffffu) || ((br ^ bg) & 0x80000000u) ||
+        !isfinite(fr) || !isfinite(fg))
+        return 0;
+    const uint32_t mr = (br & 0x7fffffffu) >> 16, mg = (bg & 0x7fffffffu) >> 16;
+    return mg == mr + 1 ? 1 : mr == mg + 1 ? -1 : 0;
+}
+
+/* skip_row, when not NULL, leaves out the rows (of width elements) it
+ * marks. Under a bf16 step contract, an element one bf16 step from the
+ * golden is counted by direction and left out of the share used (the
+ * step is allowed whole); the other elements make max_used. */
 static void compare_values(const void *ref, enum moe_st_dtype ref_dtype, const void *got,
                            enum moe_st_dtype got_dtype, int64_t n, enum moe_golden_rule rule,
                            const contract *tol, const uint8_t *skip_row, int64_t width, verdict *v)
@@ -79,7 +120,13 @@ static void compare_values(const void *ref, enum moe_st_dtype ref_dtype, const v
         v->max_abs = fmax(v->max_abs, err);
         if (fabs(r) > 0)
             v->max_rel = fmax(v->max_rel, err / fabs(r));
-        v->max_used = fmax(v->max_used, used);
+        const int step = tol->bf16_step && err > 0 ? bf16_neighbour(r, g) : 0;
+        if (step < 0)
+            v->toward_zero++;
+        else if (step > 0)
+            v->away++;
+        else
+            v->max_used = fmax(v->max_used, used);
         if (err > bound && v->bad++ == 0)
             v->first_bad = i;
     }
@@ -124,6 +171,9 @@ typedef struct {
     int64_t ranks, config_tokens, experts_config, topk, hidden; /* the config's G, T, E, k, d */
     uint8_t *tied;          /* (tokens) whose top-k differs only by near-ties; NULL: none yet */
     int64_t tokens, tied_count;
+    int32_t *slot_of;       /* (tokens, k): the candidate's slot of each golden slot; NULL: as golden */
+    int64_t topk_count;     /* elements of slot_of */
+    moe_golden_options opt;
 } verify_run;
 
 /* Load the golden tensor `name` the manifest lists: its file must match the
@@ -173,36 +223,82 @@ static void *load_golden(const verify_run *v, const char *name, moe_st_entry *en
     return data;
 }
 
-/* An F8_E4M3 candidate tensor name (rows, d) as F32 values: each byte's
- * value times its block's scale from the candidate's "name.scale" (rows,
- * ceil(d/128)), F32, as DeepEP and DeepGEMM ship them. NULL (st set) when
- * the scales are missing or of another shape. */
-static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, const void *bytes,
-                              moe_status *st)
+/* The scales of an F8_E4M3 tensor of `rows` rows of `blocks` blocks as F32,
+ * from any of the forms ports write them in: F32 (rows, blocks); U8 UE8M0
+ * exponent bytes (rows, blocks), 2^(byte - 127); or DeepGEMM's packed I32
+ * (rows, ceil(blocks / 4)), four exponent bytes per element, block 4i + j in
+ * byte j (little end first). s is checked to have e's leading dimensions.
+ * NULL (st set) when the form is none of these. */
+static float *scales_as_f32(const moe_st_file *cand, const moe_st_entry *e, const moe_st_entry *s,
+                            int64_t rows, int64_t blocks, moe_status *st)
 {
-    char name[MOE_ST_NAME_MAX + 8];
-    snprintf(name, sizeof name, "%s.scale", e->name);
-    const moe_st_entry *s = moe_st_find(cand, name);
-    /* rows: every dimension but the last ((rows, d), or the masked layout's (EL, C, d)) */
-    const int64_t width = e->ndim >= 2 ? e->shape[e->ndim - 1] : 0;
-    const int64_t rows = width ? moe_st_elements(e->ndim, e->shape) / width : 0;
-    const int64_t blocks = (width + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
-    bool same = s && e->ndim >= 2 && s->dtype == MOE_ST_F32 && s->ndim == e->ndim &&
-                s->shape[e->ndim - 1] == blocks;
+    const int64_t packed = (blocks + 3) / 4;
+    const int64_t last = s ? s->shape[s->ndim - 1] : -1;
+    bool same = s && s->ndim == e->ndim &&
+                ((s->dtype == MOE_ST_F32 && last == blocks) || (s->dtype == MOE_ST_U8 && last == blocks) ||
+                 (s->dtype == MOE_ST_I32 && last == packed));
     for (int dim = 0; same && dim < e->ndim - 1; dim++)
         same = s->shape[dim] == e->shape[dim];
     if (!same) {
         moe_fail(st, MOE_EXIT_USAGE,
                  "candidate tensor '%s' is F8_E4M3 (%lld rows of %lld): it needs its scales as "
-                 "'%s', F32, of its shape but for the last dimension, %lld: one per block of 128",
-                 e->name, (long long)rows, (long long)width, name, (long long)blocks);
+                 "'%s.scale' of its shape but for the last dimension: F32 or U8 UE8M0 exponents, "
+                 "%lld (one per block of 128), or I32 packed UE8M0, %lld",
+                 e->name, (long long)rows, (long long)e->shape[e->ndim - 1], e->name, (long long)blocks,
+                 (long long)packed);
         return NULL;
     }
-    float *scales = moe_xmalloc((size_t)(s->end - s->begin) + 1);
-    if (moe_st_read(cand, s, scales, st)) {
-        free(scales);
+    uint8_t *raw = moe_xmalloc((size_t)(s->end - s->begin) + 1);
+    if (moe_st_read(cand, s, raw, st)) {
+        free(raw);
         return NULL;
     }
+    float *scales = moe_xmalloc(sizeof(float) * (size_t)(rows * blocks) + 1);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float *to = scales + i * blocks + b;
+            if (s->dtype == MOE_ST_F32)
+                memcpy(to, raw + 4 * (i * blocks + b), sizeof(float));
+            else /* an exponent byte: U8 at (i, b), or byte b % 4 of packed element (i, b / 4) */
+                *to = ldexpf(1.0f, (s->dtype == MOE_ST_U8 ? raw[i * blocks + b]
+                                                           : raw[4 * (i * packed + b / 4) + b % 4]) - 127);
+        }
+    free(raw);
+    return scales;
+}
+
+/* Whether a candidate scale tensor e holds the golden F32 scales in an
+ * exponent form of scales_as_f32 (U8 of the same shape, or packed I32). */
+static bool exponent_scales(const moe_st_entry *e, const moe_st_entry *golden)
+{
+    const size_t len = strlen(e->name);
+    if (len < 6 || strcmp(e->name + len - 6, ".scale") || golden->dtype != MOE_ST_F32 ||
+        golden->ndim != e->ndim || e->ndim < 1 || (e->dtype != MOE_ST_U8 && e->dtype != MOE_ST_I32))
+        return false;
+    const int last = e->ndim - 1;
+    bool same = e->shape[last] == (e->dtype == MOE_ST_U8 ? golden->shape[last] : (golden->shape[last] + 3) / 4);
+    for (int dim = 0; same && dim < last; dim++)
+        same = e->shape[dim] == golden->shape[dim];
+    return same;
+}
+
+/* An F8_E4M3 candidate tensor name (rows, d) as F32 values: each byte's
+ * value times its block's scale from the candidate's "name.scale" (rows,
+ * ceil(d/128)) in one of scales_as_f32's forms, as DeepEP and DeepGEMM ship
+ * them. NULL (st set) when the scales are missing or of another shape. */
+static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, const void *bytes,
+                              moe_status *st)
+{
+    char name[MOE_ST_NAME_MAX + 8];
+    snprintf(name, sizeof name, "%s.scale", e->name);
+    /* rows: every dimension but the last ((rows, d), or the masked layout's (EL, C, d)) */
+    const int64_t width = e->ndim >= 2 ? e->shape[e->ndim - 1] : 0;
+    const int64_t rows = width ? moe_st_elements(e->ndim, e->shape) / width : 0;
+    const int64_t blocks = (width + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+    float *scales = e->ndim >= 2 ? scales_as_f32(cand, e, moe_st_find(cand, name), rows, blocks, st)
+                                 : scales_as_f32(cand, e, NULL, rows, blocks, st);
+    if (!scales)
+        return NULL;
     float *values = moe_xmalloc(sizeof(float) * (size_t)(rows * width) + 1);
     for (int64_t i = 0; i < rows; i++)
         for (int64_t j = 0; j < width; j++)
@@ -413,24 +509,112 @@ static void fail_stage(verify_run *v, int stage)
 }
 
 /* Companions of a candidate tensor, read with it rather than on their own:
- * F8 scales, a row order, DeepEP's per-rank layout (compared in the layout
- * stage under derived golden values). */
-static bool companion_name(const char *name)
+ * the scales of an F8 tensor it holds, the row order of its expert outputs,
+ * and DeepEP's per-rank layout (compared in the layout stage under derived
+ * golden values). */
+static bool companion_name(const verify_run *v, const char *name)
 {
     const size_t len = strlen(name);
-    return (len > 6 && !strcmp(name + len - 6, ".scale")) ||
-           (len > 4 && !strcmp(name + len - 4, ".row") && !strncmp(name, "experts.rank", 12)) ||
-           !strncmp(name, "layout.rank", 11);
+    char base[MOE_ST_NAME_MAX + 8], what[64];
+    int r, end = -1;
+    if (len > 6 && !strcmp(name + len - 6, ".scale")) {
+        snprintf(base, sizeof base, "%.*s", (int)(len - 6), name);
+        const moe_st_entry *e = moe_st_find(&v->cand, base);
+        return e && e->dtype == MOE_ST_F8_E4M3;
+    }
+    if (sscanf(name, "experts.rank%d.row%n", &r, &end) == 1 && end == (int)len) {
+        snprintf(base, sizeof base, "experts.rank%d.out", r);
+        return moe_st_find(&v->cand, base) != NULL;
+    }
+    return sscanf(name, "layout.rank%d.%63s", &r, what) == 2 && r >= 0 && r < v->ranks &&
+           (!strcmp(what, "tokens_per_rank") || !strcmp(what, "is_token_in_rank") ||
+            !strcmp(what, "tokens_per_expert"));
+}
+
+/* Edit distance of two names (at most MOE_ST_NAME_MAX characters). */
+static int edit_distance(const char *a, const char *b)
+{
+    int row[MOE_ST_NAME_MAX + 2];
+    const int n = (int)strnlen(b, MOE_ST_NAME_MAX);
+    for (int j = 0; j <= n; j++)
+        row[j] = j;
+    for (int i = 1; a[i - 1] && i <= MOE_ST_NAME_MAX; i++) {
+        int diagonal = row[0];
+        row[0] = i;
+        for (int j = 1; j <= n; j++) {
+            const int above = row[j];
+            const int best = diagonal + (a[i - 1] != b[j - 1]);
+            row[j] = best < above + 1 ? best : above + 1;
+            row[j] = row[j] < row[j - 1] + 1 ? row[j] : row[j - 1] + 1;
+            diagonal = above;
+        }
+    }
+    return row[n];
+}
+
+/* A candidate tensor the set does not name is refused (a misspelt name
+ * would otherwise pass unchecked), unless options allow it: one line
+ * naming it and the nearest name the set has. */
+static int check_names(const verify_run *v, const char *candidate, moe_status *st)
+{
+    int unknown = 0;
+    const char *first = NULL;
+    for (int n = 0; n < v->cand.count; n++) {
+        const char *name = v->cand.entries[n].name;
+        if (!json_object_get(v->tensors, name) && !companion_name(v, name) && unknown++ == 0)
+            first = name;
+    }
+    if (!unknown || v->opt.allow_unknown)
+        return MOE_EXIT_OK;
+    const char *key, *nearest = "";
+    json_t *value;
+    int best = INT_MAX;
+    json_object_foreach(v->tensors, key, value) {
+        const int distance = edit_distance(first, key);
+        if (distance < best)
+            best = distance, nearest = key;
+    }
+    return moe_fail(st, MOE_EXIT_USAGE,
+                    "'%s' holds %d tensor%s the golden set does not name, the first '%s' (nearest: "
+                    "'%s'); --allow-unknown ignores them", candidate, unknown, unknown == 1 ? "" : "s",
+                    first, nearest);
+}
+
+/* The candidate's top-k weights in the golden's slot order (compare_ids
+ * matched each token's experts as a set): F32. */
+static int weights_in_golden_order(const verify_run *v, moe_st_entry *as, void **got)
+{
+    const int64_t count = moe_st_elements(as->ndim, as->shape);
+    if (count != v->topk_count)
+        return MOE_EXIT_OK; /* comparable() has said the shapes differ */
+    float *ordered = moe_xmalloc(sizeof(float) * (size_t)count + 1);
+    const int64_t k = as->shape[as->ndim - 1];
+    for (int64_t i = 0; i < count; i++)
+        ordered[i] = (float)moe_st_element(*got, as->dtype, i - i % k + v->slot_of[i]);
+    free(*got);
+    *got = ordered;
+    as->dtype = MOE_ST_F32;
+    return MOE_EXIT_OK;
 }
 
 /* The candidate's values of e as compared: read, F8_E4M3 with its scales
- * made F32, rows put in golden order when a row order comes with them.
+ * made F32, a scale tensor in another form made F32, the top-k weights in
+ * the golden's slot order when the ids came in another, rows put in golden
+ * order when a row order comes with them.
  * *as describes them. Returns MOE_EXIT_OK, MOE_EXIT_CHECK_FAILED (the
  * tensor's stage failed; printed) or another code with st set. */
-static int candidate_values(verify_run *v, const moe_st_entry *e, const char *stage_name, int stage,
-                            void **got, moe_st_entry *as, moe_status *st)
+static int candidate_values(verify_run *v, const moe_st_entry *e, const moe_st_entry *golden,
+                            const char *stage_name, int stage, void **got, moe_st_entry *as,
+                            moe_status *st)
 {
     *as = *e;
+    if (exponent_scales(e, golden)) {
+        const int64_t blocks = golden->shape[golden->ndim - 1];
+        *got = scales_as_f32(&v->cand, golden, e, blocks ? moe_st_elements(golden->ndim, golden->shape) / blocks : 0,
+                             blocks, st);
+        *as = *golden;
+        return *got ? MOE_EXIT_OK : st->code;
+    }
     *got = moe_xmalloc((size_t)(e->end - e->begin) + 1);
     if (moe_st_read(&v->cand, e, *got, st))
         return st->code;
@@ -442,10 +626,12 @@ static int candidate_values(verify_run *v, const moe_st_entry *e, const char *st
             return st->code;
         as->dtype = MOE_ST_F32;
     }
-    int r;
+    int r, end = -1;
     char perm_name[MOE_ST_NAME_MAX + 8];
     const moe_st_entry *perm = NULL;
-    if (sscanf(e->name, "experts.rank%d.out", &r) == 1) {
+    if (v->slot_of && !strcmp(e->name, "router.topk_weights"))
+        return weights_in_golden_order(v, as, got);
+    if (sscanf(e->name, "experts.rank%d.out%n", &r, &end) == 1 && end == (int)strlen(e->name)) {
         snprintf(perm_name, sizeof perm_name, "experts.rank%d.row", r);
         perm = moe_st_find(&v->cand, perm_name);
     }
@@ -495,7 +681,8 @@ static bool comparable(verify_run *v, const moe_st_entry *e, const moe_st_entry 
     bool same_shape = golden->ndim == e->ndim;
     for (int dim = 0; same_shape && dim < e->ndim; dim++)
         same_shape = golden->shape[dim] == e->shape[dim];
-    if (same_shape && moe_st_dtype_is_integer(golden->dtype) == moe_st_dtype_is_integer(e->dtype))
+    if ((same_shape && moe_st_dtype_is_integer(golden->dtype) == moe_st_dtype_is_integer(e->dtype)) ||
+        exponent_scales(e, golden))
         return true;
     char cshape[96], gshape[96];
     shape_text(e->ndim, e->shape, cshape, sizeof cshape);
@@ -535,10 +722,13 @@ static int compare_ids(verify_run *v, const moe_st_entry *e, const void *ref, co
         ids[i] = id >= INT32_MIN && id <= INT32_MAX ? (int32_t)id : -1;
     }
     free(v->tied);
+    free(v->slot_of);
     v->tokens = k > 0 ? count / k : 0;
     v->tied = moe_xcalloc((size_t)v->tokens + 1, 1);
+    v->slot_of = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1);
+    v->topk_count = count;
     compare_topk(ref, ids, count, k, v->selection, v->experts, v->sel_abs, v->sel_rel, v->tied,
-                 result);
+                 v->slot_of, result);
     v->tied_count = 0;
     for (int64_t t = 0; t < v->tokens; t++)
         v->tied_count += v->tied[t];
@@ -556,7 +746,7 @@ static void print_verdict(verify_run *v, const moe_st_entry *e, int stage, const
 {
     char where[64] = "", used[16];
     if (result->bad)
-        index_text(result->first_bad, e->ndim, e->shape, where, sizeof where);
+        index_text(result->first_bad, as->ndim, as->shape, where, sizeof where);
     snprintf(used, sizeof used, rule == MOE_RULE_TOLERANCE ? "%.1f" : "-", 100.0 * result->max_used);
     fprintf(v->out, "%-28s %-9s %-10s %11.3e %11.3e %8s %10lld  %s%s\n", e->name, stage_name,
             rule_text, result->max_abs, result->max_rel, used, (long long)result->bad,
@@ -577,6 +767,104 @@ static void print_verdict(verify_run *v, const moe_st_entry *e, int stage, const
         explain_mismatch(v, e->name, golden, ref, as, got, result->first_bad);
         fail_stage(v, stage);
     }
+}
+
+/* P(|X - n/2| >= |m - n/2|) for X ~ Binomial(n, 1/2), m >= n/2: how likely
+ * a split as uneven as (m, n - m) is when each of n differences goes
+ * either way with even odds. */
+static double binomial_two_sided(int64_t n, int64_t m)
+{
+    double tail = 0.0;
+    for (int64_t i = m; i <= n; i++) {
+        const double term = exp(lgamma((double)n + 1) - lgamma((double)i + 1) - lgamma((double)(n - i) + 1) -
+                                (double)n * log(2.0));
+        tail += term;
+        if (term < 1e-30 * tail)
+            break;
+    }
+    return fmin(1.0, 2.0 * tail);
+}
+
+/* Under a bf16 step contract: the elements one bf16 step from the golden
+ * are allowed one by one, but a correct port lands on either neighbour
+ * with even odds (its fp32 value differs from ours by a few units of u,
+ * either way); a port that truncates, or rounds up, lands on one side
+ * only. A split this uneven at p < MOE_GOLDEN_DIRECTION_P fails the stage. */
+#define MOE_GOLDEN_DIRECTION_P 1e-6
+static void explain_rounding(verify_run *v, const moe_st_entry *e, int stage, const verdict *result)
+{
+    const int64_t n = result->toward_zero + result->away;
+    if (n == 0)
+        return;
+    const int64_t m = result->toward_zero > result->away ? result->toward_zero : result->away;
+    const double p = binomial_two_sided(n, m);
+    fprintf(v->out, "%-28s %lld elements one bf16 step from the golden (allowed): %lld toward zero, "
+                    "%lld away\n", "", (long long)n, (long long)result->toward_zero, (long long)result->away);
+    if (p >= MOE_GOLDEN_DIRECTION_P)
+        return;
+    fprintf(v->out, "%-28s FAIL: so uneven a split has p = %.1e where a correct port's roundings go "
+                    "either way: the candidate rounds %s, not to nearest\n", e->name, p,
+            result->toward_zero > result->away ? "toward zero (truncates)" : "away from zero");
+    fail_stage(v, stage);
+}
+
+/* A failing tensor of values that is one constant times the golden
+ * throughout (a scale left out or applied twice): the factor. */
+static void explain_factor(const verify_run *v, const void *ref, enum moe_st_dtype ref_dtype, const void *got,
+                           enum moe_st_dtype got_dtype, int64_t n, const uint8_t *skip, int64_t width)
+{
+    double rg = 0, rr = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!(skip && skip[i / width])) {
+            const double r = moe_st_element(ref, ref_dtype, i);
+            rg += r * moe_st_element(got, got_dtype, i);
+            rr += r * r;
+        }
+    if (!(rr > 0) || !isfinite(rg))
+        return;
+    const double c = rg / rr;
+    double residual = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!(skip && skip[i / width])) {
+            const double r = moe_st_element(ref, ref_dtype, i), g = moe_st_element(got, got_dtype, i);
+            residual += (g - c * r) * (g - c * r);
+        }
+    if (fabs(c - 1.0) > 1e-3 && sqrt(residual / (c * c * rr)) < 1e-3)
+        fprintf(v->out, "%-28s candidate = %.6g x golden throughout (to %.1e): one constant factor is "
+                        "wrong (a route scale left out or applied twice?)\n", "", c, sqrt(residual / (c * c * rr)));
+}
+
+/* A failing F8_E4M3 candidate: every recipe scales a block of 128 by its
+ * own largest magnitude, so the block's largest E4M3 value is 448 (float
+ * scales) or in (224, 448] (UE8M0). Blocks well below that were scaled by
+ * a larger amax than their own: the scales are not per block. Blocks whose
+ * golden magnitude is under the recipes' clamp (1e-4) are not judged. */
+static void explain_fp8_scales(verify_run *v, const moe_st_entry *e, const void *ref, enum moe_st_dtype ref_dtype)
+{
+    moe_status ignored = {0};
+    uint8_t *bytes = moe_xmalloc((size_t)(e->end - e->begin) + 1);
+    const int64_t width = e->shape[e->ndim - 1], rows = width ? moe_st_elements(e->ndim, e->shape) / width : 0;
+    int64_t judged = 0, low = 0, first = -1;
+    double first_max = 0;
+    for (int64_t i = 0; moe_st_read(&v->cand, e, bytes, &ignored) == MOE_EXIT_OK && i < rows; i++)
+        for (int64_t b0 = 0; b0 < width; b0 += MOE_FP8_BLOCK) {
+            double q = 0, amax = 0;
+            for (int64_t j = b0; j < width && j < b0 + MOE_FP8_BLOCK; j++) {
+                q = fmax(q, fabs(moe_st_element(bytes, MOE_ST_F8_E4M3, i * width + j)));
+                amax = fmax(amax, fabs(moe_st_element(ref, ref_dtype, i * width + j)));
+            }
+            if (amax < 2e-4)
+                continue;
+            judged++;
+            if (q < 224 && low++ == 0)
+                first = i * width + b0, first_max = q;
+        }
+    free(bytes);
+    if (low)
+        fprintf(v->out, "%-28s FP8 scales: in %lld of %lld blocks the largest E4M3 value is below 224 "
+                        "(first: row %lld, column %lld, %.4g): those blocks were not scaled by their own "
+                        "amax (per-row or per-tensor scales?)\n", "", (long long)low, (long long)judged,
+                (long long)(first / width), (long long)(first % width), first_max);
 }
 
 static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_status *st)
@@ -606,12 +894,12 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
     }
     void *got = NULL;
     moe_st_entry as;
-    int rc = candidate_values(v, e, stage_name, stage, &got, &as, st);
+    int rc = candidate_values(v, e, &golden, stage_name, stage, &got, &as, st);
     const char *rule_text = json_string_value(json_object_get(info, "compare"));
     const enum moe_golden_rule rule = !strcmp(rule_text, "topk")        ? MOE_RULE_TOPK
                                       : !strcmp(rule_text, "tolerance") ? MOE_RULE_TOLERANCE
                                                                         : MOE_RULE_EXACT;
-    const int64_t count = moe_st_elements(e->ndim, e->shape);
+    const int64_t count = moe_st_elements(as.ndim, as.shape);
     bool failed = false;
     double *allow = rc == MOE_EXIT_OK ? load_allowance(v, info, e->name, count, &failed, st) : NULL;
     if (rc != MOE_EXIT_OK || failed) {
@@ -622,7 +910,7 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
     const contract tol = {json_number_value(json_object_get(info, "abs")),
                           json_number_value(json_object_get(info, "rel")), allow,
                           json_is_true(json_object_get(info, "bf16_step"))};
-    verdict result = {0, 0, 0, -1, 0, 0};
+    verdict result = {.first_bad = -1};
     /* After near-ties, rows of the tied tokens legitimately differ: they are
      * left out; a tensor whose rows are not tokens (counts) cannot leave
      * them out, and its differences are not counted. */
@@ -646,6 +934,11 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
     }
     print_verdict(v, e, stage, stage_name, rule_text, rule, &result, skip, uncounted, &golden, ref, &as,
                   got);
+    explain_rounding(v, e, stage, &result);
+    if (result.bad && !uncounted && rule != MOE_RULE_TOPK && !moe_st_dtype_is_integer(as.dtype))
+        explain_factor(v, ref, golden.dtype, got, as.dtype, count, skip, e->shape[0] ? count / e->shape[0] : 1);
+    if (result.bad && !uncounted && e->dtype == MOE_ST_F8_E4M3)
+        explain_fp8_scales(v, e, ref, golden.dtype);
     free(skip);
     free(allow);
     free(got);
@@ -848,8 +1141,59 @@ static int validate_manifest(verify_run *v, const char *path, moe_status *st)
     return MOE_EXIT_OK;
 }
 
-int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_golden_result *result,
-                      moe_status *st)
+/* The order tensors are compared in within a stage: ids, slots and counts
+ * first (a token in the wrong slot explains the values that follow), then
+ * FP8 scales on their own, then values. */
+static int compare_order(const moe_st_entry *e)
+{
+    const size_t len = strlen(e->name);
+    if (moe_st_dtype_is_integer(e->dtype) && !(len > 6 && !strcmp(e->name + len - 6, ".scale")))
+        return 0;
+    return len > 6 && !strcmp(e->name + len - 6, ".scale") ? 1 : 2;
+}
+
+/* Every candidate tensor in pipeline order, the stages the set holds
+ * counted, the table's closing lines on what was checked and what not. */
+static int compare_all(verify_run *v, moe_status *st)
+{
+    const char *key;
+    json_t *value;
+    json_object_foreach(v->tensors, key, value) {
+        for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
+            v->result.in_set[s] |= !strcmp(json_string_value(json_object_get(value, "stage")),
+                                           moe_golden_stage_names[s]);
+    }
+    int rc = MOE_EXIT_OK;
+    for (int stage = 0; stage < MOE_GOLDEN_STAGES && rc == MOE_EXIT_OK; stage++)
+        for (int order = 0; order < 3; order++)
+            for (int n = 0; n < v->cand.count && rc == MOE_EXIT_OK; n++)
+                if (compare_order(&v->cand.entries[n]) == order)
+                    rc = verify_tensor(v, &v->cand.entries[n], stage, st);
+    for (int n = 0; n < v->cand.count && rc == MOE_EXIT_OK; n++)
+        if (!companion_name(v, v->cand.entries[n].name) && !json_object_get(v->tensors, v->cand.entries[n].name))
+            fprintf(v->out, "%-28s (not in the golden set: ignored)\n", v->cand.entries[n].name);
+    if (rc != MOE_EXIT_OK)
+        return rc;
+    const char *lead[2] = {"stages checked:", "stages not checked:"};
+    for (int missing = 0; missing < 2; missing++) {
+        int listed = 0;
+        for (int s = 0; s < MOE_GOLDEN_STAGES; s++) {
+            if (!v->result.in_set[s] || (v->result.compared[s] == 0) != missing)
+                continue;
+            fprintf(v->out, "%s %s", listed++ ? "," : lead[missing], moe_golden_stage_names[s]);
+            if (!missing)
+                fprintf(v->out, " (%d)", v->result.compared[s]);
+            if (missing && (v->opt.require >> s & 1u))
+                v->result.missing_required |= 1u << s;
+        }
+        if (listed)
+            fprintf(v->out, "%s\n", missing ? " (--require STAGE makes one missing fail)" : "");
+    }
+    return MOE_EXIT_OK;
+}
+
+int moe_golden_verify(const char *dir, const char *candidate, const moe_golden_options *options,
+                      FILE *out, moe_golden_result *result, moe_status *st)
 {
     if (result)
         memset(result, 0, sizeof *result);
@@ -857,6 +1201,8 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_gol
     snprintf(path, sizeof path, "%s/manifest.json", dir);
     json_error_t error;
     verify_run v = {.dir = dir, .out = out, .first_failing = MOE_GOLDEN_STAGES};
+    if (options)
+        v.opt = *options;
     FILE *fp = moe_open_input("golden manifest: ", path, st);
     if (!fp)
         return st->code;
@@ -875,6 +1221,11 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_gol
         json_decref(v.manifest);
         return st->code;
     }
+    if (check_names(&v, candidate, st)) {
+        moe_st_close(&v.cand);
+        json_decref(v.manifest);
+        return st->code;
+    }
     v.convention = json_pack("{s:s, s:s, s:s}", "stage", "layout", "compare", "exact", "file",
                              "layout.safetensors");
     moe_st_entry sel_entry;
@@ -888,14 +1239,9 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_gol
 
     fprintf(out, "%-28s %-9s %-10s %11s %11s %8s %10s  %s\n", "tensor", "stage", "rule", "max abs",
             "max rel", "% of tol", "mismatch", "first mismatch");
-    int rc = MOE_EXIT_OK;
-    for (int stage = 0; stage < MOE_GOLDEN_STAGES && rc == MOE_EXIT_OK; stage++)
-        for (int n = 0; n < v.cand.count && rc == MOE_EXIT_OK; n++)
-            rc = verify_tensor(&v, &v.cand.entries[n], stage, st);
-    for (int n = 0; n < v.cand.count && rc == MOE_EXIT_OK; n++)
-        if (!companion_name(v.cand.entries[n].name) && !json_object_get(v.tensors, v.cand.entries[n].name))
-            fprintf(out, "%-28s (not in the golden set: ignored)\n", v.cand.entries[n].name);
+    const int rc = compare_all(&v, st);
     free(v.tied);
+    free(v.slot_of);
     free(v.selection);
     json_decref(v.convention);
     moe_st_close(&v.cand);
@@ -912,6 +1258,40 @@ int moe_golden_verify(const char *dir, const char *candidate, FILE *out, moe_gol
         fprintf(out, "verify: FAIL, first failing stage: %s\n", moe_golden_stage_names[v.first_failing]);
         return MOE_EXIT_CHECK_FAILED;
     }
+    if (v.result.missing_required) {
+        fprintf(out, "verify: FAIL, required stage%s not checked:",
+                (v.result.missing_required & (v.result.missing_required - 1)) ? "s" : "");
+        for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
+            if (v.result.missing_required >> s & 1u)
+                fprintf(out, " %s", moe_golden_stage_names[s]);
+        fprintf(out, "\n");
+        return MOE_EXIT_CHECK_FAILED;
+    }
     fprintf(out, "verify: PASS, %d tensors within contract\n", v.compared);
+    return MOE_EXIT_OK;
+}
+
+int moe_golden_parse_require(const char *text, unsigned *require, moe_status *st)
+{
+    *require = 0;
+    if (!strcmp(text, "all")) {
+        *require = ~0u;
+        return MOE_EXIT_OK;
+    }
+    char copy[256];
+    snprintf(copy, sizeof copy, "%s", text);
+    char *save = NULL;
+    for (char *name = strtok_r(copy, ",", &save); name; name = strtok_r(NULL, ",", &save)) {
+        int stage = -1;
+        for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
+            if (!strcmp(name, moe_golden_stage_names[s]))
+                stage = s;
+        if (stage < 0)
+            return moe_fail(st, MOE_EXIT_USAGE, "--require: '%s' is not a stage (inputs, router, layout, "
+                            "dispatch, experts, output, backward, or all)", name);
+        *require |= 1u << stage;
+    }
+    if (!*require)
+        return moe_fail(st, MOE_EXIT_USAGE, "--require needs stage names separated by commas, or all");
     return MOE_EXIT_OK;
 }

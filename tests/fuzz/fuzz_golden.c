@@ -58,7 +58,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fclose(fp);
     FILE *out = fopen("/dev/null", "w");
     moe_status st = {0};
-    moe_golden_verify(dir, candidate, out, NULL, &st);
+    moe_golden_verify(dir, candidate, NULL, out, NULL, &st);
     fclose(out);
     return 0;
 }

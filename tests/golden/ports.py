@@ -67,12 +67,14 @@ def gemm_pairwise(a, bt, rows=16):
 # instead of -inf, the route scale left out, no renormalisation, the bias in
 # the weights, a token's neighbour dispatched in its place, a slot's weight
 # taken from the next slot in the combine, bf16 inputs truncated instead of
-# rounded to nearest even.
+# rounded to nearest even, and the expert outputs truncated to bf16 for the
+# combine: each such element is at most one bf16 step off, which the
+# contract allows one by one; verify catches it by the steps' direction.
 BUGS = {"no-shared": "output", "weight-elsewhere": "experts", "fp8-per-row": "dispatch",
         "fp8-per-tensor": "dispatch", "softmax-for-sigmoid": "router", "mask-zero": "router",
         "no-route-scale": "router", "no-renorm": "router", "bias-in-weights": "router",
         "dispatch-off-by-one": "dispatch", "combine-off-by-one": "output",
-        "bf16-truncation": "inputs"}
+        "bf16-truncation": "inputs", "combine-truncation": "experts"}
 
 
 def bug_applies(bug, files, config):
@@ -86,7 +88,8 @@ def bug_applies(bug, files, config):
             "mask-zero": v3_bias and int(config["groups"]) > 1,
             "no-route-scale": float(config["route-scale"]) != 1.0,
             "combine-off-by-one": config["weight-at"] == "output" and int(config["topk"]) > 1,
-            "bf16-truncation": config["dtype"] == "bf16"}.get(bug, True)
+            "bf16-truncation": config["dtype"] == "bf16",
+            "combine-truncation": config["combine-dtype"] == "bf16"}.get(bug, True)
 
 PORTS = {
     "fma": gemm_fma,
@@ -204,6 +207,11 @@ def regenerate_tokens(config, n, d, bug=None):
     return x
 
 
+def bf16_truncate(values):
+    """float32 values cut to bfloat16 (toward zero): the bug combine-truncation."""
+    return (np.asarray(values, dtype=F).view(np.uint32) & np.uint32(0xFFFF0000)).view(F)
+
+
 def rows_of_rank(pairs):
     """The (token, expert) pairs a rank computed, as a set."""
     return {(int(t), int(e)) for t, e in pairs.tolist()}
@@ -214,6 +222,7 @@ def port(files, config, gemm, bug=None):
     ids, weights = files["router.topk_ids"], files["router.topk_weights"]
     before_l2 = (config["weight-at"] == "activation") != (bug == "weight-elsewhere")
     combine_bf16 = config["combine-dtype"] == "bf16"
+    to_bf16 = bf16_truncate if bug == "combine-truncation" else bf16
     reduced = config.get("combine", "pairs") == "reduced"
     n, k = ids.shape
     out, rows_of = {}, {}
@@ -234,7 +243,7 @@ def port(files, config, gemm, bug=None):
             slot = np.argmax(ids[tokens] == e, axis=1)
             y = ffn(gemm, x, files["experts.w1"][e], files["experts.w2"][e],
                     weights[tokens, slot] if before_l2 else None)
-            result[at] = bf16(y) if combine_bf16 and not reduced else y
+            result[at] = to_bf16(y) if combine_bf16 and not reduced else y
         out["experts.rank%d.out" % r] = result
         for row, (t, e) in enumerate(pairs.tolist()):
             rows_of[(t, e)] = result[row]
@@ -246,7 +255,7 @@ def port(files, config, gemm, bug=None):
                         v = rows_of[(t, int(ids[t, s]))]
                         w = weights[t, (s + 1) % k if bug == "combine-off-by-one" else s]
                         sums[row] = sums[row] + (v if before_l2 else (w * v).astype(F))
-            out["experts.rank%d.sum" % r] = bf16(sums) if combine_bf16 else sums
+            out["experts.rank%d.sum" % r] = to_bf16(sums) if combine_bf16 else sums
     y = np.zeros(files["tokens.x"].shape, dtype=F)
     for r in range(int(config["ranks"]) if reduced else 0):  # home sums the ranks' rows in rank order
         tokens_r = files["dispatch.rank%d.token" % r]
@@ -266,14 +275,18 @@ def port(files, config, gemm, bug=None):
 
 
 def verify(moe_ep, golden, candidate):
-    """verify's exit status and each tensor's % of tolerance."""
+    """verify's exit status, each tensor's % of tolerance (its elements one
+    bf16 step away aside) and those steps, toward zero and away."""
     run = subprocess.run([moe_ep, "verify", golden, candidate], capture_output=True, text=True)
-    used = {}
+    used, steps = {}, [0, 0]
     for line in run.stdout.splitlines():
         m = re.match(r"(\S+)\s+\S+\s+tolerance\s+\S+\s+\S+\s+(\S+)", line)
         if m:
             used[m.group(1)] = float(m.group(2))
-    return run.returncode, used, run.stdout
+        m = re.search(r"one bf16 step from the golden \(allowed\): (\d+) toward zero, (\d+) away", line)
+        if m:
+            steps = [steps[0] + int(m.group(1)), steps[1] + int(m.group(2))]
+    return run.returncode, used, steps, run.stdout
 
 
 def main(moe_ep, sets):
@@ -283,7 +296,7 @@ def main(moe_ep, sets):
 
 def run(moe_ep, sets, work):
     failed = 0
-    print("%-10s %-14s %12s %12s  %s" % ("port", "set", "experts %", "output.y %", "verify"))
+    print("%-10s %-14s %12s %12s %14s  %s" % ("port", "set", "experts %", "output.y %", "bf16 steps", "verify"))
     worst, caught_somewhere = {}, {}
     for golden in sets:
         manifest, files = st.load_set(golden)
@@ -291,11 +304,11 @@ def run(moe_ep, sets, work):
         for label, gemm in PORTS.items():
             candidate = os.path.join(work, "%s-%s.safetensors" % (name, label))
             st.save(candidate, port(files, manifest["config"], gemm))
-            rc, used, text = verify(moe_ep, golden, candidate)
+            rc, used, steps, text = verify(moe_ep, golden, candidate)
             experts = max(v for t, v in used.items() if t.startswith("experts."))
             output = used.get("output.y", float("nan"))
-            print("%-10s %-14s %12.1f %12.1f  %s" % (label, name, experts, output,
-                                                     "PASS" if rc == 0 else "FAIL (exit %d)" % rc))
+            print("%-10s %-14s %12.1f %12.1f %14s  %s" % (label, name, experts, output, "%d / %d" % tuple(steps),
+                                                          "PASS" if rc == 0 else "FAIL (exit %d)" % rc))
             if rc != 0:
                 print(text)
                 failed += 1
@@ -307,9 +320,11 @@ def run(moe_ep, sets, work):
                 stage = "experts"  # the weights are applied in the sums each rank sends back
             candidate = os.path.join(work, "%s-%s.safetensors" % (name, bug))
             st.save(candidate, port(files, manifest["config"], PORTS["blas"], bug))
-            rc, used, text = verify(moe_ep, golden, candidate)
+            rc, used, steps, text = verify(moe_ep, golden, candidate)
             caught = rc == 1 and ("first failing stage: %s" % stage) in text
             print("%-19s %-14s %s" % (bug, name, "caught at %s" % stage if caught else "missed"))
+            if bug == "combine-truncation":
+                print("%-19s %-14s bf16 steps toward zero / away: %d / %d" % ("", "", steps[0], steps[1]))
             caught_somewhere[bug] = caught_somewhere.get(bug, False) or caught
     for bug, caught in caught_somewhere.items():
         if not caught:

@@ -4,7 +4,8 @@ independent numpy layer: reference() is the shipped golden sets' truth bit
 for bit, route() their routing; reference() on caller weights is a numpy
 SwiGLU MoE in fp64; check() passes a correct fp32 layer and fails a wrong
 one; verify() passes a set's own tensors and names the stage of a wrong
-one, and `python3 -m moe_ep verify` exits as moe-ep verify does; bad
+one, says the stages it checked and fails a required one left out, and
+`python3 -m moe_ep verify` exits as moe-ep verify does; bad
 arguments raise ValueError naming them. Prints one line per test and
 "python: N passed, M failed"; exit 1 on any failure."""
 import json
@@ -147,6 +148,18 @@ def verify_passes_a_sets_own_tensors_and_names_a_wrong_stage():
 
 
 @test
+def verify_says_what_it_checked_and_requires_stages():
+    d, cfg, ranks, t = golden("softmax-fp32")
+    v = moe_ep.verify(d, {"output.y": t["output.y"]})
+    assert v.passed and v.checked == ["output"], repr(v.checked)
+    assert v.missing == ["inputs", "router", "layout", "dispatch", "experts"], v.missing
+    v = moe_ep.verify(d, {"output.y": t["output.y"]}, require="router,output")
+    assert not v.passed and v.missing_required == ["router"] and v.first_failing is None, repr(v)
+    v = moe_ep.verify(d, {"output.y": t["output.y"], "outptu.y": t["output.y"]}, allow_unknown=True)
+    assert v.passed and "outptu.y" in v.table, v.table
+
+
+@test
 def module_verify_exits_as_the_cli_does():
     d, cfg, ranks, t = golden("softmax-fp32")
     import tempfile
@@ -178,6 +191,8 @@ def bad_arguments_raise_value_error_naming_them():
          "w1 and w2"),
         (lambda: moe_ep.verify("/nonexistent", {"output.y": x}), "manifest"),
         (lambda: moe_ep.verify(GOLDEN + "/softmax-fp32", {}), "non-empty dict"),
+        (lambda: moe_ep.verify(GOLDEN + "/softmax-fp32", {"outptu.y": x}), "nearest: 'output.y'"),
+        (lambda: moe_ep.verify(GOLDEN + "/softmax-fp32", {"output.y": x}, require="gemm"), "'gemm' is not a stage"),
     ]
     for call, fragment in cases:
         try:
