@@ -233,14 +233,17 @@ static json_t *manifest_head(const char *config_json, const moe_golden_tensor *t
     /* What verify accepts beside the tensors listed: DeepEP's conventions,
      * FP8 rows with their scales (docs/golden.md, "What verify reads"). */
     json_object_set_new(manifest, "accepted", json_pack(
-        "{s:s, s:s, s:s, s:s, s:s, s:s, s:s}",
+        "{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:s}",
         "layout.rank{r}.tokens_per_rank", "(G) row r of layout.send_counts",
         "layout.rank{r}.is_token_in_rank", "(T, G) rows r*T .. r*T+T-1 of layout.is_token_in_rank",
         "layout.rank{r}.tokens_per_expert", "(E) (token, expert) pairs of rank r's tokens per expert",
         "router.topk_ids in any order per token", "matched as a set; router.topk_weights follow their ids",
         "experts.rank{r}.out with experts.rank{r}.row", "rows in any order; row[i] is candidate row i's golden row",
         "NAME as F8_E4M3 with NAME.scale", "scale per block of 128: F32, U8 UE8M0 exponents, or packed I32 (4 per element)",
-        "NAME.scale of a golden scale tensor", "as F32, U8 UE8M0 exponents, or packed I32"));
+        "NAME.scale of a golden scale tensor", "as F32, U8 UE8M0 exponents, or packed I32",
+        "dispatch.rank{r}.layout.* (masked) in arrival order", "slots matched by the token .src names: a "
+        "global id, or with dispatch.rank{r}.layout.range (EL, G) I64 (begin << 32 | count) the index within "
+        "the source rank"));
     return manifest;
 }
 

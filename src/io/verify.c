@@ -174,6 +174,8 @@ typedef struct {
     int32_t *slot_of;       /* (tokens, k): the candidate's slot of each golden slot; NULL: as golden */
     int64_t topk_count;     /* elements of slot_of */
     moe_golden_options opt;
+    int32_t **arrival;      /* per rank, masked layout: the candidate slot of each golden slot */
+    uint8_t *arrival_done;  /* per rank: arrival computed (NULL there: golden order) */
 } verify_run;
 
 /* Load the golden tensor `name` the manifest lists: its file must match the
@@ -526,6 +528,11 @@ static bool companion_name(const verify_run *v, const char *name)
         snprintf(base, sizeof base, "experts.rank%d.out", r);
         return moe_st_find(&v->cand, base) != NULL;
     }
+    end = -1;
+    if (sscanf(name, "dispatch.rank%d.layout.range%n", &r, &end) == 1 && end == (int)len) {
+        snprintf(base, sizeof base, "dispatch.rank%d.layout.src", r);
+        return moe_st_find(&v->cand, base) != NULL;
+    }
     return sscanf(name, "layout.rank%d.%63s", &r, what) == 2 && r >= 0 && r < v->ranks &&
            (!strcmp(what, "tokens_per_rank") || !strcmp(what, "is_token_in_rank") ||
             !strcmp(what, "tokens_per_expert"));
@@ -580,6 +587,155 @@ static int check_names(const verify_run *v, const char *candidate, moe_status *s
                     first, nearest);
 }
 
+/* The masked layout as a kernel fills it (DeepEP's low-latency receive
+ * buffer): each expert's slots [0, count) in arrival order, source blocks
+ * in any order and in any order within them, slots past count as they
+ * were. The candidate's own dispatch.rank{r}.layout.src names each slot's
+ * token: a global id, or, with dispatch.rank{r}.layout.range beside it
+ * (EL, G) I64, DeepEP's index within the source rank, the source rank s
+ * the one whose range (begin in the high 32 bits, count in the low) holds
+ * the slot. Returns, per golden slot (EL * C), the candidate slot (of the
+ * EL * C) holding its token (-1: none), or NULL when the candidate has no such src or its
+ * order is impossible (a line says which; the dispatch stage fails). */
+static int32_t *arrival_order(verify_run *v, int r)
+{
+    char name[MOE_ST_NAME_MAX];
+    moe_status ignored = {0};
+    moe_st_entry golden;
+    snprintf(name, sizeof name, "dispatch.rank%d.layout.src", r);
+    const moe_st_entry *src_entry = moe_st_find(&v->cand, name);
+    const char *layout = json_string_value(json_object_get(json_object_get(v->manifest, "config"), "expert-layout"));
+    if (!src_entry || !layout || strcmp(layout, "masked") || src_entry->ndim != 2 ||
+        !moe_st_dtype_is_integer(src_entry->dtype))
+        return NULL;
+    int32_t *gsrc = load_golden(v, name, &golden, &ignored);
+    if (!gsrc || golden.ndim != 2 || golden.shape[0] != src_entry->shape[0] || golden.shape[1] != src_entry->shape[1]) {
+        free(gsrc);
+        return NULL;
+    }
+    const int64_t EL = golden.shape[0], C = golden.shape[1], T = v->config_tokens, G = v->ranks;
+    void *csrc = moe_xmalloc((size_t)(src_entry->end - src_entry->begin) + 1);
+    snprintf(name, sizeof name, "dispatch.rank%d.layout.count", r);
+    const moe_st_entry *count_entry = moe_st_find(&v->cand, name);
+    void *count = NULL, *range = NULL;
+    if (count_entry && count_entry->ndim == 1 && count_entry->shape[0] == EL && moe_st_dtype_is_integer(count_entry->dtype)) {
+        count = moe_xmalloc((size_t)(count_entry->end - count_entry->begin) + 1);
+        moe_st_read(&v->cand, count_entry, count, &ignored);
+    }
+    snprintf(name, sizeof name, "dispatch.rank%d.layout.range", r);
+    const moe_st_entry *range_entry = moe_st_find(&v->cand, name);
+    char why[200] = "";
+    if (range_entry && (range_entry->ndim != 2 || range_entry->shape[0] != EL || range_entry->shape[1] != G ||
+                        range_entry->dtype != MOE_ST_I64))
+        snprintf(why, sizeof why, "%s must be (%lld, %lld) I64, DeepEP's packed_recv_layout_range", name,
+                 (long long)EL, (long long)G);
+    else if (range_entry)
+        range = moe_xmalloc((size_t)(range_entry->end - range_entry->begin) + 1);
+    if (moe_st_read(&v->cand, src_entry, csrc, &ignored) || (range && moe_st_read(&v->cand, range_entry, range, &ignored)))
+        snprintf(why, sizeof why, "the candidate's layout tensors cannot be read");
+    int32_t *from = moe_xmalloc(sizeof(int32_t) * (size_t)(EL * C) + 1);
+    int32_t *where = moe_xmalloc(sizeof(int32_t) * (size_t)(G * T) + 1); /* golden slot of a token, this expert */
+    for (int64_t e = 0; e < EL && !*why; e++) {
+        for (int64_t t = 0; t < G * T; t++)
+            where[t] = -1;
+        for (int64_t c = 0; c < C; c++) {
+            from[e * C + c] = -1;
+            const int32_t t = gsrc[e * C + c];
+            if (t >= 0 && t < G * T)
+                where[t] = (int32_t)c;
+        }
+        const int64_t filled = count ? (int64_t)moe_st_element(count, count_entry->dtype, e) : C;
+        for (int64_t c = 0; c < filled && c < C && !*why; c++) {
+            int64_t id = (int64_t)moe_st_element(csrc, src_entry->dtype, e * C + c), source = -1;
+            if (!count && id < 0)
+                continue; /* without counts, -1 marks an empty slot */
+            for (int64_t s = 0; range && s < G && source < 0; s++) {
+                const int64_t packed = (int64_t)((const int64_t *)range)[e * G + s];
+                const int64_t begin = packed >> 32, n = packed & 0xffffffff;
+                if (c >= begin && c < begin + n)
+                    source = s;
+            }
+            if (range && (source < 0 || id < 0 || id >= T))
+                snprintf(why, sizeof why, "expert %lld slot %lld: %s", (long long)e, (long long)c,
+                         source < 0 ? "no source rank's range holds it" : "its source index is outside [0, T)");
+            id = range ? source * T + id : id;
+            if (!*why && (id < 0 || id >= G * T))
+                snprintf(why, sizeof why, "expert %lld slot %lld holds token %lld, outside [0, %lld)",
+                         (long long)e, (long long)c, (long long)id, (long long)(G * T));
+            if (*why || where[id] < 0)
+                continue; /* a token the golden does not send here: src differs below */
+            if (from[e * C + where[id]] >= 0)
+                snprintf(why, sizeof why, "expert %lld holds token %lld twice (slots %lld and %lld)", (long long)e,
+                         (long long)id, (long long)(from[e * C + where[id]] - e * C), (long long)c);
+            from[e * C + where[id]] = (int32_t)(e * C + c);
+        }
+    }
+    free(where);
+    free(range);
+    free(count);
+    free(csrc);
+    free(gsrc);
+    if (*why) {
+        fprintf(v->out, "%-28s %-9s FAIL: %s\n", src_entry->name, "dispatch", why);
+        fail_stage(v, MOE_GOLDEN_DISPATCH);
+        free(from);
+        return NULL;
+    }
+    return from;
+}
+
+/* A masked layout tensor (EL, C, width) in golden slot order by `from`: a
+ * golden slot no candidate slot holds takes the golden's value where the
+ * golden slot is empty (nothing to compare) and -1 or NaN where it is not
+ * (a token missing). src becomes global ids. */
+static void *in_arrival_order(const verify_run *v, int r, const int32_t *from, const moe_st_entry *as,
+                              const void *got, bool src)
+{
+    char name[MOE_ST_NAME_MAX];
+    moe_status ignored = {0};
+    moe_st_entry golden;
+    snprintf(name, sizeof name, "dispatch.rank%d.layout.src", r);
+    int32_t *gsrc = load_golden(v, name, &golden, &ignored);
+    const int64_t slots = golden.shape[0] * golden.shape[1];
+    const int64_t width = slots ? moe_st_elements(as->ndim, as->shape) / slots : 0;
+    float *out = moe_xmalloc(sizeof(float) * (size_t)(slots * width) + 1);
+    for (int64_t g = 0; g < slots; g++)
+        for (int64_t j = 0; j < width; j++) {
+            float value = gsrc[g] < 0 ? (src ? -1.0f : 0.0f) : src ? -1.0f : NAN; /* empty; missing */
+            if (from[g] >= 0) /* the slot holds the golden's token: its id, or its values */
+                value = src ? (float)gsrc[g] : (float)moe_st_element(got, as->dtype, from[g] * width + j);
+            out[g * width + j] = value;
+        }
+    free(gsrc);
+    return out;
+}
+
+/* A masked layout tensor of rank r (x, x.scale, src) put in golden slot
+ * order when the candidate's src gives another (arrival_order). */
+static int arrival_values(verify_run *v, const char *name, moe_st_entry *as, void **got)
+{
+    int r, end = -1;
+    char what[16] = "";
+    if (sscanf(name, "dispatch.rank%d.layout.%15[a-z.]%n", &r, what, &end) != 2 || end != (int)strlen(name) ||
+        r < 0 || r >= v->ranks || (strcmp(what, "x") && strcmp(what, "x.scale") && strcmp(what, "src")))
+        return MOE_EXIT_OK;
+    if (!v->arrival) {
+        v->arrival = moe_xcalloc((size_t)v->ranks, sizeof(int32_t *));
+        v->arrival_done = moe_xcalloc((size_t)v->ranks, 1);
+    }
+    if (!v->arrival_done[r]) {
+        v->arrival[r] = arrival_order(v, r);
+        v->arrival_done[r] = 1;
+    }
+    if (!v->arrival[r])
+        return MOE_EXIT_OK;
+    void *ordered = in_arrival_order(v, r, v->arrival[r], as, *got, !strcmp(what, "src"));
+    free(*got);
+    *got = ordered;
+    as->dtype = MOE_ST_F32;
+    return MOE_EXIT_OK;
+}
+
 /* The candidate's top-k weights in the golden's slot order (compare_ids
  * matched each token's experts as a set): F32. */
 static int weights_in_golden_order(const verify_run *v, moe_st_entry *as, void **got)
@@ -613,7 +769,9 @@ static int candidate_values(verify_run *v, const moe_st_entry *e, const moe_st_e
         *got = scales_as_f32(&v->cand, golden, e, blocks ? moe_st_elements(golden->ndim, golden->shape) / blocks : 0,
                              blocks, st);
         *as = *golden;
-        return *got ? MOE_EXIT_OK : st->code;
+        if (!*got)
+            return st->code;
+        return arrival_values(v, e->name, as, got);
     }
     *got = moe_xmalloc((size_t)(e->end - e->begin) + 1);
     if (moe_st_read(&v->cand, e, *got, st))
@@ -631,6 +789,8 @@ static int candidate_values(verify_run *v, const moe_st_entry *e, const moe_st_e
     const moe_st_entry *perm = NULL;
     if (v->slot_of && !strcmp(e->name, "router.topk_weights"))
         return weights_in_golden_order(v, as, got);
+    if (!strncmp(e->name, "dispatch.rank", 13))
+        return arrival_values(v, e->name, as, got);
     if (sscanf(e->name, "experts.rank%d.out%n", &r, &end) == 1 && end == (int)strlen(e->name)) {
         snprintf(perm_name, sizeof perm_name, "experts.rank%d.row", r);
         perm = moe_st_find(&v->cand, perm_name);
@@ -1240,6 +1400,10 @@ int moe_golden_verify(const char *dir, const char *candidate, const moe_golden_o
     fprintf(out, "%-28s %-9s %-10s %11s %11s %8s %10s  %s\n", "tensor", "stage", "rule", "max abs",
             "max rel", "% of tol", "mismatch", "first mismatch");
     const int rc = compare_all(&v, st);
+    for (int r = 0; v.arrival && r < v.ranks; r++)
+        free(v.arrival[r]);
+    free(v.arrival);
+    free(v.arrival_done);
     free(v.tied);
     free(v.slot_of);
     free(v.selection);
