@@ -122,6 +122,10 @@ void moe_comm_allgather_bytes(const moe_comm *c, const void *mine, size_t bytes,
  * size passes what one MPI count can say (2 GiB). Collective. */
 int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, void **all,
                            size_t *sizes, moe_status *st);
+/* Point to point: `bytes` bytes to or from rank `peer` (blocking; in
+ * pieces of at most 1 GiB, so any size travels). */
+void moe_comm_send_bytes(const moe_comm *c, int peer, const void *buf, size_t bytes);
+void moe_comm_recv_bytes(const moe_comm *c, int peer, void *buf, size_t bytes);
 /* The plain all-to-all anchor of moe-ep bench: a blocking MPI_Alltoallv
  * sending rows[r] rows of row_bytes bytes to each rank r, buffers and counts set up
  * once (prepare, collective) so that run times the call alone. */

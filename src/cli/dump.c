@@ -5,7 +5,9 @@
  * reference path captures what each rank received and sent back; the truth
  * is the fixed-order one (MOE_TRUTH_EXACT). BLAS is forbidden throughout, so
  * no bit of the set depends on the CPU, the BLAS kernel or the threads. Rank 0
- * gathers the rest and writes the set (src/io/golden.c). Inputs and weights
+ * gathers the routing and the output, and writes the set (src/io/golden.c),
+ * pulling each rank's received rows, expert outputs and layout tensor from
+ * it as the file reaches them: never more than one rank's. Inputs and weights
  * are not gathered: rank 0 regenerates them from the seed (they are a pure
  * function of it, docs/data.md). Collective.
  */
@@ -87,9 +89,9 @@ static moe_golden_tensor *add_named(tensor_list *l, enum moe_golden_kind kind, c
     g->tensor.data = data;
     g->stage = spec->stage;
     g->rule = spec->rule;
-    if (spec->chain == MOE_CHAIN_FP32) {
+    if (spec->chain == MOE_CHAIN_FP32) { /* a streamed tensor's abs is set by its caller */
         g->rel = moe_golden_chain_rel(spec, l->d, l->experts, l->topk, l->ffn);
-        g->abs = g->rel * rms_f32(data, moe_st_elements(ndim, g->tensor.shape));
+        g->abs = data ? g->rel * rms_f32(data, moe_st_elements(ndim, g->tensor.shape)) : 0.0;
     }
     return g;
 }
@@ -276,89 +278,169 @@ static int gather_backward(const moe_comm *c, const moe_ep *ep, backward_share *
     return rc;
 }
 
-/* --dump: every rank's layout tensor (--expert-layout), gathered on rank 0,
- * and the arrays made from it for the set. */
+/* --dump streams each rank's share to rank 0 while rank 0 writes the set:
+ * part by part, as the writer reaches the tensors made from it (their
+ * rows produced by fill_part), so that rank 0 never holds more than one
+ * rank's share and no rank's slot tensor is gathered whole. Rank 0's own
+ * parts are read where they are. */
+enum { RECV_X, RECV_TOKEN, OUT, PAIR, SUMS, LAY_WIRE, LAY_SRC, LAY_EXPERT, LAY_COUNT, PARTS };
+
+/* What rank 0 needs of each rank's share before it writes: the parts'
+ * sizes, and the rms of its expert outputs and sums (their tolerances'
+ * abs is rel times the rms, docs/golden.md). */
 typedef struct {
-    void *parts[4];   /* wire rows, src, expert, count: every rank's, concatenated */
-    size_t *sizes[4];
-    void **owned;     /* what add_layout made */
-    int owned_count;
-} layout_share;
+    uint64_t bytes[PARTS];
+    double rms_out, rms_sums;
+} share_meta;
 
-static void layout_share_free(layout_share *s)
+static void share_parts(const moe_ep_capture *cap, const moe_ep *ep, const void *part[PARTS],
+                        share_meta *m)
 {
-    for (int n = 0; n < 4; n++) {
-        free(s->parts[n]);
-        free(s->sizes[n]);
-    }
-    for (int n = 0; n < s->owned_count; n++)
-        free(s->owned[n]);
-    free(s->owned);
-    memset(s, 0, sizeof *s);
-}
-
-static int gather_layout(const moe_comm *c, const moe_ep_capture *cap, const moe_ep *ep,
-                         layout_share *s, moe_status *st)
-{
+    const moe_index d = ep->cfg->hidden;
     const size_t row = moe_wire_dispatch(ep->cfg).bytes;
-    const void *mine[4] = {cap->layout_wire, cap->layout_src, cap->layout_expert, cap->layout_count};
-    const size_t bytes[4] = {row * (size_t)cap->slots, sizeof(int32_t) * (size_t)cap->slots,
-                             sizeof(int32_t) * (size_t)cap->slots,
-                             sizeof(int32_t) * (size_t)ep->local_experts};
-    int rc = MOE_EXIT_OK;
-    for (int n = 0; n < 4; n++) {
-        s->sizes[n] = c->rank == 0 ? moe_xcalloc((size_t)c->ranks, sizeof(size_t)) : NULL;
-        if (!rc)
-            rc = moe_comm_gatherv_bytes(c, mine[n], bytes[n], &s->parts[n], s->sizes[n], st);
+    const void *p[PARTS] = {cap->recv_x, cap->recv_token, cap->out, cap->pair, cap->sums, cap->layout_wire,
+                            cap->layout_src, cap->layout_expert, cap->layout_count};
+    const size_t b[PARTS] = {sizeof(float) * (size_t)(cap->rows * d), sizeof(int32_t) * (size_t)cap->rows,
+                             sizeof(float) * (size_t)(cap->pairs * d), sizeof(int32_t) * (size_t)(2 * cap->pairs),
+                             cap->sums ? sizeof(float) * (size_t)(cap->rows * d) : 0,
+                             row * (size_t)cap->slots, sizeof(int32_t) * (size_t)cap->slots,
+                             sizeof(int32_t) * (size_t)cap->slots, sizeof(int32_t) * (size_t)ep->local_experts};
+    for (int n = 0; n < PARTS; n++) {
+        part[n] = p[n];
+        m->bytes[n] = b[n];
     }
-    return rc;
+    m->rms_out = rms_f32(cap->out, cap->pairs * d);
+    m->rms_sums = cap->sums ? rms_f32(cap->sums, cap->rows * d) : 0.0;
 }
 
-static void *owned(layout_share *s, size_t bytes)
+/* Rank 0's view of the shares: its own parts, the one other rank's parts it
+ * holds now (fetched on first use), every rank's meta. */
+typedef struct {
+    const moe_comm *c;
+    const void *mine[PARTS];
+    const share_meta *meta; /* (G) */
+    int rank;               /* whose parts are held; -1: none */
+    void *held[PARTS];
+} share_stream;
+
+static void stream_release(share_stream *s)
 {
-    s->owned = realloc(s->owned, sizeof(void *) * (size_t)(s->owned_count + 1));
-    MOE_ASSERT(s->owned != NULL);
-    return s->owned[s->owned_count++] = moe_xcalloc(bytes + 1, 1);
+    for (int n = 0; n < PARTS; n++) {
+        free(s->held[n]);
+        s->held[n] = NULL;
+    }
+    s->rank = -1;
+}
+
+/* Part `part` of rank r's share: asked for (its index) and received once. */
+static const uint8_t *stream_part(share_stream *s, int r, int part)
+{
+    if (r == 0)
+        return s->mine[part];
+    if (s->rank != r)
+        stream_release(s);
+    s->rank = r;
+    if (!s->held[part]) {
+        const int32_t ask = part;
+        const size_t bytes = (size_t)s->meta[r].bytes[part];
+        moe_comm_send_bytes(s->c, r, &ask, sizeof ask);
+        s->held[part] = moe_xmalloc(bytes + 1);
+        moe_comm_recv_bytes(s->c, r, s->held[part], bytes);
+    }
+    return s->held[part];
+}
+
+/* Every rank but 0: send the parts rank 0 asks for until it says stop (-1). */
+static void serve_share(const moe_comm *c, const void *const part[PARTS], const share_meta *m)
+{
+    for (;;) {
+        int32_t ask;
+        moe_comm_recv_bytes(c, 0, &ask, sizeof ask);
+        if (ask < 0 || ask >= PARTS)
+            return;
+        moe_comm_send_bytes(c, 0, part[ask], (size_t)m->bytes[ask]);
+    }
+}
+
+/* One tensor made from a part of a rank's share: its rows copied, or, for
+ * the layout tensor, its wire rows decoded (`slots` of them per row of the
+ * tensor: C of the masked layout's expert, else one) into values or scales
+ * (no scale where a slot is empty). */
+enum { AS_IS, DECODED, SCALES };
+typedef struct {
+    share_stream *s;
+    const moe_wire *wire;
+    int rank, part, how;
+    size_t row_bytes;
+    int64_t slots;
+} part_source;
+
+static void fill_part(const void *ctx, int64_t row, void *out)
+{
+    const part_source *p = ctx;
+    const uint8_t *data = stream_part(p->s, p->rank, p->part);
+    if (p->how == AS_IS) {
+        memcpy(out, data + (size_t)row * p->row_bytes, p->row_bytes);
+        return;
+    }
+    const uint8_t *wire = data + (size_t)(row * p->slots) * p->wire->bytes;
+    if (p->how == DECODED) {
+        moe_wire_decode(p->wire, wire, p->slots, out);
+        return;
+    }
+    const int32_t *src = (const int32_t *)stream_part(p->s, p->rank, LAY_SRC) + row * p->slots;
+    const int64_t blocks = (p->wire->hidden + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+    moe_wire_scales(p->wire, wire, p->slots, out);
+    for (int64_t m = 0; m < p->slots; m++) /* empty slots: no scale */
+        if (src[m] < 0)
+            memset((float *)out + m * blocks, 0, sizeof(float) * (size_t)blocks);
+}
+
+/* The sources of the streamed tensors, one per tensor, kept until written. */
+typedef struct {
+    part_source *items;
+    int count, capacity;
+} source_list;
+
+static moe_golden_tensor *add_streamed(tensor_list *l, source_list *sl, part_source from,
+                                       enum moe_golden_kind kind, int ndim, int64_t d0, int64_t d1, int64_t d2)
+{
+    MOE_ASSERT(sl->count < sl->capacity); /* the tensors point into it: sized once, never moved */
+    sl->items[sl->count] = from;
+    moe_golden_tensor *g = add(l, kind, from.rank, NULL, ndim, d0, d1, d2);
+    g->tensor.fill = fill_part;
+    g->tensor.ctx = &sl->items[sl->count++];
+    const int64_t rest = ndim > 1 ? moe_st_elements(ndim - 1, g->tensor.shape + 1) : 1;
+    if (from.how == AS_IS)
+        sl->items[sl->count - 1].row_bytes = (size_t)rest * moe_st_dtype_size(g->tensor.dtype);
+    return g;
 }
 
 /* The layout tensors of each rank (docs/golden.md): its rows decoded to
  * fp32 as the expert GEMMs read them, with their fp8 scales, who each slot
  * holds, and the counts; masked ones shaped (EL, C, ...). */
-static void add_layout(tensor_list *l, const moe_ep *ep, int G, layout_share *s)
+static void add_layout(tensor_list *l, source_list *sl, share_stream *s, const moe_wire *w, const moe_ep *ep, int G)
 {
     const moe_config *cfg = ep->cfg;
-    const moe_wire w = moe_wire_dispatch(cfg);
     const moe_index d = cfg->hidden, blocks = (d + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
     const int kind = moe_config_layout(cfg);
+    const bool masked = kind == MOE_LAYOUT_MASKED;
     const int64_t C = (int64_t)G * moe_config_max_tokens(cfg);
-    size_t at[4] = {0, 0, 0, 0};
     for (int r = 0; r < G; r++) {
-        const int64_t slots = (int64_t)(s->sizes[1][r] / sizeof(int32_t));
-        const int64_t EL = (int64_t)(s->sizes[3][r] / sizeof(int32_t));
-        const uint8_t *wire = (const uint8_t *)s->parts[0] + at[0];
-        const int32_t *src = (const int32_t *)((char *)s->parts[1] + at[1]);
+        const int64_t slots = (int64_t)(s->meta[r].bytes[LAY_SRC] / sizeof(int32_t));
+        const int64_t EL = (int64_t)(s->meta[r].bytes[LAY_COUNT] / sizeof(int32_t));
         /* (slots, ...) or, masked, (EL, C, ...) */
-        const int ndim = kind == MOE_LAYOUT_MASKED ? 3 : 2;
-        const int64_t d0 = kind == MOE_LAYOUT_MASKED ? EL : slots, d1 = kind == MOE_LAYOUT_MASKED ? C : d;
-        float *x = owned(s, sizeof(float) * (size_t)(slots * d));
-        moe_wire_decode(&w, wire, slots, x);
-        add(l, MOE_GK_LAYOUT_X, r, x, ndim, d0, d1, d);
-        if (w.dtype == MOE_DTYPE_FP8) {
-            float *scale = owned(s, sizeof(float) * (size_t)(slots * blocks));
-            moe_wire_scales(&w, wire, slots, scale);
-            for (int64_t m = 0; m < slots; m++) /* empty slots: no scale */
-                if (src[m] < 0)
-                    memset(scale + m * blocks, 0, sizeof(float) * (size_t)blocks);
-            add(l, MOE_GK_LAYOUT_SCALE, r, scale, ndim, d0, kind == MOE_LAYOUT_MASKED ? C : blocks,
-                blocks);
-        }
-        add(l, MOE_GK_LAYOUT_SRC, r, src, ndim - 1, d0, C, 0);
-        if (kind == MOE_LAYOUT_CONTIGUOUS) {
-            add(l, MOE_GK_LAYOUT_EXPERT, r, (char *)s->parts[2] + at[2], 1, slots, 0, 0);
-        }
-        add(l, MOE_GK_LAYOUT_COUNT, r, (char *)s->parts[3] + at[3], 1, EL, 0, 0);
-        for (int n = 0; n < 4; n++)
-            at[n] += s->sizes[n][r];
+        const int ndim = masked ? 3 : 2;
+        const int64_t d0 = masked ? EL : slots, d1 = masked ? C : d, per_row = masked ? C : 1;
+        const part_source wire = {s, w, r, LAY_WIRE, DECODED, 0, per_row};
+        add_streamed(l, sl, wire, MOE_GK_LAYOUT_X, ndim, d0, d1, d);
+        if (w->dtype == MOE_DTYPE_FP8)
+            add_streamed(l, sl, (part_source){s, w, r, LAY_WIRE, SCALES, 0, per_row}, MOE_GK_LAYOUT_SCALE, ndim,
+                         d0, masked ? C : blocks, blocks);
+        add_streamed(l, sl, (part_source){s, w, r, LAY_SRC, AS_IS, 0, 1}, MOE_GK_LAYOUT_SRC, ndim - 1, d0, C, 0);
+        if (kind == MOE_LAYOUT_CONTIGUOUS)
+            add_streamed(l, sl, (part_source){s, w, r, LAY_EXPERT, AS_IS, 0, 1}, MOE_GK_LAYOUT_EXPERT, 1, slots, 0, 0);
+        add_streamed(l, sl, (part_source){s, w, r, LAY_COUNT, AS_IS, 0, 1}, MOE_GK_LAYOUT_COUNT, 1, EL, 0, 0);
     }
 }
 
@@ -451,26 +533,21 @@ static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, co
     return rc;
 }
 
-/* Every rank's share, gathered on rank 0 (NULL elsewhere): the routing,
- * the output and truth (N rows), and per rank its received rows, expert
- * outputs, pairs and (reduced) sums, with their sizes. */
-enum { RECV_X, RECV_TOKEN, OUT, PAIR, SUMS, PARTS };
+/* On rank 0 (NULL elsewhere): the routing, the output and truth (N rows)
+ * of every rank, gathered, and each rank's share meta; the per-rank parts
+ * are streamed as they are written (share_stream). */
 typedef struct {
     float *logits, *scores, *weights, *y;
     int32_t *ids;
     double *truth, *allow;
-    void *part[PARTS];
-    size_t *sizes[PARTS];
-    layout_share lay;
+    share_meta *meta;
+    const void *mine[PARTS];
+    share_meta my_meta;
 } gathered;
 
 static void gathered_free(gathered *a)
 {
-    for (int n = 0; n < PARTS; n++) {
-        free(a->part[n]);
-        free(a->sizes[n]);
-    }
-    layout_share_free(&a->lay);
+    free(a->meta);
     free(a->allow);
     free(a->truth);
     free(a->y);
@@ -495,6 +572,7 @@ static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids
     a->y = root ? moe_xmalloc(sizeof(float) * (size_t)(N * d)) : NULL;
     a->truth = root ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
     a->allow = root && r->allow ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
+    a->meta = root ? moe_xmalloc(sizeof(share_meta) * (size_t)c->ranks) : NULL;
     moe_comm_gather_bytes(c, logits, sizeof(float) * (size_t)(T * E), a->logits);
     moe_comm_gather_bytes(c, scores, sizeof(float) * (size_t)(T * E), a->scores);
     moe_comm_gather_bytes(c, ids, sizeof(int32_t) * (size_t)(T * k), a->ids);
@@ -503,24 +581,9 @@ static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids
     moe_comm_gather_bytes(c, r->truth, sizeof(double) * (size_t)(T * d), a->truth);
     if (r->allow)
         moe_comm_gather_bytes(c, r->allow, sizeof(double) * (size_t)(T * d), a->allow);
-    const moe_ep_capture *cap = &r->cap;
-    const void *mine[PARTS] = {cap->recv_x, cap->recv_token, cap->out, cap->pair, cap->sums};
-    const size_t bytes[PARTS] = {sizeof(float) * (size_t)(cap->rows * d),
-                                 sizeof(int32_t) * (size_t)cap->rows,
-                                 sizeof(float) * (size_t)(cap->pairs * d),
-                                 sizeof(int32_t) * (size_t)(2 * cap->pairs),
-                                 sizeof(float) * (size_t)(cap->rows * d)};
-    const int parts = cfg->combine == MOE_COMBINE_REDUCED ? PARTS : SUMS;
-    int rc = MOE_EXIT_OK;
-    for (int n = 0; n < PARTS; n++)
-        a->sizes[n] = root ? moe_xcalloc((size_t)c->ranks, sizeof(size_t)) : NULL;
-    for (int n = 0; n < parts && !rc; n++)
-        rc = moe_comm_gatherv_bytes(c, mine[n], bytes[n], &a->part[n], a->sizes[n], st);
-    if (!rc)
-        rc = gather_layout(c, cap, ep, &a->lay, st);
-    if (!rc && ep->path->training)
-        rc = gather_backward(c, ep, &r->bwd, st);
-    return rc;
+    share_parts(&r->cap, ep, a->mine, &a->my_meta);
+    moe_comm_gather_bytes(c, &a->my_meta, sizeof a->my_meta, a->meta);
+    return ep->path->training ? gather_backward(c, ep, &r->bwd, st) : MOE_EXIT_OK;
 }
 
 /* The inputs: tokens, the gate, and (--dump-weights) the experts' weights,
@@ -555,26 +618,27 @@ static void lay_out_inputs(tensor_list *l, const moe_ep *ep, int64_t N, float *t
 
 /* Per rank: the rows it received, its experts' outputs and pairs, and
  * (--combine reduced) each row's sum as sent back. */
-static void lay_out_ranks(tensor_list *l, const moe_config *cfg, int G, const gathered *a)
+static void lay_out_ranks(tensor_list *l, source_list *sl, share_stream *s, const moe_config *cfg, int G)
 {
     const moe_index d = cfg->hidden;
     const bool bf16_combine = cfg->combine_dtype == MOE_DTYPE_BF16;
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
-    size_t at[PARTS] = {0};
     for (int r = 0; r < G; r++) {
-        const int64_t rows = (int64_t)(a->sizes[RECV_TOKEN][r] / sizeof(int32_t));
-        const int64_t pairs = (int64_t)(a->sizes[PAIR][r] / (2 * sizeof(int32_t)));
-        add(l, MOE_GK_DISPATCH_X, r, (char *)a->part[RECV_X] + at[RECV_X], 2, rows, d, 0);
-        add(l, MOE_GK_DISPATCH_TOKEN, r, (char *)a->part[RECV_TOKEN] + at[RECV_TOKEN], 1, rows, 0, 0);
-        moe_golden_tensor *g = add(l, MOE_GK_EXPERT_OUT, r, (char *)a->part[OUT] + at[OUT], 2, pairs, d, 0);
+        const share_meta *m = &s->meta[r];
+        const int64_t rows = (int64_t)(m->bytes[RECV_TOKEN] / sizeof(int32_t));
+        const int64_t pairs = (int64_t)(m->bytes[PAIR] / (2 * sizeof(int32_t)));
+        add_streamed(l, sl, (part_source){s, NULL, r, RECV_X, AS_IS, 0, 1}, MOE_GK_DISPATCH_X, 2, rows, d, 0);
+        add_streamed(l, sl, (part_source){s, NULL, r, RECV_TOKEN, AS_IS, 0, 1}, MOE_GK_DISPATCH_TOKEN, 1, rows, 0, 0);
+        moe_golden_tensor *g = add_streamed(l, sl, (part_source){s, NULL, r, OUT, AS_IS, 0, 1}, MOE_GK_EXPERT_OUT,
+                                            2, pairs, d, 0);
+        g->abs = g->rel * m->rms_out;
         g->bf16_step = bf16_combine && !reduced; /* each value was rounded to bf16 once */
-        add(l, MOE_GK_EXPERT_PAIR, r, (char *)a->part[PAIR] + at[PAIR], 2, pairs, 2, 0);
+        add_streamed(l, sl, (part_source){s, NULL, r, PAIR, AS_IS, 0, 1}, MOE_GK_EXPERT_PAIR, 2, pairs, 2, 0);
         if (reduced) { /* per received row, its pairs summed in slot order, as sent back */
-            g = add(l, MOE_GK_EXPERT_SUM, r, (char *)a->part[SUMS] + at[SUMS], 2, rows, d, 0);
+            g = add_streamed(l, sl, (part_source){s, NULL, r, SUMS, AS_IS, 0, 1}, MOE_GK_EXPERT_SUM, 2, rows, d, 0);
+            g->abs = g->rel * m->rms_sums;
             g->bf16_step = bf16_combine;
         }
-        for (int n = 0; n < PARTS; n++)
-            at[n] += a->sizes[n][r];
     }
 }
 
@@ -597,9 +661,10 @@ static void lay_out_output(tensor_list *l, const moe_config *cfg, int64_t N, con
 
 /* Rank 0: the set's tensors in the table's order, and the manifest's
  * config; then the set written. */
-static void write_set(const moe_ep *ep, int G, gathered *a, const backward_share *bwd,
+static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const backward_share *bwd,
                       double *bytes, moe_status *st)
 {
+    const int G = c->ranks;
     const moe_config *cfg = ep->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
     const int64_t N = (int64_t)G * T;
@@ -624,8 +689,13 @@ static void write_set(const moe_ep *ep, int G, gathered *a, const backward_share
     add(&l, MOE_GK_TOKENS_PER_NODE, -1, lc.per_node, 1, lc.nodes, 0, 0);
     add(&l, MOE_GK_TOKEN_IN_RANK, -1, lc.in_rank, 2, N, G, 0);
     add(&l, MOE_GK_SEND_COUNTS, -1, lc.send_counts, 2, G, G, 0);
-    lay_out_ranks(&l, cfg, G, a);
-    add_layout(&l, ep, G, &a->lay);
+    share_stream stream = {.c = c, .meta = a->meta, .rank = -1};
+    memcpy(stream.mine, a->mine, sizeof stream.mine);
+    source_list sources_of = {moe_xcalloc((size_t)(PARTS + 1) * (size_t)G, sizeof(part_source)), 0,
+                              (PARTS + 1) * G};
+    const moe_wire wire = moe_wire_dispatch(cfg);
+    lay_out_ranks(&l, &sources_of, &stream, cfg, G);
+    add_layout(&l, &sources_of, &stream, &wire, ep, G);
     lay_out_output(&l, cfg, N, a);
     if (ep->path->training)
         add_backward(&l, ep, G, bwd);
@@ -642,6 +712,12 @@ static void write_set(const moe_ep *ep, int G, gathered *a, const backward_share
     char *config = json_dumps(config_object, JSON_PRESERVE_ORDER);
     MOE_ASSERT(config != NULL);
     moe_golden_write(cfg->dump, l.items, l.count, config, bytes, st);
+    stream_release(&stream);
+    for (int r = 1; r < G; r++) { /* done, or failed: every other rank stops serving */
+        const int32_t stop = -1;
+        moe_comm_send_bytes(c, r, &stop, sizeof stop);
+    }
+    free(sources_of.items);
     free(config);
     json_decref(config_object);
     layout_counts_free(&lc);
@@ -650,9 +726,11 @@ static void write_set(const moe_ep *ep, int G, gathered *a, const backward_share
     free(l.items);
 }
 
-/* The set: each rank's share captured and gathered on rank 0; every rank
- * still well (an injected fault stands for a failure here)? Then rank 0
- * lays it out and writes it, and every rank learns how that went. */
+/* The set: each rank's share captured, the global tensors gathered on
+ * rank 0; every rank still well (an injected fault stands for a failure
+ * here)? Then rank 0 lays it out and writes it, pulling each rank's parts
+ * as it reaches them while the others serve them, and every rank learns
+ * how that went. */
 static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
                     const int32_t *ids, const float *weights, const float *logits,
                     const float *scores, double *bytes, moe_status *st)
@@ -670,7 +748,9 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
             *st = local;
     }
     if (c->rank == 0 && rc == MOE_EXIT_OK)
-        write_set(ep, c->ranks, &all, &share.bwd, bytes, &local);
+        write_set(c, ep, &all, &share.bwd, bytes, &local);
+    else if (rc == MOE_EXIT_OK)
+        serve_share(c, all.mine, &all.my_meta);
     gathered_free(&all);
     rank_share_free(&share);
     if (rc)

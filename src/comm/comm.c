@@ -387,6 +387,28 @@ void moe_comm_allgather_bytes(const moe_comm *c, const void *mine, size_t bytes,
     MOE_MPI(MPI_Allgather(mine, (int)bytes, MPI_BYTE, all, (int)bytes, MPI_BYTE, c->comm));
 }
 
+enum { PIECE = 1 << 30, TAG_BYTES = 7 };
+
+void moe_comm_send_bytes(const moe_comm *c, int peer, const void *buf, size_t bytes)
+{
+    size_t at = 0;
+    do { /* one message even for no bytes */
+        const size_t n = bytes - at < PIECE ? bytes - at : PIECE;
+        MOE_MPI(MPI_Send((const char *)buf + at, (int)n, MPI_BYTE, peer, TAG_BYTES, c->comm));
+        at += n;
+    } while (at < bytes);
+}
+
+void moe_comm_recv_bytes(const moe_comm *c, int peer, void *buf, size_t bytes)
+{
+    size_t at = 0;
+    do {
+        const size_t n = bytes - at < PIECE ? bytes - at : PIECE;
+        MOE_MPI(MPI_Recv((char *)buf + at, (int)n, MPI_BYTE, peer, TAG_BYTES, c->comm, MPI_STATUS_IGNORE));
+        at += n;
+    } while (at < bytes);
+}
+
 int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, void **all,
                            size_t *sizes, moe_status *st)
 {

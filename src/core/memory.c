@@ -57,16 +57,18 @@ double moe_config_memory_per_rank(const moe_config *cfg, enum moe_command comman
                  2.0 * 65536.0 * G * 8.0;
     if (cfg->backward)
         bytes += moe_backward_memory(cfg, ranks);
-    if (cfg->dump[0]) /* rank 0 gathers the set: per token, per pair, the rows */
+    if (cfg->dump[0]) /* rank 0: every rank's routing, output and truth, the tokens, one
+                         expert's weights; every rank its captured rows and outputs, and
+                         rank 0 one other rank's beside its own while it writes them */
         bytes += N * (3.0 * E * 4.0 + k * 8.0 + d * (4.0 + 8.0 + 8.0 + 4.0 + 8.0) + G) +
-                 2.0 * N * k * d * 4.0 + 2.0 * T * k * (d * 4.0 + 8.0) + 3.0 * f * d * 4.0 * 2.0;
+                 2.0 * 2.0 * T * k * (d * 4.0 + 8.0) + 3.0 * f * d * 4.0 * 2.0;
     if (cfg->dump[0] && moe_config_layout(cfg) != MOE_LAYOUT_ROWS) {
-        /* every rank's layout tensor on rank 0, as it travelled and decoded,
-         * its scales and who each slot holds: all slots, empty ones too */
-        const double slots = moe_config_layout(cfg) == MOE_LAYOUT_MASKED
-                                 ? E * G * (double)moe_config_max_tokens(cfg)
-                                 : N * k + E * (double)(cfg->expert_alignment - 1);
-        bytes += slots * (2.0 * d * 4.0 + 16.0 + 8.0);
+        /* the layout tensor as it travelled, who each slot holds: this
+         * rank's, and on rank 0 one other rank's, all slots, empty ones
+         * too; and one expert's slots decoded as they are written */
+        const double C = moe_config_layout(cfg) == MOE_LAYOUT_MASKED ? G * (double)moe_config_max_tokens(cfg) : 0.0;
+        const double slots = C > 0 ? EL * C : T * k + EL * (double)(cfg->expert_alignment - 1);
+        bytes += 2.0 * slots * ((double)moe_wire_dispatch(cfg).bytes + 8.0) + (C > 0 ? C : 1.0) * d * 4.0;
     }
     if (command == MOE_CMD_BENCH) /* the anchors: cache eviction, one sgemm, two all-to-alls */
         bytes += 64.0 * 1048576.0 + (T * k + S * T) * (d + 6.0 * f) * 4.0 + 3.0 * f * d * 4.0 +
