@@ -363,10 +363,11 @@ static void serve_share(const moe_comm *c, const void *const part[PARTS], const 
 }
 
 /* One tensor made from a part of a rank's share: its rows copied, or, for
- * the layout tensor, its wire rows decoded (`slots` of them per row of the
- * tensor: C of the masked layout's expert, else one) into values or scales
- * (no scale where a slot is empty). */
-enum { AS_IS, DECODED, SCALES };
+ * the layout tensor, its wire rows (`slots` of them per row of the tensor:
+ * C of the masked layout's expert, else one) as values as they travelled
+ * (E4M3 bytes, bf16 or fp32) or as their scales (none where a slot is
+ * empty). */
+enum { AS_IS, VALUES, SCALES };
 typedef struct {
     share_stream *s;
     const moe_wire *wire;
@@ -384,8 +385,11 @@ static void fill_part(const void *ctx, int64_t row, void *out)
         return;
     }
     const uint8_t *wire = data + (size_t)(row * p->slots) * p->wire->bytes;
-    if (p->how == DECODED) {
-        moe_wire_decode(p->wire, wire, p->slots, out);
+    if (p->how == VALUES) { /* each wire row begins with its d values */
+        const size_t values = p->wire->bytes - p->wire->scale_bytes *
+                                                   (size_t)((p->wire->hidden + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK);
+        for (int64_t m = 0; m < p->slots; m++)
+            memcpy((uint8_t *)out + (size_t)m * values, wire + (size_t)m * p->wire->bytes, values);
         return;
     }
     const int32_t *src = (const int32_t *)stream_part(p->s, p->rank, LAY_SRC) + row * p->slots;
@@ -416,9 +420,9 @@ static moe_golden_tensor *add_streamed(tensor_list *l, source_list *sl, part_sou
     return g;
 }
 
-/* The layout tensors of each rank (docs/golden.md): its rows decoded to
- * fp32 as the expert GEMMs read them, with their fp8 scales, who each slot
- * holds, and the counts; masked ones shaped (EL, C, ...). */
+/* The layout tensors of each rank (docs/golden.md): its rows as they
+ * travelled (F8_E4M3 bytes with their scales beside them, BF16 or F32),
+ * who each slot holds, and the counts; masked ones shaped (EL, C, ...). */
 static void add_layout(tensor_list *l, source_list *sl, share_stream *s, const moe_wire *w, const moe_ep *ep, int G)
 {
     const moe_config *cfg = ep->cfg;
@@ -432,8 +436,10 @@ static void add_layout(tensor_list *l, source_list *sl, share_stream *s, const m
         /* (slots, ...) or, masked, (EL, C, ...) */
         const int ndim = masked ? 3 : 2;
         const int64_t d0 = masked ? EL : slots, d1 = masked ? C : d, per_row = masked ? C : 1;
-        const part_source wire = {s, w, r, LAY_WIRE, DECODED, 0, per_row};
-        add_streamed(l, sl, wire, MOE_GK_LAYOUT_X, ndim, d0, d1, d);
+        const part_source wire = {s, w, r, LAY_WIRE, VALUES, 0, per_row};
+        moe_golden_tensor *x = add_streamed(l, sl, wire, MOE_GK_LAYOUT_X, ndim, d0, d1, d);
+        x->tensor.dtype = w->dtype == MOE_DTYPE_FP8 ? MOE_ST_F8_E4M3 : w->dtype == MOE_DTYPE_BF16 ? MOE_ST_BF16
+                                                                                                 : MOE_ST_F32;
         if (w->dtype == MOE_DTYPE_FP8)
             add_streamed(l, sl, (part_source){s, w, r, LAY_WIRE, SCALES, 0, per_row}, MOE_GK_LAYOUT_SCALE, ndim,
                          d0, masked ? C : blocks, blocks);

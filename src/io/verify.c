@@ -310,6 +310,36 @@ static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, co
     return values;
 }
 
+/* A golden tensor stored as it travelled, F8_E4M3 bytes, as F32 values:
+ * each byte's value times its block's scale from the set's NAME.scale. */
+static void *golden_fp8_values(const verify_run *v, const char *name, moe_st_entry *entry, void *bytes,
+                               moe_status *st)
+{
+    char scale_name[MOE_ST_NAME_MAX + 8];
+    snprintf(scale_name, sizeof scale_name, "%s.scale", name);
+    moe_st_entry s_entry;
+    float *scales = load_golden(v, scale_name, &s_entry, st);
+    const int64_t width = entry->ndim >= 2 ? entry->shape[entry->ndim - 1] : 0;
+    const int64_t rows = width ? moe_st_elements(entry->ndim, entry->shape) / width : 0;
+    const int64_t blocks = (width + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+    if (scales && (s_entry.dtype != MOE_ST_F32 || moe_st_elements(s_entry.ndim, s_entry.shape) != rows * blocks)) {
+        moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' is not the F32 scales, (rows, %lld), of F8_E4M3 '%s'",
+                 scale_name, (long long)blocks, name);
+        free(scales);
+        scales = NULL;
+    }
+    float *values = scales ? moe_xmalloc(sizeof(float) * (size_t)(rows * width) + 1) : NULL;
+    for (int64_t i = 0; values && i < rows; i++)
+        for (int64_t j = 0; j < width; j++)
+            values[i * width + j] = (float)moe_st_element(bytes, MOE_ST_F8_E4M3, i * width + j) *
+                                    scales[i * blocks + j / MOE_FP8_BLOCK];
+    free(scales);
+    free(bytes);
+    if (values)
+        entry->dtype = MOE_ST_F32;
+    return values;
+}
+
 /* The golden values of a candidate tensor that the manifest does not list
  * under its name but DeepEP's conventions use (per source rank r):
  *   layout.rank{r}.tokens_per_rank   (G)     row r of layout.send_counts
@@ -1042,6 +1072,8 @@ static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_st
     }
     if (!ref)
         ref = load_golden(v, e->name, &golden, st);
+    if (ref && golden.dtype == MOE_ST_F8_E4M3)
+        ref = golden_fp8_values(v, e->name, &golden, ref, st);
     if (!ref)
         return st->code;
     v->compared++;

@@ -37,8 +37,34 @@ def e4m3_values():
     return np.array(sorted(values))
 
 
+def byte_values():
+    """The value of each of the 256 E4M3 bytes (NaN for 0x7F and 0xFF)."""
+    values = np.full(256, np.nan)
+    for byte in range(256):
+        if byte & 0x7F != 0x7F:
+            e, m = byte >> 3 & 0xF, byte & 7
+            v = m / 8.0 * 2.0 ** -6 if e == 0 else (1 + m / 8.0) * 2.0 ** (e - 7)
+            values[byte] = -v if byte & 0x80 else v
+    return values
+
+
+def as_values(array, dtype, scale):
+    """A layout tensor as the set stores it, as it travelled, in float32:
+    E4M3 bytes times their block's scale, bf16 bit patterns, or fp32."""
+    if dtype == "F8_E4M3":
+        d = array.shape[-1]
+        blocks = np.repeat(scale, 128, axis=-1)[..., :d]
+        return (byte_values()[array] * blocks).astype(np.float32)
+    if dtype == "BF16":
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array
+
+
 def main(golden):
     manifest, files = st.load_set(golden)
+    for name, info in manifest["tensors"].items():
+        if name.endswith(".layout.x"):
+            files[name] = as_values(files[name], info["dtype"], files.get(name + ".scale"))
     config = manifest["config"]
     G, T = int(config["ranks"]), int(config["tokens"])
     E, d = int(config["experts"]), int(config["hidden"])
