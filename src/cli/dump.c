@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/capacity.h"
 #include "moe/check.h"
 #include "moe/cli.h"
 #include "moe/ep.h"
@@ -139,7 +140,10 @@ static void count_layout(const moe_ep *ep, const int32_t *ids, int64_t N, moe_in
     for (int64_t i = 0; i < N; i++) {
         memset(node_seen, 0, (size_t)lc->nodes);
         for (int s = 0; s < k; s++) {
-            const int e = ids[i * k + s], r = ep->placement.expert_rank[e];
+            const int e = ids[i * k + s];
+            if (e == MOE_DROPPED) /* --capacity-factor: neither sent nor computed */
+                continue;
+            const int r = ep->placement.expert_rank[e];
             lc->per_expert[e]++;
             lc->in_rank[i * G + r] = 1;
             node_seen[r / R] = 1;
@@ -544,7 +548,7 @@ static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, co
  * are streamed as they are written (share_stream). */
 typedef struct {
     float *logits, *scores, *weights, *y;
-    int32_t *ids;
+    int32_t *ids, *kept; /* the router's choice; with --capacity-factor, the pairs kept (-1 dropped) */
     double *truth, *allow;
     share_meta *meta;
     const void *mine[PARTS];
@@ -558,12 +562,13 @@ static void gathered_free(gathered *a)
     free(a->truth);
     free(a->y);
     free(a->weights);
+    free(a->kept);
     free(a->ids);
     free(a->scores);
     free(a->logits);
 }
 
-static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids,
+static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids, const int32_t *kept,
                          const float *weights, const float *logits, const float *scores,
                          rank_share *r, gathered *a, moe_status *st)
 {
@@ -574,6 +579,7 @@ static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids
     a->logits = root ? moe_xmalloc(sizeof(float) * (size_t)(N * E)) : NULL;
     a->scores = root ? moe_xmalloc(sizeof(float) * (size_t)(N * E)) : NULL;
     a->ids = root ? moe_xmalloc(sizeof(int32_t) * (size_t)(N * k)) : NULL;
+    a->kept = root && kept != ids ? moe_xmalloc(sizeof(int32_t) * (size_t)(N * k)) : NULL;
     a->weights = root ? moe_xmalloc(sizeof(float) * (size_t)(N * k)) : NULL;
     a->y = root ? moe_xmalloc(sizeof(float) * (size_t)(N * d)) : NULL;
     a->truth = root ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
@@ -582,6 +588,8 @@ static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids
     moe_comm_gather_bytes(c, logits, sizeof(float) * (size_t)(T * E), a->logits);
     moe_comm_gather_bytes(c, scores, sizeof(float) * (size_t)(T * E), a->scores);
     moe_comm_gather_bytes(c, ids, sizeof(int32_t) * (size_t)(T * k), a->ids);
+    if (kept != ids)
+        moe_comm_gather_bytes(c, kept, sizeof(int32_t) * (size_t)(T * k), a->kept);
     moe_comm_gather_bytes(c, weights, sizeof(float) * (size_t)(T * k), a->weights);
     moe_comm_gather_bytes(c, r->y, sizeof(float) * (size_t)(T * d), a->y);
     moe_comm_gather_bytes(c, r->truth, sizeof(double) * (size_t)(T * d), a->truth);
@@ -689,12 +697,14 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
     add(&l, MOE_GK_TOPK_WEIGHTS, -1, a->weights, 2, N, k, 0);
     /* layout, from the ids and the placement */
     layout_counts lc;
-    count_layout(ep, a->ids, N, T, &lc);
+    count_layout(ep, a->kept ? a->kept : a->ids, N, T, &lc);
     add(&l, MOE_GK_TOKENS_PER_RANK, -1, lc.per_rank, 1, G, 0, 0);
     add(&l, MOE_GK_TOKENS_PER_EXPERT, -1, lc.per_expert, 1, E, 0, 0);
     add(&l, MOE_GK_TOKENS_PER_NODE, -1, lc.per_node, 1, lc.nodes, 0, 0);
     add(&l, MOE_GK_TOKEN_IN_RANK, -1, lc.in_rank, 2, N, G, 0);
     add(&l, MOE_GK_SEND_COUNTS, -1, lc.send_counts, 2, G, G, 0);
+    if (a->kept)
+        add(&l, MOE_GK_KEPT_IDS, -1, a->kept, 2, N, k, 0);
     share_stream stream = {.c = c, .meta = a->meta, .rank = -1};
     memcpy(stream.mine, a->mine, sizeof stream.mine);
     source_list sources_of = {moe_xcalloc((size_t)(PARTS + 1) * (size_t)G, sizeof(part_source)), 0,
@@ -738,14 +748,14 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
  * as it reaches them while the others serve them, and every rank learns
  * how that went. */
 static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
-                    const int32_t *ids, const float *weights, const float *logits,
+                    const int32_t *ids, const int32_t *kept, const float *weights, const float *logits,
                     const float *scores, double *bytes, moe_status *st)
 {
     rank_share share = {0};
     gathered all = {0};
-    int rc = capture_share(c, ep, x, dy, ids, weights, logits, &share, st);
+    int rc = capture_share(c, ep, x, dy, kept, weights, logits, &share, st);
     if (rc == MOE_EXIT_OK)
-        rc = gather_shares(c, ep, ids, weights, logits, scores, &share, &all, st);
+        rc = gather_shares(c, ep, ids, kept, weights, logits, scores, &share, &all, st);
     moe_status local = {0};
     if (rc == MOE_EXIT_OK) {
         moe_fault_here(c, "dump", &local);
@@ -777,7 +787,13 @@ int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const floa
     int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)); /* (T, k) */
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k)); /* (T, k) */
     moe_ep_route(ep, x, logits, scores, ids, weights);
-    const int rc = dump_set(c, ep, x, dy, ids, weights, logits, scores, bytes, st);
+    /* --capacity-factor: the pairs kept (-1 dropped), as the forward sends them and the truth sums */
+    int32_t *kept = ep->cfg->capacity_factor > 0 ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : ids;
+    if (kept != ids)
+        moe_ep_place(ep, ids, weights, kept);
+    const int rc = dump_set(c, ep, x, dy, ids, kept, weights, logits, scores, bytes, st);
+    if (kept != ids)
+        free(kept);
     free(weights);
     free(ids);
     free(scores);

@@ -87,8 +87,9 @@ static int validate_drops(const moe_config *cfg, moe_status *st)
     if (!(cfg->capacity_factor > 0))
         return MOE_EXIT_OK;
     const char *other = cfg->backward ? "--backward (the gradient of a dropped pair is not built)"
-                        : cfg->dump[0] ? "--dump (a golden set holds every pair of the routing)"
-                                       : NULL;
+                        : cfg->dump[0] && cfg->pad_to_capacity
+                            ? "--pad-to-capacity with --dump (a golden set holds the pairs computed, not the zero rows)"
+                            : NULL;
     if (other)
         return moe_fail(st, MOE_EXIT_USAGE, "--capacity-factor drops pairs of the forward: drop %s",
                         other);

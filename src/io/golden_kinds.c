@@ -35,6 +35,7 @@ const moe_golden_kind_spec moe_golden_kinds[MOE_GOLDEN_KINDS] = {
     [MOE_GK_TOKENS_PER_NODE] = EXACT("layout.tokens_per_node", MOE_GOLDEN_LAYOUT, MOE_ST_I32),
     [MOE_GK_TOKEN_IN_RANK] = EXACT("layout.is_token_in_rank", MOE_GOLDEN_LAYOUT, MOE_ST_BOOL),
     [MOE_GK_SEND_COUNTS] = EXACT("layout.send_counts", MOE_GOLDEN_LAYOUT, MOE_ST_I32),
+    [MOE_GK_KEPT_IDS] = EXACT("layout.kept_ids", MOE_GOLDEN_LAYOUT, MOE_ST_I32), /* --capacity-factor */
     /* dispatch: the rows as they arrived (deterministic quantisation) */
     [MOE_GK_DISPATCH_X] = EXACT("dispatch.rank%d.x", MOE_GOLDEN_DISPATCH, MOE_ST_F32),
     [MOE_GK_DISPATCH_TOKEN] = EXACT("dispatch.rank%d.token", MOE_GOLDEN_DISPATCH, MOE_ST_I32),

@@ -100,7 +100,7 @@ def truth_exact(files, config):
     xq = np.zeros_like(x)  # what each token's experts received
     for r in range(int(config["ranks"])):
         xq[files["dispatch.rank%d.token" % r]] = files["dispatch.rank%d.x" % r]
-    ids, weights = files["router.topk_ids"], files["router.topk_weights"]
+    ids, weights = files.get("layout.kept_ids", files["router.topk_ids"]), files["router.topk_weights"]
     combine_bf16 = config["combine-dtype"] == "bf16"
     before_l2 = config["weight-at"] == "activation"
     reduced = config.get("combine", "pairs") == "reduced"
@@ -138,7 +138,7 @@ def reduced_rows(files, r, before_l2, combine_bf16):
     pairs in slot order, each times its gate weight unless the weight was
     applied before L2, summed in fp32 from zero, then rounded to the combine
     dtype (src/comm/ep.c, moe_ep_reduce_at_source)."""
-    ids, weights = files["router.topk_ids"], files["router.topk_weights"]
+    ids, weights = files.get("layout.kept_ids", files["router.topk_ids"]), files["router.topk_weights"]
     tokens = files["dispatch.rank%d.token" % r]
     pairs, out = files["experts.rank%d.pair" % r], files["experts.rank%d.out" % r]
     at = {(int(t), int(e)): p for p, (t, e) in enumerate(pairs.tolist())}
@@ -163,7 +163,7 @@ def main(golden):
         print("exact: %s was not made with --gemm exact; no expert outputs to compare bit for bit"
               % golden)
         return 0 if truth_differ == 0 else 1
-    ids, weights = files["router.topk_ids"], files["router.topk_weights"]
+    ids, weights = files.get("layout.kept_ids", files["router.topk_ids"]), files["router.topk_weights"]
     w1t = np.ascontiguousarray(files["experts.w1"].transpose(0, 2, 1))  # (E, d, 2f)
     w2t = np.ascontiguousarray(files["experts.w2"].transpose(0, 2, 1))  # (E, f, d)
     f = w2t.shape[1]

@@ -73,7 +73,7 @@ def main(golden):
     N = T if config.get("max-tokens-per-rank", "auto") == "auto" else int(config["max-tokens-per-rank"])
     C, A = G * N, int(config.get("expert-alignment", "1"))
     fp8 = config["dispatch-dtype"] == "fp8"
-    ids = files["router.topk_ids"]
+    ids = files.get("layout.kept_ids", files["router.topk_ids"])  # --capacity-factor: the pairs kept
     base, extra = divmod(E, G)
     first = np.concatenate([[0], np.cumsum([base + (r < extra) for r in range(G)])])
     e4m3 = e4m3_values()

@@ -220,6 +220,7 @@ def rows_of_rank(pairs):
 def port(files, config, gemm, bug=None):
     """The candidate tensors of one port (with one of BUGS when bug is set)."""
     ids, weights = files["router.topk_ids"], files["router.topk_weights"]
+    ids = files.get("layout.kept_ids", ids)  # --capacity-factor: the pairs kept, -1 dropped
     before_l2 = (config["weight-at"] == "activation") != (bug == "weight-elsewhere")
     combine_bf16 = config["combine-dtype"] == "bf16"
     to_bf16 = bf16_truncate if bug == "combine-truncation" else bf16
@@ -262,6 +263,8 @@ def port(files, config, gemm, bug=None):
         y[tokens_r] = y[tokens_r] + out["experts.rank%d.sum" % r]
     for i in range(n if not reduced else 0):
         for s in range(k):  # slot order
+            if ids[i, s] < 0:
+                continue
             v = rows_of[(i, int(ids[i, s]))]
             w = weights[i, (s + 1) % k if bug == "combine-off-by-one" else s]
             y[i] = y[i] + (v if before_l2 else (w * v).astype(F))

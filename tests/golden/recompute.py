@@ -47,12 +47,40 @@ def ffn(x, w1, w2):
     return (gate / (1.0 + np.exp(-gate)) * up) @ w2.T.astype(np.float64)
 
 
+def kept_pairs(config, ids, weights):
+    """--capacity-factor C (docs/load-balance.md, Megatron-Core's rule): per
+    source rank, each expert keeps at most ceil(T k / E * C) of the rank's
+    pairs, those of largest gate weight (--drop-policy probs; equal weights
+    to the lower token) or the first in token order (position); the others
+    become -1."""
+    T, k, E = int(config["tokens"]), ids.shape[1], int(config["experts"])
+    capacity = int(np.ceil(T * k / E * float(config["capacity-factor"])))
+    kept = ids.copy()
+    for r0 in range(0, ids.shape[0], T):
+        for e in range(E):
+            rows, slots = np.nonzero(ids[r0:r0 + T] == e)
+            if rows.size <= capacity:
+                continue
+            if config.get("drop-policy", "probs") == "probs":  # stable: equal weights keep token order
+                order = np.argsort(-weights[r0 + rows, slots].astype(np.float64), kind="stable")
+            else:
+                order = np.arange(rows.size)
+            for m in order[capacity:]:
+                kept[r0 + rows[m], slots[m]] = -1
+    return kept
+
+
 def main(golden):
     manifest, files = st.load_set(golden)
     config = manifest["config"]
     x = files["tokens.x"].astype(np.float64)
     ids, weights = files["router.topk_ids"], files["router.topk_weights"].astype(np.float64)
     n, k = ids.shape
+    if config.get("capacity-factor", "none") != "none":  # the pairs kept, decided again here
+        ids = kept_pairs(config, ids, files["router.topk_weights"])
+        if not np.array_equal(ids, files["layout.kept_ids"]):
+            print("numpy recompute of %s: layout.kept_ids differs from the capacity rule: FAIL" % golden)
+            return 1
     # What each token's experts received: its dispatched row (the same on every rank).
     xq = np.zeros_like(x)
     ranks = int(config["ranks"])
