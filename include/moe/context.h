@@ -32,6 +32,8 @@ typedef struct {
                                 ids itself without --redundant-experts and
                                 --capacity-factor; MOE_DROPPED for a dropped pair */
     double *expert_load;     /* (E) --redundant-experts: the load EPLB placed by; else NULL */
+    float *steps_bias;       /* (steps, E) --steps: the correction bias after each step; else NULL */
+    double *steps_load;      /* (steps, E) --steps: each step's pairs per expert, over all ranks */
     float *weights;          /* (T, k) */
     float *y;                /* (T, d) */
     uint64_t y_digest;       /* of the first timed forward's output */

@@ -367,6 +367,8 @@ void moe_context_close(moe_run_context *ctx)
         free(ctx->placed);
     free(ctx->ids);
     free(ctx->expert_load);
+    free(ctx->steps_bias);
+    free(ctx->steps_load);
     free(ctx->scores);
     free(ctx->logits);
     free(ctx->x);

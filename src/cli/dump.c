@@ -676,7 +676,7 @@ static void lay_out_output(tensor_list *l, const moe_config *cfg, int64_t N, con
 /* Rank 0: the set's tensors in the table's order, and the manifest's
  * config; then the set written. */
 static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const backward_share *bwd,
-                      double *bytes, moe_status *st)
+                      const moe_dump_steps *steps, double *bytes, moe_status *st)
 {
     const int G = c->ranks;
     const moe_config *cfg = ep->cfg;
@@ -695,6 +695,14 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
     add(&l, MOE_GK_SELECTION, -1, selection, 2, N, E, 0);
     add(&l, MOE_GK_TOPK_IDS, -1, a->ids, 2, N, k, 0);
     add(&l, MOE_GK_TOPK_WEIGHTS, -1, a->weights, 2, N, k, 0);
+    int32_t *steps_load = NULL;
+    if (steps) { /* the trajectory: each step's pairs per expert, the bias after its update */
+        steps_load = moe_xmalloc(sizeof(int32_t) * (size_t)(steps->steps * E));
+        for (int64_t m = 0; m < steps->steps * E; m++)
+            steps_load[m] = (int32_t)steps->load[m];
+        add(&l, MOE_GK_STEPS_LOAD, -1, steps_load, 2, steps->steps, E, 0);
+        add(&l, MOE_GK_STEPS_BIAS, -1, steps->bias, 2, steps->steps, E, 0);
+    }
     /* layout, from the ids and the placement */
     layout_counts lc;
     count_layout(ep, a->kept ? a->kept : a->ids, N, T, &lc);
@@ -737,6 +745,7 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
     free(config);
     json_decref(config_object);
     layout_counts_free(&lc);
+    free(steps_load);
     free(selection);
     free(tokens);
     free(l.items);
@@ -749,7 +758,7 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
  * how that went. */
 static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
                     const int32_t *ids, const int32_t *kept, const float *weights, const float *logits,
-                    const float *scores, double *bytes, moe_status *st)
+                    const float *scores, const moe_dump_steps *steps, double *bytes, moe_status *st)
 {
     rank_share share = {0};
     gathered all = {0};
@@ -764,7 +773,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
             *st = local;
     }
     if (c->rank == 0 && rc == MOE_EXIT_OK)
-        write_set(c, ep, &all, &share.bwd, bytes, &local);
+        write_set(c, ep, &all, &share.bwd, steps, bytes, &local);
     else if (rc == MOE_EXIT_OK)
         serve_share(c, all.mine, &all.my_meta);
     gathered_free(&all);
@@ -777,8 +786,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
 }
 
 int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
-                 double *bytes,
-                 moe_status *st)
+                 const moe_dump_steps *steps, double *bytes, moe_status *st)
 {
     const moe_index T = ep->cfg->tokens, E = ep->cfg->experts, k = ep->cfg->topk;
     moe_gemm_forbid_blas("the golden dump, whose tensors are the same bytes on every machine");
@@ -791,7 +799,7 @@ int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const floa
     int32_t *kept = ep->cfg->capacity_factor > 0 ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : ids;
     if (kept != ids)
         moe_ep_place(ep, ids, weights, kept);
-    const int rc = dump_set(c, ep, x, dy, ids, kept, weights, logits, scores, bytes, st);
+    const int rc = dump_set(c, ep, x, dy, ids, kept, weights, logits, scores, steps, bytes, st);
     if (kept != ids)
         free(kept);
     free(weights);

@@ -457,7 +457,7 @@ static int explain(moe_run_context *ctx, const int64_t *tokens, int count)
     free(scratch);
     moe_ep_capture_free(&cap);
     if (cfg->dump[0])
-        rc = moe_cli_dump(c, ep, ctx->x, ctx->dy, &ctx->summary.dump_bytes, &ctx->status);
+        rc = moe_cli_dump(c, ep, ctx->x, ctx->dy, NULL, &ctx->summary.dump_bytes, &ctx->status);
     return rc;
 }
 

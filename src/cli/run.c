@@ -635,7 +635,9 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     }
     if (rc == MOE_EXIT_OK && cfg->dump[0]) {
         const double t = moe_clock_now();
-        rc = moe_cli_dump(c, &ctx.ep, ctx.x, ctx.dy, &s->dump_bytes, &ctx.status);
+        const moe_dump_steps steps = {(int)cfg->steps, ctx.steps_bias, ctx.steps_load};
+        rc = moe_cli_dump(c, &ctx.ep, ctx.x, ctx.dy, ctx.steps_bias ? &steps : NULL, &s->dump_bytes,
+                          &ctx.status);
         s->dump_seconds = moe_stage_since(t);
     }
     /* The curve: every further wave count of --waves W1,W2,...; the report

@@ -125,6 +125,7 @@ int moe_run_steps(moe_run_context *ctx)
     float *batch = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     step_row *rows = moe_xcalloc((size_t)n, sizeof *rows);
     float *bias = moe_xcalloc((size_t)n * (size_t)E, sizeof(float));
+    double *steps_load = moe_xcalloc((size_t)n * (size_t)E, sizeof(double));
     double *load = moe_xmalloc(sizeof(double) * (size_t)(2 * E + G));
     double *prob = load + E, *rank_pairs = prob + E;
     int rc = MOE_EXIT_OK;
@@ -148,6 +149,7 @@ int moe_run_steps(moe_run_context *ctx)
         row->rank_imbalance = moe_max_over_mean(rank_pairs, G);
         row->slowest = moe_comm_max(c, ctx->last.seconds[MOE_STAGE_EXPERTS]);
         moe_balance_losses(load, prob, E, (int)k, &sums, &row->aux, &row->z, &row->seq);
+        memcpy(steps_load + (size_t)s * (size_t)E, load, sizeof(double) * (size_t)E);
         if (cfg->bias_update > 0)
             moe_router_bias_update(ep->bias, load, E, (float)cfg->bias_update);
         if (ep->bias)
@@ -169,7 +171,9 @@ int moe_run_steps(moe_run_context *ctx)
         rc = local.code;
     }
     free(load);
-    free(bias);
+    /* kept for --dump: the trajectory beside the set */
+    ctx->steps_bias = bias;
+    ctx->steps_load = steps_load;
     free(rows);
     free(batch);
     return rc;

@@ -432,8 +432,7 @@ int moe_router_validate_steps(const moe_config *cfg, moe_status *st)
     if ((cfg->steps > 1 || cfg->bias_update > 0) && cfg->routing[0])
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--steps routes fresh batches with the router: drop --routing");
-    if ((cfg->steps > 1 || cfg->bias_update > 0) && (cfg->backward || cfg->dump[0]))
-        return moe_fail(st, MOE_EXIT_USAGE, "--steps and --bias-update run forwards: drop %s",
-                        cfg->backward ? "--backward" : "--dump");
+    if ((cfg->steps > 1 || cfg->bias_update > 0) && cfg->backward)
+        return moe_fail(st, MOE_EXIT_USAGE, "--steps and --bias-update run forwards: drop --backward");
     return MOE_EXIT_OK;
 }

@@ -36,6 +36,10 @@ const moe_golden_kind_spec moe_golden_kinds[MOE_GOLDEN_KINDS] = {
     [MOE_GK_TOKEN_IN_RANK] = EXACT("layout.is_token_in_rank", MOE_GOLDEN_LAYOUT, MOE_ST_BOOL),
     [MOE_GK_SEND_COUNTS] = EXACT("layout.send_counts", MOE_GOLDEN_LAYOUT, MOE_ST_I32),
     [MOE_GK_KEPT_IDS] = EXACT("layout.kept_ids", MOE_GOLDEN_LAYOUT, MOE_ST_I32), /* --capacity-factor */
+    /* --steps: each step's load and the bias after its update (integers, and
+     * fp32 sums of +-gamma) */
+    [MOE_GK_STEPS_LOAD] = EXACT("router.steps.load", MOE_GOLDEN_ROUTER, MOE_ST_I32),
+    [MOE_GK_STEPS_BIAS] = EXACT("router.steps.bias", MOE_GOLDEN_ROUTER, MOE_ST_F32),
     /* dispatch: the rows as they arrived (deterministic quantisation) */
     [MOE_GK_DISPATCH_X] = EXACT("dispatch.rank%d.x", MOE_GOLDEN_DISPATCH, MOE_ST_F32),
     [MOE_GK_DISPATCH_TOKEN] = EXACT("dispatch.rank%d.token", MOE_GOLDEN_DISPATCH, MOE_ST_I32),

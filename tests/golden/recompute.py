@@ -70,12 +70,33 @@ def kept_pairs(config, ids, weights):
     return kept
 
 
+def bias_steps_hold(files, config):
+    """--steps with --bias-update G: after step s every expert's bias moved by
+    +G (its load below the mean load), -G (above) or 0, in fp32, and the
+    set's router used the last bias (gate.bias)."""
+    load, bias = files["router.steps.load"].astype(np.float64), files["router.steps.bias"]
+    gamma = np.float32(float(config["bias-update"]))
+    for s in range(1, bias.shape[0]):
+        mean = load[s].sum() / load.shape[1]
+        step = np.where(load[s] < mean, gamma, np.where(load[s] > mean, -gamma, np.float32(0)))
+        if not np.array_equal((bias[s - 1] + step).astype(np.float32), bias[s]):
+            return "router.steps.bias row %d does not follow the update rule from row %d" % (s, s - 1)
+    if not np.array_equal(bias[-1], files["gate.bias"]):
+        return "gate.bias is not the last row of router.steps.bias"
+    return None
+
+
 def main(golden):
     manifest, files = st.load_set(golden)
     config = manifest["config"]
     x = files["tokens.x"].astype(np.float64)
     ids, weights = files["router.topk_ids"], files["router.topk_weights"].astype(np.float64)
     n, k = ids.shape
+    if "router.steps.bias" in files:
+        why = bias_steps_hold(files, config)
+        if why:
+            print("numpy recompute of %s: %s: FAIL" % (golden, why))
+            return 1
     if config.get("capacity-factor", "none") != "none":  # the pairs kept, decided again here
         ids = kept_pairs(config, ids, files["router.topk_weights"])
         if not np.array_equal(ids, files["layout.kept_ids"]):
