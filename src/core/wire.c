@@ -181,7 +181,6 @@ int moe_ll_validate(const moe_config *cfg, moe_status *st)
                         : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL ? "--dispatch hierarchical"
                         : cfg->trace[0]                           ? "--trace"
                         : cfg->timeline[0]                        ? "--timeline"
-                        : cfg->dump[0]                            ? "--dump"
                                                                   : NULL;
     if (other)
         return moe_fail(st, MOE_EXIT_USAGE,

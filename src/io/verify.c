@@ -337,7 +337,7 @@ static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, co
 static void *golden_fp8_values(const verify_run *v, const char *name, moe_st_entry *entry, void *bytes,
                                moe_status *st)
 {
-    char scale_name[MOE_ST_NAME_MAX + 8];
+    char scale_name[2 * MOE_ST_NAME_MAX];
     snprintf(scale_name, sizeof scale_name, "%s.scale", name);
     moe_st_entry s_entry;
     float *scales = load_golden(v, scale_name, &s_entry, st);
@@ -1081,9 +1081,14 @@ static void explain_fp8_scales(verify_run *v, const moe_st_entry *e, const void 
                 (long long)(first / width), (long long)(first % width), first_max);
 }
 
-static int verify_tensor(verify_run *v, const moe_st_entry *e, int stage, moe_status *st)
+static int verify_tensor(verify_run *v, const moe_st_entry *given, int stage, moe_status *st)
 {
-    json_t *info = json_object_get(v->tensors, e->name);
+    json_t *info = json_object_get(v->tensors, given->name);
+    moe_st_entry bytes_as = *given; /* U8 where the set holds E4M3 bytes: numpy has no float8 */
+    if (given->dtype == MOE_ST_U8 && !strcmp(json_string_value(json_object_get(info, "dtype")) ?
+                                             json_string_value(json_object_get(info, "dtype")) : "", "F8_E4M3"))
+        bytes_as.dtype = MOE_ST_F8_E4M3;
+    const moe_st_entry *e = &bytes_as;
     moe_st_entry golden;
     void *ref = NULL;
     if (!info && stage == MOE_GOLDEN_LAYOUT &&
