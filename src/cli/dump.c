@@ -140,11 +140,11 @@ static void count_layout(const moe_ep *ep, const int32_t *ids, int64_t N, moe_in
     for (int64_t i = 0; i < N; i++) {
         memset(node_seen, 0, (size_t)lc->nodes);
         for (int s = 0; s < k; s++) {
-            const int e = ids[i * k + s];
+            const int e = ids[i * k + s]; /* a physical expert: a copy with --redundant-experts */
             if (e == MOE_DROPPED) /* --capacity-factor: neither sent nor computed */
                 continue;
             const int r = ep->placement.expert_rank[e];
-            lc->per_expert[e]++;
+            lc->per_expert[ep->replicas.phy2log ? ep->replicas.phy2log[e] : e]++;
             lc->in_rank[i * G + r] = 1;
             node_seen[r / R] = 1;
         }
@@ -503,6 +503,14 @@ static void add_backward(tensor_list *l, const moe_ep *ep, int G, const backward
     add_gradient(l, "backward.gate.dw", b->g.dgate, b->dgate_truth, 2, E, d, 0, base);
 }
 
+/* A rank's routing as the set holds it: the router's logical ids; the
+ * pairs kept (--capacity-factor: -1 dropped; else ids); the physical
+ * experts they go to (--redundant-experts: the copies; else kept); and the
+ * rank each pair is computed on (with copies; NULL without). */
+typedef struct {
+    const int32_t *ids, *kept, *placed, *pair_rank;
+} dump_routing;
+
 /* This rank's share of a set: a captured forward (or training step) and
  * the truth. */
 typedef struct {
@@ -523,9 +531,10 @@ static void rank_share_free(rank_share *r)
 }
 
 static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
-                         const int32_t *ids, const float *weights, const float *logits,
+                         const dump_routing *routing, const float *weights, const float *logits,
                          rank_share *r, moe_status *st)
 {
+    const int32_t *ids = routing->placed;
     const moe_config *cfg = ep->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden;
     r->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
@@ -537,9 +546,9 @@ static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, co
     const int rc = ep->path->training
                        ? backward_step(c, ep, x, dy, ids, weights, logits, r->y, &r->cap, &r->bwd, st)
                        : moe_ep_forward_ref(ep, x, ids, weights, r->y, &stats, &r->cap, st);
-    if (rc == MOE_EXIT_OK)
-        moe_truth_forward(cfg, MOE_TRUTH_EXACT, x, moe_ep_dispatched_tokens(ep, x, r->x_scratch), ids,
-                          weights, T, c->ranks, r->truth, r->allow);
+    if (rc == MOE_EXIT_OK) /* the truth of the logical experts, each pair summed where its copy is */
+        moe_truth_forward_placed(cfg, MOE_TRUTH_EXACT, x, moe_ep_dispatched_tokens(ep, x, r->x_scratch),
+                                 routing->kept, weights, T, c->ranks, routing->pair_rank, r->truth, r->allow);
     return rc;
 }
 
@@ -548,7 +557,8 @@ static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, co
  * are streamed as they are written (share_stream). */
 typedef struct {
     float *logits, *scores, *weights, *y;
-    int32_t *ids, *kept; /* the router's choice; with --capacity-factor, the pairs kept (-1 dropped) */
+    int32_t *ids, *kept;  /* the router's choice; with --capacity-factor, the pairs kept (-1 dropped) */
+    int32_t *physical;    /* with --redundant-experts, the copy each pair went to */
     double *truth, *allow;
     share_meta *meta;
     const void *mine[PARTS];
@@ -562,16 +572,18 @@ static void gathered_free(gathered *a)
     free(a->truth);
     free(a->y);
     free(a->weights);
+    free(a->physical);
     free(a->kept);
     free(a->ids);
     free(a->scores);
     free(a->logits);
 }
 
-static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids, const int32_t *kept,
+static int gather_shares(const moe_comm *c, const moe_ep *ep, const dump_routing *routing,
                          const float *weights, const float *logits, const float *scores,
                          rank_share *r, gathered *a, moe_status *st)
 {
+    const int32_t *ids = routing->ids, *kept = routing->kept, *placed = routing->placed;
     const moe_config *cfg = ep->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden, E = cfg->experts, k = cfg->topk;
     const int64_t N = (int64_t)c->ranks * T;
@@ -580,6 +592,7 @@ static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids
     a->scores = root ? moe_xmalloc(sizeof(float) * (size_t)(N * E)) : NULL;
     a->ids = root ? moe_xmalloc(sizeof(int32_t) * (size_t)(N * k)) : NULL;
     a->kept = root && kept != ids ? moe_xmalloc(sizeof(int32_t) * (size_t)(N * k)) : NULL;
+    a->physical = root && placed != kept ? moe_xmalloc(sizeof(int32_t) * (size_t)(N * k)) : NULL;
     a->weights = root ? moe_xmalloc(sizeof(float) * (size_t)(N * k)) : NULL;
     a->y = root ? moe_xmalloc(sizeof(float) * (size_t)(N * d)) : NULL;
     a->truth = root ? moe_xmalloc(sizeof(double) * (size_t)(N * d)) : NULL;
@@ -590,6 +603,8 @@ static int gather_shares(const moe_comm *c, const moe_ep *ep, const int32_t *ids
     moe_comm_gather_bytes(c, ids, sizeof(int32_t) * (size_t)(T * k), a->ids);
     if (kept != ids)
         moe_comm_gather_bytes(c, kept, sizeof(int32_t) * (size_t)(T * k), a->kept);
+    if (placed != kept)
+        moe_comm_gather_bytes(c, placed, sizeof(int32_t) * (size_t)(T * k), a->physical);
     moe_comm_gather_bytes(c, weights, sizeof(float) * (size_t)(T * k), a->weights);
     moe_comm_gather_bytes(c, r->y, sizeof(float) * (size_t)(T * d), a->y);
     moe_comm_gather_bytes(c, r->truth, sizeof(double) * (size_t)(T * d), a->truth);
@@ -705,7 +720,7 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
     }
     /* layout, from the ids and the placement */
     layout_counts lc;
-    count_layout(ep, a->kept ? a->kept : a->ids, N, T, &lc);
+    count_layout(ep, a->physical ? a->physical : a->kept ? a->kept : a->ids, N, T, &lc);
     add(&l, MOE_GK_TOKENS_PER_RANK, -1, lc.per_rank, 1, G, 0, 0);
     add(&l, MOE_GK_TOKENS_PER_EXPERT, -1, lc.per_expert, 1, E, 0, 0);
     add(&l, MOE_GK_TOKENS_PER_NODE, -1, lc.per_node, 1, lc.nodes, 0, 0);
@@ -713,6 +728,14 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
     add(&l, MOE_GK_SEND_COUNTS, -1, lc.send_counts, 2, G, G, 0);
     if (a->kept)
         add(&l, MOE_GK_KEPT_IDS, -1, a->kept, 2, N, k, 0);
+    int32_t *replica_of = NULL;
+    if (a->physical) { /* the copies: where each pair went, and whose copy each physical expert is */
+        add(&l, MOE_GK_PHYSICAL_IDS, -1, a->physical, 2, N, k, 0);
+        replica_of = moe_xmalloc(sizeof(int32_t) * (size_t)ep->replicas.physical);
+        for (int p = 0; p < ep->replicas.physical; p++)
+            replica_of[p] = ep->replicas.phy2log[p];
+        add(&l, MOE_GK_REPLICA_OF, -1, replica_of, 1, ep->replicas.physical, 0, 0);
+    }
     share_stream stream = {.c = c, .meta = a->meta, .rank = -1};
     memcpy(stream.mine, a->mine, sizeof stream.mine);
     source_list sources_of = {moe_xcalloc((size_t)(PARTS + 1) * (size_t)G, sizeof(part_source)), 0,
@@ -745,6 +768,7 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
     free(config);
     json_decref(config_object);
     layout_counts_free(&lc);
+    free(replica_of);
     free(steps_load);
     free(selection);
     free(tokens);
@@ -757,14 +781,14 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
  * as it reaches them while the others serve them, and every rank learns
  * how that went. */
 static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
-                    const int32_t *ids, const int32_t *kept, const float *weights, const float *logits,
+                    const dump_routing *routing, const float *weights, const float *logits,
                     const float *scores, const moe_dump_steps *steps, double *bytes, moe_status *st)
 {
     rank_share share = {0};
     gathered all = {0};
-    int rc = capture_share(c, ep, x, dy, kept, weights, logits, &share, st);
+    int rc = capture_share(c, ep, x, dy, routing, weights, logits, &share, st);
     if (rc == MOE_EXIT_OK)
-        rc = gather_shares(c, ep, ids, kept, weights, logits, scores, &share, &all, st);
+        rc = gather_shares(c, ep, routing, weights, logits, scores, &share, &all, st);
     moe_status local = {0};
     if (rc == MOE_EXIT_OK) {
         moe_fault_here(c, "dump", &local);
@@ -795,13 +819,25 @@ int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const floa
     int32_t *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)); /* (T, k) */
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k)); /* (T, k) */
     moe_ep_route(ep, x, logits, scores, ids, weights);
-    /* --capacity-factor: the pairs kept (-1 dropped), as the forward sends them and the truth sums */
-    int32_t *kept = ep->cfg->capacity_factor > 0 ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : ids;
+    /* --capacity-factor: the pairs kept (-1 dropped); --redundant-experts:
+     * the copies they go to and the ranks of those */
+    const moe_config *cfg = ep->cfg;
+    int32_t *kept = cfg->capacity_factor > 0 ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : ids;
+    int32_t *placed = ep->replicas.physical ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : kept;
+    int32_t *pair_rank = ep->replicas.physical ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : NULL;
     if (kept != ids)
-        moe_ep_place(ep, ids, weights, kept);
-    const int rc = dump_set(c, ep, x, dy, ids, kept, weights, logits, scores, steps, bytes, st);
+        moe_capacity_apply(cfg, ids, weights, T, kept);
+    if (placed != kept || kept != ids)
+        moe_ep_place(ep, ids, weights, placed);
+    for (moe_index m = 0; pair_rank && m < T * k; m++)
+        pair_rank[m] = placed[m] == MOE_DROPPED ? -1 : ep->placement.expert_rank[placed[m]];
+    const dump_routing routing = {ids, kept, placed, pair_rank};
+    const int rc = dump_set(c, ep, x, dy, &routing, weights, logits, scores, steps, bytes, st);
+    if (placed != kept)
+        free(placed);
     if (kept != ids)
         free(kept);
+    free(pair_rank);
     free(weights);
     free(ids);
     free(scores);

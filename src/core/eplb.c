@@ -267,10 +267,8 @@ int moe_eplb_validate(const moe_config *cfg, int ranks, const char *group, moe_s
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--redundant-experts must be at most %lld (E + N physical ids travel as 16 bits), got %lld",
                         (long long)(MOE_META_MAX_EXPERTS - E), (long long)N);
-    const char *other = cfg->backward ? "--backward (the copies' weight gradients would need summing)"
-                        : cfg->dump[0] ? "--dump (a golden set names experts by their logical id)"
-                                       : NULL;
-    if (other)
-        return moe_fail(st, MOE_EXIT_USAGE, "--redundant-experts serves inference: drop %s", other);
+    if (cfg->backward)
+        return moe_fail(st, MOE_EXIT_USAGE, "--redundant-experts serves inference: drop --backward (the "
+                        "copies' weight gradients would need summing)");
     return MOE_EXIT_OK;
 }

@@ -36,6 +36,9 @@ const moe_golden_kind_spec moe_golden_kinds[MOE_GOLDEN_KINDS] = {
     [MOE_GK_TOKEN_IN_RANK] = EXACT("layout.is_token_in_rank", MOE_GOLDEN_LAYOUT, MOE_ST_BOOL),
     [MOE_GK_SEND_COUNTS] = EXACT("layout.send_counts", MOE_GOLDEN_LAYOUT, MOE_ST_I32),
     [MOE_GK_KEPT_IDS] = EXACT("layout.kept_ids", MOE_GOLDEN_LAYOUT, MOE_ST_I32), /* --capacity-factor */
+    /* --redundant-experts: the copy each pair went to; each physical expert's logical one */
+    [MOE_GK_PHYSICAL_IDS] = EXACT("layout.physical_ids", MOE_GOLDEN_LAYOUT, MOE_ST_I32),
+    [MOE_GK_REPLICA_OF] = EXACT("layout.replica_of", MOE_GOLDEN_LAYOUT, MOE_ST_I32),
     /* --steps: each step's load and the bias after its update (integers, and
      * fp32 sums of +-gamma) */
     [MOE_GK_STEPS_LOAD] = EXACT("router.steps.load", MOE_GOLDEN_ROUTER, MOE_ST_I32),

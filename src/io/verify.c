@@ -514,7 +514,7 @@ static uint8_t *tied_rows(verify_run *v, const char *name, int64_t rows)
     moe_st_entry entry;
     int32_t *token = NULL;
     if (!strncmp(name, "output.", 7) || !strcmp(name, "layout.is_token_in_rank") ||
-        !strcmp(name, "layout.kept_ids")) {
+        !strcmp(name, "layout.kept_ids") || !strcmp(name, "layout.physical_ids")) {
         uint8_t *skip = moe_xcalloc((size_t)rows + 1, 1);
         for (int64_t i = 0; i < rows && i < v->tokens; i++)
             skip[i] = v->tied[i];
@@ -1217,7 +1217,7 @@ static bool expected_shape(const verify_run *v, const char *name, int64_t d, int
                  {"gate.weight", 'E', 'd'},        {"gate.bias", 'E', 0},
                  {"router.skew", 'E', 0},          {"layout.tokens_per_rank", 'G', 0},
                  {"layout.tokens_per_expert", 'E', 0}, {"layout.is_token_in_rank", 'N', 'G'},
-                 {"layout.send_counts", 'G', 'G'}, {"layout.kept_ids", 'N', 'k'}, {"output.y", 'N', 'd'},
+                 {"layout.send_counts", 'G', 'G'}, {"layout.kept_ids", 'N', 'k'}, {"layout.physical_ids", 'N', 'k'}, {"output.y", 'N', 'd'},
                  {"output.truth", 'N', 'd'},       {"output.allow", 'N', 'd'}};
     const char *rank_tensor[][2] = {{"dispatch.rank%d.x%n", "rd"}, {"dispatch.rank%d.token%n", "r"},
                                     {"experts.rank%d.out%n", "rd"}, {"experts.rank%d.pair%n", "r2"},
@@ -1281,7 +1281,8 @@ static int validate_tensor_entry(const verify_run *v, const char *path, const ch
     /* The tensors verify reads as indices have the dtype it reads them as. */
     int r, used = -1;
     const bool index_tensor = !strcmp(name, "router.topk_ids") || !strcmp(name, "layout.send_counts") ||
-                              !strcmp(name, "layout.kept_ids") ||
+                              !strcmp(name, "layout.kept_ids") || !strcmp(name, "layout.physical_ids") ||
+                              !strcmp(name, "layout.replica_of") ||
                               (sscanf(name, "dispatch.rank%d.token%n", &r, &used) == 1 && used == (int)strlen(name)) ||
                               (sscanf(name, "experts.rank%d.pair%n", &r, &used) == 1 && used == (int)strlen(name));
     if ((index_tensor && strcmp(dtype, "I32")) ||

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
-from recompute import bf16, expert_ranks, reduced_sum  # noqa: E402
+from recompute import bf16, pair_ranks, reduced_sum  # noqa: E402
 
 F = np.float32
 
@@ -105,19 +105,22 @@ def truth_exact(files, config):
     before_l2 = config["weight-at"] == "activation"
     reduced = config.get("combine", "pairs") == "reduced"
     ranks = int(config["ranks"])
-    rank_of = expert_ranks(files["experts.w1"].shape[0], ranks)
+    rank_of = pair_ranks(files, ids, ranks)
     y = np.zeros_like(x)
     partials = {}  # --combine reduced: per rank, its experts' terms in expert order
     for e in range(files["experts.w1"].shape[0]):
-        g = np.zeros(x.shape[0])
+        g, at_rank = np.zeros(x.shape[0]), np.zeros(x.shape[0], dtype=np.int64)
         for s in range(ids.shape[1]):
             g = np.where(ids[:, s] == e, weights[:, s].astype(np.float64), g)
+            at_rank = np.where(ids[:, s] == e, rank_of[:, s], at_rank)
         out = ffn_fp64(xq, files["experts.w1"][e], files["experts.w2"][e])
         rows = np.nonzero(g != 0.0)[0]
         v, gr = out[rows], g[rows][:, None]
-        if reduced:
-            partial = partials.setdefault(int(rank_of[e]), np.zeros_like(x))
-            partial[rows] = partial[rows] + gr * v
+        if reduced:  # each pair into the sum of the rank that computed it (its copy's)
+            for r in np.unique(at_rank[rows]):
+                mine = at_rank[rows] == r
+                partial = partials.setdefault(int(r), np.zeros_like(x))
+                partial[rows[mine]] = partial[rows[mine]] + gr[mine] * v[mine]
             continue
         if not combine_bf16:
             term = gr * v
@@ -139,6 +142,7 @@ def reduced_rows(files, r, before_l2, combine_bf16):
     applied before L2, summed in fp32 from zero, then rounded to the combine
     dtype (src/comm/ep.c, moe_ep_reduce_at_source)."""
     ids, weights = files.get("layout.kept_ids", files["router.topk_ids"]), files["router.topk_weights"]
+    ids = files.get("layout.physical_ids", ids)  # pairs are named by the copy that computed them
     tokens = files["dispatch.rank%d.token" % r]
     pairs, out = files["experts.rank%d.pair" % r], files["experts.rank%d.out" % r]
     at = {(int(t), int(e)): p for p, (t, e) in enumerate(pairs.tolist())}
@@ -175,8 +179,9 @@ def main(golden):
         for r in range(int(config["ranks"])):
             rows = dict(zip(files["dispatch.rank%d.token" % r].tolist(), files["dispatch.rank%d.x" % r]))
             pairs, out = files["experts.rank%d.pair" % r], files["experts.rank%d.out" % r]
-            for e in np.unique(pairs[:, 1]):
-                at = np.nonzero(pairs[:, 1] == e)[0]
+            for p in np.unique(pairs[:, 1]):  # a physical expert: a copy of replica_of[p]
+                at = np.nonzero(pairs[:, 1] == p)[0]
+                e = files["layout.replica_of"][p] if "layout.replica_of" in files else p
                 tokens = pairs[at, 0]
                 x = np.stack([rows[t] for t in tokens.tolist()]).astype(np.float32)
                 h = gemm_exact(x, w1t[e])

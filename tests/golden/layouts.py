@@ -74,6 +74,8 @@ def main(golden):
     C, A = G * N, int(config.get("expert-alignment", "1"))
     fp8 = config["dispatch-dtype"] == "fp8"
     ids = files.get("layout.kept_ids", files["router.topk_ids"])  # --capacity-factor: the pairs kept
+    if "layout.physical_ids" in files:  # --redundant-experts: the copies the pairs went to
+        ids, E = files["layout.physical_ids"], files["layout.replica_of"].shape[0]
     base, extra = divmod(E, G)
     first = np.concatenate([[0], np.cumsum([base + (r < extra) for r in range(G)])])
     e4m3 = e4m3_values()

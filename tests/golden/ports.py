@@ -221,6 +221,8 @@ def port(files, config, gemm, bug=None):
     """The candidate tensors of one port (with one of BUGS when bug is set)."""
     ids, weights = files["router.topk_ids"], files["router.topk_weights"]
     ids = files.get("layout.kept_ids", ids)  # --capacity-factor: the pairs kept, -1 dropped
+    ids = files.get("layout.physical_ids", ids)  # --redundant-experts: the copy that computes each
+    logical = files.get("layout.replica_of", np.arange(files["experts.w1"].shape[0]))
     before_l2 = (config["weight-at"] == "activation") != (bug == "weight-elsewhere")
     combine_bf16 = config["combine-dtype"] == "bf16"
     to_bf16 = bf16_truncate if bug == "combine-truncation" else bf16
@@ -242,7 +244,7 @@ def port(files, config, gemm, bug=None):
             tokens = pairs[at, 0]
             x = np.stack([rows[t] for t in tokens.tolist()]).astype(F)
             slot = np.argmax(ids[tokens] == e, axis=1)
-            y = ffn(gemm, x, files["experts.w1"][e], files["experts.w2"][e],
+            y = ffn(gemm, x, files["experts.w1"][logical[e]], files["experts.w2"][logical[e]],
                     weights[tokens, slot] if before_l2 else None)
             result[at] = to_bf16(y) if combine_bf16 and not reduced else y
         out["experts.rank%d.out" % r] = result

@@ -31,6 +31,16 @@ def expert_ranks(experts, ranks):
     return np.repeat(np.arange(ranks), [base + (r < extra) for r in range(ranks)])
 
 
+def pair_ranks(files, ids, ranks):
+    """The rank each (token, slot) pair is computed on: its expert's, or with
+    --redundant-experts its copy's (layout.physical_ids; physical experts in
+    contiguous blocks as logical ones are without copies)."""
+    if "layout.physical_ids" in files:
+        physical = files["layout.physical_ids"]
+        return expert_ranks(files["layout.replica_of"].shape[0], ranks)[np.maximum(physical, 0)]
+    return expert_ranks(files["experts.w1"].shape[0], ranks)[np.maximum(ids, 0)]
+
+
 def reduced_sum(ranks, partials, combine_bf16):
     """--combine reduced: each rank's sum rounded as it travels, summed home."""
     y = 0.0
@@ -110,7 +120,7 @@ def main(golden):
     combine_bf16 = config["combine-dtype"] == "bf16"
     before_l2 = config["weight-at"] == "activation"
     reduced = config.get("combine", "pairs") == "reduced"
-    rank_of = expert_ranks(files["experts.w1"].shape[0], ranks)
+    rank_of = pair_ranks(files, ids, ranks)
     y = np.zeros_like(x)
     partials = {}  # --combine reduced: per rank, its experts' sum (rounded when it travels)
     for e in range(files["experts.w1"].shape[0]):
@@ -119,9 +129,10 @@ def main(golden):
             continue
         out = ffn(xq[rows], files["experts.w1"][e], files["experts.w2"][e])
         g = weights[rows, slots][:, None]
-        if reduced:
-            partial = partials.setdefault(int(rank_of[e]), np.zeros_like(x))
-            np.add.at(partial, rows, g * out)
+        if reduced:  # each pair into the sum of the rank that computed it
+            for r in np.unique(rank_of[rows, slots]):
+                at = rank_of[rows, slots] == r
+                np.add.at(partials.setdefault(int(r), np.zeros_like(x)), rows[at], (g * out)[at])
             continue
         if combine_bf16:
             term = bf16(g * out) if before_l2 else g * bf16(out)
