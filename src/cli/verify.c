@@ -36,11 +36,11 @@ static void print_usage(FILE *out)
             "2 files that cannot be read or a name the set does not hold.\n");
 }
 
-/* The options before the two paths; *first the index of GOLDEN_DIR. */
-static int parse_options(int argc, char **argv, moe_ep_verify_options *opt, int *first, moe_status *st)
+/* The options, anywhere among the arguments, and the two paths. */
+static int parse_options(int argc, char **argv, moe_ep_verify_options *opt, const char *path[2], moe_status *st)
 {
-    int n = 0;
-    for (; n < argc && !strncmp(argv[n], "--", 2); n++) {
+    int paths = 0;
+    for (int n = 0; n < argc; n++) {
         if (!strcmp(argv[n], "--allow-unknown")) {
             opt->allow_unknown = 1;
         } else if (!strcmp(argv[n], "--require") || !strncmp(argv[n], "--require=", 10)) {
@@ -49,15 +49,18 @@ static int parse_options(int argc, char **argv, moe_ep_verify_options *opt, int 
                 return moe_fail(st, MOE_EXIT_USAGE, "--require needs stage names separated by commas, or all");
             if (moe_golden_parse_require(value, &opt->require, st))
                 return st->code;
-        } else {
+        } else if (!strncmp(argv[n], "--", 2)) {
             return moe_fail(st, MOE_EXIT_USAGE, "verify: unknown option '%s' (--require, --allow-unknown)",
                             argv[n]);
+        } else if (paths < 2) {
+            path[paths++] = argv[n];
+        } else {
+            paths++;
         }
     }
-    *first = n;
-    if (argc - n != 2)
-        return moe_fail(st, MOE_EXIT_USAGE, "verify needs GOLDEN_DIR and CANDIDATE.safetensors, got %d argument%s",
-                        argc - n, argc - n == 1 ? "" : "s");
+    if (paths != 2)
+        return moe_fail(st, MOE_EXIT_USAGE, "verify needs GOLDEN_DIR and CANDIDATE.safetensors, got %d path%s",
+                        paths, paths == 1 ? "" : "s");
     return MOE_EXIT_OK;
 }
 
@@ -67,11 +70,11 @@ int moe_cli_verify(const moe_comm *c, int argc, char **argv)
         return MOE_EXIT_OK;
     moe_status st = {0};
     moe_ep_verify_options opt = {0};
-    int first = 0;
-    int rc = parse_options(argc, argv, &opt, &first, &st);
+    const char *path[2] = {NULL, NULL};
+    int rc = parse_options(argc, argv, &opt, path, &st);
     if (rc == MOE_EXIT_OK && c->rank == 0) { /* the library's verify (moe-ep.h), its table on stdout */
         moe_ep_verify_result r;
-        rc = moe_ep_verify_with(argv[first], argv[first + 1], &opt, stdout, &r);
+        rc = moe_ep_verify_with(path[0], path[1], &opt, stdout, &r);
         if (rc != MOE_EXIT_OK && rc != MOE_EXIT_CHECK_FAILED)
             moe_fail(&st, rc, "%s", r.message);
     }
