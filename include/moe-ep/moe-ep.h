@@ -136,8 +136,17 @@ int moe_ep_context_route(moe_ep_context *ctx, const float *x, int32_t *ids, floa
 int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *ids,
                            const float *weights, float *y);
 
-/* Golden sets (docs/golden.md): `moe-ep run --dump DIR` writes one; verify
- * checks a port's tensors against it. */
+/* Golden sets (docs/golden.md): moe_ep_context_dump (or `moe-ep run --dump
+ * DIR`) writes one; verify checks a port's tensors against it. */
+
+/* The golden set of the layer on this rank's x (T, d), routed by the
+ * configured router, into dir on rank 0's filesystem: the tensors after
+ * every stage, the truth and the contract, the same bytes on every machine
+ * (what `moe-ep run --dump dir` writes for the same config). dir must be new,
+ * empty or a golden set, which it replaces whole. Needs --gemm packed or
+ * exact (BLAS's bits depend on the machine). Collective; *bytes (may be
+ * NULL) receives the set's size on rank 0. */
+int moe_ep_context_dump(moe_ep_context *ctx, const float *x, const char *dir, double *bytes);
 #define MOE_EP_VERIFY_STAGES 7 /* inputs router layout dispatch experts output backward */
 
 typedef struct {

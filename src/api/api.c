@@ -11,6 +11,7 @@
 
 #include "moe/capacity.h"
 #include "moe/config.h"
+#include "moe/dump.h"
 #include "moe/ep.h"
 #include "moe/golden.h"
 #include "moe/model.h"
@@ -371,6 +372,28 @@ int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *i
 const char *moe_ep_verify_stage_name(int stage)
 {
     return stage >= 0 && stage < MOE_GOLDEN_STAGES ? moe_golden_stage_names[stage] : NULL;
+}
+
+int moe_ep_context_dump(moe_ep_context *ctx, const float *x, const char *dir, double *bytes)
+{
+    if (!ctx)
+        return MOE_EP_BAD_INPUT;
+    moe_status st = {0};
+    const char *null = !x ? "x" : !dir ? "dir" : NULL;
+    if (null)
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_context_dump: %s is NULL", null);
+    else if (ctx->cfg.gemm == MOE_GEMM_BLAS)
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_context_dump needs --gemm packed or exact, got blas: "
+                 "OpenBLAS's bits depend on the machine, a golden set's must not");
+    else if (ctx->comm.rank == 0)
+        moe_golden_check_target(dir, &st);
+    if (moe_comm_agree(&ctx->comm, &st)) /* one verdict: no rank enters the dump alone */
+        return verdict(&st, ctx->error);
+    double size = 0.0;
+    moe_dump_write(&ctx->comm, &ctx->ep, dir, x, NULL, NULL, &size, &st);
+    if (bytes)
+        *bytes = size;
+    return verdict(&st, ctx->error);
 }
 
 int moe_ep_verify_with(const char *golden_dir, const char *candidate,

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "moe/cli.h"
+#include "moe/dump.h"
 #include "moe/context.h"
 #include "moe/ep.h"
 #include "moe/layout.h"
@@ -457,7 +458,7 @@ static int explain(moe_run_context *ctx, const int64_t *tokens, int count)
     free(scratch);
     moe_ep_capture_free(&cap);
     if (cfg->dump[0])
-        rc = moe_cli_dump(c, ep, ctx->x, ctx->dy, NULL, &ctx->summary.dump_bytes, &ctx->status);
+        rc = moe_dump_write(c, ep, ctx->cfg.dump, ctx->x, ctx->dy, NULL, &ctx->summary.dump_bytes, &ctx->status);
     return rc;
 }
 

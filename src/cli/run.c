@@ -15,6 +15,7 @@
 #include "moe/clock.h"
 #include "moe/check.h"
 #include "moe/cli.h"
+#include "moe/dump.h"
 #include "moe/context.h"
 #include "moe/ep.h"
 #include "moe/gemm.h"
@@ -636,8 +637,8 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     if (rc == MOE_EXIT_OK && cfg->dump[0]) {
         const double t = moe_clock_now();
         const moe_dump_steps steps = {(int)cfg->steps, ctx.steps_bias, ctx.steps_load};
-        rc = moe_cli_dump(c, &ctx.ep, ctx.x, ctx.dy, ctx.steps_bias ? &steps : NULL, &s->dump_bytes,
-                          &ctx.status);
+        rc = moe_dump_write(c, &ctx.ep, cfg->dump, ctx.x, ctx.dy, ctx.steps_bias ? &steps : NULL,
+                            &s->dump_bytes, &ctx.status);
         s->dump_seconds = moe_stage_since(t);
     }
     /* The curve: every further wave count of --waves W1,W2,...; the report

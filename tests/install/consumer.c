@@ -65,6 +65,19 @@ int main(int argc, char **argv)
         bad = fail(rank, "bad ids", "accepted");
     else if (rank == 0)
         printf("consumer: a bad id is refused: %s\n", moe_ep_context_error(ctx));
+    /* the golden set of the router's forward, and verify of its own output
+     * (argv[1]: a directory that does not exist yet) */
+    moe_ep_verify_result r;
+    char output[4096];
+    snprintf(output, sizeof output, "%s/output.safetensors", argc > 1 ? argv[1] : ".");
+    if (!bad && moe_ep_context_route(ctx, x, ids, weights))
+        bad = fail(rank, "route", moe_ep_context_error(ctx));
+    else if (!bad && argc > 1 && moe_ep_context_dump(ctx, x, argv[1], NULL))
+        bad = fail(rank, "dump", moe_ep_context_error(ctx));
+    else if (!bad && argc > 1 && rank == 0 && moe_ep_verify_with(argv[1], output, NULL, NULL, &r) != MOE_EP_OK)
+        bad = fail(rank, "verify", r.message);
+    else if (!bad && argc > 1 && rank == 0)
+        printf("consumer: moe_ep_context_dump wrote %s; its own output verifies (%d tensors)\n", argv[1], r.compared);
     moe_ep_config *wrong = moe_ep_config_new(); /* refused on every rank, with its reason */
     moe_ep_context *none = NULL;
     moe_ep_config_set(wrong, "--preset", "tiny");

@@ -15,5 +15,6 @@ echo "consumer: ${MPICC:-mpicc} consumer.c $flags"
 ${MPICC:-mpicc} -std=c11 -Wall -Werror -o "$work/consumer" "$srcdir/tests/install/consumer.c" $flags \
   -Wl,-rpath,"$libdir"
 . "$srcdir/tests/mpi/mpi-env.sh"
-${MPIEXEC:-mpirun} -np 2 "$work/consumer" 2>&1 || { echo "consumer: FAIL"; exit 1; }
+${MPIEXEC:-mpirun} -np 2 "$work/consumer" "$work/set" 2>&1 || { echo "consumer: FAIL"; exit 1; }
+[ -f "$work/set/manifest.json" ] || { echo "consumer: FAIL: no golden set in $work/set"; exit 1; }
 echo "consumer: PASS"

@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
-/* dump.c — `moe-ep run --dump DIR`: the golden set of this run.
+/* dump.c — the golden set of a forward (dump.h): `moe-ep run --dump DIR`
+ * and the library's moe_ep_context_dump.
  *
  * The tokens are routed again and one more forward on the blocking
  * reference path captures what each rank received and sent back; the truth
@@ -19,7 +20,7 @@
 
 #include "moe/capacity.h"
 #include "moe/check.h"
-#include "moe/cli.h"
+#include "moe/dump.h"
 #include "moe/ep.h"
 #include "moe/gemm.h"
 #include "moe/golden.h"
@@ -690,8 +691,8 @@ static void lay_out_output(tensor_list *l, const moe_config *cfg, int64_t N, con
 
 /* Rank 0: the set's tensors in the table's order, and the manifest's
  * config; then the set written. */
-static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const backward_share *bwd,
-                      const moe_dump_steps *steps, double *bytes, moe_status *st)
+static void write_set(const moe_comm *c, const moe_ep *ep, const char *dir, gathered *a,
+                      const backward_share *bwd, const moe_dump_steps *steps, double *bytes, moe_status *st)
 {
     const int G = c->ranks;
     const moe_config *cfg = ep->cfg;
@@ -758,7 +759,7 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
     json_object_set_new(config_object, "ranks", json_sprintf("%d", G));
     char *config = json_dumps(config_object, JSON_PRESERVE_ORDER);
     MOE_ASSERT(config != NULL);
-    moe_golden_write(cfg->dump, l.items, l.count, config, bytes, st);
+    moe_golden_write(dir, l.items, l.count, config, bytes, st);
     stream_release(&stream);
     for (int r = 1; r < G; r++) { /* done, or failed: every other rank stops serving */
         const int32_t stop = -1;
@@ -780,7 +781,7 @@ static void write_set(const moe_comm *c, const moe_ep *ep, gathered *a, const ba
  * here)? Then rank 0 lays it out and writes it, pulling each rank's parts
  * as it reaches them while the others serve them, and every rank learns
  * how that went. */
-static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
+static int dump_set(const moe_comm *c, const moe_ep *ep, const char *dir, const float *x, const float *dy,
                     const dump_routing *routing, const float *weights, const float *logits,
                     const float *scores, const moe_dump_steps *steps, double *bytes, moe_status *st)
 {
@@ -797,7 +798,7 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
             *st = local;
     }
     if (c->rank == 0 && rc == MOE_EXIT_OK)
-        write_set(c, ep, &all, &share.bwd, steps, bytes, &local);
+        write_set(c, ep, dir, &all, &share.bwd, steps, bytes, &local);
     else if (rc == MOE_EXIT_OK)
         serve_share(c, all.mine, &all.my_meta);
     gathered_free(&all);
@@ -809,8 +810,8 @@ static int dump_set(const moe_comm *c, const moe_ep *ep, const float *x, const f
     return local.code;
 }
 
-int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
-                 const moe_dump_steps *steps, double *bytes, moe_status *st)
+int moe_dump_write(const moe_comm *c, const moe_ep *ep, const char *dir, const float *x, const float *dy,
+                   const moe_dump_steps *steps, double *bytes, moe_status *st)
 {
     const moe_index T = ep->cfg->tokens, E = ep->cfg->experts, k = ep->cfg->topk;
     moe_gemm_forbid_blas("the golden dump, whose tensors are the same bytes on every machine");
@@ -832,7 +833,7 @@ int moe_cli_dump(const moe_comm *c, const moe_ep *ep, const float *x, const floa
     for (moe_index m = 0; pair_rank && m < T * k; m++)
         pair_rank[m] = placed[m] == MOE_DROPPED ? -1 : ep->placement.expert_rank[placed[m]];
     const dump_routing routing = {ids, kept, placed, pair_rank};
-    const int rc = dump_set(c, ep, x, dy, &routing, weights, logits, scores, steps, bytes, st);
+    const int rc = dump_set(c, ep, dir, x, dy, &routing, weights, logits, scores, steps, bytes, st);
     if (placed != kept)
         free(placed);
     if (kept != ids)
