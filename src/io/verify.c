@@ -1060,7 +1060,8 @@ static void explain_fp8_scales(verify_run *v, const moe_st_entry *e, const void 
     const int64_t width = e->shape[e->ndim - 1], rows = width ? moe_st_elements(e->ndim, e->shape) / width : 0;
     int64_t judged = 0, low = 0, first = -1;
     double first_max = 0;
-    for (int64_t i = 0; moe_st_read(&v->cand, e, bytes, &ignored) == MOE_EXIT_OK && i < rows; i++)
+    const bool read = moe_st_read(&v->cand, e, bytes, &ignored) == MOE_EXIT_OK;
+    for (int64_t i = 0; read && i < rows; i++)
         for (int64_t b0 = 0; b0 < width; b0 += MOE_FP8_BLOCK) {
             double q = 0, amax = 0;
             for (int64_t j = b0; j < width && j < b0 + MOE_FP8_BLOCK; j++) {
