@@ -7,6 +7,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define MOE_SHA_NI 1
 #endif
@@ -108,9 +109,10 @@ static void compress_blocks(uint32_t state[8], const uint8_t *data, size_t block
 {
 #ifdef MOE_SHA_NI
     static int has_sha = -1;
-    if (has_sha < 0) {
-        __builtin_cpu_init();
-        has_sha = __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1");
+    if (has_sha < 0) { /* CPUID: SHA (leaf 7, EBX bit 29), SSSE3 and SSE4.1 (leaf 1, ECX bits 9, 19) */
+        unsigned a, b, c, d;
+        const bool sha = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 29 & 1u);
+        has_sha = sha && __get_cpuid(1, &a, &b, &c, &d) && (c >> 9 & 1u) && (c >> 19 & 1u);
     }
     if (has_sha && !portable_only) {
         compress_ni(state, data, blocks);
