@@ -828,7 +828,7 @@ int moe_dump_write(const moe_comm *c, const moe_ep *ep, const char *dir, const f
     int32_t *pair_rank = ep->replicas.physical ? moe_xmalloc(sizeof(int32_t) * (size_t)(T * k)) : NULL;
     if (kept != ids)
         moe_capacity_apply(cfg, ids, weights, T, kept);
-    if (placed != kept || kept != ids)
+    if (placed != kept) /* the copies, after the same drops */
         moe_ep_place(ep, ids, weights, placed);
     for (moe_index m = 0; pair_rank && m < T * k; m++)
         pair_rank[m] = placed[m] == MOE_DROPPED ? -1 : ep->placement.expert_rank[placed[m]];

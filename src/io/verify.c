@@ -1086,8 +1086,8 @@ static int verify_tensor(verify_run *v, const moe_st_entry *given, int stage, mo
 {
     json_t *info = json_object_get(v->tensors, given->name);
     moe_st_entry bytes_as = *given; /* U8 where the set holds E4M3 bytes: numpy has no float8 */
-    if (given->dtype == MOE_ST_U8 && !strcmp(json_string_value(json_object_get(info, "dtype")) ?
-                                             json_string_value(json_object_get(info, "dtype")) : "", "F8_E4M3"))
+    const char *held = json_string_value(json_object_get(info, "dtype"));
+    if (given->dtype == MOE_ST_U8 && held && !strcmp(held, "F8_E4M3"))
         bytes_as.dtype = MOE_ST_F8_E4M3;
     const moe_st_entry *e = &bytes_as;
     moe_st_entry golden;
