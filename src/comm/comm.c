@@ -173,6 +173,19 @@ int moe_comm_agree(const moe_comm *c, moe_status *st)
     return code;
 }
 
+/* A copy of root's text on every rank. */
+static char *bcast_text(const moe_comm *c, const char *text, int root)
+{
+    long len = (long)strlen(text);
+    MOE_MPI(MPI_Bcast(&len, 1, MPI_LONG, root, c->comm));
+    char *copy = moe_xmalloc((size_t)len + 1);
+    if (c->rank == root)
+        memcpy(copy, text, (size_t)len);
+    MOE_MPI(MPI_Bcast(copy, (int)len, MPI_CHAR, root, c->comm));
+    copy[len] = '\0';
+    return copy;
+}
+
 int moe_comm_same_config(const moe_comm *c, const char *text, moe_status *st)
 {
     const int G = c->ranks;
@@ -185,20 +198,15 @@ int moe_comm_same_config(const moe_comm *c, const char *text, moe_status *st)
     free(all);
     if (other == G)
         return MOE_EXIT_OK;
-    /* Rank 0 learns the first rank that differs from it and names the key. */
-    long len = (long)strlen(text);
-    MOE_MPI(MPI_Bcast(&len, 1, MPI_LONG, other, c->comm));
-    char *theirs = moe_xmalloc((size_t)len + 1);
-    if (c->rank == other)
-        memcpy(theirs, text, (size_t)len);
-    MOE_MPI(MPI_Bcast(theirs, (int)len, MPI_CHAR, other, c->comm));
-    theirs[len] = '\0';
-    const char *a = text, *b = theirs;
+    /* Every rank learns rank 0's text and that of the first rank that
+     * differs from it, and names the same key: one message everywhere. */
+    char *zero = bcast_text(c, text, 0), *theirs = bcast_text(c, text, other);
+    const char *a = zero, *b = theirs;
     while (*a && *a == *b) { /* to the first differing line */
         a++;
         b++;
     }
-    while (a > text && a[-1] != '\n')
+    while (a > zero && a[-1] != '\n')
         a--, b--;
     const int la = (int)strcspn(a, "\n"), lb = (int)strcspn(b, "\n");
     moe_fail(st, MOE_EXIT_USAGE,
@@ -206,6 +214,7 @@ int moe_comm_same_config(const moe_comm *c, const char *text, moe_status *st)
              "has '%.*s' (give every rank the same arguments, presets and files)",
              la > 150 ? 150 : la, a, other, lb > 150 ? 150 : lb, b);
     free(theirs);
+    free(zero);
     return st->code;
 }
 
