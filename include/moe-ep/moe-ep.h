@@ -120,9 +120,12 @@ int moe_ep_truth(moe_ep_config *c, int ranks, const float *x, const int32_t *ids
 int moe_ep_check(moe_ep_config *c, int ranks, const float *x, const int32_t *ids,
                  const float *weights, int64_t tokens, const float *y, double *used);
 
-/* The layer on comm (duplicated: the caller's communicator is not
+/* The layer on comm (an intra-communicator, duplicated: the caller's is not
  * touched): the config validated for its size, the weights generated.
- * Collective. On failure *out is NULL and the message is the config's. */
+ * Flags that act only through `moe-ep run` (its files, --steps, --iters,
+ * --check, --routing, --capacity-factor, --redundant-experts, ...) are
+ * refused, naming what to call instead. Collective. On failure *out is
+ * NULL and the message is the config's. */
 int moe_ep_context_new(moe_ep_config *c, MPI_Comm comm, moe_ep_context **out);
 void moe_ep_context_free(moe_ep_context *ctx);
 const char *moe_ep_context_error(const moe_ep_context *ctx);
@@ -131,7 +134,8 @@ const char *moe_ep_context_error(const moe_ep_context *ctx);
 int moe_ep_context_route(moe_ep_context *ctx, const float *x, int32_t *ids, float *weights);
 
 /* y (T, d): the layer on this rank's x (T, d) with routing ids, weights
- * (T, k) (expert ids in [0, E), each at most once per token). Collective:
+ * (T, k) (expert ids in [-1, E), -1 a dropped pair, each expert at most once
+ * per token; x and weights finite). Collective:
  * a bad argument on any rank fails every rank with that rank's message. */
 int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *ids,
                            const float *weights, float *y);
@@ -164,7 +168,8 @@ typedef struct {
 /* How strict verify is beyond the contract; zero is the default. */
 typedef struct {
     unsigned require;  /* bit (1u << stage) per stage the candidate must hold a tensor of (a
-                          stage the set lacks is not required); ~0u: every stage of the set */
+                          stage the set lacks is not required); ~0u: every stage of the set;
+                          other bits past the last stage: MOE_EP_BAD_INPUT */
     int allow_unknown; /* nonzero: ignore candidate tensors the set does not name (default:
                           such a tensor, a misspelt name say, is MOE_EP_BAD_INPUT) */
 } moe_ep_verify_options;

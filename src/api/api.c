@@ -13,6 +13,7 @@
 #include "moe/config.h"
 #include "moe/dump.h"
 #include "moe/ep.h"
+#include "moe/files.h"
 #include "moe/golden.h"
 #include "moe/model.h"
 #include "moe/path.h"
@@ -68,12 +69,38 @@ int moe_ep_config_set(moe_ep_config *c, const char *flag, const char *value)
         return MOE_EP_BAD_INPUT;
     if (!flag || !value)
         return bad(c->error, "moe_ep_config_set: %s is NULL", !flag ? "flag" : "value");
-    char name[MOE_NAME_MAX + 2];
-    snprintf(name, sizeof name, "%s%s", strncmp(flag, "--", 2) ? "--" : "", flag);
-    char *argv[] = {name, (char *)value};
+    const char *name = strncmp(flag, "--", 2) ? flag : flag + 2;
+    if (!*name)
+        return bad(c->error, "moe_ep_config_set: %s is empty", "flag");
+    /* one argument, --name=value: the value binds to its flag even where
+     * the command line would take it for the next argument (a switch's) */
+    char *arg = moe_xmalloc(strlen(name) + strlen(value) + 4);
+    sprintf(arg, "--%s=%s", name, value);
     moe_status st = {0};
-    moe_config_parse(&c->cfg, MOE_CMD_RUN, 2, argv, &st);
+    moe_config_parse(&c->cfg, MOE_CMD_RUN, 1, &arg, &st);
+    free(arg);
     return verdict(&st, c->error);
+}
+
+/* The flags checked together for `ranks` ranks, the defaults the caller
+ * did not set fitted to the input first (moe_config_fit), as
+ * moe_config_settle does for a context. */
+static int validate(moe_ep_config *c, int ranks, moe_status *st)
+{
+    moe_config_fit(&c->cfg);
+    return moe_config_validate(&c->cfg, ranks, st);
+}
+
+/* Every value of a (rows, cols) finite, or a message naming the first
+ * that is not. */
+static int check_finite(const char *name, const float *a, moe_index rows, moe_index cols,
+                        moe_status *st)
+{
+    for (moe_index i = 0; i < rows * cols; i++)
+        if (!isfinite(a[i]))
+            return moe_fail(st, MOE_EXIT_USAGE, "%s[%lld][%lld] is not finite", name,
+                            (long long)(i / cols), (long long)(i % cols));
+    return MOE_EXIT_OK;
 }
 
 int moe_ep_config_validate(moe_ep_config *c, int ranks)
@@ -85,7 +112,7 @@ int moe_ep_config_validate(moe_ep_config *c, int ranks)
         moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_config_validate: ranks must be at least 1, got %d",
                  ranks);
     else
-        moe_config_validate(&c->cfg, ranks, &st);
+        validate(c, ranks, &st);
     return verdict(&st, c->error);
 }
 
@@ -168,7 +195,9 @@ int moe_ep_config_route(moe_ep_config *c, const float *x, int64_t tokens, const 
     if (tokens < 1)
         moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_config_route: tokens must be at least 1, got %lld",
                  (long long)tokens);
-    else if (moe_config_validate(&c->cfg, 1, &st) == MOE_EXIT_OK) {
+    else if (validate(c, 1, &st) == MOE_EXIT_OK &&
+             check_finite("x", x, tokens, c->cfg.hidden, &st) == MOE_EXIT_OK &&
+             (!gate || check_finite("gate", gate, c->cfg.experts, c->cfg.hidden, &st) == MOE_EXIT_OK)) {
         const moe_index E = c->cfg.experts, d = c->cfg.hidden;
         float *own = gate ? NULL : moe_xmalloc(sizeof(float) * (size_t)(E * d));
         float *logits = moe_xmalloc(sizeof(float) * (size_t)(2 * tokens * E + 2 * E));
@@ -208,6 +237,23 @@ static int check_routing(const moe_config *cfg, const int32_t *ids, const float 
     return MOE_EXIT_OK;
 }
 
+/* The caller's expert weights (moe_ep_config_use_weights) finite. */
+static int check_given_weights(const moe_config *cfg, moe_status *st)
+{
+    const moe_index E = cfg->experts, S = cfg->shared_experts, d = cfg->hidden, f = cfg->ffn;
+    const struct {
+        const char *name;
+        const float *w;
+        moe_index rows, cols;
+    } given[] = {{"w1", cfg->given_w1, E * 2 * f, d}, {"w2", cfg->given_w2, E * d, f},
+                 {"shared_w1", cfg->given_shared_w1, S * 2 * f, d},
+                 {"shared_w2", cfg->given_shared_w2, S * d, f}};
+    for (size_t n = 0; n < sizeof given / sizeof given[0]; n++)
+        if (given[n].w && check_finite(given[n].name, given[n].w, given[n].rows, given[n].cols, st))
+            return st->code;
+    return MOE_EXIT_OK;
+}
+
 /* The truth's arguments checked (`call` names the function); y and allow
  * (tokens, d; allow may be NULL) filled when they pass. */
 static int truth_of(moe_ep_config *c, const char *call, int ranks, const float *x,
@@ -221,7 +267,9 @@ static int truth_of(moe_ep_config *c, const char *call, int ranks, const float *
     else if (tokens < 1 || ranks < 1)
         moe_fail(&st, MOE_EXIT_USAGE, "%s: %s must be at least 1, got %lld", call,
                  tokens < 1 ? "tokens" : "ranks", (long long)(tokens < 1 ? tokens : ranks));
-    else if (moe_config_validate(&c->cfg, ranks, &st) == MOE_EXIT_OK)
+    else if (validate(c, ranks, &st) == MOE_EXIT_OK &&
+             check_finite("x", x, tokens, c->cfg.hidden, &st) == MOE_EXIT_OK &&
+             check_given_weights(&c->cfg, &st) == MOE_EXIT_OK)
         check_routing(&c->cfg, ids, weights, tokens, &st);
     if (st.code)
         return verdict(&st, c->error);
@@ -273,6 +321,35 @@ int moe_ep_check(moe_ep_config *c, int ranks, const float *x, const int32_t *ids
     return rc;
 }
 
+/* The flags that act only through `moe-ep run`'s driver (its output files,
+ * its repeated or stepped runs, its check, its own routing): a caller who
+ * sets one away from its default would get nothing, or (capacity, copies)
+ * an output the truth on its own tokens cannot reproduce. One rule for all:
+ * away from its default, refused with what to use instead; --iters only
+ * when the caller set it (presets set it for run, and here it does nothing). */
+static const struct {
+    const char *flag, *instead;
+} run_only[] = {
+    {"dump", "moe_ep_context_dump"},
+    {"trace", NULL},
+    {"timeline", NULL},
+    {"report", NULL},
+    {"routing", "pass ids and weights to moe_ep_context_forward"},
+    {"redundant-experts", NULL},
+    {"capacity-factor", "drop pairs by passing -1 ids: the drops depend on every rank's tokens, "
+                        "which moe_ep_check does not see"},
+    {"drop-policy", NULL},
+    {"pad-to-capacity", NULL},
+    {"steps", "call route and forward once per step"},
+    {"bias-update", NULL},
+    {"steps-csv", NULL},
+    {"steps-plot", NULL},
+    {"iters", "call moe_ep_context_forward again"},
+    {"check", "moe_ep_check"},
+    {"compare-serial", NULL},
+    {"grad-output", NULL},
+};
+
 /* What the library runs (moe_config_settle's checks): the forward paths,
  * on its caller's buffers, with the caller's weights only in the truth. */
 static int library_checks(const moe_config *cfg, const moe_path *path, const moe_comm *c, void *arg,
@@ -280,10 +357,6 @@ static int library_checks(const moe_config *cfg, const moe_path *path, const moe
 {
     (void)c;
     (void)arg;
-    const char *cli = cfg->dump[0] ? "--dump" : cfg->trace[0] ? "--trace"
-                      : cfg->timeline[0] ? "--timeline" : cfg->report[0] ? "--report"
-                      : cfg->routing[0] ? "--routing (pass ids and weights instead)"
-                      : cfg->redundant_experts ? "--redundant-experts" : NULL;
     if (cfg->given_w1 || cfg->given_shared_w1)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "moe_ep_config_use_weights: a context's ranks generate their weights; "
@@ -292,8 +365,13 @@ static int library_checks(const moe_config *cfg, const moe_path *path, const moe
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--backward: the library runs the forward (API %d); the training step "
                         "is moe-ep run --backward's", MOE_EP_API_VERSION);
-    if (cli)
-        return moe_fail(st, MOE_EXIT_USAGE, "%s is moe-ep run's, not the library's: drop it", cli);
+    for (size_t n = 0; n < sizeof run_only / sizeof run_only[0]; n++) {
+        const char *flag = run_only[n].flag, *instead = run_only[n].instead;
+        if (!moe_config_at_default(cfg, flag) &&
+            (strcmp(flag, "iters") || moe_config_given(cfg, flag)))
+            return moe_fail(st, MOE_EXIT_USAGE, "--%s is moe-ep run's, not the library's: drop it%s%s%s",
+                            flag, instead ? " (instead: " : "", instead ? instead : "", instead ? ")" : "");
+    }
     return MOE_EXIT_OK;
 }
 
@@ -304,6 +382,13 @@ int moe_ep_context_new(moe_ep_config *c, MPI_Comm comm, moe_ep_context **out)
     *out = NULL;
     if (!c)
         return MOE_EP_BAD_INPUT;
+    int inter = 0;
+    if (comm == MPI_COMM_NULL)
+        return bad(c->error, "moe_ep_context_new: %s is MPI_COMM_NULL", "comm");
+    MOE_MPI(MPI_Comm_test_inter(comm, &inter));
+    if (inter)
+        return bad(c->error, "moe_ep_context_new: %s is an inter-communicator; give an "
+                   "intra-communicator (MPI_COMM_WORLD or one split from it)", "comm");
     moe_ep_context *ctx = moe_xcalloc(1, sizeof *ctx);
     ctx->cfg = c->cfg;
     MPI_Comm dup;
@@ -341,6 +426,9 @@ int moe_ep_context_route(moe_ep_context *ctx, const float *x, int32_t *ids, floa
     const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : NULL;
     if (null)
         return bad(ctx->error, "moe_ep_context_route: %s is NULL", null);
+    moe_status st = {0};
+    if (check_finite("x", x, ctx->cfg.tokens, ctx->cfg.hidden, &st))
+        return verdict(&st, ctx->error);
     const moe_index T = ctx->cfg.tokens, E = ctx->cfg.experts;
     float *logits = moe_xmalloc(sizeof(float) * (size_t)(2 * T * E));
     moe_ep_route(&ctx->ep, x, logits, logits + T * E, ids, weights);
@@ -358,7 +446,7 @@ int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *i
     const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : !y ? "y" : NULL;
     if (null)
         moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_context_forward: %s is NULL", null);
-    else
+    else if (check_finite("x", x, ctx->cfg.tokens, ctx->cfg.hidden, &st) == MOE_EXIT_OK)
         check_routing(&ctx->cfg, ids, weights, ctx->cfg.tokens, &st);
     if (moe_comm_agree(&ctx->comm, &st)) /* one verdict: no rank enters the forward alone */
         return verdict(&st, ctx->error);
@@ -385,7 +473,9 @@ int moe_ep_context_dump(moe_ep_context *ctx, const float *x, const char *dir, do
     else if (ctx->cfg.gemm == MOE_GEMM_BLAS)
         moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_context_dump needs --gemm packed or exact, got blas: "
                  "OpenBLAS's bits depend on the machine, a golden set's must not");
-    else if (ctx->comm.rank == 0)
+    else if (check_finite("x", x, ctx->cfg.tokens, ctx->cfg.hidden, &st) == MOE_EXIT_OK &&
+             ctx->comm.rank == 0 && /* what run --dump checks up front (src/cli/context.c) */
+             moe_check_output_dir("moe_ep_context_dump: dir", dir, &st) == MOE_EXIT_OK)
         moe_golden_check_target(dir, &st);
     if (moe_comm_agree(&ctx->comm, &st)) /* one verdict: no rank enters the dump alone */
         return verdict(&st, ctx->error);
@@ -404,8 +494,12 @@ int moe_ep_verify_with(const char *golden_dir, const char *candidate,
     moe_ep_verify_result r = {.first_failing = -1};
     moe_status st = {0};
     FILE *out = table ? table : fopen("/dev/null", "w");
+    const unsigned stages = (1u << MOE_GOLDEN_STAGES) - 1u;
     if (!golden_dir || !candidate)
         moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_verify: %s is NULL", !golden_dir ? "golden_dir" : "candidate");
+    else if (options && options->require != ~0u && (options->require & ~stages))
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_verify_with: options.require 0x%x has bits past the "
+                 "last stage (the stages are 0x%x; ~0u requires every one)", options->require, stages);
     else if (!out)
         moe_fail(&st, MOE_EXIT_RUNTIME, "moe_ep_verify: cannot open /dev/null");
     const moe_golden_options opt = {.require = options ? options->require : 0,
@@ -430,8 +524,13 @@ int moe_ep_verify_with(const char *golden_dir, const char *candidate,
     else if (r.first_failing >= 0)
         snprintf(r.message, sizeof r.message, "first failing stage: %s",
                  moe_golden_stage_names[r.first_failing]);
-    else if (r.missing_required)
-        snprintf(r.message, sizeof r.message, "a required stage holds no candidate tensor");
+    else if (r.missing_required) {
+        int used = snprintf(r.message, sizeof r.message, "required stages the candidate holds no tensor of:");
+        for (int s = 0; s < MOE_GOLDEN_STAGES; s++)
+            if (r.missing_required >> s & 1u)
+                used += snprintf(r.message + used, sizeof r.message - (size_t)used, " %s",
+                                 moe_golden_stage_names[s]);
+    }
     if (result)
         *result = r;
     return r.verdict;

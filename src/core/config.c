@@ -406,6 +406,11 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return st->code;
     /* Every rank may receive every pair: G*T*k rows must fit an MPI count. */
     double pairs = (double)ranks * (double)cfg->tokens * (double)cfg->topk;
+    if (pairs > (double)INT_MAX && (double)ranks * (double)cfg->topk > (double)INT_MAX)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "%d ranks with --topk %lld leave no room for one token: ranks*tokens*topk "
+                        "must fit a 32-bit MPI count (at most %lld ranks)", ranks,
+                        (long long)cfg->topk, (long long)(INT_MAX / cfg->topk));
     if (pairs > (double)INT_MAX)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--tokens must be at most %lld for %d ranks and --topk %lld "
