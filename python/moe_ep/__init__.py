@@ -148,11 +148,13 @@ class Config:
     def set(self, flag, value):
         """One flag: set("tokens", 64), set("--router", "deepseek-v3")."""
         text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        if "\0" in text or "\0" in str(flag):
+            raise ValueError("%s: a NUL character would cut the value short, got %r" % (flag, text))
         self._check(self._lib.moe_ep_config_set(self._c, flag.replace("_", "-").encode(), text.encode()))
         return self
 
     def validate(self, ranks=1):
-        self._check(self._lib.moe_ep_config_validate(self._c, int(ranks)))
+        self._check(self._lib.moe_ep_config_validate(self._c, _int(ranks, "ranks")))
         return self
 
     @property
@@ -165,7 +167,7 @@ class Config:
         """x (T, d) float32: the tokens of `rank` in `moe-ep run`."""
         s = self.shape
         x = np.empty((s["tokens"], s["hidden"]), dtype=np.float32)
-        self._check(self._lib.moe_ep_config_tokens(self._c, int(rank), _ptr(x, ctypes.c_float)))
+        self._check(self._lib.moe_ep_config_tokens(self._c, _int(rank, "rank"), _ptr(x, ctypes.c_float)))
         return x
 
     def expert(self, n, shared=False):
@@ -173,7 +175,7 @@ class Config:
         s = self.shape
         w1 = np.empty((2 * s["ffn"], s["hidden"]), dtype=np.float32)
         w2 = np.empty((s["hidden"], s["ffn"]), dtype=np.float32)
-        self._check(self._lib.moe_ep_config_expert(self._c, int(bool(shared)), int(n),
+        self._check(self._lib.moe_ep_config_expert(self._c, int(bool(shared)), _int(n, "n"),
                                                     _ptr(w1, ctypes.c_float), _ptr(w2, ctypes.c_float)))
         return w1, w2
 
@@ -195,6 +197,15 @@ class Config:
         self._check(self._lib.moe_ep_config_use_weights(self._c, *[_ptr(a, ctypes.c_float) for a in arrays]))
 
 
+def _int(value, name):
+    """value as a C int, or ValueError naming it (no float, no bool, no wrap)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError("%s must be an integer, got %r" % (name, value))
+    if not -2**31 <= int(value) < 2**31:
+        raise ValueError("%s must fit a 32-bit int, got %d" % (name, value))
+    return int(value)
+
+
 def _array(value, name, shape, dtype, optional=False):
     """value as a C-contiguous array of dtype and shape, or ValueError naming it."""
     if value is None:
@@ -208,6 +219,13 @@ def _array(value, name, shape, dtype, optional=False):
         raise ValueError("%s must have shape %s, got %s" % (name, tuple(shape), array.shape))
     if array.dtype.kind not in "fiub":
         raise ValueError("%s must hold numbers, got dtype %s" % (name, array.dtype))
+    if np.dtype(dtype).kind == "i":  # ids: integers that fit, not a float or bool cast
+        if array.dtype.kind not in "iu":
+            raise ValueError("%s must hold integers, got dtype %s" % (name, array.dtype))
+        info = np.iinfo(dtype)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise ValueError("%s must fit %s, got values in [%d, %d]" % (name, np.dtype(dtype).name,
+                                                                         array.min(), array.max()))
     return np.ascontiguousarray(array, dtype=dtype)
 
 
@@ -262,7 +280,7 @@ def reference(x, topk_ids, topk_weights, config=None, ranks=1, w1=None, w2=None,
     x, ids, weights, T = _routing(cfg, x, topk_ids, topk_weights)
     cfg._use_weights(w1, w2, shared_w1, shared_w2)
     y = np.empty((T, cfg.shape["hidden"]), dtype=np.float64)
-    cfg._check(cfg._lib.moe_ep_truth(cfg._c, int(ranks), _ptr(x, ctypes.c_float), _ptr(ids, ctypes.c_int32),
+    cfg._check(cfg._lib.moe_ep_truth(cfg._c, _int(ranks, "ranks"), _ptr(x, ctypes.c_float), _ptr(ids, ctypes.c_int32),
                                      _ptr(weights, ctypes.c_float), T, _ptr(y, ctypes.c_double)))
     return y
 
@@ -291,7 +309,7 @@ def check(y, x, topk_ids, topk_weights, config=None, ranks=1, w1=None, w2=None, 
     y = _array(y, "y", (T, cfg.shape["hidden"]), np.float32)
     cfg._use_weights(w1, w2, shared_w1, shared_w2)
     used = ctypes.c_double(0.0)
-    code = cfg._lib.moe_ep_check(cfg._c, int(ranks), _ptr(x, ctypes.c_float), _ptr(ids, ctypes.c_int32),
+    code = cfg._lib.moe_ep_check(cfg._c, _int(ranks, "ranks"), _ptr(x, ctypes.c_float), _ptr(ids, ctypes.c_int32),
                                  _ptr(weights, ctypes.c_float), T, _ptr(y, ctypes.c_float),
                                  ctypes.byref(used))
     if code not in (OK, FAIL):

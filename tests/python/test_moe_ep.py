@@ -193,6 +193,20 @@ def bad_arguments_raise_value_error_naming_them():
         (lambda: moe_ep.verify(GOLDEN + "/softmax-fp32", {}), "non-empty dict"),
         (lambda: moe_ep.verify(GOLDEN + "/softmax-fp32", {"outptu.y": x}), "nearest: 'output.y'"),
         (lambda: moe_ep.verify(GOLDEN + "/softmax-fp32", {"output.y": x}, require="gemm"), "'gemm' is not a stage"),
+        # the sweep's: values that a cast would change silently
+        (lambda: moe_ep.Config(preset="tiny\0x"), "NUL"),
+        (lambda: moe_ep.Config(preset="tiny", check="maybe"), "--check must be true or false"),
+        (lambda: cfg.tokens(1.5), "rank must be an integer"),
+        (lambda: cfg.tokens(10**12), "rank must fit a 32-bit int"),
+        (lambda: cfg.expert(True), "n must be an integer"),
+        (lambda: cfg.validate("2"), "ranks must be an integer"),
+        (lambda: moe_ep.reference(x, ids + 0.5, weights, cfg), "topk_ids must hold integers"),
+        (lambda: moe_ep.reference(x, ids > 3, weights, cfg), "topk_ids must hold integers"),
+        (lambda: moe_ep.reference(x, ids.astype(np.int64) + 2**40, weights, cfg), "topk_ids must fit int32"),
+        (lambda: moe_ep.route(np.where(x > 0, np.nan, x), cfg), "x[0]["),
+        (lambda: moe_ep.reference(np.where(x > 0, np.inf, x), ids, weights, cfg), "is not finite"),
+        (lambda: moe_ep.reference(x, ids, weights, cfg, w1=np.full((8, 128, 128), np.nan, np.float32),
+                                  w2=np.zeros((8, 128, 64), np.float32)), "w1[0][0] is not finite"),
     ]
     for call, fragment in cases:
         try:
