@@ -124,10 +124,13 @@ FILE *moe_open_input(const char *what, const char *path, moe_status *st);
  * (as a full disk would), kill ends the writing process with SIGKILL there,
  * term sends it SIGTERM there (as mpirun passes on a Ctrl-C).
  * moe_fault_validate refuses a malformed value, or a rank past the job's
- * `ranks` (a fault that would never fire), with exit 2; moe_fault_armed
- * says whether `rank` is to fail at `stage`. */
+ * `ranks` (a fault that would never fire), with exit 2, and
+ * moe_fault_validate_writer a dump's fault in a run that writes no set
+ * (`dumping` false) or a writer's (write, kill, term) on a rank but 0;
+ * moe_fault_armed says whether `rank` is to fail at `stage`. */
 extern const char *const moe_fault_stages[];
 int moe_fault_validate(int ranks, moe_status *st);
+int moe_fault_validate_writer(bool dumping, moe_status *st);
 bool moe_fault_armed(int rank, const char *stage);
 
 /* Bytes of memory this machine can still give (MemAvailable), or its

@@ -60,7 +60,7 @@ static int command_checks(const moe_config *cfg, const moe_path *path, const moe
                           void *arg, moe_status *st)
 {
     const enum moe_command command = *(const enum moe_command *)arg;
-    if (c->rank == 0 && check_outputs(cfg, st))
+    if ((c->rank == 0 && check_outputs(cfg, st)) || moe_fault_validate_writer(cfg->dump[0], st))
         return st->code;
     if (command == MOE_CMD_RUN && path->training && cfg->waves_count > 1)
         return moe_fail(st, MOE_EXIT_USAGE,

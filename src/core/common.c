@@ -223,6 +223,21 @@ int moe_fault_validate(int ranks, moe_status *st)
                     names, spec);
 }
 
+int moe_fault_validate_writer(bool dumping, moe_status *st)
+{
+    long rank;
+    const char *stage;
+    if (!fault_spec(&rank, &stage))
+        return MOE_EXIT_OK;
+    const bool writer = !strcmp(stage, "write") || !strcmp(stage, "kill") || !strcmp(stage, "term");
+    if ((!writer && strcmp(stage, "dump")) || (dumping && (!writer || rank == 0)))
+        return MOE_EXIT_OK;
+    return moe_fail(st, MOE_EXIT_USAGE, "MOE_EP_FAULT=%ld:%s fires in %s: it would never fire here",
+                    rank, stage, !writer ? "a run with --dump"
+                                 : dumping ? "the golden set's writer, rank 0"
+                                           : "the golden set's writer, rank 0 of a run with --dump");
+}
+
 bool moe_fault_armed(int rank, const char *stage)
 {
     long want;
