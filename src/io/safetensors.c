@@ -233,8 +233,11 @@ int moe_st_open(const char *path, moe_st_file *f, moe_status *st)
     }
     header[header_len] = '\0';
     json_error_t error;
-    json_t *root = json_loadb(header, (size_t)header_len, 0, &error);
+    /* a name twice would leave one of its entries unread, whichever */
+    json_t *root = json_loadb(header, (size_t)header_len, JSON_REJECT_DUPLICATES, &error);
     free(header);
+    if (!root && strstr(error.text, "duplicate"))
+        return bad(f, st, "its header names a tensor twice");
     if (!root || !json_is_object(root)) {
         json_decref(root);
         return bad(f, st, "its header is not a JSON object");
@@ -262,8 +265,14 @@ int moe_st_open(const char *path, moe_st_file *f, moe_status *st)
             if (!strcmp(json_string_value(dtype), dtypes[t].name))
                 e->dtype = (enum moe_st_dtype)t;
         if (e->dtype == MOE_ST_DTYPES) {
+            char what[MOE_ST_NAME_MAX + 96], known[160] = "";
+            for (int t = 0; t < MOE_ST_DTYPES; t++)
+                snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", t ? " " : "",
+                         dtypes[t].name);
+            snprintf(what, sizeof what, "tensor '%s' is %.16s, a dtype this reader does not know (%s)",
+                     e->name, json_string_value(dtype), known);
             json_decref(root);
-            return bad(f, st, "a tensor has a dtype this reader does not know");
+            return bad(f, st, what);
         }
         e->ndim = (int)json_array_size(shape);
         uint64_t elements = 1;

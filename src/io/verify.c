@@ -699,7 +699,12 @@ static int32_t *arrival_order(verify_run *v, int r)
                 where[t] = (int32_t)c;
         }
         const int64_t filled = count ? (int64_t)moe_st_element(count, count_entry->dtype, e) : C;
-        for (int64_t c = 0; c < filled && c < C && !*why; c++) {
+        if (filled < 0 || filled > C) { /* the count first: the slots past C do not exist */
+            snprintf(why, sizeof why, "expert %lld: layout.count %lld is outside [0, %lld], the "
+                     "expert's slots", (long long)e, (long long)filled, (long long)C);
+            break;
+        }
+        for (int64_t c = 0; c < filled && !*why; c++) {
             int64_t id = (int64_t)moe_st_element(csrc, src_entry->dtype, e * C + c), source = -1;
             if (!count && id < 0)
                 continue; /* without counts, -1 marks an empty slot */
@@ -1430,7 +1435,7 @@ int moe_golden_verify(const char *dir, const char *candidate, const moe_golden_o
     FILE *fp = moe_open_input("golden manifest: ", path, st);
     if (!fp)
         return st->code;
-    v.manifest = json_loadf(fp, 0, &error);
+    v.manifest = json_loadf(fp, JSON_REJECT_DUPLICATES, &error);
     fclose(fp);
     if (!v.manifest)
         return moe_fail(st, MOE_EXIT_USAGE, "cannot read golden manifest '%s': %s (line %d)", path,
