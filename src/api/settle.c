@@ -52,36 +52,46 @@ static char *append_file_digest(char *text, const char *key, const char *path)
 }
 
 /* A flag given on the command line, away from its default, that this run
- * would ignore is refused, by one rule: each flag below acts only through
- * the setting it names. (At its default it changes nothing: a golden set's
- * manifest replays every flag.) */
-static bool waves_run(const moe_config *cfg, const moe_path *path)
+ * (or bench) would ignore is refused, by one rule: each flag below acts only
+ * through the setting it names. (At its default it changes nothing: a
+ * golden set's manifest replays every flag.) */
+static bool waves_run(const moe_config *cfg, const moe_path *path, enum moe_command command)
 {
     (void)cfg;
+    (void)command;
     return path->pipelined || (path->training && !path->reference_run);
 }
-static bool flat_waves_run(const moe_config *cfg, const moe_path *path)
+static bool flat_waves_run(const moe_config *cfg, const moe_path *path, enum moe_command command)
 {
-    return path->pipelined && !path->two_stage && !path->training && waves_run(cfg, path);
+    return path->pipelined && !path->two_stage && !path->training && waves_run(cfg, path, command);
 }
-static bool low_latency_run(const moe_config *cfg, const moe_path *path)
+static bool low_latency_run(const moe_config *cfg, const moe_path *path, enum moe_command command)
 {
     (void)cfg;
+    (void)command;
     return path->low_latency;
 }
-static bool normal_run(const moe_config *cfg, const moe_path *path)
+static bool normal_run(const moe_config *cfg, const moe_path *path, enum moe_command command)
 {
-    return !low_latency_run(cfg, path);
+    return !low_latency_run(cfg, path, command);
 }
-static bool contiguous_layout(const moe_config *cfg, const moe_path *path)
+static bool not_bench(const moe_config *cfg, const moe_path *path, enum moe_command command)
+{
+    (void)cfg;
+    (void)path;
+    return command != MOE_CMD_BENCH;
+}
+static bool contiguous_layout(const moe_config *cfg, const moe_path *path, enum moe_command command)
 {
     (void)path;
+    (void)command;
     return moe_config_layout(cfg) == MOE_LAYOUT_CONTIGUOUS;
 }
 
+/* A flag may have more than one row: each must hold. */
 static const struct {
     const char *flag;
-    bool (*acts)(const moe_config *cfg, const moe_path *path);
+    bool (*acts)(const moe_config *cfg, const moe_path *path, enum moe_command command);
     const char *through;
 } flag_uses[] = {
     {"waves", waves_run, "the wave pipeline, which --blocking and --mode low-latency do not run"},
@@ -90,15 +100,17 @@ static const struct {
     {"wave-by", flat_waves_run, "the flat dispatch's waves (the two-stage dispatch and --backward "
                                 "always split by tokens)"},
     {"rma", low_latency_run, "--mode low-latency"},
+    {"rma", not_bench, "moe-ep run (bench --mode low-latency times put and get both)"},
     {"blocking", normal_run, "--mode normal (the low-latency mode has one form)"},
     {"expert-alignment", contiguous_layout, "--expert-layout contiguous"},
 };
 
-static int check_flag_uses(const moe_config *cfg, const moe_path *path, moe_status *st)
+static int check_flag_uses(const moe_config *cfg, const moe_path *path, enum moe_command command,
+                           moe_status *st)
 {
     for (size_t n = 0; n < sizeof flag_uses / sizeof flag_uses[0]; n++)
         if (moe_config_given(cfg, flag_uses[n].flag) && !moe_config_at_default(cfg, flag_uses[n].flag) &&
-            !flag_uses[n].acts(cfg, path))
+            !flag_uses[n].acts(cfg, path, command))
             return moe_fail(st, MOE_EXIT_USAGE, "--%s acts only through %s: it would do nothing "
                             "here; drop it", flag_uses[n].flag, flag_uses[n].through);
     return MOE_EXIT_OK;
@@ -115,8 +127,8 @@ int moe_config_settle(moe_config *cfg, const moe_comm *c, enum moe_command comma
         const moe_path *path = moe_path_choose(cfg);
         if (path->low_latency) /* every pair comes home alone (ep_ll.c) */
             cfg->combine = MOE_COMBINE_PAIRS;
-        if (command == MOE_CMD_RUN)
-            check_flag_uses(cfg, path, st);
+        if (command == MOE_CMD_RUN || command == MOE_CMD_BENCH)
+            check_flag_uses(cfg, path, command, st);
         if (st->code == MOE_EXIT_OK && (!checks || checks(cfg, path, c, arg, st) == MOE_EXIT_OK) &&
             st->code == MOE_EXIT_OK)
             check_memory(cfg, command, c, path, st);
