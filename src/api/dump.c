@@ -236,7 +236,8 @@ static int backward_step(const moe_comm *c, const moe_ep *ep, const float *x, co
     double rows[E > 0 ? E : 1];
     memset(rows, 0, sizeof rows);
     for (moe_index m = 0; m < N * k; m++)
-        rows[all.ids[m]] += 1.0;
+        if (all.ids[m] != MOE_DROPPED)
+            rows[all.ids[m]] += 1.0;
     for (int e = 0; e < (int)E; e++)
         b->most_rows = fmax(b->most_rows, rows[e]);
     moe_layer_tokens_free(&all);

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/capacity.h"
 #include "moe/cli.h"
 #include "moe/dump.h"
 #include "moe/context.h"
@@ -255,7 +256,13 @@ static void print_router(const moe_run_context *ctx, const double *home, const h
                (long long)cfg->topk_groups);
     }
     for (int s = 0; s < k; s++) {
-        const int e = (int)home[h->ids + s], r = ep->placement.expert_rank[e];
+        const int e = (int)home[h->ids + s];
+        if (e == MOE_DROPPED) {
+            printf("  %-11s masked (-1 in --routing): not dispatched, its weight %.6g unused\n",
+                   s ? "" : "top-k", home[h->weights + s]);
+            continue;
+        }
+        const int r = ep->placement.expert_rank[e];
         printf("  %-11s expert %d: logit %.4g, score %.4g, weight %.6g; on rank %d, node %d\n",
                s ? "" : "top-k", e, home[h->logits + e], home[h->scores + e], home[h->weights + s], r,
                node_of(ep, r));
@@ -275,7 +282,9 @@ static void print_token(const moe_run_context *ctx, int64_t g, const double *hom
     print_row("x", home + h->x, d);
     print_router(ctx, home, h);
     /* the dispatch: one row per rank that holds any of its experts */
-    int copies = 0, nodes = 0, last_node = -1;
+    int copies = 0, nodes = 0, last_node = -1, pairs = 0;
+    for (int s = 0; s < k; s++)
+        pairs += home[h->ids + s] != MOE_DROPPED;
     for (int r = 0; r < G; r++)
         if (ranks[(size_t)r * rl->size + rl->row] >= 0) {
             copies++;
@@ -284,7 +293,7 @@ static void print_token(const moe_run_context *ctx, int64_t g, const double *hom
         }
     printf("  %-11s %d pair%s, %d row%s after deduplication (one per rank holding any of its "
            "experts), on %d of %d node%s\n",
-           "dispatch", k, k == 1 ? "" : "s", copies, copies == 1 ? "" : "s", nodes, node_of(ep, G - 1) + 1,
+           "dispatch", pairs, pairs == 1 ? "" : "s", copies, copies == 1 ? "" : "s", nodes, node_of(ep, G - 1) + 1,
            node_of(ep, G - 1) ? "s" : "");
     double routed[SHOW] = {0};
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
@@ -442,7 +451,8 @@ static int explain(moe_run_context *ctx, const int64_t *tokens, int count)
         counts[r] = (double)plan.row_count[r];
     moe_send_plan_free(&plan);
     for (moe_index p = 0; p < T * k; p++)
-        counts[G + ep->placement.expert_rank[ctx->ids[p]]] += 1.0;
+        if (ctx->ids[p] != MOE_DROPPED) /* a masked pair of --routing */
+            counts[G + ep->placement.expert_rank[ctx->ids[p]]] += 1.0;
     moe_comm_gather_bytes(c, counts, sizeof(double) * (size_t)(2 * G), all);
     if (c->rank == 0) {
         print_traffic(ctx, all);

@@ -494,6 +494,8 @@ static void drop_detail(moe_run_context *ctx, const moe_waves *waves, traffic_de
     double *dropped = out->drops = moe_xcalloc((size_t)(E + 2 * G), sizeof(double));
     double *routed = dropped + E, *kept = routed + G;
     for (moe_index n = 0; n < T * k; n++) {
+        if (every[n] == MOE_DROPPED) /* masked in --routing: never routed */
+            continue;
         routed[ep->placement.expert_rank[every[n]]] += 1.0;
         if (ctx->placed[n] == MOE_DROPPED)
             dropped[ctx->ids[n]] += 1.0;
@@ -578,7 +580,8 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
 
     double *per_expert = moe_xcalloc((size_t)E, sizeof(double));
     for (moe_index n = 0; n < T * k; n++)
-        per_expert[ctx->ids[n]] += 1.0; /* per logical expert */
+        if (ctx->ids[n] != MOE_DROPPED) /* a masked pair of --routing */
+            per_expert[ctx->ids[n]] += 1.0; /* per logical expert */
     moe_comm_sum_array(c, per_expert, E);
     s->tokens_per_expert = spread_of(per_expert, E);
     out->per_expert = per_expert;

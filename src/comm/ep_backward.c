@@ -158,7 +158,8 @@ static void plan_waves(const moe_ep *ep, const moe_ref_forward *f, const int32_t
             split(b, HOME_ROWS, moe_wave_of(&b->waves, f->send.row_token[j], 0), G)[r]++;
     for (moe_index i = 0; i < T; i++)
         for (int s = 0; s < k; s++)
-            split(b, HOME_PAIRS, moe_wave_of(&b->waves, i, 0), G)[ep->placement.expert_rank[ids[i * k + s]]]++;
+            if (ids[i * k + s] != MOE_DROPPED)
+                split(b, HOME_PAIRS, moe_wave_of(&b->waves, i, 0), G)[ep->placement.expert_rank[ids[i * k + s]]]++;
     moe_index *row_pairs = moe_xcalloc((size_t)f->rows_in + 1, sizeof(moe_index));
     for (moe_index m = 0; m < recv->pairs; m++)
         row_pairs[recv->expert_row[m]]++;

@@ -46,15 +46,17 @@ moe_index moe_capacity_drop(const int32_t *ids, const float *weights, moe_index 
         memcpy(kept, ids, sizeof(int32_t) * (size_t)pairs);
     /* Each expert's pairs in token order (a counting sort). */
     moe_index *start = moe_xcalloc((size_t)experts + 1, sizeof(moe_index));
-    for (moe_index n = 0; n < pairs; n++)
-        start[ids[n] + 1]++;
+    for (moe_index n = 0; n < pairs; n++) /* a masked pair (-1) has no expert to fill */
+        if (ids[n] != MOE_DROPPED)
+            start[ids[n] + 1]++;
     for (int e = 0; e < experts; e++)
         start[e + 1] += start[e];
     ranked_pair *order = moe_xmalloc(sizeof(ranked_pair) * (size_t)pairs + 1);
     moe_index *next = moe_xmalloc(sizeof(moe_index) * (size_t)experts);
     memcpy(next, start, sizeof(moe_index) * (size_t)experts);
     for (moe_index n = 0; n < pairs; n++)
-        order[next[ids[n]]++] = (ranked_pair){weights[n], n};
+        if (ids[n] != MOE_DROPPED)
+            order[next[ids[n]]++] = (ranked_pair){weights[n], n};
     moe_index dropped = 0;
     for (int e = 0; e < experts; e++) {
         const moe_index count = start[e + 1] - start[e];

@@ -364,7 +364,8 @@ void moe_router_balance(const moe_router *r, const float *logits, const float *s
         for (int e = 0; e < E; e++)
             mean_p[e] += total > 0 ? score[e] / total : 0.0;
         for (int s = 0; s < k; s++)
-            count[ids[t * k + s]] += 1.0;
+            if (ids[t * k + s] >= 0) /* a masked pair (-1) of a replayed routing */
+                count[ids[t * k + s]] += 1.0;
     }
     double seq = 0.0;
     for (int e = 0; e < E && tokens > 0; e++) {

@@ -51,14 +51,14 @@ int moe_routing_load(const char *path, moe_index tokens, int topk, int experts, 
         for (int s = 0; rc == MOE_EXIT_OK && s < topk; s++) {
             const double id = moe_st_element(id_data, id_entry.dtype, i * topk + s);
             const double w = moe_st_element(weight_data, weight_entry.dtype, i * topk + s);
-            if (!(id >= 0 && id < experts))
+            if (!(id >= -1 && id < experts)) /* -1: a masked pair (DeepEP's topk_idx) */
                 rc = moe_fail(st, MOE_EXIT_USAGE,
-                              "--routing: token %lld slot %d has expert id %.0f, outside [0, %d)",
-                              (long long)i, s, id, experts);
+                              "--routing: token %lld slot %d has expert id %.0f, outside [-1, %d) "
+                              "(-1: masked)", (long long)i, s, id, experts);
             else if (!isfinite(w))
                 rc = moe_fail(st, MOE_EXIT_USAGE, "--routing: token %lld slot %d has weight %g",
                               (long long)i, s, w);
-            for (int before = 0; rc == MOE_EXIT_OK && before < s; before++)
+            for (int before = 0; rc == MOE_EXIT_OK && id >= 0 && before < s; before++)
                 if (moe_st_element(id_data, id_entry.dtype, i * topk + before) == id)
                     rc = moe_fail(st, MOE_EXIT_USAGE,
                                   "--routing: token %lld picks expert %.0f twice (slots %d and %d)",

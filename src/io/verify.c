@@ -72,7 +72,7 @@ static void compare_topk(const int32_t *ref, const int32_t *got, int64_t n, int 
             while (used[c])
                 c++;
             to[s] = c, used[c] = 1;
-            bool tie = selection && g[c] >= 0 && g[c] < experts;
+            bool tie = selection && r[s] >= 0 && g[c] >= 0 && g[c] < experts; /* -1: masked */
             if (tie) {
                 const double a = selection[token * experts + r[s]];
                 const double b = selection[token * experts + g[c]];
@@ -190,6 +190,7 @@ typedef struct {
     uint8_t *tied;          /* (tokens) whose top-k differs only by near-ties; NULL: none yet */
     int64_t tokens, tied_count;
     int32_t *slot_of;       /* (tokens, k): the candidate's slot of each golden slot; NULL: as golden */
+    uint8_t *masked;        /* (tokens, k): the golden id is -1 (a masked pair); NULL: none is */
     int64_t topk_count;     /* elements of slot_of */
     moe_golden_options opt;
     json_t *checked;        /* golden files read back against their checksum already */
@@ -796,7 +797,9 @@ static int arrival_values(verify_run *v, const char *name, moe_st_entry *as, voi
 }
 
 /* The candidate's top-k weights in the golden's slot order (compare_ids
- * matched each token's experts as a set): F32. */
+ * matched each token's experts as a set): F32. A masked pair's weight is
+ * used by nothing (and its -1 matches any of the token's -1s): the golden
+ * one stands in for it. */
 static int weights_in_golden_order(const verify_run *v, moe_st_entry *as, void **got)
 {
     const int64_t count = moe_st_elements(as->ndim, as->shape);
@@ -804,8 +807,13 @@ static int weights_in_golden_order(const verify_run *v, moe_st_entry *as, void *
         return MOE_EXIT_OK; /* comparable() has said the shapes differ */
     float *ordered = moe_xmalloc(sizeof(float) * (size_t)count + 1);
     const int64_t k = as->shape[as->ndim - 1];
+    moe_status ignored = {0};
+    moe_st_entry golden;
+    const float *unused = v->masked ? load_golden(v, "router.topk_weights", &golden, &ignored) : NULL;
     for (int64_t i = 0; i < count; i++)
-        ordered[i] = (float)moe_st_element(*got, as->dtype, i - i % k + v->slot_of[i]);
+        ordered[i] = unused && v->masked[i] ? unused[i]
+                                            : (float)moe_st_element(*got, as->dtype, i - i % k + v->slot_of[i]);
+    free((void *)unused);
     free(*got);
     *got = ordered;
     as->dtype = MOE_ST_F32;
@@ -924,14 +932,15 @@ static bool comparable(verify_run *v, const moe_st_entry *e, const moe_st_entry 
 
 /* The top-k ids against the golden's: exact, or different only at
  * near-ties (the tokens so tied are remembered: their rows are left out
- * downstream). A golden id outside [0, E) is a usage error. */
+ * downstream). A golden id outside [-1, E) is a usage error (-1: a pair
+ * masked in a replayed routing, which a candidate matches with -1). */
 static int compare_ids(verify_run *v, const moe_st_entry *e, const void *ref, const void *got,
                        const moe_st_entry *as, int64_t count, verdict *result, moe_status *st)
 {
     const int k = (int)e->shape[e->ndim - 1];
     for (int64_t i = 0; i < count; i++)
-        if (((const int32_t *)ref)[i] < 0 || ((const int32_t *)ref)[i] >= v->experts_config) {
-            moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' holds id %d, outside [0, %lld)",
+        if (((const int32_t *)ref)[i] < -1 || ((const int32_t *)ref)[i] >= v->experts_config) {
+            moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' holds id %d, outside [-1, %lld)",
                      e->name, ((const int32_t *)ref)[i], (long long)v->experts_config);
             return st->code;
         }
@@ -942,6 +951,14 @@ static int compare_ids(verify_run *v, const moe_st_entry *e, const void *ref, co
     }
     free(v->tied);
     free(v->slot_of);
+    free(v->masked);
+    v->masked = NULL;
+    for (int64_t i = 0; i < count; i++)
+        if (((const int32_t *)ref)[i] == -1) {
+            if (!v->masked)
+                v->masked = moe_xcalloc((size_t)count + 1, 1);
+            v->masked[i] = 1;
+        }
     v->tokens = k > 0 ? count / k : 0;
     v->tied = moe_xcalloc((size_t)v->tokens + 1, 1);
     v->slot_of = moe_xmalloc(sizeof(int32_t) * (size_t)count + 1);
@@ -1479,6 +1496,7 @@ int moe_golden_verify(const char *dir, const char *candidate, const moe_golden_o
     free(v.arrival_done);
     free(v.tied);
     free(v.slot_of);
+    free(v.masked);
     free(v.selection);
     json_decref(v.convention);
     moe_st_close(&v.cand);

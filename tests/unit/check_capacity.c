@@ -92,6 +92,19 @@ START_TEST(one_hot_expert_in_place)
 }
 END_TEST
 
+/* A masked pair (-1, from a replayed routing) stays masked, is no expert's
+ * and takes no place: expert 1's two real pairs fit a capacity of 2. */
+START_TEST(masked_pairs_take_no_place)
+{
+    int32_t ids_masked[8] = {-1, 1, 1, -1, -1, -1, 0, -1};
+    const float w[8] = {.9f, .1f, .2f, .8f, .7f, .6f, .5f, .4f};
+    ck_assert_int_eq(moe_capacity_drop(ids_masked, w, 4, 2, 2, 2, MOE_DROP_PROBS, ids_masked), 0);
+    const int32_t want[8] = {-1, 1, 1, -1, -1, -1, 0, -1};
+    for (int n = 0; n < 8; n++)
+        ck_assert_int_eq(ids_masked[n], want[n]);
+}
+END_TEST
+
 Suite *make_capacity_suite(void)
 {
     Suite *s = suite_create("capacity");
@@ -102,6 +115,7 @@ Suite *make_capacity_suite(void)
     tcase_add_test(tc, position_keeps_the_first_tokens);
     tcase_add_test(tc, room_for_all_drops_nothing);
     tcase_add_test(tc, one_hot_expert_in_place);
+    tcase_add_test(tc, masked_pairs_take_no_place);
     suite_add_tcase(s, tc);
     return s;
 }
