@@ -170,6 +170,10 @@ typedef struct {
 
 void moe_ep_capture_free(moe_ep_capture *capture);
 
+/* y (T, d), a forward's output, rounded in place to --output-dtype (bf16:
+ * as DeepEP's combine hands it back), once at home after every sum. */
+void moe_ep_round_output(const moe_ep *ep, float *y);
+
 /* y (T, d) = the MoE layer for x (T, d) routed by ids/weights (T, k), on the
  * blocking reference path. Collective. capture, when not NULL, receives the
  * rows this rank received and the expert outputs it sent back. Returns

@@ -67,6 +67,11 @@ typedef struct moe_path_s {
     const struct moe_path_s *waves, *blocking;
 } moe_path;
 
+/* One run of path p: p->run, then the layer output rounded to
+ * --output-dtype (moe_ep_round_output) where the run succeeded. What every
+ * caller runs a path through. */
+int moe_path_run(const moe_path *p, const moe_ep *ep, const moe_path_args *a, moe_status *st);
+
 /* The path cfg asks for (validated: moe_config_validate). */
 const moe_path *moe_path_choose(const moe_config *cfg);
 

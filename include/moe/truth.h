@@ -43,10 +43,20 @@
  * path rounds the sum it sends back, and with --dispatch hierarchical
  * also the sums of each node's ranks (nodes of --ranks-per-node, all ranks
  * when 0), as each node's relay rounds the sum it returns home; ranks is
- * not read otherwise. */
+ * not read otherwise. With --output-dtype bf16 the whole output (shared
+ * experts included) is rounded last (moe_truth_round_output). */
 void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                        const float *x_dispatched, const int32_t *ids, const float *weights,
                        moe_index tokens, int ranks, double *y, double *allow);
+
+/* Does the truth of cfg carry an allowance (allow, above): a rounding to
+ * bf16 the truth cannot replay bit for bit (--combine-dtype, --output-dtype)? */
+bool moe_truth_rounds(const moe_config *cfg);
+
+/* y (n) rounded in place to --output-dtype, as the EP path rounds the layer
+ * output (moe_ep_round_output): bf16 of the fp64 value, one bf16 step of it
+ * added to allow (n, may be NULL). Nothing at fp32. */
+void moe_truth_round_output(const moe_config *cfg, double *y, double *allow, moe_index n);
 
 /* The same with --combine reduced's sums per (token, rank) as the pairs
  * were placed: pair_rank (T, k) the rank each pair is computed on (with

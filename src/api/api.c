@@ -453,7 +453,7 @@ int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *i
     moe_ep_place(&ctx->ep, ids, weights, ctx->placed);
     const moe_path_args a = {.x = x, .ids = ctx->placed, .weights = weights, .y = y,
                              .fwd = &ctx->stats};
-    ctx->ep.path->run(&ctx->ep, &a, &st);
+    moe_path_run(ctx->ep.path, &ctx->ep, &a, &st);
     return verdict(&st, ctx->error);
 }
 

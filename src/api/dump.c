@@ -542,12 +542,14 @@ static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, co
     r->y = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     r->x_scratch = moe_xmalloc(sizeof(float) * (size_t)(T * d));
     r->truth = moe_xmalloc(sizeof(double) * (size_t)(T * d));
-    if (cfg->combine_dtype == MOE_DTYPE_BF16)
+    if (moe_truth_rounds(cfg))
         r->allow = moe_xmalloc(sizeof(double) * (size_t)(T * d));
     moe_forward_stats stats;
     const int rc = ep->path->training
                        ? backward_step(c, ep, x, dy, ids, weights, logits, r->y, &r->cap, &r->bwd, st)
                        : moe_ep_forward_ref(ep, x, ids, weights, r->y, &stats, &r->cap, st);
+    if (rc == MOE_EXIT_OK)
+        moe_ep_round_output(ep, r->y);
     if (rc == MOE_EXIT_OK) /* the truth of the logical experts, each pair summed where its copy is */
         moe_truth_forward_placed(cfg, MOE_TRUTH_EXACT, x, moe_ep_dispatched_tokens(ep, x, r->x_scratch),
                                  routing->kept, weights, T, c->ranks, routing->pair_rank, r->truth, r->allow);
@@ -688,6 +690,7 @@ static void lay_out_output(tensor_list *l, const moe_config *cfg, int64_t N, con
     l->items[it].rel = rel_y;
     l->items[it].abs = l->items[iy].abs;
     l->items[iy].allow = l->items[it].allow = a->allow ? "output.allow" : NULL;
+    l->items[iy].bf16_step = cfg->output_dtype == MOE_DTYPE_BF16; /* each value rounded to bf16 once */
 }
 
 /* Rank 0: the set's tensors in the table's order, and the manifest's

@@ -525,7 +525,7 @@ static int latency_point(const moe_comm *c, const moe_config *base, const moe_li
         const double start = moe_clock_now();
         const moe_path_args a = {.sched = &sched, .x = x, .ids = ids, .weights = weights, .y = y,
                                  .fwd = &stats};
-        rc = ep.path->run(&ep, &a, st);
+        rc = moe_path_run(ep.path, &ep, &a, st);
         if (i >= 0)
             t[i] = moe_stage_since(start);
     }

@@ -241,7 +241,7 @@ static int forward(moe_run_context *ctx, double origin)
                              .dy = ctx->dy, .ids = ctx->placed, .weights = ctx->weights,
                              .y = ctx->y, .grads = &ctx->grads, .fwd = &ctx->last,
                              .bwd = &ctx->last_bwd};
-    return ctx->ep.path->run(&ctx->ep, &a, &ctx->status);
+    return moe_path_run(ctx->ep.path, &ctx->ep, &a, &ctx->status);
 }
 
 int moe_context_timed_forwards(moe_run_context *ctx, int iters)
@@ -321,7 +321,7 @@ static int calibrate_link(moe_run_context *ctx)
     moe_forward_stats f;
     const moe_path_args a = {.sched = &unlinked, .x = ctx->x, .ids = ctx->placed,
                              .weights = ctx->weights, .y = ctx->y, .fwd = &f};
-    const int rc = ep->path->waves->run(ep, &a, &ctx->status);
+    const int rc = moe_path_run(ep->path->waves, ep, &a, &ctx->status);
     if (rc)
         return rc;
     const double flops = moe_comm_sum(ctx->comm, f.expert_flops);

@@ -70,7 +70,7 @@ static void check_against_truth(moe_run_context *ctx)
     moe_run_summary *s = &ctx->summary;
     const moe_index T = cfg->tokens, d = cfg->hidden, n = T * d, k = cfg->topk;
     double *truth = moe_xmalloc(sizeof(double) * (size_t)n); /* (T, d) */
-    double *allow = cfg->combine_dtype == MOE_DTYPE_FP32 ? NULL : moe_xmalloc(sizeof(double) * (size_t)n);
+    double *allow = moe_truth_rounds(cfg) ? moe_xmalloc(sizeof(double) * (size_t)n) : NULL;
     float *scratch = moe_xmalloc(sizeof(float) * (size_t)n);
     int32_t *kept = NULL;
     if (cfg->capacity_factor > 0) { /* the drops, decided again from the routing alone */
@@ -94,10 +94,10 @@ static void check_against_truth(moe_run_context *ctx)
         s->drop_error_measured = true;
     }
     s->quantised = cfg->param_dtype != MOE_DTYPE_FP32 || cfg->dispatch_dtype != MOE_DTYPE_FP32 ||
-                   cfg->combine_dtype != MOE_DTYPE_FP32;
+                   moe_truth_rounds(cfg);
     if (s->quantised) {
         moe_config full = *cfg;
-        full.param_dtype = full.dispatch_dtype = full.combine_dtype = MOE_DTYPE_FP32;
+        full.param_dtype = full.dispatch_dtype = full.combine_dtype = full.output_dtype = MOE_DTYPE_FP32;
         moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, (float)cfg->init_scale,
                          cfg->input_dist, scratch);
         moe_truth_collective(c, &full, scratch, scratch, kept ? kept : ids, weights, NULL, truth,
@@ -233,9 +233,11 @@ static int compare_with_reference(moe_run_context *ctx)
     s->ref_two_stage = two_stage_sums;
     const moe_path_args a = {.x = ctx->x, .ids = ctx->placed, .weights = ctx->weights, .y = y_ref,
                              .fwd = &f};
-    int rc = two_stage_sums ? ep->path->blocking->run(ep, &a, &ctx->status)
+    int rc = two_stage_sums ? moe_path_run(ep->path->blocking, ep, &a, &ctx->status)
                             : moe_ep_forward_ref(ep, ctx->x, ctx->placed, ctx->weights, y_ref, &f,
                                                  NULL, &ctx->status);
+    if (rc == MOE_EXIT_OK && !two_stage_sums)
+        moe_ep_round_output(ep, y_ref);
     double differ = 0.0, max_diff = 0.0;
     for (moe_index m = 0; rc == MOE_EXIT_OK && m < n; m++)
         if (memcmp(&y[m], &y_ref[m], sizeof(float)) != 0) {
@@ -329,7 +331,7 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
     const moe_path_args a = {.sched = &one_wave, .x = ctx->x, .logits = ctx->logits, .dy = ctx->dy,
                              .ids = ctx->placed, .weights = ctx->weights, .y = y, .grads = &g,
                              .fwd = &f, .bwd = &bwd};
-    const int rc = ctx->ep.path->run(&ctx->ep, &a, &ctx->status);
+    const int rc = moe_path_run(ctx->ep.path, &ctx->ep, &a, &ctx->status);
     moe_ep_grads_free(&g);
     free(y);
     if (rc == MOE_EXIT_OK) {

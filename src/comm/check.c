@@ -72,6 +72,7 @@ void moe_truth_collective(const moe_comm *c, const moe_config *cfg, const float 
     free(share_allow);
     free(share);
     moe_truth_add_shared(cfg, MOE_TRUTH_BLAS, x, T, truth);
+    moe_truth_round_output(cfg, truth, allow, T * d);
 }
 
 void moe_gather_layer_tokens(const moe_comm *c, const moe_config *cfg, const float *x,

@@ -225,6 +225,12 @@ void moe_ep_place_replicas(moe_ep *ep, const double *load)
     generate_experts(ep, 0, ep->local_experts);
 }
 
+void moe_ep_round_output(const moe_ep *ep, float *y)
+{
+    if (ep->cfg->output_dtype == MOE_DTYPE_BF16)
+        moe_precision_combine(MOE_DTYPE_BF16, y, ep->cfg->tokens * ep->cfg->hidden);
+}
+
 void moe_ep_place(const moe_ep *ep, const int32_t *ids, const float *weights, int32_t *placed)
 {
     const moe_config *cfg = ep->cfg;

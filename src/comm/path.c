@@ -92,6 +92,14 @@ const moe_path *moe_path_choose(const moe_config *cfg)
     return cfg->blocking ? &reference : &waves;
 }
 
+int moe_path_run(const moe_path *p, const moe_ep *ep, const moe_path_args *a, moe_status *st)
+{
+    const int rc = p->run(ep, a, st);
+    if (rc == MOE_EXIT_OK && a->y)
+        moe_ep_round_output(ep, a->y);
+    return rc;
+}
+
 void moe_path_release(struct moe_ep_workspace *work)
 {
     moe_ep_forget_waves(work);

@@ -148,6 +148,7 @@ const flag_spec moe_flags[] = {
     {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, NULL, dtype_choices, "fp32", "weights and input tokens (run: fp32 or bf16)", BOTH | EXPLAIN, false},
     {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, NULL, dtype_choices, "fp32", "dispatched rows (fp8: E4M3, one scale per 128 values)", BOTH | EXPLAIN, false},
     {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, NULL, dtype_choices, "fp32", "expert outputs sent back (run: fp32 or bf16)", BOTH | EXPLAIN, false},
+    {"output-dtype", FLAG_CHOICE, FIELD(output_dtype), 0, 0, NULL, dtype_choices, "fp32", "the layer output y, rounded once at home after every sum (bf16: DeepEP's combine output; fp32 or bf16)", RUN | EXPLAIN, false},
     {"fp8-scale", FLAG_CHOICE, FIELD(fp8_scale), 0, 0, NULL, fp8_scale_choices, "float", "fp8 dispatch scales: amax/448, or a power of two", RUN | EXPLAIN, false},
     {"fp8-recipe", FLAG_CHOICE, FIELD(fp8_recipe), 0, 0, NULL, fp8_recipe_choices, "moe", "whose fp8 quantiser, to the bit: moe-ep's, DeepEP's kernels, DeepGEMM's or V3's act_quant (docs/golden.md)", RUN | EXPLAIN, false},
     {"cluster", FLAG_CLUSTER, FIELD(cluster), 0, 0, "NAME", NULL, NULL, "data/clusters/NAME.conf, or a path", PLAN, false},

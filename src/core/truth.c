@@ -95,11 +95,11 @@ static void flush(const moe_config *cfg, double *to, double *allow, double *part
     }
 }
 
-/* The same for sums (n) that are the whole of what they add to: rounded in
- * place. */
-static void round_sums(const moe_config *cfg, double *sums, double *allow, moe_index n)
+/* Sums (n) that are the whole of what they add to, rounded in place to
+ * dtype (bf16; nothing otherwise), one bf16 step each into allow. */
+static void round_whole(int dtype, double *sums, double *allow, moe_index n)
 {
-    if (cfg->combine_dtype != MOE_DTYPE_BF16)
+    if (dtype != MOE_DTYPE_BF16)
         return;
     for (moe_index m = 0; m < n; m++) {
         const double v = sums[m];
@@ -230,7 +230,7 @@ static void routed_terms(const moe_config *cfg, enum moe_truth_gemm gemm,
             flush(cfg, y, allow, node_partial, T * d);
     }
     if (reduced && only_rank >= 0)
-        round_sums(cfg, y, allow, T * d);
+        round_whole(cfg->combine_dtype, y, allow, T * d);
     if (reduced || only_rank >= 0)
         moe_placement_free(&placement);
     free(node_partial);
@@ -279,6 +279,17 @@ static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const
     routed_terms(cfg, gemm, x_dispatched, ids, weights, tokens, ranks, pair_rank, -1, literal, y,
                  allow);
     moe_truth_add_shared(cfg, gemm, x, tokens, y);
+    moe_truth_round_output(cfg, y, allow, tokens * cfg->hidden);
+}
+
+bool moe_truth_rounds(const moe_config *cfg)
+{
+    return cfg->combine_dtype != MOE_DTYPE_FP32 || cfg->output_dtype != MOE_DTYPE_FP32;
+}
+
+void moe_truth_round_output(const moe_config *cfg, double *y, double *allow, moe_index n)
+{
+    round_whole(cfg->output_dtype, y, allow, n);
 }
 
 void moe_truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,

@@ -678,10 +678,11 @@ static void print_check(FILE *out, const moe_run_summary *s)
                 s->bwd_ref_differ == 0.0 ? "bitwise identical" : "differs", s->bwd_ref_differ,
                 s->bwd_ref_bitwise_expected ? "bitwise expected"
                                             : "waves with blas: the truth's tolerance expected");
-    fprintf(out, "check: %s max_abs=%.3e max_rel=%.3e tol=%.3e+%.3e*|ref|%s used=%.1f%%\n",
+    fprintf(out, "check: %s max_abs=%.3e max_rel=%.3e tol=%.3e+%.3e*|ref|%s%s used=%.1f%%\n",
             moe_report_check_passed(s) ? "PASS" : "FAIL", s->cmp.max_abs, s->cmp.max_rel,
             s->tol.abs, s->tol.rel,
             cfg->combine_dtype == MOE_DTYPE_BF16 ? "+1 bf16 step per combined term" : "",
+            cfg->output_dtype == MOE_DTYPE_BF16 ? "+1 bf16 step of the output" : "",
             100.0 * s->cmp.max_used);
 }
 

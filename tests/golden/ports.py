@@ -67,14 +67,15 @@ def gemm_pairwise(a, bt, rows=16):
 # instead of -inf, the route scale left out, no renormalisation, the bias in
 # the weights, a token's neighbour dispatched in its place, a slot's weight
 # taken from the next slot in the combine, bf16 inputs truncated instead of
-# rounded to nearest even, and the expert outputs truncated to bf16 for the
-# combine: each such element is at most one bf16 step off, which the
-# contract allows one by one; verify catches it by the steps' direction.
+# rounded to nearest even, the expert outputs truncated to bf16 for the
+# combine, and the layer output truncated to bf16 (--output-dtype bf16):
+# each such element is at most one bf16 step off, which the contract allows
+# one by one; verify catches it by the steps' direction.
 BUGS = {"no-shared": "output", "weight-elsewhere": "experts", "fp8-per-row": "dispatch",
         "fp8-per-tensor": "dispatch", "softmax-for-sigmoid": "router", "mask-zero": "router",
         "no-route-scale": "router", "no-renorm": "router", "bias-in-weights": "router",
         "dispatch-off-by-one": "dispatch", "combine-off-by-one": "output",
-        "bf16-truncation": "inputs", "combine-truncation": "experts"}
+        "bf16-truncation": "inputs", "combine-truncation": "experts", "output-truncation": "output"}
 
 
 def bug_applies(bug, files, config):
@@ -89,7 +90,8 @@ def bug_applies(bug, files, config):
             "no-route-scale": float(config["route-scale"]) != 1.0,
             "combine-off-by-one": config["weight-at"] == "output" and int(config["topk"]) > 1,
             "bf16-truncation": config["dtype"] == "bf16",
-            "combine-truncation": config["combine-dtype"] == "bf16"}.get(bug, True)
+            "combine-truncation": config["combine-dtype"] == "bf16",
+            "output-truncation": config.get("output-dtype", "fp32") == "bf16"}.get(bug, True)
 
 PORTS = {
     "fma": gemm_fma,
@@ -273,6 +275,8 @@ def port(files, config, gemm, bug=None):
     shared = 0 if bug == "no-shared" else files["shared.w1"].shape[0] if "shared.w1" in files else 0
     for s in range(shared):
         y = y + ffn(gemm, files["tokens.x"], files["shared.w1"][s], files["shared.w2"][s])
+    if config.get("output-dtype", "fp32") == "bf16":  # the layer's output as DeepEP hands it back
+        y = (bf16_truncate if bug == "output-truncation" else bf16)(y)
     out["output.y"] = y
     out.update(route(files, config, bug))
     out["tokens.x"] = regenerate_tokens(config, *files["tokens.x"].shape, bug)
