@@ -121,8 +121,14 @@ void moe_expert_generate(uint64_t seed, int expert, moe_index hidden, moe_index 
 void moe_shared_expert_generate(uint64_t seed, int shared, moe_index hidden, moe_index ffn,
                                 float *w1, float *w2);
 /* Routed expert n (shared expert n when `shared`), as the two above make
- * it, each value rounded to dtype (moe_precision_weights), in fp64. */
-void moe_expert_generate_f64(uint64_t seed, bool shared, int n, int dtype, moe_index hidden,
-                             moe_index ffn, double *w1, double *w2);
+ * it, rounded to dtype (moe_precision_expert; pow2: UE8M0 scales for fp8),
+ * in fp64. */
+void moe_expert_generate_f64(uint64_t seed, bool shared, int n, int dtype, bool pow2,
+                             moe_index hidden, moe_index ffn, double *w1, double *w2);
+
+/* An expert's fp32 W1 (2f, d) and W2 (d, f) rounded to dtype in place
+ * (moe_precision_expert) and widened into w1_64, w2_64. */
+void moe_expert_held_f64(int dtype, bool pow2, float *w1, float *w2, moe_index hidden,
+                         moe_index ffn, double *w1_64, double *w2_64);
 
 #endif

@@ -74,8 +74,21 @@ static inline moe_index moe_fp8_blocks(moe_index width)
 /* The precision a run emulates (config.h: --dtype, --dispatch-dtype,
  * --combine-dtype, --fp8-scale), applied at the same points by the EP path
  * and the dense truth. */
-/* w (n): weights (and the layer's input tokens) rounded to --dtype. */
+/* w (n): the gate's weights and the layer's input tokens rounded to
+ * --dtype (fp8: bf16, as DeepSeek-V3 keeps its gate and activations). */
 void moe_precision_weights(int dtype, float *w, moe_index n);
+
+/* m (rows, cols) as E4M3 in blocks of 128 x 128 (partial at the edges), one
+ * scale a block: amax/448, the smallest power of two at least that when
+ * pow2 (UE8M0), 1 for a block of zeros; each value becomes e4m3(w / s) * s
+ * in fp32, the weight a port dequantises. */
+void moe_fp8_block_weights(float *m, moe_index rows, moe_index cols, bool pow2);
+
+/* An expert's W1 (2f, d) and W2 (d, f) rounded to --dtype: each value to
+ * bf16, or (fp8) DeepSeek-V3's checkpoint: the gate projection (rows 0..f-1
+ * of W1), the up projection (rows f..2f-1) and W2 each in 128 x 128 blocks
+ * (moe_fp8_block_weights, pow2: --fp8-scale ue8m0). */
+void moe_precision_expert(int dtype, bool pow2, float *w1, float *w2, moe_index hidden, moe_index ffn);
 
 /* out (T, d) = the rows of x (T, d) as a rank receives them after
  * --dispatch-dtype quantisation (fp8: E4M3 with one scale per 128 values of

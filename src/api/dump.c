@@ -34,6 +34,7 @@ typedef struct {
     uint64_t seed;
     moe_index d, f;
     int dtype;
+    bool pow2;           /* --fp8-scale ue8m0 (for --dtype fp8) */
     bool shared, second; /* shared experts; W2 rather than W1 */
 } weight_source;
 
@@ -47,9 +48,9 @@ static void fill_weight(const void *ctx, int64_t expert, void *out)
         moe_shared_expert_generate(w->seed, (int)expert, w->d, w->f, w1, w2);
     else
         moe_expert_generate(w->seed, (int)expert, w->d, w->f, w1, w2);
+    moe_precision_expert(w->dtype, w->pow2, w1, w2, w->d, w->f);
     const moe_index n = w->second ? w->d * w->f : 2 * w->f * w->d;
     memcpy(out, w->second ? w2 : w1, sizeof(float) * (size_t)n);
-    moe_precision_weights(w->dtype, out, n);
     free(w2);
     free(w1);
 }
@@ -639,7 +640,8 @@ static void lay_out_inputs(tensor_list *l, const moe_ep *ep, int64_t N, float *t
     static const enum moe_golden_kind kinds[4] = {MOE_GK_EXPERTS_W1, MOE_GK_EXPERTS_W2,
                                                   MOE_GK_SHARED_W1, MOE_GK_SHARED_W2};
     for (int n = 0; n < 4; n++) {
-        sources[n] = (weight_source){cfg->seed, d, f, cfg->param_dtype, n >= 2, n % 2};
+        sources[n] = (weight_source){cfg->seed, d, f, cfg->param_dtype,
+                                     cfg->fp8_scale == MOE_FP8_SCALE_UE8M0, n >= 2, n % 2};
         const int64_t count = n < 2 ? E : S;
         if (count == 0)
             continue;

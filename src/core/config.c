@@ -360,14 +360,12 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--init-scale %g could overflow fp32%s: activations may reach %.1e, past "
                         "FLT_MAX/16 = %.1e (room for the sums); use at most %.3g",
-                        cfg->init_scale, cfg->param_dtype == MOE_DTYPE_BF16 ? " and bf16" : "", reach,
+                        cfg->init_scale, cfg->param_dtype != MOE_DTYPE_FP32 ? " and bf16" : "", reach,
                         (double)FLT_MAX / 16,
                         sqrt(FLT_MAX / 16 / ((double)cfg->hidden * sqrt((double)cfg->ffn))) / peak);
     if (cfg->gate_ties >= cfg->experts)
         return moe_fail(st, MOE_EXIT_USAGE, "--gate-ties must be in [0, %lld] (below --experts), got %lld",
                         (long long)cfg->experts - 1, (long long)cfg->gate_ties);
-    if (cfg->param_dtype == MOE_DTYPE_FP8)
-        return moe_fail(st, MOE_EXIT_USAGE, "--dtype must be fp32 or bf16 for moe-ep run, got fp8");
     if (cfg->combine_dtype == MOE_DTYPE_FP8)
         return moe_fail(st, MOE_EXIT_USAGE, "--combine-dtype must be fp32 or bf16 for moe-ep run, got fp8");
     if (cfg->output_dtype == MOE_DTYPE_FP8)

@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <stdint.h>
 
 #include "moe/exp.h"
@@ -234,9 +235,29 @@ static void fill_f64(uint64_t seed, struct matrix m, int entity, int dtype, doub
     }
 }
 
-void moe_expert_generate_f64(uint64_t seed, bool shared, int n, int dtype, moe_index hidden,
-                             moe_index ffn, double *w1, double *w2)
+void moe_expert_generate_f64(uint64_t seed, bool shared, int n, int dtype, bool pow2,
+                             moe_index hidden, moe_index ffn, double *w1, double *w2)
 {
-    fill_f64(seed, matrix(shared, 1, hidden, ffn), n, dtype, w1);
-    fill_f64(seed, matrix(shared, 2, hidden, ffn), n, dtype, w2);
+    if (dtype != MOE_DTYPE_FP8) {
+        fill_f64(seed, matrix(shared, 1, hidden, ffn), n, dtype, w1);
+        fill_f64(seed, matrix(shared, 2, hidden, ffn), n, dtype, w2);
+        return;
+    }
+    /* FP8 blocks span rows: the fp32 matrices whole, quantised, widened */
+    float *w1_32 = moe_xmalloc(sizeof(float) * (size_t)(2 * ffn * hidden));
+    float *w2_32 = moe_xmalloc(sizeof(float) * (size_t)(hidden * ffn));
+    generate(seed, shared, n, hidden, ffn, w1_32, w2_32);
+    moe_expert_held_f64(dtype, pow2, w1_32, w2_32, hidden, ffn, w1, w2);
+    free(w2_32);
+    free(w1_32);
+}
+
+void moe_expert_held_f64(int dtype, bool pow2, float *w1, float *w2, moe_index hidden,
+                         moe_index ffn, double *w1_64, double *w2_64)
+{
+    moe_precision_expert(dtype, pow2, w1, w2, hidden, ffn);
+    for (moe_index m = 0; m < 2 * ffn * hidden; m++)
+        w1_64[m] = w1[m];
+    for (moe_index m = 0; m < hidden * ffn; m++)
+        w2_64[m] = w2[m];
 }

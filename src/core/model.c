@@ -52,6 +52,5 @@ void moe_model_expert(const moe_config *cfg, bool shared, int n, float *w1, floa
         moe_shared_expert_generate(cfg->seed, n, d, f, w1, w2);
     else
         moe_expert_generate(cfg->seed, n, d, f, w1, w2);
-    moe_precision_weights(cfg->param_dtype, w1, 2 * f * d);
-    moe_precision_weights(cfg->param_dtype, w2, d * f);
+    moe_precision_expert(cfg->param_dtype, cfg->fp8_scale == MOE_FP8_SCALE_UE8M0, w1, w2, d, f);
 }

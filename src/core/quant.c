@@ -148,8 +148,41 @@ void moe_quantize_e4m3_row(const float *x, moe_index width, moe_fp8_format fmt, 
 
 void moe_precision_weights(int dtype, float *w, moe_index n)
 {
-    if (dtype == MOE_DTYPE_BF16)
+    if (dtype == MOE_DTYPE_BF16 || dtype == MOE_DTYPE_FP8)
         moe_round_bf16_array(w, n);
+}
+
+void moe_fp8_block_weights(float *m, moe_index rows, moe_index cols, bool pow2)
+{
+    for (moe_index r0 = 0; r0 < rows; r0 += MOE_FP8_BLOCK)
+        for (moe_index c0 = 0; c0 < cols; c0 += MOE_FP8_BLOCK) {
+            const moe_index r1 = r0 + MOE_FP8_BLOCK < rows ? r0 + MOE_FP8_BLOCK : rows;
+            const moe_index c1 = c0 + MOE_FP8_BLOCK < cols ? c0 + MOE_FP8_BLOCK : cols;
+            float amax = 0.0f;
+            for (moe_index r = r0; r < r1; r++)
+                for (moe_index c = c0; c < c1; c++)
+                    amax = fmaxf(amax, fabsf(m[r * cols + c]));
+            float scale = amax > 0.0f ? amax / MOE_E4M3_MAX : 1.0f;
+            if (pow2 && amax > 0.0f)
+                scale = fmaxf(pow2_at_least(scale), 0x1p-126f);
+            for (moe_index r = r0; r < r1; r++)
+                for (moe_index c = c0; c < c1; c++) {
+                    float *w = &m[r * cols + c];
+                    *w = moe_e4m3_to_f32(moe_f32_to_e4m3(*w / scale)) * scale;
+                }
+        }
+}
+
+void moe_precision_expert(int dtype, bool pow2, float *w1, float *w2, moe_index hidden, moe_index ffn)
+{
+    if (dtype != MOE_DTYPE_FP8) {
+        moe_precision_weights(dtype, w1, 2 * ffn * hidden);
+        moe_precision_weights(dtype, w2, hidden * ffn);
+        return;
+    }
+    moe_fp8_block_weights(w1, ffn, hidden, pow2);               /* gate projection */
+    moe_fp8_block_weights(w1 + ffn * hidden, ffn, hidden, pow2); /* up projection */
+    moe_fp8_block_weights(w2, hidden, ffn, pow2);
 }
 
 void moe_precision_dispatch(int dispatch_dtype, moe_fp8_format fp8, const float *x,

@@ -49,12 +49,6 @@ static void accumulate(const moe_config *cfg, double *y, double *allow, const do
     }
 }
 
-/* A weight rounded to --dtype (moe_precision_weights), in fp64. */
-static double weight_as_held(const moe_config *cfg, float w)
-{
-    return cfg->param_dtype == MOE_DTYPE_BF16 ? moe_round_bf16(w) : w;
-}
-
 /* Routed expert n (or shared expert n) generated, or the caller's
  * (moe_config.given_w1 ...), rounded to --dtype, in fp64. */
 static void generated_f64(const moe_config *cfg, bool shared, int n, double *w1_64, double *w2_64)
@@ -62,14 +56,18 @@ static void generated_f64(const moe_config *cfg, bool shared, int n, double *w1_
     const float *w1 = shared ? cfg->given_shared_w1 : cfg->given_w1;
     const float *w2 = shared ? cfg->given_shared_w2 : cfg->given_w2;
     const moe_index d = cfg->hidden, f = cfg->ffn;
+    const bool pow2 = cfg->fp8_scale == MOE_FP8_SCALE_UE8M0;
     if (!w1 || !w2) {
-        moe_expert_generate_f64(cfg->seed, shared, n, cfg->param_dtype, d, f, w1_64, w2_64);
+        moe_expert_generate_f64(cfg->seed, shared, n, cfg->param_dtype, pow2, d, f, w1_64, w2_64);
         return;
     }
-    for (moe_index m = 0; m < 2 * f * d; m++)
-        w1_64[m] = weight_as_held(cfg, w1[(moe_index)n * 2 * f * d + m]);
-    for (moe_index m = 0; m < d * f; m++)
-        w2_64[m] = weight_as_held(cfg, w2[(moe_index)n * d * f + m]);
+    float *held1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d)); /* as the EP path holds them */
+    float *held2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
+    memcpy(held1, w1 + (moe_index)n * 2 * f * d, sizeof(float) * (size_t)(2 * f * d));
+    memcpy(held2, w2 + (moe_index)n * d * f, sizeof(float) * (size_t)(d * f));
+    moe_expert_held_f64(cfg->param_dtype, pow2, held1, held2, d, f, w1_64, w2_64);
+    free(held2);
+    free(held1);
 }
 
 /* rows (n, d) of src (T, d) in fp64. */

@@ -655,14 +655,19 @@ static void print_check(FILE *out, const moe_run_summary *s)
                      "the truth of every pair max |diff| %.3e = %.2e x rms (the cost of the drops, not "
                      "checked)\n", s->drop_max_abs, s->drop_max_rel_rms);
     if (s->quantised)
-        fprintf(out, "precision weights and tokens %s, dispatch %s%s%s%s%s, combine %s: against the fp32 "
+        fprintf(out, "precision weights and tokens %s%s, dispatch %s%s%s%s%s, combine %s%s: against the fp32 "
                      "truth max |diff| %.3e = %.2e x rms (the cost of the precision, not checked)\n",
-                dtype_names[cfg->param_dtype], dtype_names[cfg->dispatch_dtype],
+                dtype_names[cfg->param_dtype],
+                cfg->param_dtype != MOE_DTYPE_FP8 ? ""
+                : cfg->fp8_scale ? " (expert weights E4M3, UE8M0 scales per 128 x 128; gate and tokens bf16)"
+                                 : " (expert weights E4M3, fp32 scales per 128 x 128; gate and tokens bf16)",
+                dtype_names[cfg->dispatch_dtype],
                 cfg->dispatch_dtype == MOE_DTYPE_FP8 ? (cfg->fp8_scale ? " (E4M3, UE8M0 scales per 128" : " (E4M3, fp32 scales per 128") : "",
                 cfg->dispatch_dtype == MOE_DTYPE_FP8 ? ", recipe " : "",
                 cfg->dispatch_dtype == MOE_DTYPE_FP8 ? moe_config_choice_name("fp8-recipe", cfg->fp8_recipe) : "",
                 cfg->dispatch_dtype == MOE_DTYPE_FP8 ? ")" : "",
-                dtype_names[cfg->combine_dtype], s->quant_max_abs, s->quant_max_rel_rms);
+                dtype_names[cfg->combine_dtype],
+                cfg->output_dtype == MOE_DTYPE_BF16 ? ", output bf16" : "", s->quant_max_abs, s->quant_max_rel_rms);
     if (s->ref_compared)
         fprintf(out, "          vs the blocking %s: %s (%.0f values differ, max |diff| "
                      "%.3e; %s)\n",

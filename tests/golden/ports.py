@@ -204,9 +204,37 @@ def regenerate_tokens(config, n, d, bug=None):
         binade = np.ldexp(np.float32(1), (word(seed, 8, np.arange(n)) >> np.uint32(30)).astype(np.int64) - 2)
         channel = np.where(word(seed, 9, np.arange(d)) >> np.uint32(27) == 0, np.float32(16), np.float32(1))
         x = (x * binade.astype(F)[:, None] * channel[None, :]).astype(F)
-    if config["dtype"] == "bf16":
+    if config["dtype"] in ("bf16", "fp8"):  # fp8: DeepSeek-V3's tokens are bf16
         x = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(F) if bug == "bf16-truncation" else bf16(x)
     return x
+
+
+def fp8_block_weights(m, ue8m0):
+    """m (rows, cols) as --dtype fp8 holds it (docs/data.md): E4M3 in blocks of
+    128 x 128, moe-ep's recipe (amax / 448, or its UE8M0 power of two),
+    dequantised in fp32."""
+    out = np.empty_like(m)
+    for r0 in range(0, m.shape[0], 128):
+        for c0 in range(0, m.shape[1], 128):
+            block = m[r0 : r0 + 128, c0 : c0 + 128]
+            q, s = fp8_block("moe", ue8m0, block.ravel())
+            out[r0 : r0 + 128, c0 : c0 + 128] = (e4m3_value(q) * s).reshape(block.shape)
+    return out
+
+
+def regenerate_experts(config, files):
+    """experts.w1 and .w2 regenerated from the seed (docs/data.md) and held as
+    --dtype fp8 holds them: the gate and up projections of W1 and W2, each in
+    its own 128 x 128 blocks."""
+    seed, ue8m0 = int(config["seed"]), config["fp8-scale"] == "ue8m0"
+    E, two_f, d = files["experts.w1"].shape
+    f = two_f // 2
+    w1, w2 = np.empty((E, two_f, d), dtype=F), np.empty((E, d, f), dtype=F)
+    for e in range(E):
+        a, b = moe_data.expert(seed, e, d, f)
+        w1[e] = np.concatenate([fp8_block_weights(a[:f], ue8m0), fp8_block_weights(a[f:], ue8m0)])
+        w2[e] = fp8_block_weights(b, ue8m0)
+    return {"experts.w1": w1, "experts.w2": w2}
 
 
 def bf16_truncate(values):
@@ -280,6 +308,8 @@ def port(files, config, gemm, bug=None):
     out["output.y"] = y
     out.update(route(files, config, bug))
     out["tokens.x"] = regenerate_tokens(config, *files["tokens.x"].shape, bug)
+    if config["dtype"] == "fp8" and "experts.w1" in files:  # the port's own FP8 weight blocks
+        out.update(regenerate_experts(config, files))
     return out
 
 

@@ -150,6 +150,40 @@ START_TEST(block_quantiser)
 }
 END_TEST
 
+/* --dtype fp8's weights: 128 x 128 blocks, each scaled by its own amax (a
+ * large value in one block leaves its neighbours' steps alone), partial
+ * blocks at the edges, a block of zeros kept zero, UE8M0 scales powers of
+ * two; every value a dequantised E4M3 of its block's scale. */
+START_TEST(fp8_weight_blocks)
+{
+    enum { ROWS = 130, COLS = 200 };
+    static float m[ROWS * COLS], ref[ROWS * COLS];
+    for (int pow2 = 0; pow2 <= 1; pow2++) {
+        for (int i = 0; i < ROWS * COLS; i++)
+            m[i] = (i / COLS < 128 && i % COLS >= 128) ? 0.0f : 0.01f * (float)((i * 37) % 101 - 50);
+        m[5 * COLS + 7] = 448.0f * 4; /* in block (0, 0) only */
+        memcpy(ref, m, sizeof m);
+        moe_fp8_block_weights(m, ROWS, COLS, pow2);
+        ck_assert(m[5 * COLS + 7] == 448.0f * 4); /* a block's amax comes back exactly */
+        for (int r = 0; r < ROWS; r++)
+            for (int c = 0; c < COLS; c++) {
+                /* the documented rule, restated: the amax of this value's block */
+                float amax = 0.0f;
+                for (int i = r / 128 * 128; i < ROWS && i < r / 128 * 128 + 128; i++)
+                    for (int j = c / 128 * 128; j < COLS && j < c / 128 * 128 + 128; j++)
+                        amax = fmaxf(amax, fabsf(ref[i * COLS + j]));
+                float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+                if (pow2 && amax > 0.0f)
+                    s = exp2f(ceilf(log2f(s)));
+                const float want = moe_e4m3_to_f32(moe_f32_to_e4m3(ref[r * COLS + c] / s)) * s;
+                ck_assert_msg(m[r * COLS + c] == want, "(%d, %d): %g, want %g", r, c,
+                              m[r * COLS + c], want);
+            }
+        ck_assert(m[0 * COLS + 150] == 0.0f); /* the block of zeros */
+    }
+}
+END_TEST
+
 Suite *make_quant_suite(void)
 {
     Suite *s = suite_create("quant");
@@ -158,6 +192,7 @@ Suite *make_quant_suite(void)
     tcase_add_loop_test(tc, e4m3_bit_patterns, 0, sizeof e4m3_cases / sizeof e4m3_cases[0]);
     tcase_add_test(tc, e4m3_nan_and_round_trip);
     tcase_add_test(tc, block_quantiser);
+    tcase_add_test(tc, fp8_weight_blocks);
     tcase_add_test(tc, wire_rows_decode_to_the_emulation);
     suite_add_tcase(s, tc);
     return s;
