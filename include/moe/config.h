@@ -127,6 +127,7 @@ typedef struct {
     int64_t layers, moe_layers;
     int param_dtype, dispatch_dtype, combine_dtype; /* enum moe_dtype */
     int output_dtype;            /* enum moe_dtype: the layer output, rounded once at home */
+    int topk_weights_dtype;      /* enum moe_dtype: the router's top-k weights */
     int fp8_scale;               /* enum moe_fp8_scale */
     int fp8_recipe;              /* enum moe_fp8_recipe */
     char cluster[MOE_NAME_MAX];  /* cluster preset applied, "" if none */

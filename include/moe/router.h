@@ -45,6 +45,7 @@ typedef struct {
     float route_scale;
     const float *bias; /* (E) deepseek-v3 correction bias, selection only; NULL = none */
     const float *skew; /* (E) added to the logits before scoring (--skew); NULL = none */
+    bool bf16_weights; /* the weights rounded to bf16 last (--topk-weights-dtype bf16) */
 } moe_router;
 
 /* logits (T, E) = x (T, d) * gate (E, d)^T, each element a fixed-order fp64
@@ -59,7 +60,8 @@ void moe_router_logits_force(enum moe_isa isa);
 /* From logits (T, E): scores (T, E) (after skew, before bias: softmax or
  * sigmoid in fp64 rounded to fp32); ids (T, k) in selection order; weights
  * (T, k) (normalised in fp64 in slot order, rounded to fp32, then times
- * route_scale in fp32). Cannot fail: the configuration was validated. */
+ * route_scale in fp32; then to bf16 with bf16_weights, as DeepSeek-V3's
+ * weights.type_as(x)). Cannot fail: the configuration was validated. */
 void moe_router_select(const moe_router *r, const float *logits, moe_index tokens, float *scores,
                        int32_t *ids, float *weights);
 

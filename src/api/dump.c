@@ -716,7 +716,8 @@ static void write_set(const moe_comm *c, const moe_ep *ep, const char *dir, gath
     add(&l, MOE_GK_SCORES, -1, a->scores, 2, N, E, 0);
     add(&l, MOE_GK_SELECTION, -1, selection, 2, N, E, 0);
     add(&l, MOE_GK_TOPK_IDS, -1, a->ids, 2, N, k, 0);
-    add(&l, MOE_GK_TOPK_WEIGHTS, -1, a->weights, 2, N, k, 0);
+    /* --topk-weights-dtype bf16: each weight rounded to bf16 once, last */
+    add(&l, MOE_GK_TOPK_WEIGHTS, -1, a->weights, 2, N, k, 0)->bf16_step = cfg->topk_weights_dtype == MOE_DTYPE_BF16;
     int32_t *steps_load = NULL;
     if (steps) { /* the trajectory: each step's pairs per expert, the bias after its update */
         steps_load = moe_xmalloc(sizeof(int32_t) * (size_t)(steps->steps * E));

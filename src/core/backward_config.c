@@ -30,10 +30,12 @@ int moe_backward_validate(const moe_config *cfg, moe_status *st)
                         "must be fp32, got %s and %s",
                         moe_config_choice_name("dispatch-dtype", cfg->dispatch_dtype),
                         moe_config_choice_name("combine-dtype", cfg->combine_dtype));
-    if (cfg->output_dtype != MOE_DTYPE_FP32)
+    if (cfg->output_dtype != MOE_DTYPE_FP32 || cfg->topk_weights_dtype != MOE_DTYPE_FP32)
         return moe_fail(st, MOE_EXIT_USAGE,
-                        "--backward differentiates the fp32 output: --output-dtype must be fp32, got %s",
-                        moe_config_choice_name("output-dtype", cfg->output_dtype));
+                        "--backward differentiates the fp32 output through the fp32 top-k weights: "
+                        "--output-dtype and --topk-weights-dtype must be fp32, got %s and %s",
+                        moe_config_choice_name("output-dtype", cfg->output_dtype),
+                        moe_config_choice_name("topk-weights-dtype", cfg->topk_weights_dtype));
     if (cfg->routing[0])
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--backward differentiates the router's weights: replayed ones (--routing) "

@@ -370,6 +370,8 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE, "--combine-dtype must be fp32 or bf16 for moe-ep run, got fp8");
     if (cfg->output_dtype == MOE_DTYPE_FP8)
         return moe_fail(st, MOE_EXIT_USAGE, "--output-dtype must be fp32 or bf16, got fp8");
+    if (cfg->topk_weights_dtype == MOE_DTYPE_FP8)
+        return moe_fail(st, MOE_EXIT_USAGE, "--topk-weights-dtype must be fp32 or bf16, got fp8");
     if (cfg->dump[0] && cfg->gemm == MOE_GEMM_BLAS)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dump needs --gemm packed or exact (default packed), got blas: OpenBLAS's "

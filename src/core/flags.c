@@ -148,6 +148,7 @@ const flag_spec moe_flags[] = {
     {"dtype", FLAG_CHOICE, FIELD(param_dtype), 0, 0, NULL, dtype_choices, "fp32", "weights and input tokens (fp8: DeepSeek-V3's checkpoint: expert weights E4M3 in 128 x 128 blocks with --fp8-scale scales, gate and tokens bf16)", BOTH | EXPLAIN, false},
     {"dispatch-dtype", FLAG_CHOICE, FIELD(dispatch_dtype), 0, 0, NULL, dtype_choices, "fp32", "dispatched rows (fp8: E4M3, one scale per 128 values)", BOTH | EXPLAIN, false},
     {"combine-dtype", FLAG_CHOICE, FIELD(combine_dtype), 0, 0, NULL, dtype_choices, "fp32", "expert outputs sent back (run: fp32 or bf16)", BOTH | EXPLAIN, false},
+    {"topk-weights-dtype", FLAG_CHOICE, FIELD(topk_weights_dtype), 0, 0, NULL, dtype_choices, "fp32", "the router's top-k weights, rounded last (bf16: DeepSeek-V3's weights.type_as(x); fp32 or bf16)", RUN | EXPLAIN, false},
     {"output-dtype", FLAG_CHOICE, FIELD(output_dtype), 0, 0, NULL, dtype_choices, "fp32", "the layer output y, rounded once at home after every sum (bf16: DeepEP's combine output; fp32 or bf16)", RUN | EXPLAIN, false},
     {"fp8-scale", FLAG_CHOICE, FIELD(fp8_scale), 0, 0, NULL, fp8_scale_choices, "float", "fp8 scales (the dispatch's, --dtype fp8's weight blocks): amax/448, or a power of two", RUN | EXPLAIN, false},
     {"fp8-recipe", FLAG_CHOICE, FIELD(fp8_recipe), 0, 0, NULL, fp8_recipe_choices, "moe", "whose fp8 quantiser, to the bit: moe-ep's, DeepEP's kernels, DeepGEMM's or V3's act_quant (docs/golden.md)", RUN | EXPLAIN, false},
@@ -221,7 +222,9 @@ void moe_config_print_flags(FILE *out, enum moe_command command)
                      (long long)flag->min, (long long)flag->max);
         if (flag->default_value && *flag->default_value)
             snprintf(fallback, sizeof fallback, " (default %s)", flag->default_value);
-        fprintf(out, "  %-31s %s%s%s\n", left, flag->help, range, fallback);
+        /* two spaces at least between a flag and its help (docs/flags.py reads them) */
+        fprintf(out, "  %-31s%s%s%s%s\n", left, strlen(left) >= 31 ? "  " : " ", flag->help, range,
+                fallback);
     }
 }
 

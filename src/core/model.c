@@ -16,7 +16,8 @@ moe_router moe_model_router(const moe_config *cfg, float *bias, float *skew)
                     .normalize = moe_config_norm_topk(cfg),
                     .groups = (int)cfg->groups,
                     .topk_groups = (int)cfg->topk_groups,
-                    .route_scale = (float)cfg->route_scale};
+                    .route_scale = (float)cfg->route_scale,
+                    .bf16_weights = cfg->topk_weights_dtype == MOE_DTYPE_BF16};
     if (cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0) {
         moe_synth_fill(cfg->seed, MOE_TENSOR_BIAS, 0, 0, cfg->experts, (float)cfg->bias_scale, bias);
         r.bias = bias;

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "moe/exp.h"
+#include "moe/quant.h"
 
 
 /* The gate's logits. Each logit is one sequential fp64 sum over
@@ -278,6 +279,8 @@ void moe_router_select(const moe_router *r, const float *logits, moe_index token
         for (int s = 0; s < k; s++) {
             float w = normalize ? (float)(score[id[s]] / sum) : score[id[s]];
             weight[s] = w * r->route_scale; /* every router, as V2 and V3 apply it */
+            if (r->bf16_weights)
+                weight[s] = moe_round_bf16(weight[s]);
         }
     }
 }

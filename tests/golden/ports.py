@@ -180,6 +180,8 @@ def route(files, config, bug=None):
         w = (biased if bug == "bias-in-weights" else scores)[i, ids[i]].astype(np.float64)
         w = (w / w.sum() if norm and bug != "no-renorm" else w).astype(F)
         weights[i] = w if bug == "no-route-scale" else w * F(config["route-scale"])
+    if config.get("topk-weights-dtype", "fp32") == "bf16":  # V3's weights.type_as(x)
+        weights = bf16(weights)
     return {"router.logits": logits, "router.scores": scores, "router.topk_ids": ids,
             "router.topk_weights": weights}
 

@@ -79,7 +79,7 @@ END_TEST
 
 START_TEST(topk_is_descending_and_weights_normalised)
 {
-    const moe_router r = {MOE_ROUTER_SOFTMAX, 5, 3, true, 1, 1, 1.0f, NULL, NULL};
+    const moe_router r = {MOE_ROUTER_SOFTMAX, 5, 3, true, 1, 1, 1.0f, NULL, NULL, false};
     const float logits[5] = {0.0f, 2.0f, -1.0f, 1.0f, 3.0f};
     float scores[5], weights[3];
     int32_t ids[3];
@@ -104,7 +104,7 @@ START_TEST(route_scale_applies_in_every_router)
     float scores[5], plain[3], scaled[3];
     int32_t ids[3];
     for (int normalize = 0; normalize < 2; normalize++) {
-        moe_router r = {MOE_ROUTER_SOFTMAX, 5, 3, normalize, 1, 1, 1.0f, NULL, NULL};
+        moe_router r = {MOE_ROUTER_SOFTMAX, 5, 3, normalize, 1, 1, 1.0f, NULL, NULL, false};
         moe_router_select(&r, logits, 1, scores, ids, plain);
         r.route_scale = 2.5f;
         moe_router_select(&r, logits, 1, scores, ids, scaled);
@@ -114,9 +114,30 @@ START_TEST(route_scale_applies_in_every_router)
 }
 END_TEST
 
+/* --topk-weights-dtype bf16: the scaled fp32 weight rounded to bf16 (nearest
+ * even), last; the ids unchanged. */
+START_TEST(bf16_weights_round_last)
+{
+    const float logits[5] = {0.0f, 2.0f, -1.0f, 1.0f, 3.0f};
+    float scores[5], plain[3], rounded[3];
+    int32_t ids[3], ids_bf16[3];
+    moe_router r = {MOE_ROUTER_SOFTMAX, 5, 3, true, 1, 1, 2.5f, NULL, NULL, false};
+    moe_router_select(&r, logits, 1, scores, ids, plain);
+    r.bf16_weights = true;
+    moe_router_select(&r, logits, 1, scores, ids_bf16, rounded);
+    for (int s = 0; s < 3; s++) {
+        ck_assert_int_eq(ids_bf16[s], ids[s]);
+        uint32_t bits;
+        memcpy(&bits, &rounded[s], sizeof bits);
+        ck_assert_uint_eq(bits & 0xffffu, 0);
+        ck_assert(fabsf(rounded[s] - plain[s]) <= ldexpf(1.0f, ilogbf(plain[s]) - 8));
+    }
+}
+END_TEST
+
 START_TEST(ties_go_to_the_lower_expert)
 {
-    const moe_router r = {MOE_ROUTER_SOFTMAX, 6, 3, true, 1, 1, 1.0f, NULL, NULL};
+    const moe_router r = {MOE_ROUTER_SOFTMAX, 6, 3, true, 1, 1, 1.0f, NULL, NULL, false};
     const float logits[6] = {1.0f, 5.0f, 1.0f, 5.0f, 1.0f, 0.0f};
     float scores[6], weights[3];
     int32_t ids[3];
@@ -130,7 +151,7 @@ END_TEST
 
 START_TEST(all_equal_logits_pick_the_first_k)
 {
-    const moe_router r = {MOE_ROUTER_SOFTMAX, 4, 4, false, 1, 1, 1.0f, NULL, NULL};
+    const moe_router r = {MOE_ROUTER_SOFTMAX, 4, 4, false, 1, 1, 1.0f, NULL, NULL, false};
     const float logits[4] = {0.5f, 0.5f, 0.5f, 0.5f};
     float scores[4], weights[4];
     int32_t ids[4];
@@ -146,7 +167,7 @@ static double sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 static moe_router v3(int E, int k, int groups, int topk_groups, const float *bias)
 {
-    return (moe_router){MOE_ROUTER_DEEPSEEK_V3, E, k, false, groups, topk_groups, 2.5f, bias, NULL};
+    return (moe_router){MOE_ROUTER_DEEPSEEK_V3, E, k, false, groups, topk_groups, 2.5f, bias, NULL, false};
 }
 
 /* The bias picks expert 0 although its score is the lowest; the weights are
@@ -243,7 +264,7 @@ START_TEST(skew_moves_the_choice)
 {
     const float logits[3] = {0.0f, 1.0f, 0.5f};
     const float skew[3] = {2.0f, 0.0f, 0.0f};
-    const moe_router r = {MOE_ROUTER_SOFTMAX, 3, 1, true, 1, 1, 1.0f, NULL, skew};
+    const moe_router r = {MOE_ROUTER_SOFTMAX, 3, 1, true, 1, 1, 1.0f, NULL, skew, false};
     float scores[3], weights[1];
     int32_t ids[1];
     moe_router_select(&r, logits, 1, scores, ids, weights);
@@ -317,6 +338,7 @@ Suite *make_router_suite(void)
     tcase_add_test(tc, logits_are_the_j_ordered_sum_whatever_the_blocking);
     tcase_add_test(tc, topk_is_descending_and_weights_normalised);
     tcase_add_test(tc, route_scale_applies_in_every_router);
+    tcase_add_test(tc, bf16_weights_round_last);
     tcase_add_test(tc, ties_go_to_the_lower_expert);
     tcase_add_test(tc, all_equal_logits_pick_the_first_k);
     tcase_add_test(tc, v3_bias_selects_but_does_not_weigh);
