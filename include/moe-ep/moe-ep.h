@@ -8,9 +8,12 @@
  *   moe_ep_context  the layer on a communicator, on the path the config
  *                   chooses (docs/waves.md, docs/low-latency.md): route
  *                   caller tokens with the configured router, or bring
- *                   your own top-k ids and weights; forward into your buffer
+ *                   your own top-k ids and weights; forward into your buffer;
+ *                   with --backward, a training step's gradients
  *   moe_ep_truth    the dense fp64 sum of every selected expert on caller
  *                   tokens and routing, no MPI: what a port is checked against
+ *                   (its stages: moe_ep_truth_stages; the gradients':
+ *                   moe_ep_truth_backward, moe_ep_check_backward)
  *
  * Weights are the configuration's own synthetic ones (docs/data.md: a
  * function of --seed and the shape), the same in the truth and on every
@@ -38,7 +41,7 @@ extern "C" {
 #endif
 
 /* The API this header describes; moe_ep_api_version() is the library's. */
-#define MOE_EP_API_VERSION 2
+#define MOE_EP_API_VERSION 3
 
 enum { MOE_EP_OK = 0, MOE_EP_FAIL = 1, MOE_EP_BAD_INPUT = 2, MOE_EP_RUNTIME = 3 };
 
@@ -110,6 +113,16 @@ int moe_ep_config_route(moe_ep_config *c, const float *x, int64_t tokens, const 
 int moe_ep_truth(moe_ep_config *c, int ranks, const float *x, const int32_t *ids,
                  const float *weights, int64_t tokens, double *y);
 
+/* The truth's stages for the same arguments, each written where not NULL:
+ * dispatched (tokens, d) fp32, x as the experts' ranks receive it (after
+ * --dispatch-dtype: the golden `dispatch` stage); pairs (tokens, k, d)
+ * fp64, each pair's expert output on that row before its gate weight and
+ * any rounding of the combine (zero for a -1 id: the `experts` stage);
+ * y (tokens, d) fp64, moe_ep_truth's (the `output` stage). No MPI. */
+int moe_ep_truth_stages(moe_ep_config *c, int ranks, const float *x, const int32_t *ids,
+                        const float *weights, int64_t tokens, float *dispatched, double *pairs,
+                        double *y);
+
 /* Check y (tokens, d), fp32, from a port or moe_ep_context_forward,
  * against that truth under moe-ep's tolerance (docs/numerics.md: |y - t| <=
  * abs + rel |t|, rel = 2^-24 (d + f + k + S), abs = rel rms(t), plus one
@@ -140,6 +153,52 @@ int moe_ep_context_route(moe_ep_context *ctx, const float *x, int32_t *ids, floa
 int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *ids,
                            const float *weights, float *y);
 
+/* The routed experts this rank holds: first .. first + count - 1 (E/G each,
+ * in rank order). */
+int moe_ep_context_experts(const moe_ep_context *ctx, int *first, int *count);
+
+/* The gradients of one training step (docs/backward.md), fp32; a member
+ * left NULL is not written. moe_ep_context_backward fills this rank's:
+ * dx (T, d) its tokens'; dw1 (EL, 2f, d) and dw2 (EL, d, f) its routed
+ * experts' (moe_ep_context_experts), over every rank's tokens; dshared_w1
+ * (S, 2f, d), dshared_w2 (S, d, f) and dgate (E, d) summed over ranks (the
+ * same on every rank). moe_ep_check_backward reads the whole layer's:
+ * dx (tokens, d), dw1 (E, 2f, d), dw2 (E, d, f), the rest as above. */
+typedef struct {
+    float *dx, *dw1, *dw2, *dshared_w1, *dshared_w2, *dgate;
+} moe_ep_gradients;
+
+/* The same in fp64, the whole layer's (moe_ep_truth_backward). */
+typedef struct {
+    double *dx, *dw1, *dw2, *dshared_w1, *dshared_w2, *dgate;
+} moe_ep_truth_gradients;
+
+/* One training step on this rank's x (T, d) with the upstream gradient dy
+ * (T, d) of the output: the configured router (the router's gradient flows
+ * through its logits, so the routing is its own: into ids, weights (T, k)
+ * when not NULL), the forward into y (T, d) when not NULL, then the
+ * backward, on the path the config chooses (its all-to-alls in waves, or
+ * blocking with --blocking), into g. Needs a context made with --backward
+ * true (whose moe_ep_context_forward runs the blocking forward). x and dy
+ * finite. Collective. */
+int moe_ep_context_backward(moe_ep_context *ctx, const float *x, const float *dy, int32_t *ids,
+                            float *weights, float *y, const moe_ep_gradients *g);
+
+/* The backward's dense fp64 truth for every rank's tokens x, dy (tokens, d),
+ * in rank order, routed by the configured router: g's members (the whole
+ * layer's; NULL: not written). Needs --backward true. No MPI. */
+int moe_ep_truth_backward(moe_ep_config *c, const float *x, const float *dy, int64_t tokens,
+                          const moe_ep_truth_gradients *g);
+
+/* Check the whole layer's gradients g (fp32; NULL members not checked),
+ * computed by `ranks` ranks of tokens/ranks tokens each, against that truth
+ * under `moe-ep run --backward --check`'s tolerance (docs/backward.md: the
+ * forward's rule over 2d + 2f + k + S + 8 steps, plus the rows a weight
+ * gradient sums in fp32). MOE_EP_OK or MOE_EP_FAIL, the worst element
+ * named; *used (may be NULL) the largest share of a tolerance. No MPI. */
+int moe_ep_check_backward(moe_ep_config *c, int ranks, const float *x, const float *dy,
+                          int64_t tokens, const moe_ep_gradients *g, double *used);
+
 /* Golden sets (docs/golden.md): moe_ep_context_dump (or `moe-ep run --dump
  * DIR`) writes one; verify checks a port's tensors against it. */
 
@@ -151,6 +210,12 @@ int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *i
  * exact (BLAS's bits depend on the machine). Collective; *bytes (may be
  * NULL) receives the set's size on rank 0. */
 int moe_ep_context_dump(moe_ep_context *ctx, const float *x, const char *dir, double *bytes);
+
+/* The same for a context made with --backward: a training step on x and
+ * the upstream gradient dy (T, d), the set holding the backward stage too
+ * (what `moe-ep run --backward --dump dir` writes for the same dy). */
+int moe_ep_context_dump_backward(moe_ep_context *ctx, const float *x, const float *dy,
+                                 const char *dir, double *bytes);
 #define MOE_EP_VERIFY_STAGES 7 /* inputs router layout dispatch experts output backward */
 
 typedef struct {

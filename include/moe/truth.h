@@ -87,6 +87,14 @@ void moe_truth_forward_share(const moe_config *cfg, enum moe_truth_gemm gemm,
                              moe_index tokens, int ranks, const int32_t *pair_rank, int rank,
                              double *y, double *allow);
 
+/* out (T, k, d) = each pair's routed expert output in fp64 on its row of
+ * x_dispatched (T, d), before its gate weight and any rounding of the
+ * combine: the v of accumulate's g * v; zero for a -1 id. Weights as
+ * moe_truth_forward holds them. */
+void moe_truth_pair_outputs(const moe_config *cfg, enum moe_truth_gemm gemm,
+                            const float *x_dispatched, const int32_t *ids, moe_index tokens,
+                            double *out);
+
 /* y (T, d) += the shared experts on x (T, d), as moe_truth_forward adds them. */
 void moe_truth_add_shared(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                           moe_index tokens, double *y);
@@ -127,6 +135,13 @@ moe_index moe_truth_backward_expert(const moe_config *cfg, enum moe_truth_gemm g
                                     const float *x, const float *dy, const int32_t *ids,
                                     const float *weights, moe_index tokens, double *dx,
                                     double *dweights, double *dw1, double *dw2);
+
+/* The fp32 chains every backward value goes through, in steps
+ * (docs/backward.md): 2d + 2f + k + S + 8 (h recomputed over d, dA = dO W2
+ * over d, the SwiGLU's derivative and the gate's products, 8 steps at most,
+ * dx = dH W1 over 2f, dx summed over k routed and S shared experts). A
+ * weight gradient adds the rows its GEMM sums in fp32. */
+double moe_truth_backward_length(const moe_config *cfg);
 
 /* Tolerance of the EP output against the truth: |got - ref| <= abs + rel*|ref|. */
 typedef struct {

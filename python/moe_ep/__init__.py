@@ -7,6 +7,8 @@ over the C library (libmoe-ep) with ctypes; numpy arrays in and out.
     x = cfg.tokens(rank=0)                            # (T, d) float32, or your own
     ids, weights = moe_ep.route(x, cfg)               # the configured router, or your own top-k
     y = moe_ep.reference(x, ids, weights, cfg)        # (T, d) float64, no MPI
+    t = moe_ep.reference(x, config=cfg, stages=True)  # the truth at every stage, by name
+    g = moe_ep.reference_backward(x, dy, cfg)         # the gradients (needs backward=True)
     r = moe_ep.check(my_layer_output, x, ids, weights, cfg)   # moe-ep's tolerance
     v = moe_ep.verify("golden/", {"output.y": y_port, ...})   # per-stage result
 
@@ -25,10 +27,10 @@ import numpy as np
 
 from . import safetensors
 
-__all__ = ["Config", "route", "reference", "check", "verify", "CheckResult", "VerifyResult",
-           "library"]
+__all__ = ["Config", "route", "reference", "check", "reference_backward", "check_backward", "verify",
+           "CheckResult", "VerifyResult", "library"]
 
-API_VERSION = 2
+API_VERSION = 3
 OK, FAIL, BAD_INPUT, RUNTIME = 0, 1, 2, 3
 STAGES = 7
 
@@ -43,6 +45,24 @@ class _VerifyResult(ctypes.Structure):
                 ("stage_compared", ctypes.c_int * STAGES), ("stage_failed", ctypes.c_int * STAGES),
                 ("stage_in_set", ctypes.c_int * STAGES), ("missing_required", ctypes.c_uint),
                 ("message", ctypes.c_char * 512)]
+
+
+GRADIENTS = ("dx", "dw1", "dw2", "dshared_w1", "dshared_w2", "dgate")
+
+
+class _Gradients(ctypes.Structure):
+    _fields_ = [(name, ctypes.POINTER(ctypes.c_float)) for name in GRADIENTS]
+
+
+class _TruthGradients(ctypes.Structure):
+    _fields_ = [(name, ctypes.POINTER(ctypes.c_double)) for name in GRADIENTS]
+
+
+def _gradient_shapes(s, tokens):
+    """The whole layer's gradients' shapes, by name (moe_ep_truth_gradients)."""
+    d, f, E, S = s["hidden"], s["ffn"], s["experts"], s["shared_experts"]
+    return {"dx": (tokens, d), "dw1": (E, 2 * f, d), "dw2": (E, d, f), "dshared_w1": (S, 2 * f, d),
+            "dshared_w2": (S, d, f), "dgate": (E, d)}
 
 
 class _VerifyOptions(ctypes.Structure):
@@ -94,7 +114,11 @@ def library():
         "moe_ep_config_use_weights": (ctypes.c_int, [P, F, F, F, F]),
         "moe_ep_config_route": (ctypes.c_int, [P, F, ctypes.c_int64, F, I, F]),
         "moe_ep_truth": (ctypes.c_int, [P, ctypes.c_int, F, I, F, ctypes.c_int64, D]),
+        "moe_ep_truth_stages": (ctypes.c_int, [P, ctypes.c_int, F, I, F, ctypes.c_int64, F, D, D]),
         "moe_ep_check": (ctypes.c_int, [P, ctypes.c_int, F, I, F, ctypes.c_int64, F, D]),
+        "moe_ep_truth_backward": (ctypes.c_int, [P, F, F, ctypes.c_int64, ctypes.POINTER(_TruthGradients)]),
+        "moe_ep_check_backward": (ctypes.c_int, [P, ctypes.c_int, F, F, ctypes.c_int64,
+                                                 ctypes.POINTER(_Gradients), D]),
         "moe_ep_verify_stage_name": (ctypes.c_char_p, [ctypes.c_int]),
         "moe_ep_verify_with": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, P, P,
                                          ctypes.POINTER(_VerifyResult)]),
@@ -268,21 +292,45 @@ def route(x, config=None, gate=None, **flags):
     return ids, weights
 
 
-def reference(x, topk_ids, topk_weights, config=None, ranks=1, w1=None, w2=None, shared_w1=None,
-              shared_w2=None, **flags):
+def reference(x, topk_ids=None, topk_weights=None, config=None, ranks=1, w1=None, w2=None,
+              shared_w1=None, shared_w2=None, gate=None, stages=False, **flags):
     """y (T, d) float64: the dense truth of the layer on x (T, d) routed by
-    topk_ids, topk_weights (T, k): every selected expert in fp64 (fixed
-    order: the same bits on every machine), gate-weighted, summed in id
-    order, plus the shared experts; the config's roundings (--dtype,
-    --dispatch-dtype, --combine-dtype over `ranks` ranks) as the EP path
-    applies them. Weights: the caller's, or the config's generated ones."""
+    topk_ids, topk_weights (T, k), or by the configured router (with the
+    config's gate, or `gate` (E, d)) when both are None: every selected
+    expert in fp64 (fixed order: the same bits on every machine),
+    gate-weighted, summed in id order, plus the shared experts; the config's
+    roundings (--dtype, --dispatch-dtype, --combine-dtype over `ranks` ranks)
+    as the EP path applies them. Weights: the caller's, or the config's
+    generated ones.
+
+    stages=True returns a dict of the truth at each stage a port can be
+    compared at, named as the golden sets name their stages:
+    "router.topk_ids", "router.topk_weights" (T, k), "dispatch.x" (T, d)
+    float32 (x as the experts' ranks receive it, after --dispatch-dtype),
+    "experts.out" (T, k, d) float64 (each pair's expert output before its
+    gate weight and any combine rounding; zeros for a -1 id) and
+    "output.y" (T, d) float64."""
     cfg = _config(config, flags)
+    if topk_ids is None and topk_weights is None:
+        topk_ids, topk_weights = route(x, cfg, gate=gate)
+    elif topk_ids is None or topk_weights is None:
+        raise ValueError("give topk_ids and topk_weights together, or neither (the configured router)")
+    elif gate is not None:
+        raise ValueError("gate routes the tokens: give it without topk_ids and topk_weights")
     x, ids, weights, T = _routing(cfg, x, topk_ids, topk_weights)
     cfg._use_weights(w1, w2, shared_w1, shared_w2)
-    y = np.empty((T, cfg.shape["hidden"]), dtype=np.float64)
-    cfg._check(cfg._lib.moe_ep_truth(cfg._c, _int(ranks, "ranks"), _ptr(x, ctypes.c_float), _ptr(ids, ctypes.c_int32),
-                                     _ptr(weights, ctypes.c_float), T, _ptr(y, ctypes.c_double)))
-    return y
+    s = cfg.shape
+    y = np.empty((T, s["hidden"]), dtype=np.float64)
+    dispatched = np.empty((T, s["hidden"]), dtype=np.float32) if stages else None
+    pairs = np.empty((T, s["topk"], s["hidden"]), dtype=np.float64) if stages else None
+    cfg._check(cfg._lib.moe_ep_truth_stages(cfg._c, _int(ranks, "ranks"), _ptr(x, ctypes.c_float),
+                                            _ptr(ids, ctypes.c_int32), _ptr(weights, ctypes.c_float), T,
+                                            _ptr(dispatched, ctypes.c_float), _ptr(pairs, ctypes.c_double),
+                                            _ptr(y, ctypes.c_double)))
+    if not stages:
+        return y
+    return {"router.topk_ids": ids, "router.topk_weights": weights, "dispatch.x": dispatched,
+            "experts.out": pairs, "output.y": y}
 
 
 class CheckResult:
@@ -312,6 +360,54 @@ def check(y, x, topk_ids, topk_weights, config=None, ranks=1, w1=None, w2=None, 
     code = cfg._lib.moe_ep_check(cfg._c, _int(ranks, "ranks"), _ptr(x, ctypes.c_float), _ptr(ids, ctypes.c_int32),
                                  _ptr(weights, ctypes.c_float), T, _ptr(y, ctypes.c_float),
                                  ctypes.byref(used))
+    if code not in (OK, FAIL):
+        cfg._check(code)
+    message = cfg._lib.moe_ep_config_error(cfg._c).decode() if code == FAIL else ""
+    return CheckResult(code == OK, used.value, message)
+
+
+def reference_backward(x, dy, config=None, w1=None, w2=None, shared_w1=None, shared_w2=None,
+                       **flags):
+    """The layer's gradients in fp64 (a dict: dx (N, d), dw1 (E, 2f, d),
+    dw2 (E, d, f), dshared_w1 (S, 2f, d), dshared_w2 (S, d, f), dgate (E,
+    d)) for every rank's tokens x and upstream gradient dy (N, d), routed by
+    the configured router (whose gradient flows through its logits); the
+    config needs backward=True. No MPI."""
+    cfg = _config(config, flags)
+    x = _tokens(cfg, x)
+    N = x.shape[0]
+    dy = _array(dy, "dy", x.shape, np.float32)
+    cfg._use_weights(w1, w2, shared_w1, shared_w2)
+    out = {name: np.empty(shape, dtype=np.float64) for name, shape in _gradient_shapes(cfg.shape, N).items()}
+    g = _TruthGradients(*[_ptr(out[name], ctypes.c_double) for name in GRADIENTS])
+    cfg._check(cfg._lib.moe_ep_truth_backward(cfg._c, _ptr(x, ctypes.c_float), _ptr(dy, ctypes.c_float), N,
+                                              ctypes.byref(g)))
+    return out
+
+
+def check_backward(gradients, x, dy, config=None, ranks=1, w1=None, w2=None, shared_w1=None,
+                   shared_w2=None, **flags):
+    """gradients, a dict of the layer's fp32 gradients (any of the names of
+    reference_backward, whole-layer shapes), made by `ranks` ranks of N/ranks
+    tokens each, against reference_backward under `moe-ep run --backward
+    --check`'s tolerance. A CheckResult naming the worst element."""
+    cfg = _config(config, flags)
+    x = _tokens(cfg, x)
+    N = x.shape[0]
+    dy = _array(dy, "dy", x.shape, np.float32)
+    if not isinstance(gradients, dict) or not gradients:
+        raise ValueError("gradients must be a non-empty dict of name -> array (%s)" % ", ".join(GRADIENTS))
+    shapes = _gradient_shapes(cfg.shape, N)
+    for name in gradients:
+        if name not in shapes:
+            raise ValueError("gradients: %r is not a gradient (%s)" % (name, ", ".join(GRADIENTS)))
+    arrays = {name: _array(gradients.get(name), name, shapes[name], np.float32, optional=True)
+              for name in GRADIENTS}
+    cfg._use_weights(w1, w2, shared_w1, shared_w2)
+    g = _Gradients(*[_ptr(arrays[name], ctypes.c_float) for name in GRADIENTS])
+    used = ctypes.c_double(0.0)
+    code = cfg._lib.moe_ep_check_backward(cfg._c, _int(ranks, "ranks"), _ptr(x, ctypes.c_float),
+                                          _ptr(dy, ctypes.c_float), N, ctypes.byref(g), ctypes.byref(used))
     if code not in (OK, FAIL):
         cfg._check(code)
     message = cfg._lib.moe_ep_config_error(cfg._c).decode() if code == FAIL else ""

@@ -32,6 +32,10 @@ struct moe_ep_context {
     moe_ep ep;
     int32_t *placed; /* (T, k) the pairs as placed (capacity drops) */
     moe_forward_stats stats;
+    /* --backward: a training step's (moe_ep_context_backward) */
+    moe_ep_grads grads;
+    moe_backward_stats bwd;
+    float *logits; /* (T, E) */
     char error[MOE_MESSAGE_MAX];
 };
 
@@ -183,6 +187,27 @@ int moe_ep_config_use_weights(moe_ep_config *c, const float *w1, const float *w2
     return MOE_EP_OK;
 }
 
+/* The configured router on x (tokens, d) with `gate` (E, d), or the
+ * config's when NULL: ids, weights (tokens, k), and the logits (tokens, E)
+ * when `logits` is not NULL (the router's backward reads them). */
+static void route(const moe_config *cfg, const float *x, moe_index tokens, const float *gate,
+                  int32_t *ids, float *weights, float *logits)
+{
+    const moe_index E = cfg->experts, d = cfg->hidden;
+    float *own = gate ? NULL : moe_xmalloc(sizeof(float) * (size_t)(E * d));
+    float *work = moe_xmalloc(sizeof(float) * (size_t)(2 * tokens * E + 2 * E));
+    float *scores = work + tokens * E, *bias = scores + tokens * E, *skew = bias + E;
+    if (own)
+        moe_model_gate(cfg, own);
+    const moe_router r = moe_model_router(cfg, bias, skew);
+    moe_router_logits(x, gate ? gate : own, tokens, d, (int)E, work);
+    moe_router_select(&r, work, tokens, scores, ids, weights);
+    if (logits)
+        memcpy(logits, work, sizeof(float) * (size_t)(tokens * E));
+    free(work);
+    free(own);
+}
+
 int moe_ep_config_route(moe_ep_config *c, const float *x, int64_t tokens, const float *gate,
                         int32_t *ids, float *weights)
 {
@@ -197,19 +222,8 @@ int moe_ep_config_route(moe_ep_config *c, const float *x, int64_t tokens, const 
                  (long long)tokens);
     else if (validate(c, 1, &st) == MOE_EXIT_OK &&
              check_finite("x", x, tokens, c->cfg.hidden, &st) == MOE_EXIT_OK &&
-             (!gate || check_finite("gate", gate, c->cfg.experts, c->cfg.hidden, &st) == MOE_EXIT_OK)) {
-        const moe_index E = c->cfg.experts, d = c->cfg.hidden;
-        float *own = gate ? NULL : moe_xmalloc(sizeof(float) * (size_t)(E * d));
-        float *logits = moe_xmalloc(sizeof(float) * (size_t)(2 * tokens * E + 2 * E));
-        float *scores = logits + tokens * E, *bias = scores + tokens * E, *skew = bias + E;
-        if (own)
-            moe_model_gate(&c->cfg, own);
-        const moe_router r = moe_model_router(&c->cfg, bias, skew);
-        moe_router_logits(x, gate ? gate : own, tokens, d, (int)E, logits);
-        moe_router_select(&r, logits, tokens, scores, ids, weights);
-        free(logits);
-        free(own);
-    }
+             (!gate || check_finite("gate", gate, c->cfg.experts, c->cfg.hidden, &st) == MOE_EXIT_OK))
+        route(&c->cfg, x, tokens, gate, ids, weights, NULL);
     return verdict(&st, c->error);
 }
 
@@ -254,11 +268,12 @@ static int check_given_weights(const moe_config *cfg, moe_status *st)
     return MOE_EXIT_OK;
 }
 
-/* The truth's arguments checked (`call` names the function); y and allow
- * (tokens, d; allow may be NULL) filled when they pass. */
+/* The truth's arguments checked (`call` names the function); when they
+ * pass, y and allow (tokens, d) and the stages (moe_ep_truth_stages)
+ * filled where not NULL. */
 static int truth_of(moe_ep_config *c, const char *call, int ranks, const float *x,
                     const int32_t *ids, const float *weights, int64_t tokens, double *y,
-                    double *allow)
+                    double *allow, float *dispatched, double *pairs)
 {
     moe_status st = {0};
     const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : NULL;
@@ -273,11 +288,17 @@ static int truth_of(moe_ep_config *c, const char *call, int ranks, const float *
         check_routing(&c->cfg, ids, weights, tokens, &st);
     if (st.code)
         return verdict(&st, c->error);
+    const moe_index n = tokens * c->cfg.hidden;
     float *scratch = c->cfg.dispatch_dtype == MOE_DTYPE_FP32
                          ? NULL
-                         : moe_xmalloc(sizeof(float) * (size_t)(tokens * c->cfg.hidden));
-    moe_truth_forward(&c->cfg, MOE_TRUTH_EXACT, x, moe_wire_dispatched(&c->cfg, x, tokens, scratch),
-                      ids, weights, tokens, ranks, y, allow);
+                         : moe_xmalloc(sizeof(float) * (size_t)n);
+    const float *xd = moe_wire_dispatched(&c->cfg, x, tokens, scratch);
+    if (y)
+        moe_truth_forward(&c->cfg, MOE_TRUTH_EXACT, x, xd, ids, weights, tokens, ranks, y, allow);
+    if (dispatched)
+        memcpy(dispatched, xd, sizeof(float) * (size_t)n);
+    if (pairs)
+        moe_truth_pair_outputs(&c->cfg, MOE_TRUTH_EXACT, xd, ids, tokens, pairs);
     free(scratch);
     return verdict(&st, c->error);
 }
@@ -289,7 +310,17 @@ int moe_ep_truth(moe_ep_config *c, int ranks, const float *x, const int32_t *ids
         return MOE_EP_BAD_INPUT;
     if (!y)
         return bad(c->error, "moe_ep_truth: %s is NULL", "y");
-    return truth_of(c, "moe_ep_truth", ranks, x, ids, weights, tokens, y, NULL);
+    return truth_of(c, "moe_ep_truth", ranks, x, ids, weights, tokens, y, NULL, NULL, NULL);
+}
+
+int moe_ep_truth_stages(moe_ep_config *c, int ranks, const float *x, const int32_t *ids,
+                        const float *weights, int64_t tokens, float *dispatched, double *pairs,
+                        double *y)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    return truth_of(c, "moe_ep_truth_stages", ranks, x, ids, weights, tokens, y, NULL, dispatched,
+                    pairs);
 }
 
 int moe_ep_check(moe_ep_config *c, int ranks, const float *x, const int32_t *ids,
@@ -301,7 +332,7 @@ int moe_ep_check(moe_ep_config *c, int ranks, const float *x, const int32_t *ids
         return bad(c->error, "moe_ep_check: %s is NULL", "y");
     const moe_index n = (tokens > 0 ? tokens : 0) * c->cfg.hidden;
     double *ref = moe_xmalloc(sizeof(double) * (size_t)(2 * n) + 1), *allow = ref + n;
-    int rc = truth_of(c, "moe_ep_check", ranks, x, ids, weights, tokens, ref, allow);
+    int rc = truth_of(c, "moe_ep_check", ranks, x, ids, weights, tokens, ref, allow, NULL, NULL);
     if (rc == MOE_EP_OK) {
         const moe_tolerance tol = moe_tolerance_for(&c->cfg, sqrt(moe_sum_squares(ref, n) / (double)n));
         moe_compare_stats s;
@@ -318,6 +349,192 @@ int moe_ep_check(moe_ep_config *c, int ranks, const float *x, const int32_t *ids
         }
     }
     free(ref);
+    return rc;
+}
+
+/* The whole layer's backward truth, fp64, every member of t (full sizes:
+ * moe_ep_truth_gradients) written, for `tokens` tokens x, dy routed by the
+ * configured router (ids (tokens, k) kept). Every argument checked first. */
+static int backward_truth(moe_ep_config *c, const char *call, const float *x, const float *dy,
+                          int64_t tokens, const moe_ep_truth_gradients *t, int32_t **ids)
+{
+    moe_status st = {0};
+    moe_config *cfg = &c->cfg;
+    const char *null = !x ? "x" : !dy ? "dy" : NULL;
+    if (null)
+        moe_fail(&st, MOE_EXIT_USAGE, "%s: %s is NULL", call, null);
+    else if (tokens < 1)
+        moe_fail(&st, MOE_EXIT_USAGE, "%s: tokens must be at least 1, got %lld", call,
+                 (long long)tokens);
+    else if (!cfg->backward)
+        moe_fail(&st, MOE_EXIT_USAGE, "%s needs --backward true in the config (its checks: fp32 on "
+                 "the wire, the router's own routing)", call);
+    else if (validate(c, 1, &st) == MOE_EXIT_OK &&
+             check_finite("x", x, tokens, cfg->hidden, &st) == MOE_EXIT_OK &&
+             check_finite("dy", dy, tokens, cfg->hidden, &st) == MOE_EXIT_OK)
+        check_given_weights(cfg, &st);
+    if (st.code)
+        return verdict(&st, c->error);
+    const moe_index N = tokens, d = cfg->hidden, f = cfg->ffn, E = cfg->experts, k = cfg->topk;
+    *ids = moe_xmalloc(sizeof(int32_t) * (size_t)(N * k));
+    float *weights = moe_xmalloc(sizeof(float) * (size_t)(N * k));
+    float *logits = moe_xmalloc(sizeof(float) * (size_t)(N * E));
+    float *gate = moe_xmalloc(sizeof(float) * (size_t)(E * d + 2 * E)), *bias = gate + E * d;
+    double *dweights = moe_xcalloc((size_t)(N * k), sizeof(double));
+    route(cfg, x, N, NULL, *ids, weights, logits);
+    moe_model_gate(cfg, gate);
+    const moe_router r = moe_model_router(cfg, bias, bias + E);
+    memset(t->dx, 0, sizeof(double) * (size_t)(N * d));
+    for (int e = 0; e < (int)E; e++)
+        moe_truth_backward_expert(cfg, MOE_TRUTH_EXACT, e, x, dy, *ids, weights, N, t->dx, dweights,
+                                  t->dw1 + e * 2 * f * d, t->dw2 + e * d * f);
+    moe_truth_backward_rest(cfg, &r, MOE_TRUTH_EXACT, gate, x, *ids, logits, dy, N, dweights, t->dx,
+                            t->dgate, t->dshared_w1, t->dshared_w2);
+    free(dweights);
+    free(gate);
+    free(logits);
+    free(weights);
+    c->error[0] = '\0';
+    return MOE_EP_OK;
+}
+
+/* The sizes of the members of moe_ep_truth_gradients, in their order. */
+static void gradient_sizes(const moe_config *cfg, moe_index tokens, moe_index n[6])
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn, E = cfg->experts, S = cfg->shared_experts;
+    const moe_index sizes[6] = {tokens * d, E * 2 * f * d, E * d * f, S * 2 * f * d, S * d * f, E * d};
+    memcpy(n, sizes, sizeof sizes);
+}
+
+/* Every member of t allocated at its full size (one block; free t->dx). */
+static moe_ep_truth_gradients gradients_alloc(const moe_config *cfg, moe_index tokens)
+{
+    moe_index n[6], total = 0;
+    gradient_sizes(cfg, tokens, n);
+    for (int m = 0; m < 6; m++)
+        total += n[m];
+    double *block = moe_xmalloc(sizeof(double) * (size_t)total), *at = block;
+    double *member[6];
+    for (int m = 0; m < 6; m++) {
+        member[m] = at;
+        at += n[m];
+    }
+    return (moe_ep_truth_gradients){member[0], member[1], member[2], member[3], member[4], member[5]};
+}
+
+int moe_ep_truth_backward(moe_ep_config *c, const float *x, const float *dy, int64_t tokens,
+                          const moe_ep_truth_gradients *g)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    if (!g)
+        return bad(c->error, "moe_ep_truth_backward: %s is NULL", "g");
+    moe_ep_truth_gradients t = gradients_alloc(&c->cfg, tokens > 0 ? tokens : 0);
+    int32_t *ids = NULL;
+    const int rc = backward_truth(c, "moe_ep_truth_backward", x, dy, tokens, &t, &ids);
+    if (rc == MOE_EP_OK) {
+        double *const from[6] = {t.dx, t.dw1, t.dw2, t.dshared_w1, t.dshared_w2, t.dgate};
+        double *const to[6] = {g->dx, g->dw1, g->dw2, g->dshared_w1, g->dshared_w2, g->dgate};
+        moe_index n[6];
+        gradient_sizes(&c->cfg, tokens, n);
+        for (int m = 0; m < 6; m++)
+            if (to[m] && n[m] > 0)
+                memcpy(to[m], from[m], sizeof(double) * (size_t)n[m]);
+    }
+    free(ids);
+    free(t.dx);
+    return rc;
+}
+
+/* got (n) against truth (n) under moe_tolerance_of_length(length) over
+ * truth's rms; the worst share of the tolerance so far in *worst, and when
+ * this tensor holds it, its name and index in `where`. */
+static void gradient_compare(const char *name, moe_index part, const float *got, const double *truth,
+                             moe_index n, moe_index cols, double length, double *worst, char *where,
+                             size_t size, double *got_at, double *truth_at)
+{
+    if (n == 0)
+        return;
+    const moe_tolerance tol = moe_tolerance_of_length(length, sqrt(moe_sum_squares(truth, n) / (double)n));
+    moe_compare_stats s;
+    moe_compare(got, truth, NULL, n, tol, &s);
+    const double used = s.first_nonfinite >= 0 ? INFINITY : s.max_used;
+    if (*where && !(used > *worst)) /* the first tensor checked, or a worse one */
+        return;
+    *worst = used;
+    const moe_index i = s.first_nonfinite >= 0 ? s.first_nonfinite : s.worst;
+    char index[48] = "";
+    if (part >= 0)
+        snprintf(index, sizeof index, "[%lld]", (long long)part);
+    snprintf(where, size, "%s%s[%lld][%lld]", name, index, (long long)(i / cols), (long long)(i % cols));
+    *got_at = got[i];
+    *truth_at = truth[i];
+}
+
+int moe_ep_check_backward(moe_ep_config *c, int ranks, const float *x, const float *dy,
+                          int64_t tokens, const moe_ep_gradients *g, double *used)
+{
+    if (!c)
+        return MOE_EP_BAD_INPUT;
+    if (!g)
+        return bad(c->error, "moe_ep_check_backward: %s is NULL", "g");
+    if (ranks < 1 || tokens % (ranks > 0 ? ranks : 1)) {
+        moe_status st = {0};
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_check_backward: ranks must be at least 1 and divide "
+                 "tokens (each rank's share), got %d ranks, %lld tokens", ranks, (long long)tokens);
+        return verdict(&st, c->error);
+    }
+    const moe_config *cfg = &c->cfg;
+    moe_ep_truth_gradients t = gradients_alloc(cfg, tokens > 0 ? tokens : 0);
+    int32_t *ids = NULL;
+    int rc = backward_truth(c, "moe_ep_check_backward", x, dy, tokens, &t, &ids);
+    if (rc != MOE_EP_OK) {
+        free(t.dx);
+        return rc;
+    }
+    const moe_index d = cfg->hidden, f = cfg->ffn, E = cfg->experts, S = cfg->shared_experts;
+    const moe_index k = cfg->topk;
+    const double base = moe_truth_backward_length(cfg);
+    double worst = 0.0, got_at = 0.0, truth_at = 0.0;
+    char where[96] = "";
+#define COMPARE(name, part, got, truth, n, cols, length)                                           \
+    gradient_compare(name, part, got, truth, n, cols, length, &worst, where, sizeof where, &got_at, \
+                     &truth_at)
+    if (g->dx)
+        COMPARE("dx", -1, g->dx, t.dx, tokens * d, d, base);
+    if (g->dgate)
+        COMPARE("dgate", -1, g->dgate, t.dgate, E * d, d, base);
+    for (moe_index e = 0; e < E; e++) { /* a routed expert's wgrad sums its tokens in fp32 */
+        moe_index rows = 0;
+        for (moe_index m = 0; m < tokens * k; m++)
+            rows += ids[m] == e;
+        if (g->dw1)
+            COMPARE("dw1", e, g->dw1 + e * 2 * f * d, t.dw1 + e * 2 * f * d, 2 * f * d, d,
+                    base + (double)rows);
+        if (g->dw2)
+            COMPARE("dw2", e, g->dw2 + e * d * f, t.dw2 + e * d * f, d * f, f, base + (double)rows);
+    }
+    for (moe_index sh = 0; sh < S; sh++) { /* a shared one, a rank's tokens, then ranks in fp64 */
+        const double rows = (double)(tokens / ranks);
+        if (g->dshared_w1)
+            COMPARE("dshared_w1", sh, g->dshared_w1 + sh * 2 * f * d, t.dshared_w1 + sh * 2 * f * d,
+                    2 * f * d, d, base + rows);
+        if (g->dshared_w2)
+            COMPARE("dshared_w2", sh, g->dshared_w2 + sh * d * f, t.dshared_w2 + sh * d * f, d * f,
+                    f, base + rows);
+    }
+#undef COMPARE
+    if (used)
+        *used = worst;
+    if (!*where)
+        rc = bad(c->error, "moe_ep_check_backward: %s", "every member of g is NULL");
+    else if (!(worst <= 1.0)) {
+        snprintf(c->error, sizeof c->error, "%s = %.9g, truth %.9g: %.0f %% of the tolerance", where,
+                 got_at, truth_at, 100.0 * worst);
+        rc = MOE_EP_FAIL;
+    }
+    free(ids);
+    free(t.dx);
     return rc;
 }
 
@@ -361,10 +578,7 @@ static int library_checks(const moe_config *cfg, const moe_path *path, const moe
         return moe_fail(st, MOE_EXIT_USAGE,
                         "moe_ep_config_use_weights: a context's ranks generate their weights; "
                         "the caller's are for the truth only");
-    if (path->training)
-        return moe_fail(st, MOE_EXIT_USAGE,
-                        "--backward: the library runs the forward (API %d); the training step "
-                        "is moe-ep run --backward's", MOE_EP_API_VERSION);
+    (void)path;
     for (size_t n = 0; n < sizeof run_only / sizeof run_only[0]; n++) {
         const char *flag = run_only[n].flag, *instead = run_only[n].instead;
         if (!moe_config_at_default(cfg, flag) &&
@@ -399,6 +613,10 @@ int moe_ep_context_new(moe_ep_config *c, MPI_Comm comm, moe_ep_context **out)
             MOE_EXIT_OK &&
         moe_ep_init(&ctx->ep, &ctx->cfg, &ctx->comm, &st) == MOE_EXIT_OK) {
         ctx->placed = moe_xmalloc(sizeof(int32_t) * (size_t)(ctx->cfg.tokens * ctx->cfg.topk));
+        if (ctx->ep.path->training) {
+            moe_ep_grads_init(&ctx->ep, &ctx->grads);
+            ctx->logits = moe_xmalloc(sizeof(float) * (size_t)(ctx->cfg.tokens * ctx->cfg.experts));
+        }
         *out = ctx;
         return verdict(&st, c->error);
     }
@@ -411,6 +629,9 @@ void moe_ep_context_free(moe_ep_context *ctx)
 {
     if (!ctx)
         return;
+    if (ctx->ep.path && ctx->ep.path->training)
+        moe_ep_grads_free(&ctx->grads);
+    free(ctx->logits);
     moe_ep_free(&ctx->ep);
     MOE_MPI(MPI_Comm_free(&ctx->comm.comm));
     free(ctx->placed);
@@ -453,7 +674,73 @@ int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *i
     moe_ep_place(&ctx->ep, ids, weights, ctx->placed);
     const moe_path_args a = {.x = x, .ids = ctx->placed, .weights = weights, .y = y,
                              .fwd = &ctx->stats};
-    moe_path_run(ctx->ep.path, &ctx->ep, &a, &st);
+    /* a training context's forward is its step's: the blocking reference */
+    const moe_path *path = ctx->ep.path->training ? ctx->ep.path->blocking : ctx->ep.path;
+    moe_path_run(path, &ctx->ep, &a, &st);
+    return verdict(&st, ctx->error);
+}
+
+int moe_ep_context_experts(const moe_ep_context *ctx, int *first, int *count)
+{
+    if (!ctx || !first || !count)
+        return MOE_EP_BAD_INPUT;
+    *first = ctx->ep.first_expert;
+    *count = ctx->ep.local_experts;
+    return MOE_EP_OK;
+}
+
+/* n floats of src into dst when dst is not NULL. */
+static void copy_out(float *dst, const float *src, moe_index n)
+{
+    if (dst && n > 0)
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+}
+
+int moe_ep_context_backward(moe_ep_context *ctx, const float *x, const float *dy, int32_t *ids,
+                            float *weights, float *y, const moe_ep_gradients *g)
+{
+    if (!ctx)
+        return MOE_EP_BAD_INPUT;
+    moe_status st = {0};
+    const moe_config *cfg = &ctx->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn, k = cfg->topk;
+    const char *null = !x ? "x" : !dy ? "dy" : !g ? "g" : NULL;
+    if (!ctx->ep.path->training)
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_context_backward needs a context made with "
+                 "--backward true (moe_ep_config_set(c, \"--backward\", \"true\"))");
+    else if (null)
+        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_context_backward: %s is NULL", null);
+    else if (check_finite("x", x, T, d, &st) == MOE_EXIT_OK)
+        check_finite("dy", dy, T, d, &st);
+    if (moe_comm_agree(&ctx->comm, &st))
+        return verdict(&st, ctx->error);
+    /* the router's own routing: its gradient flows through these logits */
+    int32_t *own_ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k) + 1);
+    float *own_weights = moe_xmalloc(sizeof(float) * (size_t)(T * k) + 1);
+    float *own_y = moe_xmalloc(sizeof(float) * (size_t)(T * d) + 1);
+    float *scores = moe_xmalloc(sizeof(float) * (size_t)(T * cfg->experts) + 1);
+    moe_ep_route(&ctx->ep, x, ctx->logits, scores, own_ids, own_weights);
+    moe_ep_place(&ctx->ep, own_ids, own_weights, ctx->placed);
+    const moe_path_args a = {.x = x, .logits = ctx->logits, .dy = dy, .ids = ctx->placed,
+                             .weights = own_weights, .y = own_y, .grads = &ctx->grads,
+                             .fwd = &ctx->stats, .bwd = &ctx->bwd};
+    if (moe_path_run(ctx->ep.path, &ctx->ep, &a, &st) == MOE_EXIT_OK) {
+        const moe_index EL = ctx->ep.local_experts, S = cfg->shared_experts;
+        copy_out(y, own_y, T * d);
+        copy_out(weights, own_weights, T * k);
+        if (ids)
+            memcpy(ids, own_ids, sizeof(int32_t) * (size_t)(T * k));
+        copy_out(g->dx, ctx->grads.dx, T * d);
+        copy_out(g->dw1, ctx->grads.dw1, EL * 2 * f * d);
+        copy_out(g->dw2, ctx->grads.dw2, EL * d * f);
+        copy_out(g->dshared_w1, ctx->grads.dshared_w1, S * 2 * f * d);
+        copy_out(g->dshared_w2, ctx->grads.dshared_w2, S * d * f);
+        copy_out(g->dgate, ctx->grads.dgate, cfg->experts * d);
+    }
+    free(scores);
+    free(own_y);
+    free(own_weights);
+    free(own_ids);
     return verdict(&st, ctx->error);
 }
 
@@ -462,28 +749,51 @@ const char *moe_ep_verify_stage_name(int stage)
     return stage >= 0 && stage < MOE_GOLDEN_STAGES ? moe_golden_stage_names[stage] : NULL;
 }
 
-int moe_ep_context_dump(moe_ep_context *ctx, const float *x, const char *dir, double *bytes)
+/* moe_ep_context_dump (dy NULL) and moe_ep_context_dump_backward, named
+ * by `call`. */
+static int dump(moe_ep_context *ctx, const char *call, const float *x, const float *dy,
+                const char *dir, double *bytes)
 {
     if (!ctx)
         return MOE_EP_BAD_INPUT;
     moe_status st = {0};
-    const char *null = !x ? "x" : !dir ? "dir" : NULL;
-    if (null)
-        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_context_dump: %s is NULL", null);
+    const bool training = ctx->ep.path->training, backward = strcmp(call, "moe_ep_context_dump");
+    const char *null = !x ? "x" : !dir ? "dir" : backward && !dy ? "dy" : NULL;
+    if (training != backward)
+        moe_fail(&st, MOE_EXIT_USAGE, "%s: the context %s --backward: call %s", call,
+                 training ? "was made with" : "was made without",
+                 training ? "moe_ep_context_dump_backward" : "moe_ep_context_dump");
+    else if (null)
+        moe_fail(&st, MOE_EXIT_USAGE, "%s: %s is NULL", call, null);
     else if (ctx->cfg.gemm == MOE_GEMM_BLAS)
-        moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_context_dump needs --gemm packed or exact, got blas: "
-                 "OpenBLAS's bits depend on the machine, a golden set's must not");
+        moe_fail(&st, MOE_EXIT_USAGE, "%s needs --gemm packed or exact, got blas: "
+                 "OpenBLAS's bits depend on the machine, a golden set's must not", call);
     else if (check_finite("x", x, ctx->cfg.tokens, ctx->cfg.hidden, &st) == MOE_EXIT_OK &&
-             ctx->comm.rank == 0 && /* what run --dump checks up front (src/cli/context.c) */
-             moe_check_output_dir("moe_ep_context_dump: dir", dir, &st) == MOE_EXIT_OK)
-        moe_golden_check_target(dir, &st);
+             (!dy || check_finite("dy", dy, ctx->cfg.tokens, ctx->cfg.hidden, &st) == MOE_EXIT_OK) &&
+             ctx->comm.rank == 0) { /* what run --dump checks up front (src/cli/context.c) */
+        char what[80];
+        snprintf(what, sizeof what, "%s: dir", call);
+        if (moe_check_output_dir(what, dir, &st) == MOE_EXIT_OK)
+            moe_golden_check_target(dir, &st);
+    }
     if (moe_comm_agree(&ctx->comm, &st)) /* one verdict: no rank enters the dump alone */
         return verdict(&st, ctx->error);
     double size = 0.0;
-    moe_dump_write(&ctx->comm, &ctx->ep, dir, x, NULL, NULL, &size, &st);
+    moe_dump_write(&ctx->comm, &ctx->ep, dir, x, dy, NULL, &size, &st);
     if (bytes)
         *bytes = size;
     return verdict(&st, ctx->error);
+}
+
+int moe_ep_context_dump(moe_ep_context *ctx, const float *x, const char *dir, double *bytes)
+{
+    return dump(ctx, "moe_ep_context_dump", x, NULL, dir, bytes);
+}
+
+int moe_ep_context_dump_backward(moe_ep_context *ctx, const float *x, const float *dy,
+                                 const char *dir, double *bytes)
+{
+    return dump(ctx, "moe_ep_context_dump_backward", x, dy, dir, bytes);
 }
 
 int moe_ep_verify_with(const char *golden_dir, const char *candidate,

@@ -479,10 +479,8 @@ static void add_backward(tensor_list *l, const moe_ep *ep, int G, const backward
 {
     const moe_config *cfg = ep->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn, E = cfg->experts;
-    const moe_index S = cfg->shared_experts, k = cfg->topk, N = (moe_index)G * T;
-    /* the fp32 chains of docs/backward.md: h over d, dA over d, dH, dx over 2f */
-    const double pair_length = (double)(2 * d + 2 * f + 8);
-    const double base = pair_length + (double)(k + S);
+    const moe_index S = cfg->shared_experts, N = (moe_index)G * T;
+    const double base = moe_truth_backward_length(cfg); /* the chains of docs/backward.md */
     add(l, MOE_GK_GRAD_OUTPUT, -1, b->grad_output, 2, N, d, 0);
     size_t at[4] = {0, 0, 0, 0};
     for (int r = 0; r < G; r++) {

@@ -138,10 +138,8 @@ static void grad_compare(const moe_comm *c, const float *got, const double *trut
 /* --backward --check: every gradient tensor against the fp64 truth
  * (truth.h). Each tolerance counts the fp32 accumulation lengths its values
  * went through, one rounding per step at most (as moe_tolerance_for): the
- * chains every backward value depends on, 2d + 2f + k + S + 8 (h recomputed
- * over d, dA = dO W2 over d, the SwiGLU's derivative and the gate's
- * products, 8 steps at most, dx = dH W1 over 2f, dx summed over k routed
- * and S shared experts), plus, for a weight gradient, the rows its wgrad
+ * chains every backward value depends on (moe_truth_backward_length),
+ * plus, for a weight gradient, the rows its wgrad
  * GEMM sums in fp32 (the expert's tokens; a shared expert's, the rank's T,
  * ranks then added in fp64). The gate's gradient is summed in fp64.
  * Collective. */
@@ -155,7 +153,7 @@ static void check_backward(moe_run_context *ctx)
     const int G = c->ranks, k = (int)cfg->topk;
     const moe_index T = cfg->tokens, d = cfg->hidden, ff = cfg->ffn, E = cfg->experts;
     const moe_index S = cfg->shared_experts, N = (moe_index)G * T;
-    const double base = (double)(2 * d + 2 * ff + k + S + 8);
+    const double base = moe_truth_backward_length(cfg);
     moe_grad_check *checks = s->grad_check;
     memset(checks, 0, sizeof(moe_grad_check) * MOE_GRAD_TENSORS);
 

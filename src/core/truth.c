@@ -148,12 +148,28 @@ typedef struct {
 
 /* Expert e on its n rows (row, gate), in blocks: each output times its
  * gate weight into y (pairs) or into sums (a reduced combine's). */
-static void expert_terms(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x_dispatched,
-                         int e, moe_index n, const moe_index *row, const double *gate, double *y,
-                         double *allow, double *sums, expert_work *b)
+static expert_work expert_work_new(const moe_config *cfg)
 {
     const moe_index d = cfg->hidden, f = cfg->ffn;
-    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+    return (expert_work){.w1 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d)),
+                         .w2 = moe_xmalloc(sizeof(double) * (size_t)(d * f)),
+                         .block = cfg->tokens > 0 ? cfg->tokens : 1};
+}
+
+static void expert_work_free(expert_work *b)
+{
+    free(b->scratch);
+    free(b->out);
+    free(b->xe);
+    free(b->w2);
+    free(b->w1);
+}
+
+/* Room for an expert's n rows (at most a block of them at a time), and its
+ * weights generated. */
+static void expert_work_fit(const moe_config *cfg, int e, moe_index n, expert_work *b)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn;
     if (n > b->cap && b->cap < b->block) {
         free(b->xe);
         free(b->out);
@@ -164,6 +180,15 @@ static void expert_terms(const moe_config *cfg, enum moe_truth_gemm gemm, const 
         b->scratch = moe_xmalloc(sizeof(double) * (size_t)(b->cap * 3 * f));
     }
     generated_f64(cfg, false, e, b->w1, b->w2);
+}
+
+static void expert_terms(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x_dispatched,
+                         int e, moe_index n, const moe_index *row, const double *gate, double *y,
+                         double *allow, double *sums, expert_work *b)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn;
+    const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
+    expert_work_fit(cfg, e, n, b);
     for (moe_index first = 0; first < n; first += b->cap) {
         const moe_index rows = n - first < b->cap ? n - first : b->cap;
         gather_f64(x_dispatched, row + first, rows, d, b->xe);
@@ -181,11 +206,9 @@ static void routed_terms(const moe_config *cfg, enum moe_truth_gemm gemm,
                          moe_index tokens, int ranks, const int32_t *pair_rank, int only_rank,
                          bool literal, double *y, double *allow)
 {
-    const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
+    const moe_index d = cfg->hidden, T = tokens;
     const int E = (int)cfg->experts, k = (int)cfg->topk;
-    expert_work work = {.w1 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d)),
-                        .w2 = moe_xmalloc(sizeof(double) * (size_t)(d * f)),
-                        .block = cfg->tokens > 0 ? cfg->tokens : 1};
+    expert_work work = expert_work_new(cfg);
     double *gate = moe_xmalloc(sizeof(double) * (size_t)T + 1);      /* (n) their gate weights for e */
     moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1); /* (n) and which tokens */
     memset(y, 0, sizeof(double) * (size_t)(T * d));
@@ -233,13 +256,44 @@ static void routed_terms(const moe_config *cfg, enum moe_truth_gemm gemm,
         moe_placement_free(&placement);
     free(node_partial);
     free(partial);
-    free(work.scratch);
-    free(work.out);
-    free(work.xe);
+    expert_work_free(&work);
     free(row);
     free(gate);
-    free(work.w2);
-    free(work.w1);
+}
+
+void moe_truth_pair_outputs(const moe_config *cfg, enum moe_truth_gemm gemm,
+                            const float *x_dispatched, const int32_t *ids, moe_index tokens,
+                            double *out)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn, T = tokens;
+    const int E = (int)cfg->experts, k = (int)cfg->topk;
+    expert_work work = expert_work_new(cfg);
+    moe_index *row = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1);  /* (n) the expert's tokens */
+    moe_index *pair = moe_xmalloc(sizeof(moe_index) * (size_t)T + 1); /* (n) and their pairs */
+    memset(out, 0, sizeof(double) * (size_t)(T * k * d));
+    for (int e = 0; e < E; e++) {
+        moe_index n = 0;
+        for (moe_index i = 0; i < T; i++)
+            for (int s = 0; s < k; s++)
+                if (ids[i * k + s] == e) {
+                    row[n] = i;
+                    pair[n++] = i * k + s;
+                }
+        if (n == 0)
+            continue;
+        expert_work_fit(cfg, e, n, &work);
+        for (moe_index first = 0; first < n; first += work.cap) {
+            const moe_index rows = n - first < work.cap ? n - first : work.cap;
+            gather_f64(x_dispatched, row + first, rows, d, work.xe);
+            moe_expert_forward_f64(gemm, work.w1, work.w2, work.xe, rows, d, f, work.scratch,
+                                   work.out);
+            for (moe_index m = 0; m < rows; m++)
+                memcpy(out + pair[first + m] * d, work.out + m * d, sizeof(double) * (size_t)d);
+        }
+    }
+    expert_work_free(&work);
+    free(pair);
+    free(row);
 }
 
 void moe_truth_add_shared(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
@@ -321,6 +375,11 @@ void moe_truth_forward_share(const moe_config *cfg, enum moe_truth_gemm gemm,
     MOE_ASSERT(moe_config_truth_shares(cfg) && rank >= 0 && rank < ranks);
     routed_terms(cfg, gemm, x_dispatched, ids, weights, tokens, ranks, pair_rank, rank, false, y,
                  allow);
+}
+
+double moe_truth_backward_length(const moe_config *cfg)
+{
+    return (double)(2 * cfg->hidden + 2 * cfg->ffn + cfg->topk + cfg->shared_experts + 8);
 }
 
 moe_tolerance moe_tolerance_of_length(double length, double ref_rms)

@@ -190,6 +190,39 @@ int main(int argc, char **argv)
                "holds no tensor of: inputs router layout dispatch experts");
     }
 
+    /* the training step's calls on the wrong context or arguments */
+    const moe_ep_gradients g = {.dx = y};
+    const moe_ep_truth_gradients tg = {.dx = t};
+    expect("backward on a forward context", moe_ep_context_backward(ctx, x, y, NULL, NULL, NULL, &g),
+           MOE_EP_BAD_INPUT, moe_ep_context_error(ctx), "needs a context made with --backward true");
+    expect("the backward truth without --backward", moe_ep_truth_backward(c, x, y, s.tokens, &tg),
+           MOE_EP_BAD_INPUT, moe_ep_config_error(c), "needs --backward true");
+    expect("a dump_backward on a forward context",
+           moe_ep_context_dump_backward(ctx, x, y, path, NULL), MOE_EP_BAD_INPUT,
+           moe_ep_context_error(ctx), "call moe_ep_context_dump");
+    moe_ep_config *train = tiny();
+    moe_ep_context *step = NULL;
+    moe_ep_config_set(train, "--backward", "true");
+    if (moe_ep_context_new(train, MPI_COMM_WORLD, &step) != MOE_EP_OK) {
+        fprintf(stderr, "FAIL: the tiny training context: %s\n", moe_ep_config_error(train));
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    expect("backward with dy NULL", moe_ep_context_backward(step, x, NULL, NULL, NULL, NULL, &g),
+           MOE_EP_BAD_INPUT, moe_ep_context_error(step), "dy is NULL");
+    if (rank == 1)
+        y[3] = NAN;
+    expect("backward with a NaN dy on rank 1", moe_ep_context_backward(step, x, y, NULL, NULL, NULL, &g),
+           MOE_EP_BAD_INPUT, moe_ep_context_error(step), "rank 1: dy[0][3] is not finite");
+    expect("the backward truth of 0 tokens", moe_ep_truth_backward(train, x, y, 0, &tg),
+           MOE_EP_BAD_INPUT, moe_ep_config_error(train), "tokens must be at least 1, got 0");
+    expect("the backward check with ranks that do not divide the tokens",
+           moe_ep_check_backward(train, 3, x, y, s.tokens, &g, NULL), MOE_EP_BAD_INPUT,
+           moe_ep_config_error(train), "ranks must be at least 1 and divide tokens");
+    expect("a dump on a training context", moe_ep_context_dump(step, x, path, NULL),
+           MOE_EP_BAD_INPUT, moe_ep_context_error(step), "call moe_ep_context_dump_backward");
+    moe_ep_context_free(step);
+    moe_ep_config_free(train);
+
     moe_ep_context_free(ctx);
     moe_ep_config_free(c);
     free(t);

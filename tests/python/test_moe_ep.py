@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: MIT
 """The Python package (python/moe_ep) against what it wraps and against an
 independent numpy layer: reference() is the shipped golden sets' truth bit
-for bit, route() their routing; reference() on caller weights is a numpy
+for bit, route() their routing, reference(stages=True) their dispatch
+rows and expert outputs, reference_backward() their gradients' truth
+(check_backward() passes their gradients and names a wrong element); reference() on caller weights is a numpy
 SwiGLU MoE in fp64; check() passes a correct fp32 layer and fails a wrong
 one; verify() passes a set's own tensors and names the stage of a wrong
 one, says the stages it checked and fails a required one left out, and
@@ -121,6 +123,62 @@ def reference_on_caller_weights_is_a_numpy_moe():
     assert np.abs(generated - y).max() > 1e-3, "the caller's weights were not used"
 
 
+def cfg_value(d, key):
+    return json.load(open(os.path.join(d, "manifest.json")))["config"][key]
+
+
+@test
+def reference_stages_are_the_golden_sets_stages():
+    for name in ("softmax-fp32", "v3-fp8"):  # fp32 wire; FP8 dispatch, weight at the activation
+        d, cfg, ranks, t = golden(name)
+        x = t["tokens.x"]
+        stages = moe_ep.reference(x, config=cfg, ranks=ranks, stages=True)
+        ids, weights = stages["router.topk_ids"], stages["router.topk_weights"]
+        assert np.array_equal(ids, t["router.topk_ids"]), name
+        assert np.array_equal(stages["output.y"], t["output.truth"]), name
+        out = stages["experts.out"]
+        for r in range(ranks):  # each rank's received rows and its pairs' outputs
+            token = t["dispatch.rank%d.token" % r]
+            assert np.array_equal(stages["dispatch.x"][token], t["dispatch.rank%d.x" % r]), (name, r)
+            for (i, e), got in zip(t["experts.rank%d.pair" % r], t["experts.rank%d.out" % r]):
+                slot = list(ids[i]).index(e)
+                g = weights[i, slot] if cfg_value(d, "weight-at") == "activation" else 1.0
+                want = g * out[i, slot]
+                # docs/golden.md's experts.*.out: u (d + f) of the value and of the
+                # pairs' rms, then (bf16 combine) one bf16 step
+                rel = 2.0 ** -24 * (x.shape[1] + cfg.shape["ffn"])
+                bound = rel * (np.abs(want) + np.sqrt(np.mean(out[ids >= 0] ** 2)))
+                if cfg_value(d, "combine-dtype") == "bf16":
+                    bound += 2.0 ** -8 * np.abs(want)
+                assert (np.abs(got - want) <= bound).all(), (name, r, i, e, np.abs(got - want).max())
+    assert not np.array_equal(stages["dispatch.x"], x), "v3-fp8 dispatches FP8: the rows must change"
+    routed = (stages["experts.out"] * stages["router.topk_weights"][:, :, None]).sum(axis=1)
+    assert np.abs(routed).max() > 0
+
+
+@test
+def reference_backward_is_the_golden_sets_truth():
+    d, cfg, ranks, t = golden("softmax-backward")
+    g = moe_ep.reference_backward(t["tokens.x"], t["backward.dy"], cfg)
+    # the same fp64 operations as the set's truth, token by token and expert by expert
+    for name, key in (("dx", "backward.dx"), ("dw1", "backward.experts.dw1"), ("dw2", "backward.experts.dw2")):
+        assert np.array_equal(g[name], t[key + ".truth"]), (name, np.abs(g[name] - t[key + ".truth"]).max())
+    # summed over all tokens at once here, rank by rank there: fp64 order only
+    for name, key in (("dgate", "backward.gate.dw"), ("dshared_w1", "backward.shared.dw1"),
+                      ("dshared_w2", "backward.shared.dw2")):
+        want = t[key + ".truth"]
+        assert np.abs(g[name] - want).max() <= 1e-12 * np.abs(want).max(), name
+    grads = {"dx": t["backward.dx"], "dw1": t["backward.experts.dw1"], "dw2": t["backward.experts.dw2"],
+             "dshared_w1": t["backward.shared.dw1"], "dshared_w2": t["backward.shared.dw2"],
+             "dgate": t["backward.gate.dw"]}
+    r = moe_ep.check_backward(grads, t["tokens.x"], t["backward.dy"], cfg, ranks=ranks)
+    assert r.passed and 0 < r.used <= 1, repr(r)
+    grads["dw1"] = grads["dw1"].copy()
+    grads["dw1"][2, 3, 4] += 1e-3
+    r = moe_ep.check_backward(grads, t["tokens.x"], t["backward.dy"], cfg, ranks=ranks)
+    assert not r.passed and "dw1[2][3][4]" in r.message, repr(r)
+
+
 @test
 def check_passes_a_right_layer_and_fails_a_wrong_one():
     d, cfg, ranks, t = golden("softmax-fp32")
@@ -207,6 +265,16 @@ def bad_arguments_raise_value_error_naming_them():
         (lambda: moe_ep.reference(np.where(x > 0, np.inf, x), ids, weights, cfg), "is not finite"),
         (lambda: moe_ep.reference(x, ids, weights, cfg, w1=np.full((8, 128, 128), np.nan, np.float32),
                                   w2=np.zeros((8, 128, 64), np.float32)), "w1[0][0] is not finite"),
+        # the stages and the backward
+        (lambda: moe_ep.reference(x, ids, None, cfg), "topk_ids and topk_weights together"),
+        (lambda: moe_ep.reference(x, ids, weights, cfg, gate=cfg.gate()), "gate routes the tokens"),
+        (lambda: moe_ep.reference_backward(x, x, cfg), "needs --backward true"),
+        (lambda: moe_ep.reference_backward(x, x[:2], moe_ep.Config(preset="tiny", backward=True)),
+         "dy must have shape"),
+        (lambda: moe_ep.check_backward({"dW1": x}, x, x, moe_ep.Config(preset="tiny", backward=True)),
+         "'dW1' is not a gradient"),
+        (lambda: moe_ep.check_backward({"dx": x}, x, x, moe_ep.Config(preset="tiny", backward=True),
+                                       ranks=3), "ranks must be at least 1 and divide tokens"),
     ]
     for call, fragment in cases:
         try:
