@@ -26,8 +26,16 @@
  * one line on its object naming the argument (moe_ep_config_error,
  * moe_ep_context_error). A context's calls are collective: every rank gets
  * the same code and message. No global state for the caller to manage.
- * An MPI failure inside a forward, and running out of memory, still end
- * the job (as in any MPI program).
+ * Running out of memory in a call without MPI (the config's, the truth's,
+ * the checks, verify, moe_ep_context_route) returns MOE_EP_RUNTIME with
+ * "cannot allocate ..." and the process goes on (what the call had
+ * allocated by then is not given back). In a collective call, a rank whose
+ * small allocation fails cannot return while the others wait in the
+ * collective: the job ends on the context's communicator with the message
+ * (MPI_Abort, exit status 3); the large buffers of a forward are agreed on
+ * and return MOE_EP_RUNTIME on every rank instead. An MPI error ends the
+ * job as the communicator's error handler says (MPI_ERRORS_ARE_FATAL). The
+ * library never calls exit.
  */
 #ifndef MOE_EP_PUBLIC_H
 #define MOE_EP_PUBLIC_H

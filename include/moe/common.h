@@ -9,6 +9,7 @@
 #ifndef MOE_COMMON_H
 #define MOE_COMMON_H
 
+#include <setjmp.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -66,6 +67,32 @@ void moe_assert_fail(const char *expr, const char *file, int line) __attribute__
  * (the comm layer installs one that ends the whole job, MPI_Abort with exit
  * status 3). Does not return. */
 extern void (*moe_fatal)(const moe_status *st);
+
+/* How the default moe_fatal ends a failure on this thread (the library's
+ * calls set it; the CLI installs its own moe_fatal and never does): with
+ * `point` set, st is copied to *status and the call that set it resumes
+ * there (longjmp; a call with no MPI in flight, which returns the status
+ * instead of ending the process); else with `end` set, end(st, arg) (a
+ * collective call: the job ends on its communicator, the ranks waiting in
+ * it with it). Not from inside an OpenMP parallel region, where the
+ * process ends as before. */
+typedef struct {
+    jmp_buf *point;
+    moe_status *status;
+    void (*end)(const moe_status *st, void *arg);
+    void *arg;
+} moe_recovery;
+
+/* Scratch for each thread of a parallel region is allocated before it
+ * (a failure inside one cannot be handed back): moe_thread_slots() blocks,
+ * the thread's moe_thread_slot() (its number in the region). 1 and 0
+ * without OpenMP. */
+int moe_thread_slots(void);
+int moe_thread_slot(void);
+
+/* Make r this thread's recovery; returns the one it replaces, for
+ * moe_recovery_set to put back when the call returns. */
+moe_recovery moe_recovery_set(moe_recovery r);
 
 /* malloc that never returns NULL: on failure the size, file and line and a
  * hint go to moe_fatal (one line, exit status 3 on every rank).

@@ -15,7 +15,7 @@ over the C library (libmoe-ep) with ctypes; numpy arrays in and out.
 reference() and check() take the caller's expert weights (w1 (E, 2f, d),
 w2 (E, d, f), shared_w1, shared_w2) or use the config's generated ones
 (cfg.expert(n), cfg.gate()). Bad arguments raise ValueError with the
-library's message. The library is found at $MOE_EP_LIBRARY, in the build
+library's message, running out of memory MemoryError. The library is found at $MOE_EP_LIBRARY, in the build
 tree (../.libs next to this package), or where the system's loader looks.
 """
 import ctypes
@@ -140,6 +140,8 @@ def _ptr(array, ctype):
 def _raise(code, message):
     if code == BAD_INPUT:
         raise ValueError(message)
+    if message.startswith("cannot allocate"):  # the library returned, the process goes on
+        raise MemoryError(message)
     raise RuntimeError(message)
 
 

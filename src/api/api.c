@@ -48,6 +48,40 @@ static int verdict(const moe_status *st, char *error)
     return st->code;
 }
 
+/* Running out of memory inside a call (moe_recovery, common.h). A call
+ * with no MPI returns it: RECOVER_HERE(error), after the call's object is
+ * known, makes the rest of the call resume at its setjmp and return
+ * MOE_EP_RUNTIME with the message in `error` (RECOVERY_POINT(lost): the
+ * statement after it runs instead, with the status in lost); what the call
+ * had allocated by then is not freed. A collective call cannot return alone while the
+ * other ranks wait in it: END_JOB_HERE(comm) ends the job on that
+ * communicator (MPI_Abort, exit status 3) with the message, where the
+ * process would otherwise exit and leave them waiting. Either is undone when
+ * the call returns. */
+static void restore(moe_recovery *was) { moe_recovery_set(*was); }
+
+static void end_job(const moe_status *st, void *arg)
+{
+    moe_comm c = {.comm = *(MPI_Comm *)arg};
+    MPI_Comm_rank(c.comm, &c.rank);
+    moe_comm_abort(&c, st);
+}
+
+#define RECOVERY_POINT(lost)                                                                 \
+    jmp_buf point_;                                                                          \
+    moe_status lost = {0};                                                                   \
+    moe_recovery was_ __attribute__((cleanup(restore))) =                                    \
+        moe_recovery_set((moe_recovery){.point = &point_, .status = &lost});                 \
+    if (setjmp(point_))
+
+#define RECOVER_HERE(error)                                                                  \
+    RECOVERY_POINT(lost_)                                                                    \
+    return verdict(&lost_, error)
+
+#define END_JOB_HERE(comm)                                                                   \
+    moe_recovery was_ __attribute__((cleanup(restore))) =                                    \
+        moe_recovery_set((moe_recovery){.end = end_job, .arg = (void *)&(comm)})
+
 static int bad(char *error, const char *fmt, const char *what)
 {
     moe_status st = {0};
@@ -71,6 +105,7 @@ int moe_ep_config_set(moe_ep_config *c, const char *flag, const char *value)
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     if (!flag || !value)
         return bad(c->error, "moe_ep_config_set: %s is NULL", !flag ? "flag" : "value");
     const char *name = strncmp(flag, "--", 2) ? flag : flag + 2;
@@ -111,6 +146,7 @@ int moe_ep_config_validate(moe_ep_config *c, int ranks)
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     moe_status st = {0};
     if (ranks < 1)
         moe_fail(&st, MOE_EXIT_USAGE, "moe_ep_config_validate: ranks must be at least 1, got %d",
@@ -133,6 +169,7 @@ int moe_ep_config_tokens(moe_ep_config *c, int rank, float *x)
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     if (!x)
         return bad(c->error, "moe_ep_config_tokens: %s is NULL", "x");
     if (rank < 0)
@@ -146,6 +183,7 @@ int moe_ep_config_expert(moe_ep_config *c, int shared, int n, float *w1, float *
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     const int64_t count = shared ? c->cfg.shared_experts : c->cfg.experts;
     if (!w1 || !w2)
         return bad(c->error, "moe_ep_config_expert: %s is NULL", !w1 ? "w1" : "w2");
@@ -164,6 +202,7 @@ int moe_ep_config_gate(moe_ep_config *c, float *gate)
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     if (!gate)
         return bad(c->error, "moe_ep_config_gate: %s is NULL", "gate");
     moe_model_gate(&c->cfg, gate);
@@ -213,6 +252,7 @@ int moe_ep_config_route(moe_ep_config *c, const float *x, int64_t tokens, const 
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : NULL;
     if (null)
         return bad(c->error, "moe_ep_config_route: %s is NULL", null);
@@ -308,6 +348,7 @@ int moe_ep_truth(moe_ep_config *c, int ranks, const float *x, const int32_t *ids
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     if (!y)
         return bad(c->error, "moe_ep_truth: %s is NULL", "y");
     return truth_of(c, "moe_ep_truth", ranks, x, ids, weights, tokens, y, NULL, NULL, NULL);
@@ -319,6 +360,7 @@ int moe_ep_truth_stages(moe_ep_config *c, int ranks, const float *x, const int32
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     return truth_of(c, "moe_ep_truth_stages", ranks, x, ids, weights, tokens, y, NULL, dispatched,
                     pairs);
 }
@@ -328,6 +370,7 @@ int moe_ep_check(moe_ep_config *c, int ranks, const float *x, const int32_t *ids
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     if (!y)
         return bad(c->error, "moe_ep_check: %s is NULL", "y");
     const moe_index n = (tokens > 0 ? tokens : 0) * c->cfg.hidden;
@@ -427,6 +470,7 @@ int moe_ep_truth_backward(moe_ep_config *c, const float *x, const float *dy, int
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     if (!g)
         return bad(c->error, "moe_ep_truth_backward: %s is NULL", "g");
     moe_ep_truth_gradients t = gradients_alloc(&c->cfg, tokens > 0 ? tokens : 0);
@@ -476,6 +520,7 @@ int moe_ep_check_backward(moe_ep_config *c, int ranks, const float *x, const flo
 {
     if (!c)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(c->error);
     if (!g)
         return bad(c->error, "moe_ep_check_backward: %s is NULL", "g");
     if (ranks < 1 || tokens % (ranks > 0 ? ranks : 1)) {
@@ -603,6 +648,7 @@ int moe_ep_context_new(moe_ep_config *c, MPI_Comm comm, moe_ep_context **out)
     if (inter)
         return bad(c->error, "moe_ep_context_new: %s is an inter-communicator; give an "
                    "intra-communicator (MPI_COMM_WORLD or one split from it)", "comm");
+    END_JOB_HERE(comm);
     moe_ep_context *ctx = moe_xcalloc(1, sizeof *ctx);
     ctx->cfg = c->cfg;
     MPI_Comm dup;
@@ -644,6 +690,7 @@ int moe_ep_context_route(moe_ep_context *ctx, const float *x, int32_t *ids, floa
 {
     if (!ctx)
         return MOE_EP_BAD_INPUT;
+    RECOVER_HERE(ctx->error);
     const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : NULL;
     if (null)
         return bad(ctx->error, "moe_ep_context_route: %s is NULL", null);
@@ -663,6 +710,7 @@ int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *i
 {
     if (!ctx)
         return MOE_EP_BAD_INPUT;
+    END_JOB_HERE(ctx->comm.comm);
     moe_status st = {0};
     const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : !y ? "y" : NULL;
     if (null)
@@ -701,6 +749,7 @@ int moe_ep_context_backward(moe_ep_context *ctx, const float *x, const float *dy
 {
     if (!ctx)
         return MOE_EP_BAD_INPUT;
+    END_JOB_HERE(ctx->comm.comm);
     moe_status st = {0};
     const moe_config *cfg = &ctx->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn, k = cfg->topk;
@@ -756,6 +805,7 @@ static int dump(moe_ep_context *ctx, const char *call, const float *x, const flo
 {
     if (!ctx)
         return MOE_EP_BAD_INPUT;
+    END_JOB_HERE(ctx->comm.comm);
     moe_status st = {0};
     const bool training = ctx->ep.path->training, backward = strcmp(call, "moe_ep_context_dump");
     const char *null = !x ? "x" : !dir ? "dir" : backward && !dy ? "dy" : NULL;
@@ -816,6 +866,13 @@ int moe_ep_verify_with(const char *golden_dir, const char *candidate,
                                     .allow_unknown = options && options->allow_unknown};
     moe_golden_result counts;
     memset(&counts, 0, sizeof counts);
+    RECOVERY_POINT(lost) {
+        if (result) {
+            *result = (moe_ep_verify_result){.verdict = lost.code, .first_failing = -1};
+            snprintf(result->message, sizeof result->message, "%s", lost.message);
+        }
+        return lost.code;
+    }
     const int rc = st.code ? st.code : moe_golden_verify(golden_dir, candidate, &opt, out, &counts, &st);
     if (out && out != table)
         fclose(out);

@@ -18,6 +18,9 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 int moe_message_rank = -1;
 
@@ -51,10 +54,49 @@ void moe_assert_fail(const char *expr, const char *file, int line)
     abort();
 }
 
+int moe_thread_slots(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+int moe_thread_slot(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static _Thread_local moe_recovery recovery;
+
+moe_recovery moe_recovery_set(moe_recovery r)
+{
+    const moe_recovery was = recovery;
+    recovery = r;
+    return was;
+}
+
 /* Until the comm layer installs its own (which ends the job with MPI_Abort):
- * the message, then exit status 3. */
+ * this thread's recovery when it has one (a library call's), else the
+ * message, then exit status 3. */
 static void exit_runtime(const moe_status *st)
 {
+#ifdef _OPENMP
+    const bool parallel = omp_in_parallel();
+#else
+    const bool parallel = false;
+#endif
+    if (recovery.point && !parallel) {
+        *recovery.status = *st;
+        longjmp(*recovery.point, 1);
+    }
+    if (recovery.end)
+        recovery.end(st, recovery.arg);
     fprintf(stderr, "moe-ep: error: %s\n", st->message);
     fflush(stderr);
     exit(MOE_EXIT_RUNTIME);

@@ -189,16 +189,19 @@ void moe_precision_dispatch(int dispatch_dtype, moe_fp8_format fp8, const float 
                             moe_index tokens, moe_index hidden, float *out)
 {
     if (dispatch_dtype == MOE_DTYPE_FP8) {
+        const moe_index blocks = moe_fp8_blocks(hidden), slots = moe_thread_slots();
+        uint8_t *q_all = moe_xmalloc((size_t)(hidden * slots));
+        float *scales_all = moe_xmalloc(sizeof(float) * (size_t)(blocks * slots));
 #pragma omp parallel
         {
-            uint8_t *q = moe_xmalloc((size_t)hidden);
-            float *scales = moe_xmalloc(sizeof(float) * (size_t)moe_fp8_blocks(hidden));
+            uint8_t *q = q_all + moe_thread_slot() * hidden;
+            float *scales = scales_all + moe_thread_slot() * blocks;
 #pragma omp for schedule(static)
             for (moe_index i = 0; i < tokens; i++)
                 moe_quantize_e4m3_row(x + i * hidden, hidden, fp8, q, scales, out + i * hidden);
-            free(scales);
-            free(q);
         }
+        free(scales_all);
+        free(q_all);
         return;
     }
     memcpy(out, x, sizeof(float) * (size_t)(tokens * hidden));

@@ -142,10 +142,13 @@ void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_
         for (moe_index l = 0; l < GATE_STRIP && s * GATE_STRIP + l < E; l++)
             for (moe_index j = 0; j < hidden; j++)
                 panel[(s * hidden + j) * GATE_STRIP + l] = gate[(s * GATE_STRIP + l) * hidden + j];
+    const moe_index slots = moe_thread_slots();
+    double *xd_all = moe_xmalloc(sizeof(double) * (size_t)(GATE_BATCH * hidden * slots));
+    double (*sum_all)[GATE_STRIP] = moe_xmalloc(sizeof(double) * GATE_BATCH * GATE_STRIP * (size_t)slots);
 #pragma omp parallel
     {
-        double *xd = moe_xmalloc(sizeof(double) * (size_t)(GATE_BATCH * hidden));
-        double (*sum)[GATE_STRIP] = moe_xmalloc(sizeof(double) * GATE_BATCH * GATE_STRIP);
+        double *xd = xd_all + moe_thread_slot() * GATE_BATCH * hidden;
+        double (*sum)[GATE_STRIP] = sum_all + moe_thread_slot() * GATE_BATCH;
 #pragma omp for schedule(static)
         for (moe_index i0 = 0; i0 < tokens; i0 += GATE_BATCH) {
             const int n = tokens - i0 < GATE_BATCH ? (int)(tokens - i0) : GATE_BATCH;
@@ -162,9 +165,9 @@ void moe_router_logits(const float *x, const float *gate, moe_index tokens, moe_
                         logits[(i0 + t) * E + e0 + e] = (float)sum[t][e];
             }
         }
-        free(sum);
-        free(xd);
     }
+    free(sum_all);
+    free(xd_all);
     free(panel);
 }
 

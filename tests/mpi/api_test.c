@@ -2,7 +2,8 @@
 /* api_test.c — the public API's bad input, as a caller would hand it in:
  * each case one call with one wrong argument, the code it must return and
  * a fragment its message must hold, the same message on every rank, and
- * nothing left on disk where a dump was refused (in a scratch directory of
+ * nothing left on disk where a dump was refused; and a call with no MPI
+ * that runs out of memory returns its error (in a scratch directory of
  * its own, removed at the end). Exit 0 when every case holds.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -14,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 static int rank, failed, cases;
@@ -70,6 +72,50 @@ static void refused_flag(const char *flag, const char *value, const char *want)
            moe_ep_config_error(c), want);
     moe_ep_context_free(ctx);
     moe_ep_config_free(c);
+}
+
+/* A call with no MPI that runs out of memory returns MOE_EP_RUNTIME with
+ * the message, and the process goes on: the truth of 4 tokens whose
+ * experts (d 1024, f 4096: 64 MiB a W1 in fp64) cannot be made under an
+ * address-space limit 16 MiB above what the process holds. Not under
+ * AddressSanitizer, whose shadow memory an address-space limit breaks. */
+static void out_of_memory(void)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    if (rank == 0)
+        printf("skip: running out of memory (an AddressSanitizer build)\n");
+#else
+    moe_ep_config *big = moe_ep_config_new();
+    moe_ep_config_set(big, "--preset", "tiny");
+    moe_ep_config_set(big, "--hidden", "1024");
+    moe_ep_config_set(big, "--ffn", "4096");
+    moe_ep_config_set(big, "--tokens", "4");
+    float x[4 * 1024] = {0};
+    float w[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    int32_t ids[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    double *y = malloc(sizeof(double) * 4 * 1024);
+    struct rlimit was, low;
+    long pages = 0;
+    FILE *statm = fopen("/proc/self/statm", "r");
+    const int measured = statm && fscanf(statm, "%ld", &pages) == 1;
+    if (statm)
+        fclose(statm);
+    getrlimit(RLIMIT_AS, &was);
+    low = was;
+    low.rlim_cur = (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + (16u << 20);
+    if (!measured || setrlimit(RLIMIT_AS, &low) != 0) {
+        if (rank == 0)
+            printf("skip: running out of memory (no address-space limit here)\n");
+    } else {
+        const int rc = moe_ep_truth(big, 1, x, ids, w, 4, y);
+        setrlimit(RLIMIT_AS, &was);
+        expect("the truth out of memory", rc, MOE_EP_RUNTIME, moe_ep_config_error(big), "cannot allocate");
+        expect("the same config's next call, memory back", moe_ep_truth(big, 1, x, ids, w, 4, y),
+               MOE_EP_OK, moe_ep_config_error(big), "");
+    }
+    free(y);
+    moe_ep_config_free(big);
+#endif
 }
 
 int main(int argc, char **argv)
@@ -222,6 +268,8 @@ int main(int argc, char **argv)
            MOE_EP_BAD_INPUT, moe_ep_context_error(step), "call moe_ep_context_dump_backward");
     moe_ep_context_free(step);
     moe_ep_config_free(train);
+
+    out_of_memory();
 
     moe_ep_context_free(ctx);
     moe_ep_config_free(c);
