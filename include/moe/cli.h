@@ -18,5 +18,7 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv);
 int moe_cli_verify(const moe_comm *c, int argc, char **argv);
 int moe_cli_bench(const moe_comm *c, int argc, char **argv);
 int moe_cli_explain(const moe_comm *c, int argc, char **argv);
+/* bench's anchor sgemm in a process of its own (moe-ep sgemm-anchor M N K). */
+int moe_cli_sgemm_anchor(int argc, char **argv);
 
 #endif

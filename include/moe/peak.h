@@ -22,6 +22,12 @@ bool moe_fma_supported(int bits);
  * for about `seconds` in all. 0 when the width is not supported. */
 double moe_fma_rate(int bits, double seconds);
 
+/* Bytes per second this process reads from memory: the best of `passes`
+ * passes, each summing a block of `bytes` (several times the last-level
+ * cache) on every OpenMP thread at once, each its share, with 16
+ * independent sums so the loads, not the adds, set the pace. */
+double moe_read_bandwidth(size_t bytes, int passes);
+
 /* The CPU's model name with its family and model numbers (/proc/cpuinfo;
  * "unknown CPU" elsewhere). */
 void moe_cpu_model(char *name, size_t size);

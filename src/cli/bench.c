@@ -21,7 +21,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <spawn.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "moe/clock.h"
@@ -71,11 +73,12 @@ static double timed(const moe_comm *c, void (*fn)(void *), void *arg, bool per_r
     for (int n = 0; n < 3; n++) {
         for (size_t i = 0; i < EVICT_BYTES; i += 64)
             evict[i] = (unsigned char)n;
-        moe_comm_barrier(c);
+        if (c) /* NULL: a process of its own (the default kernel's anchor) */
+            moe_comm_barrier(c);
         const double start = moe_clock_now();
         fn(arg);
         const double own = moe_stage_since(start);
-        t[n] = per_rank ? own : moe_comm_max(c, own);
+        t[n] = per_rank || !c ? own : moe_comm_max(c, own);
     }
     free((void *)evict);
     return moe_median(t, 3);
@@ -100,6 +103,90 @@ static void run_sgemm(void *arg)
 {
     sgemm_anchor *g = arg;
     moe_sgemm_nn(g->M, g->N, g->K, g->A, g->K, g->B, g->N, g->C, g->N); /* the experts' layout */
+}
+
+extern char **environ;
+
+/* `moe-ep sgemm-anchor M N K`, which bench starts on every rank when the
+ * environment chose OpenBLAS's kernel (OPENBLAS_CORETYPE): the anchor's
+ * sgemm in a process of its own, without MPI and without that variable, so
+ * with the kernel OpenBLAS picks for this CPU, as a user's run gets it.
+ * Prints "KERNEL SECONDS" (the median of `timed`'s runs). */
+int moe_cli_sgemm_anchor(int argc, char **argv)
+{
+    long long shape[3];
+    for (int n = 0; n < 3; n++)
+        if (argc < 5 || sscanf(argv[2 + n], "%lld", &shape[n]) != 1 || shape[n] < 1) {
+            fprintf(stderr, "moe-ep: error: usage: moe-ep sgemm-anchor M N K (bench runs it)\n");
+            return MOE_EXIT_USAGE;
+        }
+    sgemm_anchor g = {shape[0], shape[1], shape[2], NULL, NULL, NULL};
+    g.A = filled((size_t)(g.M * g.K));
+    g.B = filled((size_t)(g.N * g.K));
+    g.C = filled((size_t)(g.M * g.N));
+    printf("%s %.9g\n", moe_blas_corename(), timed(NULL, run_sgemm, &g, true));
+    free(g.C);
+    free(g.B);
+    free(g.A);
+    return MOE_EXIT_OK;
+}
+
+/* The same sgemm with the kernel OpenBLAS picks for this CPU, in a child
+ * (moe_cli_sgemm_anchor) with this rank's threads: its seconds, its kernel
+ * in `kernel`; NAN when it could not run (no /proc/self/exe, a failed
+ * spawn). Every rank at once, as the in-process anchor. Collective. */
+static double default_kernel_sgemm(const moe_comm *c, const sgemm_anchor *g, char *kernel,
+                                   size_t size)
+{
+    char dims[3][24], threads[48], omp[48];
+    snprintf(dims[0], sizeof dims[0], "%lld", (long long)(g->M > 0 ? g->M : 1));
+    snprintf(dims[1], sizeof dims[1], "%lld", (long long)g->N);
+    snprintf(dims[2], sizeof dims[2], "%lld", (long long)g->K);
+    snprintf(threads, sizeof threads, "OPENBLAS_NUM_THREADS=%d", c->threads);
+    snprintf(omp, sizeof omp, "OMP_NUM_THREADS=%d", c->threads);
+    char *args[] = {"moe-ep", "sgemm-anchor", dims[0], dims[1], dims[2], NULL};
+    size_t count = 0;
+    while (environ[count])
+        count++;
+    char **env = moe_xcalloc(count + 3, sizeof *env);
+    size_t kept = 0;
+    for (size_t n = 0; n < count; n++)
+        if (strncmp(environ[n], "OPENBLAS_CORETYPE=", 18) &&
+            strncmp(environ[n], "OPENBLAS_NUM_THREADS=", 21) && strncmp(environ[n], "OMP_NUM_THREADS=", 16))
+            env[kept++] = environ[n];
+    env[kept++] = threads;
+    env[kept++] = omp;
+    double seconds = NAN;
+    int out[2];
+    moe_comm_barrier(c);
+    if (pipe(out) == 0) {
+        posix_spawn_file_actions_t actions;
+        posix_spawn_file_actions_init(&actions);
+        posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+        posix_spawn_file_actions_addclose(&actions, out[0]);
+        pid_t pid;
+        const int spawned = posix_spawn(&pid, "/proc/self/exe", &actions, NULL, args, env) == 0;
+        posix_spawn_file_actions_destroy(&actions);
+        close(out[1]);
+        char line[160] = "";
+        FILE *from = fdopen(out[0], "r");
+        const bool read = from && fgets(line, sizeof line, from);
+        if (from)
+            fclose(from);
+        else
+            close(out[0]);
+        int status = 0;
+        char name[64];
+        double t;
+        if (spawned && waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+            WEXITSTATUS(status) == 0 && read && sscanf(line, "%63s %lf", name, &t) == 2 && t > 0) {
+            seconds = t;
+            snprintf(kernel, size, "%s", name);
+        }
+    }
+    free(env);
+    const double failed = moe_comm_max(c, isnan(seconds) ? 1.0 : 0.0);
+    return failed > 0 ? NAN : moe_comm_max(c, seconds);
 }
 
 /* The FMA peak: per core (rank 0 alone, the others asleep) and all ranks at
@@ -136,6 +223,19 @@ static void measure_fma_peak(const moe_comm *c, fma_peak *p)
         if (p->together[w] > p->together[p->widest])
             p->widest = w;
     }
+}
+
+/* Every rank reading its own READ_BYTES at once (moe_read_bandwidth): the
+ * least rank's rate, and all ranks' summed (each rank's share of a core
+ * counted as the FMA peak counts it). Collective. */
+#define READ_BYTES ((size_t)128 << 20) /* four times the last-level cache of docs/performance.md's */
+
+static void measure_read_bandwidth(const moe_comm *c, double *rank, double *all)
+{
+    moe_comm_barrier(c);
+    const double own = moe_read_bandwidth(READ_BYTES, 3);
+    *rank = moe_comm_min(c, own);
+    *all = moe_comm_sum(c, core_share(c) * own);
 }
 
 /* The rate the peak columns divide by: NAN when nothing was measured. */
@@ -490,9 +590,31 @@ enum { DECODE_POINTS = 5, LATENCY_PATHS = 3 };
 static const char *const latency_paths[LATENCY_PATHS] = {"normal", "low-latency put",
                                                          "low-latency get"};
 
-/* Median and p99 (seconds) of --samples forwards of path p at T tokens. */
+/* The bytes of expert weights a forward of this routing streams on the
+ * rank that streams the most: its routed experts that some rank's token
+ * chose, and its shared ones, 3 f d fp32 each (as the ranks hold them).
+ * Collective. */
+static double weights_touched(const moe_comm *c, const moe_ep *ep, const int32_t *ids,
+                              moe_index pairs)
+{
+    const moe_config *cfg = ep->cfg;
+    double *chosen = moe_xcalloc((size_t)cfg->experts, sizeof(double));
+    for (moe_index m = 0; m < pairs; m++)
+        if (ids[m] >= 0)
+            chosen[ids[m]] = 1.0;
+    moe_comm_max_array(c, chosen, cfg->experts);
+    double experts = (double)cfg->shared_experts;
+    for (int l = 0; l < ep->local_experts; l++)
+        experts += chosen[ep->first_expert + l];
+    free(chosen);
+    return moe_comm_max(c, experts * 3.0 * (double)cfg->ffn * (double)cfg->hidden * sizeof(float));
+}
+
+/* Median and p99 (seconds) of --samples forwards of path p at T tokens,
+ * and the bytes of weights they stream (weights_touched). */
 static int latency_point(const moe_comm *c, const moe_config *base, const moe_link *link,
-                         int64_t T, int64_t N, int p, double *median, double *p99, moe_status *st)
+                         int64_t T, int64_t N, int p, double *median, double *p99,
+                         double *weight_bytes, moe_status *st)
 {
     moe_config cfg = *base;
     cfg.tokens = T;
@@ -517,6 +639,7 @@ static int latency_point(const moe_comm *c, const moe_config *base, const moe_li
     float *weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
     moe_ep_generate_tokens(&ep, x);
     moe_ep_route(&ep, x, logits, scores, ids, weights);
+    *weight_bytes = weights_touched(c, &ep, ids, T * k);
     const int warmup = cfg.warmup > 0 ? (int)cfg.warmup : 1, n = (int)cfg.samples;
     double *t = moe_xmalloc(sizeof(double) * (size_t)n);
     moe_forward_stats stats;
@@ -552,6 +675,7 @@ static int bench_latency(moe_run_context *ctx)
     const int64_t N = cfg->max_tokens_per_rank > 0 ? cfg->max_tokens_per_rank
                                                    : decode_points[DECODE_POINTS - 1];
     double median[DECODE_POINTS][LATENCY_PATHS], p99[DECODE_POINTS][LATENCY_PATHS];
+    double weight_bytes[DECODE_POINTS], read_rank, read_all;
     int points = 0, rc = MOE_EXIT_OK;
     for (int n = 0; n < DECODE_POINTS && decode_points[n] <= N && rc == MOE_EXIT_OK; n++, points++)
         for (int p = 0; p < LATENCY_PATHS && rc == MOE_EXIT_OK; p++) {
@@ -559,8 +683,10 @@ static int bench_latency(moe_run_context *ctx)
                 fprintf(stderr, "bench: %lld tokens per rank, %s: %lld samples\n",
                         (long long)decode_points[n], latency_paths[p], (long long)cfg->samples);
             rc = latency_point(c, cfg, &ctx->ep.link, decode_points[n], N, p, &median[n][p],
-                               &p99[n][p], &ctx->status);
+                               &p99[n][p], &weight_bytes[n], &ctx->status);
         }
+    if (rc == MOE_EXIT_OK)
+        measure_read_bandwidth(c, &read_rank, &read_all);
     if (rc || c->rank != 0)
         return rc;
     char buffers[32];
@@ -583,8 +709,11 @@ static int bench_latency(moe_run_context *ctx)
         printf("link      emulated: %s; a round costs a latency (the count exchange one, a "
                "pull two)\n", link);
     }
-    printf("   T  %-24s%-24s%-24snormal / best low-latency\n", "normal (med, p99)",
-           "low-latency put", "low-latency get");
+    printf("weights   the bound of streaming them: the bytes of expert weights the busiest rank's "
+           "forward reads (its experts some token chose, and the shared ones) / %.1f GB/s, its "
+           "memory read rate with every rank reading (measured now)\n", read_rank * 1e-9);
+    printf("   T  %-24s%-24s%-24s%-26s%s\n", "normal (med, p99)", "low-latency put",
+           "low-latency get", "normal / best low-latency", "weights MiB, µs");
     int crossover = points; /* the normal path the faster from here on */
     for (int n = 0; n < points; n++) {
         printf("%4lld", (long long)decode_points[n]);
@@ -594,7 +723,9 @@ static int bench_latency(moe_run_context *ctx)
             printf("  %-22s", cell);
         }
         const double ll = fmin(median[n][1], median[n][2]);
-        printf("%.2f\n", median[n][0] / ll);
+        char ratio[16];
+        snprintf(ratio, sizeof ratio, "%.2f", median[n][0] / ll);
+        printf("%-26s%.1f, %.0f\n", ratio, weight_bytes[n] / 1048576.0, 1e6 * weight_bytes[n] / read_rank);
         if (median[n][0] >= ll)
             crossover = points;
         else if (crossover == points)
@@ -638,6 +769,12 @@ typedef struct {
 typedef struct {
     double gemm;        /* the sgemm anchor: all expert FLOPs, max over ranks */
     double gemm_routed; /* its share of the routed experts, max over ranks */
+    double gemm_forced;   /* with OPENBLAS_CORETYPE set: the sgemm with that kernel (then gemm is
+                             the faster of it and gemm_own); 0 otherwise */
+    double gemm_own;      /* and with the CPU's own kernel (own_kernel); NAN: it could not run */
+    char kernel[64], own_kernel[64]; /* the kernels of gemm's and gemm_own's times */
+    double read_rank;     /* memory read bandwidth, bytes/s: the least rank's, all at once */
+    double read_all;      /* and all ranks' together */
     double flops;       /* its FLOPs, all ranks */
     double wgrad_rate;  /* --backward: the wgrad-shape sgemms, FLOP/s per rank (min) */
     fma_peak peak;      /* the cores' FMA peak */
@@ -688,8 +825,18 @@ static void measure_anchors(const moe_run_context *ctx, anchors *a)
     g.A = filled((size_t)(g.M * g.K) + 1);
     g.B = filled((size_t)(g.N * g.K) + 1);
     g.C = filled((size_t)(g.M * g.N) + 1);
-    const double own = timed(c, run_sgemm, &g, true);
+    double own = timed(c, run_sgemm, &g, true);
     a->gemm = moe_comm_max(c, own);
+    snprintf(a->kernel, sizeof a->kernel, "%s", moe_blas_corename());
+    if (getenv("OPENBLAS_CORETYPE")) { /* the environment's kernel: the CPU's own too */
+        a->gemm_own = default_kernel_sgemm(c, &g, a->own_kernel, sizeof a->own_kernel);
+        a->gemm_forced = a->gemm;
+        if (a->gemm_own < a->gemm) { /* NAN (not measured) keeps the forced one */
+            own *= a->gemm_own / a->gemm;
+            a->gemm = a->gemm_own;
+            snprintf(a->kernel, sizeof a->kernel, "%s", a->own_kernel);
+        }
+    }
     const double routed = g.M ? (double)probe->pairs_received / (double)g.M : 0.0;
     a->gemm_routed = moe_comm_max(c, own * routed);
     a->flops = moe_comm_sum(c, 2.0 * (double)g.M * (double)g.N * (double)g.K);
@@ -697,6 +844,7 @@ static void measure_anchors(const moe_run_context *ctx, anchors *a)
     free(g.B);
     free(g.A);
     measure_fma_peak(c, &a->peak);
+    measure_read_bandwidth(c, &a->read_rank, &a->read_all);
     if (!ctx->ep.path->training)
         return;
     const int EL = ctx->ep.local_experts;
@@ -840,14 +988,26 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
                (long long)f, (long long)cfg->experts, (long long)cfg->topk, (long long)cfg->iters,
                (long long)cfg->warmup, moe_gemm_label(ctx.ep.gemm), s->progress ? "thread" : "poll");
         moe_report_print_machine(stdout, s);
-        printf("anchors   sgemm of the experts' FLOPs (routed%s): %.2f ms (%.1f GFLOP/s on %d ranks) "
-               "· plain MPI_Alltoallv of %s, per W below\n",
+        printf("anchors   sgemm of the experts' FLOPs (routed%s): %.2f ms (%.1f GFLOP/s on %d ranks, "
+               "OpenBLAS kernel %s) · plain MPI_Alltoallv of %s, per W below\n",
                cfg->shared_experts ? " and shared" : "", 1e3 * gemm_anchor,
-               anchor_flops * 1e-9 / gemm_anchor, c->ranks,
+               anchor_flops * 1e-9 / gemm_anchor, c->ranks, a.kernel,
                path->two_stage
                    ? "the flat dispatch's counts (one hop; the two-stage forward makes four)"
                    : "the same counts");
+        if (a.gemm_forced > 0 && isnan(a.gemm_own))
+            printf("          OPENBLAS_CORETYPE=%s chose kernel %s: the CPU's own kernel could not be "
+                   "measured (moe-ep sgemm-anchor did not run), so the anchor may be slower than a "
+                   "user's\n", getenv("OPENBLAS_CORETYPE"), moe_blas_corename());
+        else if (a.gemm_forced > 0)
+            printf("          OPENBLAS_CORETYPE=%s chose kernel %s here: %.2f ms (%.1f GFLOP/s); the "
+                   "CPU's own, %s: %.2f ms (%.1f GFLOP/s); the columns use the faster\n",
+                   getenv("OPENBLAS_CORETYPE"), moe_blas_corename(), 1e3 * a.gemm_forced,
+                   anchor_flops * 1e-9 / a.gemm_forced, a.own_kernel, 1e3 * a.gemm_own,
+                   anchor_flops * 1e-9 / a.gemm_own);
         print_fma_peak(stdout, &peak, c);
+        printf("          memory read %.1f GB/s a rank (the least, all %d at once), %.1f GB/s in all\n",
+               a.read_rank * 1e-9, c->ranks, a.read_all * 1e-9);
         if (path->training) {
             print_training(stdout, rows, wgrad_anchor_rate);
         } else {

@@ -2,9 +2,11 @@
 /* peak.c — the cores' fp32 FMA rate at each vector width (see peak.h). */
 #define _POSIX_C_SOURCE 200809L
 #include "moe/peak.h"
+#include "moe/common.h"
 
 #include <cblas.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -114,6 +116,39 @@ double moe_fma_rate(int bits, double seconds)
     (void)seconds;
     return 0.0;
 #endif
+}
+
+static volatile float bandwidth_sink; /* the sums, kept */
+
+double moe_read_bandwidth(size_t bytes, int passes)
+{
+    enum { LANES = 16 };
+    const size_t n = bytes / sizeof(float) / LANES * LANES;
+    float *v = moe_xmalloc(sizeof(float) * n + 1);
+    const int slots = moe_thread_slots();
+    float *sums = moe_xcalloc((size_t)slots * LANES, sizeof(float));
+    for (size_t i = 0; i < n; i++) /* real pages, small values */
+        v[i] = (float)(i % 61) * (1.0f / 64.0f);
+    double best = 0.0;
+    for (int pass = 0; pass < passes; pass++) {
+        const double t = seconds_now();
+#pragma omp parallel
+        {
+            float acc[LANES] = {0};
+#pragma omp for schedule(static)
+            for (size_t i = 0; i < n; i += LANES)
+                for (int j = 0; j < LANES; j++)
+                    acc[j] += v[i + j];
+            for (int j = 0; j < LANES; j++)
+                sums[moe_thread_slot() * LANES + j] += acc[j];
+        }
+        const double rate = (double)(n * sizeof(float)) / (seconds_now() - t);
+        best = rate > best ? rate : best;
+    }
+    bandwidth_sink = sums[0];
+    free(sums);
+    free(v);
+    return best;
 }
 
 void moe_cpu_model(char *name, size_t size)

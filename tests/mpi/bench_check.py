@@ -62,8 +62,17 @@ def waves(text, csv_path, svg_path):
 
 def latency_rows(text):
     rows = []
-    for m in re.finditer(r"^\s*(\d+)\s+(\d+), (\d+)\s+(\d+), (\d+)\s+(\d+), (\d+)\s+([\d.]+)$", text, re.M):
+    read = re.search(r"^weights .* / ([\d.]+) GB/s, its memory read rate", text, re.M)
+    check(read is not None, "the weights line names the memory read rate")
+    rate = float(read.group(1)) * 1e9 if read else float("nan")
+    for m in re.finditer(r"^\s*(\d+)\s+(\d+), (\d+)\s+(\d+), (\d+)\s+(\d+), (\d+)\s+([\d.]+)\s+([\d.]+), (\d+)$",
+                         text, re.M):
         t, normal, put, get, ratio = int(m.group(1)), int(m.group(2)), int(m.group(4)), int(m.group(6)), float(m.group(8))
+        mib, bound = float(m.group(9)), int(m.group(10))
+        # the MiB to 0.1, the rate to 0.1 GB/s, the bound to 1 us
+        want = mib * 1048576 / rate * 1e6
+        check(abs(bound - want) <= 0.06 * 1048576 / rate * 1e6 + want * 0.05 / (rate * 1e-9) + 1,
+              "T=%d: weights bound %d us is %.1f MiB / %.1f GB/s" % (t, bound, mib, rate * 1e-9))
         for p, name in ((2, "normal"), (4, "put"), (6, "get")):
             med, p99 = int(m.group(p)), int(m.group(p + 1))
             check(med <= p99 + 1, "T=%d %s: median %d <= p99 %d us" % (t, name, med, p99))
