@@ -135,6 +135,12 @@ typedef struct {
     bool nonfinite;
 } moe_run_summary;
 
+/* The rows the flat dispatch's waves of expert slots send beyond one
+ * wave's (a token goes once per wave holding one of its experts on a
+ * rank): 0 for token chunks, and for paths whose rows are counted another
+ * way (the two-stage dispatch's hops, the low-latency pairs). */
+double moe_report_wave_extra_rows(const moe_run_summary *s);
+
 void moe_report_print(FILE *out, const moe_run_summary *s);
 
 /* `run --report`: one self-contained HTML page (inline CSS and SVG, no

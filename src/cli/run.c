@@ -310,6 +310,11 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
     else
         snprintf(p->titles[0], sizeof p->titles[0], "W = %d, progress %s, %d ranks",
                  ctx->schedule.waves, progress_names[ctx->schedule.progress], c->ranks);
+    if (c->ranks_on_host > c->host_cores) { /* what shared cores do is no EP effect */
+        const size_t at = strlen(p->titles[0]);
+        snprintf(p->titles[0] + at, sizeof p->titles[0] - at, " · %d ranks on %d cores: they take "
+                 "turns, unlike GPUs", c->ranks_on_host, c->host_cores);
+    }
     p->panels[p->count++] = (moe_timeline_panel){
         .title = p->titles[0], .ranks = c->ranks, .offset = p->offset[0], .events = p->events[0]};
     if (!ctx->cfg.compare_serial)
@@ -364,10 +369,11 @@ static void picture_summary(const moe_run_summary *s, char *text, size_t size)
         if (s->curve[n].waves == 1 && s->curve_count > 1 && s->curve[0].layer_seconds > 0)
             at += snprintf(text + at, size - (size_t)at, " · %.2fx the speed of W = 1",
                            s->curve[n].layer_seconds / s->curve[0].layer_seconds);
-    if (s->rows_one_wave > 0 && s->rows_sent > s->rows_one_wave)
+    const double extra = moe_report_wave_extra_rows(s);
+    if (extra > 0)
         snprintf(text + at, size - (size_t)at,
                  " · %.0f rows more than one wave (+%.1f%%): the dedup expert-slot waves lose",
-                 s->rows_sent - s->rows_one_wave, 100.0 * (s->rows_sent / s->rows_one_wave - 1.0));
+                 extra, 100.0 * extra / s->rows_one_wave);
 }
 
 static void write_trace(FILE *out, const void *arg)

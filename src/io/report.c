@@ -405,12 +405,12 @@ static void print_traffic(FILE *out, const moe_run_summary *s)
     else
         fprintf(out, "%.0f rows for %.0f (token, expert) pairs, dedup saved %.1f%%\n", s->rows_sent,
                 pairs, pairs > 0 ? 100.0 * saved / pairs : 0.0);
-    if (!low_latency && !two_stage && s->rows_one_wave > 0 && s->rows_sent > s->rows_one_wave)
+    if (moe_report_wave_extra_rows(s) > 0)
         fprintf(out, "          W = %d waves of expert slots send %.0f rows more than one wave would "
                      "(+%.1f%%: a token goes once per wave holding one of its experts on a rank); "
                      "--wave-by tokens keeps the dedup\n",
-                s->waves, s->rows_sent - s->rows_one_wave,
-                100.0 * (s->rows_sent - s->rows_one_wave) / s->rows_one_wave);
+                s->waves, moe_report_wave_extra_rows(s),
+                100.0 * moe_report_wave_extra_rows(s) / s->rows_one_wave);
     if (!low_latency) {
         fprintf(out, "          combine  %s (%s from other ranks)", moe_format_bytes(s->bytes_combined, b1, sizeof b1),
                 moe_format_bytes(s->pairs_back_remote * moe_combine_row_bytes(cfg), b2, sizeof b2));
@@ -689,6 +689,14 @@ static void print_check(FILE *out, const moe_run_summary *s)
             cfg->combine_dtype == MOE_DTYPE_BF16 ? "+1 bf16 step per combined term" : "",
             cfg->output_dtype == MOE_DTYPE_BF16 ? "+1 bf16 step of the output" : "",
             100.0 * s->cmp.max_used);
+}
+
+double moe_report_wave_extra_rows(const moe_run_summary *s)
+{
+    const bool flat = !s->path->low_latency && !s->path->two_stage; /* one row per (token, rank) */
+    return flat && s->rows_one_wave > 0 && s->rows_sent > s->rows_one_wave
+               ? s->rows_sent - s->rows_one_wave
+               : 0.0;
 }
 
 void moe_report_print(FILE *out, const moe_run_summary *s)

@@ -167,23 +167,37 @@ static void write_curve(FILE *out, const moe_timeline_curve *curve, int left, in
             lx, y0 + 30, lx + 24, y0 + 30, lx + 30, y0 + 34);
 }
 
+/* Whether any event of the panels is one hop of the two-stage dispatch. */
+static bool has_tiers(const moe_timeline_panel *panels, int n_panels)
+{
+    for (int p = 0; p < n_panels; p++)
+        for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
+            if (panels[p].events[n].tier >= 0)
+                return true;
+    return false;
+}
+
+/* A comm lane's height: the compute lane's, or with the two-stage
+ * dispatch's four hops enough for each quarter to show a bar of 4 px. */
+static int comm_lane(int lane, bool tiers) { return tiers && lane < 24 ? 24 : lane; }
+
 /* One event of rank r as a rectangle in its lanes (y0: the comm lane's
- * top, lane high; the compute lane below it), with its wave number when
- * it is wide enough. The comm lane holds dispatch above and combine below:
- * wave w+1's dispatch and wave w-1's combine overlap in time. The two-stage
- * dispatch's hops take a quarter each, the inter-node ones at the lane's
- * edges: D1, D2, C2, C1. */
+ * top, `comm` high; the compute lane below it, `lane` high), with its wave
+ * number when it is wide enough. The comm lane holds dispatch above and
+ * combine below: wave w+1's dispatch and wave w-1's combine overlap in
+ * time. The two-stage dispatch's hops take a quarter each, the inter-node
+ * ones at the lane's edges: D1, D2, C2, C1. */
 static void draw_event(FILE *out, const moe_event *e, int r, int left, double t0, double scale,
-                       int y0, int lane)
+                       int y0, int comm, int lane)
 {
     char suffix[24];
     const double x = left + (e->start - t0) * scale;
     double w = (e->end - e->start) * scale;
     if (w < 0.5)
         w = 0.5;
-    const int half = lane / 2, quarter = lane / 4;
+    const int half = comm / 2, quarter = comm / 4;
     const bool dispatch = moe_event_goes_out(e->kind), inter = e->tier == MOE_TIER_INTER;
-    int y = y0 + lane, h = lane;
+    int y = y0 + comm, h = lane;
     if (is_comm(e->kind) && e->tier < 0)
         y = y0 + (dispatch ? 0 : half), h = half;
     else if (is_comm(e->kind))
@@ -226,13 +240,9 @@ static void draw_legend(FILE *out, const moe_timeline_panel *panels, int n_panel
         fprintf(out, "<text x=\"%d\" y=\"%d\">%s</text>\n", x + 20, ly + 11, label);
         x += 20 + (int)(6.5 * (double)strlen(label)) + 30;
     }
-    bool tiers = false;
-    for (int p = 0; p < n_panels; p++)
-        for (int n = 0; n < panels[p].offset[panels[p].ranks]; n++)
-            tiers = tiers || panels[p].events[n].tier >= 0;
     fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave%s</text>\n",
             x, ly + 11,
-            tiers ? "; comm lane, top to bottom: inter-node dispatch, intra-node dispatch (pale), "
+            has_tiers(panels, n_panels) ? "; comm lane, top to bottom: inter-node dispatch, intra-node dispatch (pale), "
                     "intra-node combine (pale), inter-node combine" : "");
 }
 
@@ -249,8 +259,10 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
     }
     if (span <= 0.0)
         span = 1e-3;
-    /* Lanes shrink with the rank count so that 16 ranks still fit a screen. */
+    /* Lanes shrink with the rank count so that 16 ranks still fit a screen;
+     * the comm lane keeps room for the two-stage dispatch's four hops. */
     const int lane = ranks <= 4 ? 22 : ranks <= 8 ? 16 : 11;
+    const int comm = comm_lane(lane, has_tiers(panels, n_panels));
     const int gap = lane / 2, left = 92, right = 24, plot = 960;
     bool summaries = false; /* a second header line in any panel */
     for (int p = 0; p < n_panels; p++)
@@ -259,7 +271,7 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
     /* Past 4 ranks the lanes are too thin for every expert's L1, activation
      * and L2: a wave's back-to-back expert stages are drawn as one block. */
     const bool merge = ranks > 4;
-    const int panel_height = panel_head + ranks * (2 * lane + gap) + axis;
+    const int panel_height = panel_head + ranks * (comm + lane + gap) + axis;
     const int width = left + plot + right, legend = 34;
     const bool with_curve = curve && curve->count > 1;
     const int height = n_panels * panel_height + legend + 10 + (with_curve ? CURVE_HEIGHT : 0);
@@ -284,13 +296,13 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
             fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#333\">%s</text>\n", left, top + 36,
                     panel->summary);
         for (int r = 0; r < panel->ranks; r++) {
-            const int y0 = top + panel_head + r * (2 * lane + gap);
+            const int y0 = top + panel_head + r * (comm + lane + gap);
             fprintf(out, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">rank %d comm</text>\n",
-                    left - 6, y0 + lane - 6, r);
+                    left - 6, y0 + comm - 6, r);
             fprintf(out, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">compute</text>\n",
-                    left - 6, y0 + 2 * lane - 6);
+                    left - 6, y0 + comm + lane - 6);
             fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"#f4f4f4\"/>\n",
-                    left, y0, plot, 2 * lane);
+                    left, y0, plot, comm + lane);
             expert_run run = {.wave = -1};
             for (int n = panel->offset[r]; n < panel->offset[r + 1]; n++) {
                 const moe_event *e = &panel->events[n];
@@ -300,15 +312,15 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
                         run.end = e->end;
                         continue;
                     }
-                    draw_run(out, &run, r, left, t0, scale, y0 + lane, lane);
+                    draw_run(out, &run, r, left, t0, scale, y0 + comm, lane);
                     run = (expert_run){e->start, e->end, e->wave};
                     continue;
                 }
-                draw_event(out, e, r, left, t0, scale, y0, lane);
+                draw_event(out, e, r, left, t0, scale, y0, comm, lane);
             }
-            draw_run(out, &run, r, left, t0, scale, y0 + lane, lane);
+            draw_run(out, &run, r, left, t0, scale, y0 + comm, lane);
         }
-        const int axis_y = top + panel_head + panel->ranks * (2 * lane + gap);
+        const int axis_y = top + panel_head + panel->ranks * (comm + lane + gap);
         fprintf(out, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#444\"/>\n", left,
                 axis_y, left + plot, axis_y);
         for (double t = 0.0; t <= 1e3 * span + 1e-9; t += step) {
