@@ -15,6 +15,12 @@
 
 #include "moe/config.h"
 
+/* The seed's "2d" of C/B, FLOP per byte a layer needs for its all-to-all
+ * to hide behind its GEMMs: L1's 2 s d d_ff FLOPs over the s d values it
+ * moves is 2 d_ff per value (docs/plan.md: the seed's d = 3,072 is d_ff).
+ * The one definition `plan` and `run` print. */
+double moe_seed_flops_per_byte(double ffn);
+
 typedef struct {
     /* parameters */
     double params_per_expert;   /* 3 d f: gate, up, down */
@@ -42,7 +48,7 @@ typedef struct {
     double comm_seconds;        /* max(IB bytes / inter bw, NVLink bytes / intra bw) */
     /* C/B */
     double cb_intra, cb_inter;  /* FLOP/s over bytes/s */
-    double seed_need;           /* the seed's "2d" FLOP per byte: 2 d_ff (docs/plan.md) */
+    double seed_need;           /* the seed's "2d" FLOP per byte (moe_seed_flops_per_byte) */
     double layer_need;          /* this layer's FLOP per byte moved: 6 f / (b_dispatch + b_combine) */
     double overlap_seed;        /* the seed's min(1, 2d / (C/B)), C/B of the link the group crosses */
     double overlap_bound;       /* the layer's: min(1, compute / comm), from its own times */

@@ -312,8 +312,12 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
                  ctx->schedule.waves, progress_names[ctx->schedule.progress], c->ranks);
     if (c->ranks_on_host > c->host_cores) { /* what shared cores do is no EP effect */
         const size_t at = strlen(p->titles[0]);
-        snprintf(p->titles[0] + at, sizeof p->titles[0] - at, " · %d ranks on %d cores: they take "
-                 "turns, unlike GPUs", c->ranks_on_host, c->host_cores);
+        if (c->ranks_on_host == c->ranks)
+            snprintf(p->titles[0] + at, sizeof p->titles[0] - at, " on %d cores: they take turns, "
+                     "unlike GPUs", c->host_cores);
+        else
+            snprintf(p->titles[0] + at, sizeof p->titles[0] - at, ", %d a host on %d cores: they "
+                     "take turns, unlike GPUs", c->ranks_on_host, c->host_cores);
     }
     p->panels[p->count++] = (moe_timeline_panel){
         .title = p->titles[0], .ranks = c->ranks, .offset = p->offset[0], .events = p->events[0]};

@@ -12,6 +12,9 @@
 #include "moe/router.h"
 #include "moe/wire.h"
 
+
+double moe_seed_flops_per_byte(double ffn) { return 2.0 * ffn; }
+
 /* ids (T, k): the first T tokens of the seed through the router cfg
  * describes (its synthetic gate and correction bias, groups, kept groups,
  * --skew), as `moe-ep run` routes them. */
@@ -187,7 +190,7 @@ void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
 
     p->cb_intra = intra > 0 ? flops / intra : 0.0;
     p->cb_inter = inter > 0 ? flops / inter : 0.0;
-    p->seed_need = 2.0 * f; /* the seed's "2d" is 2 d_ff (docs/plan.md) */
+    p->seed_need = moe_seed_flops_per_byte(f);
     p->layer_need = 6.0 * f / (b_dispatch + b_combine);
     const double cb = p->ep_nodes > 1 ? p->cb_inter : p->cb_intra;
     p->overlap_seed = cb > 0 ? fmin(1.0, p->seed_need / cb) : 1.0;

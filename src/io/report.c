@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include "moe/capacity.h"
+#include "moe/cluster.h"
 #include "moe/experts.h"
 #include "moe/layout.h"
 #include "moe/path.h"
@@ -513,7 +514,7 @@ static void print_header(FILE *out, const moe_run_summary *s)
 static void print_time(FILE *out, const moe_run_summary *s)
 {
     const moe_config *cfg = s->cfg;
-    const double G = s->ranks, d = (double)cfg->hidden;
+    const double G = s->ranks;
     fprintf(out, "time      ms per forward, max over ranks, median of %lld iters%s\n",
             (long long)cfg->iters,
             s->waves > 0 ? "; dispatch and combine: in flight, summed over waves" : "");
@@ -563,11 +564,13 @@ static void print_time(FILE *out, const moe_run_summary *s)
         const double remote = s->bytes_dispatched * (s->rows_sent > 0 ? s->rows_sent_remote / s->rows_sent : 0) +
                               s->pairs_back_remote * moe_combine_row_bytes(cfg);
         const double need = remote > 0 ? s->expert_flops / remote : INFINITY;
+        const double seed = moe_seed_flops_per_byte((double)cfg->ffn);
         fprintf(out, "          C/B = %.0f FLOP/byte (C = %.1f GFLOP/s per rank%s, B = %.3g GB/s) · "
-                     "overlap bound min(1, 2d/(C/B)) = %.0f%% (seed) · this layer does %.0f FLOP per "
-                     "byte moved: min(1, %.0f/(C/B)) = %.0f%%\n",
+                     "overlap bound min(1, 2d/(C/B)) = %.0f%% (seed; its 2d is 2 d_ff = %.0f, "
+                     "docs/plan.md) · this layer does %.0f FLOP per byte moved: min(1, %.0f/(C/B)) "
+                     "= %.0f%%\n",
                 cb, C * 1e-9, s->rank_flops > 0 ? ", measured" : "", B * 1e-9,
-                100.0 * fmin(1.0, 2.0 * d / cb), need, need, 100.0 * fmin(1.0, need / cb));
+                100.0 * fmin(1.0, seed / cb), seed, need, need, 100.0 * fmin(1.0, need / cb));
     }
 
     /* The window holds the shared experts that ran in the pipeline's waits:
