@@ -42,6 +42,14 @@ static inline int moe_placement_local_experts(const moe_placement *p, int rank)
     return p->first_expert[rank + 1] - p->first_expert[rank];
 }
 
+/* The most nodes (of ranks_per_node ranks each) one token can reach when
+ * the router keeps cfg->topk_groups of cfg->groups expert groups (groups
+ * of E/groups consecutive experts): the nodes of the topk_groups groups
+ * that span the most, at most all of them. DeepSeek-V3's node limit
+ * (groups = nodes, keep 4) makes it topk_groups; groups that do not map
+ * onto nodes may leave it at every node. */
+int moe_group_node_limit(const moe_placement *p, int groups, int topk_groups, int ranks_per_node);
+
 enum moe_wave_kind {
     MOE_WAVES_EXPERT_SLOTS, /* wave = a group of each rank's local expert slots */
     MOE_WAVES_TOKEN_CHUNKS, /* wave = a chunk of each rank's tokens, all experts */

@@ -42,6 +42,30 @@ void moe_placement_free(moe_placement *p)
     memset(p, 0, sizeof *p);
 }
 
+int moe_group_node_limit(const moe_placement *p, int groups, int topk_groups, int ranks_per_node)
+{
+    const int nodes = (p->ranks + ranks_per_node - 1) / ranks_per_node;
+    int *spans = moe_xcalloc((size_t)groups, sizeof(int)); /* nodes each group's experts lie on */
+    for (int g = 0; g < groups; g++) {
+        int last = -1;
+        for (int e = g * p->experts / groups; e < (g + 1) * p->experts / groups; e++) {
+            const int node = p->expert_rank[e] / ranks_per_node; /* ascending with e */
+            spans[g] += node != last;
+            last = node;
+        }
+    }
+    int reach = 0;
+    for (int kept = 0; kept < topk_groups && kept < groups; kept++) { /* the widest first */
+        int widest = 0;
+        for (int g = 1; g < groups; g++)
+            widest = spans[g] > spans[widest] ? g : widest;
+        reach += spans[widest];
+        spans[widest] = 0;
+    }
+    free(spans);
+    return reach < nodes ? reach : nodes;
+}
+
 void moe_waves_init(moe_waves *w, const moe_placement *p, int waves, moe_index tokens)
 {
     moe_waves_init_by(w, p, waves, tokens, MOE_WAVE_BY_AUTO);

@@ -110,6 +110,26 @@ static const char *const progress_names[] = {"poll", "thread"};
 
 static const char *const dtype_names[] = {"fp32", "bf16", "fp8"};
 
+/* The group-limited router against the nodes: DeepSeek-V3 keeps 4 of 8
+ * groups so that a token reaches at most 4 nodes, which holds when the
+ * groups are the nodes; say so when they are not. */
+static void print_node_limit(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
+    if (cfg->routing[0] || cfg->router != MOE_ROUTER_DEEPSEEK_V3 || cfg->groups <= 1 ||
+        cfg->topk_groups >= cfg->groups || cfg->groups == s->nodes)
+        return;
+    moe_placement p;
+    moe_placement_init(&p, (int)cfg->experts, s->ranks);
+    const int reach = moe_group_node_limit(&p, (int)cfg->groups, (int)cfg->topk_groups, s->ranks_per_node);
+    moe_placement_free(&p);
+    fprintf(out, "          note: %lld expert groups on %d nodes: keeping %lld groups lets a token "
+                 "reach up to %d of the %d nodes; the node limit DeepSeek-V3 relies on (a token on "
+                 "at most %lld nodes) holds when --groups is the node count, %d\n",
+            (long long)cfg->groups, s->nodes, (long long)cfg->topk_groups, reach, s->nodes,
+            (long long)cfg->topk_groups, s->nodes);
+}
+
 static void print_router(FILE *out, const moe_config *cfg)
 {
     if (cfg->routing[0]) {
@@ -287,6 +307,7 @@ static void print_routing(FILE *out, const moe_run_summary *s)
             if (s->nodes_hist[n] > 0)
                 fprintf(out, "  %d: %.1f%%", n, 100.0 * s->nodes_hist[n] / total);
         fprintf(out, "\n");
+        print_node_limit(out, s);
     }
     if (s->rank_expert_seconds && G > 1) {
         int slow = 0, fast = 0;
