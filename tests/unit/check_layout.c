@@ -35,6 +35,26 @@ START_TEST(placement_blocks_differ_by_at_most_one)
 }
 END_TEST
 
+/* The nodes a group-limited token can reach, from the placement: V3's 8
+ * groups on 8 nodes keep it to 4; 8 groups on 4 nodes (two a node) let it
+ * reach all 4; 4 groups on 8 nodes (each spanning two) keeping 2 reach 4. */
+START_TEST(group_node_limit_follows_the_placement)
+{
+    const struct {
+        int experts, ranks, per_node, groups, kept, want;
+    } cases[] = {{256, 64, 8, 8, 4, 4}, {256, 64, 16, 8, 4, 4}, {256, 64, 8, 4, 2, 4},
+                 {64, 8, 2, 8, 4, 4},   {64, 8, 1, 8, 4, 4},    {64, 8, 2, 4, 2, 2},
+                 {64, 8, 2, 8, 1, 1},   {30, 6, 2, 3, 1, 1},    {30, 4, 2, 3, 1, 2}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        moe_placement p;
+        moe_placement_init(&p, cases[c].experts, cases[c].ranks);
+        ck_assert_int_eq(moe_group_node_limit(&p, cases[c].groups, cases[c].kept, cases[c].per_node),
+                         cases[c].want);
+        moe_placement_free(&p);
+    }
+}
+END_TEST
+
 /* Token i of rank r picks k distinct experts by a fixed scramble. */
 static void make_ids(int rank, int tokens, int experts, int topk, int32_t *ids)
 {
@@ -275,6 +295,7 @@ Suite *make_layout_suite(void)
     Suite *s = suite_create("layout");
     TCase *tc = tcase_create("plan");
     tcase_add_test(tc, placement_blocks_differ_by_at_most_one);
+    tcase_add_test(tc, group_node_limit_follows_the_placement);
     tcase_add_test(tc, dispatch_and_combine_are_inverse);
     tcase_add_test(tc, waves_partition_the_pairs);
     tcase_add_test(tc, wave_kinds_and_boundaries);
