@@ -52,11 +52,21 @@ typedef struct {
     double layer_need;          /* this layer's FLOP per byte moved: 6 f / (b_dispatch + b_combine) */
     double overlap_seed;        /* the seed's min(1, 2d / (C/B)), C/B of the link the group crosses */
     double overlap_bound;       /* the layer's: min(1, compute / comm), from its own times */
+    /* the parallel layout and the gradients (per MoE layer and GPU, once a step) */
+    int dp;                     /* data-parallel replicas: GPUs / (PP x EP) */
+    double layers_per_stage;    /* MoE layers a GPU holds: moe_layers / PP */
+    double expert_grad_bytes;   /* its E/EP experts' gradients, at the weight dtype */
+    double expert_sync_bytes;   /* a ring all-reduce of them over DP: 2 (DP - 1) / DP x */
+    double replicated_grad_bytes; /* the shared experts' and the gate's (every GPU holds them) */
+    double replicated_sync_bytes; /* over EP x DP GPUs: 2 (n - 1) / n x */
+    double layer_a2a_bytes;     /* one micro-batch's all-to-alls, forward and backward */
+    double experts_per_node;    /* node-limited routing: k over the nodes a token reaches */
     /* the wave pipeline */
     double naive_seconds;       /* compute + comm, one after the other */
     double wave_seconds;        /* at best: max(comm, compute + comm / W) */
     double stage_seconds;       /* seed 003's five equal stages: T = (compute + comm) / 5 */
     double seed_wave_seconds;   /* its T (1 + 4 / W): five resources, an idealisation */
+    double overlap_cap;         /* perfect overlap: (compute + comm) / max(compute, comm) <= 2 */
 } moe_cluster;
 
 /* Bytes per value of a dtype. */

@@ -131,7 +131,7 @@ typedef struct {
     int fp8_scale;               /* enum moe_fp8_scale */
     int fp8_recipe;              /* enum moe_fp8_recipe */
     char cluster[MOE_NAME_MAX];  /* cluster preset applied, "" if none */
-    int64_t gpus, gpus_per_node, ep;
+    int64_t gpus, gpus_per_node, ep, pp;
     double intra_bw, inter_bw;   /* GB/s per GPU */
     double tflops;               /* TFLOP/s per GPU */
     char nodes_per_token[MOE_NAME_MAX]; /* plan: a measured histogram N:PERCENT,... ("": sample) */

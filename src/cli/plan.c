@@ -64,7 +64,7 @@ static char *bytes(double v, char *buf, size_t size)
 
 static void print_plan(const moe_config *cfg, const moe_cluster *p)
 {
-    char a[32], b[32], c[32];
+    char a[32], b[32], c[32], d[32];
     printf("moe-ep plan · model %s · cluster %s\n", cfg->preset[0] ? cfg->preset : "(flags)",
            cfg->cluster[0] ? cfg->cluster : "(flags)");
     printf("model     d=%lld f=%lld · E=%lld routed + %lld shared · k=%lld · groups %lld keep %lld · "
@@ -110,6 +110,25 @@ static void print_plan(const moe_config *cfg, const moe_cluster *p)
                cfg->nodes_per_token[0] ? "the --nodes-per-token histogram" : "sampled from the router over 256 tokens");
     printf("\n          copies of a token: %.2f over IB, %.2f over NVLink (per token, on average)\n",
            p->inter_copies, p->intra_copies);
+    if (p->experts_per_node > 0 && cfg->groups > 1)
+        printf("          the headroom DeepSeek-V3 cites (report 3.2.2): up to 3.2 experts a node cost no "
+               "more NVLink than one, so %lld nodes could serve %lld x 3.2 = %.1f experts a token at the "
+               "IB cost of k = %lld; this router takes %.2f a node (k / %.2f nodes)\n",
+               (long long)cfg->topk_groups, (long long)cfg->topk_groups, 3.2 * (double)cfg->topk_groups,
+               (long long)cfg->topk, p->experts_per_node, p->node_limited_copies);
+    printf("parallel  %lld GPUs = PP %lld x EP %lld x DP %d · a GPU holds %lld / %lld = %.1f MoE layers; "
+           "once a step, per MoE layer and GPU: its %g experts' gradients %s, all-reduced over the DP = %d "
+           "replicas that hold them (ring: 2(n-1)/n x, %s sent), the shared experts' and gate's %s over "
+           "EP x DP = %lld (%s sent)\n",
+           (long long)cfg->gpus, (long long)cfg->pp, (long long)cfg->ep, p->dp,
+           (long long)cfg->moe_layers, (long long)cfg->pp, p->layers_per_stage, p->experts_per_gpu,
+           bytes(p->expert_grad_bytes, a, sizeof a), p->dp, bytes(p->expert_sync_bytes, b, sizeof b),
+           bytes(p->replicated_grad_bytes, c, sizeof c), (long long)(p->dp * cfg->ep),
+           bytes(p->replicated_sync_bytes, d, sizeof d));
+    printf("          against the all-to-alls' %s a layer for every micro-batch of T = %lld tokens "
+           "(forward and backward; an all-to-all sends (n-1)/n of its rows once and sums nothing): "
+           "they grow with the tokens, the gradients' bytes are paid once a step\n",
+           bytes(p->layer_a2a_bytes, a, sizeof a), (long long)cfg->tokens);
     printf("time      per GPU per MoE layer, forward: experts 6 T k d f / FLOP/s = %.2f ms; "
            "all-to-alls %.2f ms; compute : comm = 1 : %.2f\n",
            1e3 * p->compute_seconds, 1e3 * p->comm_seconds,
@@ -138,6 +157,9 @@ static void print_plan(const moe_config *cfg, const moe_cluster *p)
            p->seed_wave_seconds < fmax(p->comm_seconds, p->compute_seconds)
                ? ": below the all-to-all or GEMM time alone here, so not reachable"
                : "");
+    printf("          perfect overlap caps any schedule's speed-up at (compute + comm) / max(compute, "
+           "comm) = %.2fx here (2x when the two are equal); the seeds' Comet 1.42x and MegaMoE 1.92x "
+           "are figures for layers near that balance\n", p->overlap_cap);
     /* Decode: the low-latency mode's fixed buffers (ep_ll.c) on this EP group. */
     moe_config decode = *cfg;
     const int64_t N = moe_config_max_tokens(cfg);
@@ -227,6 +249,10 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
         moe_fail(&st, MOE_EXIT_USAGE, "--ep must be in [1, %lld] (at most --experts: every GPU of "
                  "the group holds at least one expert), got %lld",
                  (long long)cfg.experts, (long long)cfg.ep);
+    if (st.code == MOE_EXIT_OK && cfg.gpus % (cfg.pp * cfg.ep))
+        moe_fail(&st, MOE_EXIT_USAGE, "--gpus %lld must be a multiple of --pp x --ep = %lld x %lld "
+                 "(the GPUs are PP stages of EP groups, times the data-parallel replicas)",
+                 (long long)cfg.gpus, (long long)cfg.pp, (long long)cfg.ep);
     /* The hardware the figures divide by: given by --cluster or the flags. */
     const struct {
         const char *flag;

@@ -128,6 +128,9 @@ double moe_dtype_bytes(int dtype)
     return dtype == MOE_DTYPE_FP8 ? 1.0 : dtype == MOE_DTYPE_BF16 ? 2.0 : 4.0;
 }
 
+/* Bytes each of n GPUs sends in a ring all-reduce of `bytes`. */
+static double ring_allreduce(double bytes, double n) { return n > 1 ? 2.0 * (n - 1.0) / n * bytes : 0.0; }
+
 void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
 {
     const double d = (double)cfg->hidden, f = (double)cfg->ffn, E = (double)cfg->experts;
@@ -205,4 +208,23 @@ void moe_cluster_compute(const moe_config *cfg, moe_cluster *p)
     p->wave_seconds = fmax(p->comm_seconds, p->compute_seconds + p->comm_seconds / W);
     p->stage_seconds = p->naive_seconds / 5.0;
     p->seed_wave_seconds = p->stage_seconds * (1.0 + 4.0 / W);
+    const double busiest = fmax(p->compute_seconds, p->comm_seconds);
+    p->overlap_cap = busiest > 0 ? p->naive_seconds / busiest : 1.0;
+
+    /* GPUs = PP x EP x DP (seed 000: 2048 = 16 x 64 x 2). A GPU's routed
+     * experts are its own within its EP group, so only the DP replicas of
+     * that group hold them again; the shared experts and the gate are on
+     * every GPU of the stage, EP x DP of them. A ring all-reduce over n
+     * GPUs sends 2 (n - 1) / n of the buffer from each (reduce-scatter,
+     * then all-gather) and sums; an all-to-all sends (n - 1) / n of its
+     * data once and sums nothing. */
+    const double grad = moe_dtype_bytes(cfg->param_dtype);
+    p->dp = (int)(cfg->gpus / (cfg->pp * cfg->ep));
+    p->layers_per_stage = (double)cfg->moe_layers / (double)cfg->pp;
+    p->expert_grad_bytes = p->experts_per_gpu * p->params_per_expert * grad;
+    p->expert_sync_bytes = ring_allreduce(p->expert_grad_bytes, p->dp);
+    p->replicated_grad_bytes = (p->shared_per_layer + E * d) * grad;
+    p->replicated_sync_bytes = ring_allreduce(p->replicated_grad_bytes, (double)p->dp * ep);
+    p->layer_a2a_bytes = cfg->moe_layers > 0 ? p->step_training_bytes / (double)cfg->moe_layers : 0.0;
+    p->experts_per_node = p->node_limited_copies > 0 ? k / p->node_limited_copies : 0.0;
 }

@@ -156,6 +156,7 @@ const flag_spec moe_flags[] = {
     {"gpus", FLAG_INT, FIELD(gpus), 1, 1 << 20, "N", NULL, "1", "GPUs in the cluster", PLAN, false},
     {"gpus-per-node", FLAG_INT, FIELD(gpus_per_node), 1, 1024, "N", NULL, "1", "GPUs per node (one NVLink domain)", PLAN, false},
     {"ep", FLAG_INT, FIELD(ep), 1, 1 << 20, "N", NULL, "1", "expert-parallel group size", PLAN, false},
+    {"pp", FLAG_INT, FIELD(pp), 1, 1 << 20, "N", NULL, "1", "pipeline-parallel stages (the GPUs are PP x EP x DP)", PLAN, false},
     {"intra-bw", FLAG_REAL, FIELD(intra_bw), 0, 100000, "GB/s", NULL, "0", "per-GPU bandwidth inside a node", PLAN, false},
     {"inter-bw", FLAG_REAL, FIELD(inter_bw), 0, 100000, "GB/s", NULL, "0", "per-GPU bandwidth between nodes", PLAN, false},
     {"tflops", FLAG_REAL, FIELD(tflops), 0, 1000000, "TFLOP/s", NULL, "0", "per-GPU dense FLOP/s of the expert GEMMs", PLAN, false},

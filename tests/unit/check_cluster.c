@@ -36,6 +36,29 @@ static moe_config deepseek_v3(void)
     return cfg;
 }
 
+/* Seed 000: 2048 = PP 16 x EP 64 x DP 2, the experts' gradients synced
+ * over the 2 replicas only and the replicated weights over 128 GPUs; the
+ * overlap cap (compute + comm) / max; V3's 3.2 experts a node. */
+START_TEST(parallel_layout_and_gradients_match_the_seed)
+{
+    moe_config cfg = deepseek_v3();
+    cfg.pp = 16;
+    moe_cluster p;
+    moe_cluster_compute(&cfg, &p);
+    ck_assert_int_eq(p.dp, 2);
+    ck_assert(fabs(p.layers_per_stage - 58.0 / 16.0) < 1e-12);
+    ck_assert(fabs(p.expert_grad_bytes - 4.0 * 44040192.0 * 2.0) < 1e-3);
+    ck_assert(fabs(p.expert_sync_bytes - p.expert_grad_bytes) < 1e-3); /* 2 (2 - 1) / 2 = 1 */
+    ck_assert(fabs(p.replicated_grad_bytes - (44040192.0 + 256.0 * 7168.0) * 2.0) < 1e-3);
+    ck_assert(fabs(p.replicated_sync_bytes - 2.0 * 127.0 / 128.0 * p.replicated_grad_bytes) < 1e-3);
+    const double busiest = fmax(p.compute_seconds, p.comm_seconds);
+    ck_assert(fabs(p.overlap_cap - (p.compute_seconds + p.comm_seconds) / busiest) < 1e-12);
+    ck_assert(p.overlap_cap > 1.0 && p.overlap_cap <= 2.0);
+    ck_assert(fabs(p.experts_per_node - 8.0 / p.node_limited_copies) < 1e-12);
+    ck_assert(p.experts_per_node >= 2.0 && p.experts_per_node <= 3.2); /* within V3's headroom */
+}
+END_TEST
+
 START_TEST(parameters_match_the_seed)
 {
     moe_config cfg = deepseek_v3();
@@ -140,6 +163,7 @@ Suite *make_cluster_suite(void)
     Suite *s = suite_create("cluster");
     TCase *tc = tcase_create("seed");
     tcase_add_test(tc, parameters_match_the_seed);
+    tcase_add_test(tc, parallel_layout_and_gradients_match_the_seed);
     tcase_add_test(tc, cb_ratios_match_the_seed);
     tcase_add_test(tc, traffic_and_pipeline);
     tcase_add_test(tc, plan_invariants_hold_over_a_sweep);
