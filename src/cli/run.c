@@ -286,42 +286,62 @@ static int compare_backward_with_reference(moe_run_context *ctx)
     return rc;
 }
 
-/* --trace and --timeline: the first wave count's last forward from every
- * rank and, with --compare-serial, the same forward at W = 1, gathered on
- * rank 0 until they are written. */
+/* --trace and --timeline: the last forward of the largest W of --waves
+ * from every rank (panel 0) and beside it W = 1's, when the list has it
+ * (panel 1), or with --compare-serial the same forward at W = 1, gathered
+ * on rank 0 until they are written. */
 typedef struct {
     moe_timeline_panel panels[2];
     int *offset[2];
     moe_event *events[2];
     char titles[2][160];
     int count;
+    int shown;        /* the W of panel 0 */
+    moe_run_summary s; /* its run's summary (the first panel's header) */
 } pictures;
 
-static int collect_pictures(moe_run_context *ctx, pictures *p)
+/* The last forward's trace, gathered into panel `slot`. Collective. */
+static void gather_panel(moe_run_context *ctx, pictures *p, int slot)
 {
     static const char *const progress_names[] = {"poll", "thread"};
     const moe_comm *c = ctx->comm;
-    moe_comm_gather_events(c, ctx->trace.events, ctx->trace.count, &p->offset[0], &p->events[0]);
+    moe_comm_gather_events(c, ctx->trace.events, ctx->trace.count, &p->offset[slot], &p->events[slot]);
+    char *title = p->titles[slot];
     if (ctx->ep.path->training)
-        snprintf(p->titles[0], sizeof p->titles[0],
+        snprintf(title, sizeof p->titles[slot],
                  "a training step: the blocking forward, the backward in W = %d waves, progress "
                  "%s, %d ranks", ctx->schedule.waves, progress_names[ctx->schedule.progress],
                  c->ranks);
     else
-        snprintf(p->titles[0], sizeof p->titles[0], "W = %d, progress %s, %d ranks",
-                 ctx->schedule.waves, progress_names[ctx->schedule.progress], c->ranks);
+        snprintf(title, sizeof p->titles[slot], "%sW = %d, progress %s, %d ranks",
+                 slot ? "for comparison, " : "", ctx->schedule.waves,
+                 progress_names[ctx->schedule.progress], c->ranks);
     if (c->ranks_on_host > c->host_cores) { /* what shared cores do is no EP effect */
-        const size_t at = strlen(p->titles[0]);
+        const size_t at = strlen(title);
         if (c->ranks_on_host == c->ranks)
-            snprintf(p->titles[0] + at, sizeof p->titles[0] - at, " on %d cores: they take turns, "
+            snprintf(title + at, sizeof p->titles[slot] - at, " on %d cores: they take turns, "
                      "unlike GPUs", c->host_cores);
         else
-            snprintf(p->titles[0] + at, sizeof p->titles[0] - at, ", %d a host on %d cores: they "
+            snprintf(title + at, sizeof p->titles[slot] - at, ", %d a host on %d cores: they "
                      "take turns, unlike GPUs", c->ranks_on_host, c->host_cores);
     }
-    p->panels[p->count++] = (moe_timeline_panel){
-        .title = p->titles[0], .ranks = c->ranks, .offset = p->offset[0], .events = p->events[0]};
-    if (!ctx->cfg.compare_serial)
+    p->panels[slot] = (moe_timeline_panel){
+        .title = title, .ranks = c->ranks, .offset = p->offset[slot], .events = p->events[slot]};
+    p->count = slot + 1 > p->count ? slot + 1 : p->count;
+    if (slot == 0) {
+        p->shown = ctx->schedule.waves;
+        p->s = ctx->summary;
+    }
+}
+
+/* Panel 0 from the run just timed, then (--compare-serial, when the
+ * --waves list has no W = 1 of its own for panel 1) the same forward at
+ * W = 1. Collective. */
+static int collect_pictures(moe_run_context *ctx, pictures *p, bool list_has_one)
+{
+    const moe_comm *c = ctx->comm;
+    gather_panel(ctx, p, 0);
+    if (!ctx->cfg.compare_serial || list_has_one)
         return MOE_EXIT_OK;
     moe_trace serial = {0};
     moe_schedule one_wave = ctx->schedule;
@@ -347,8 +367,9 @@ static int collect_pictures(moe_run_context *ctx, pictures *p)
                  ctx->ep.path->training ? "the same step with the backward in W = 1 (its all-to-alls "
                                      "behind the shared experts and the weight gradients only)"
                                    : "the same forward at W = 1 (no overlap)");
-        p->panels[p->count++] = (moe_timeline_panel){
+        p->panels[1] = (moe_timeline_panel){
             .title = p->titles[1], .ranks = c->ranks, .offset = p->offset[1], .events = p->events[1]};
+        p->count = 2;
     }
     moe_trace_free(&serial);
     return rc;
@@ -370,9 +391,9 @@ static void picture_summary(const moe_run_summary *s, char *text, size_t size)
                       1e3 * s->layer_seconds,
                       100.0 * moe_overlap(s->pipeline_seconds, s->compute_seconds, s->comm_seconds));
     for (int n = 0; n < s->curve_count; n++)
-        if (s->curve[n].waves == 1 && s->curve_count > 1 && s->curve[0].layer_seconds > 0)
+        if (s->curve[n].waves == 1 && s->curve_count > 1 && s->layer_seconds > 0)
             at += snprintf(text + at, size - (size_t)at, " · %.2fx the speed of W = 1",
-                           s->curve[n].layer_seconds / s->curve[0].layer_seconds);
+                           s->curve[n].layer_seconds / s->layer_seconds);
     const double extra = moe_report_wave_extra_rows(s);
     if (extra > 0)
         snprintf(text + at, size - (size_t)at,
@@ -412,8 +433,11 @@ static int write_pictures(const moe_comm *c, const moe_config *cfg, const pictur
     moe_timeline_panel panels[2];
     memcpy(panels, p->panels, sizeof panels);
     char summary[320] = "";
+    moe_run_summary shown = p->count ? p->s : *s; /* panel 0's run, with the whole curve */
+    memcpy(shown.curve, s->curve, sizeof s->curve);
+    shown.curve_count = s->curve_count;
     if (!s->path->training)
-        picture_summary(s, summary, sizeof summary);
+        picture_summary(&shown, summary, sizeof summary);
     panels[0].summary = summary;
     const picture_files files = {p, panels, &curve, s};
     moe_status local = {0};
@@ -636,8 +660,17 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     /* the report draws the timeline where the forward records one */
     const bool drawing = cfg->trace[0] || cfg->timeline[0] ||
                          (cfg->report[0] && path->pipelined);
-    if (rc == MOE_EXIT_OK && drawing)
-        rc = collect_pictures(&ctx, &pics);
+    /* The pictures show the largest W of --waves, and its W = 1 beside it. */
+    const bool waves = path->pipelined && !path->training;
+    int largest = 0, one = -1;
+    for (int n = 1; waves && n < cfg->waves_count; n++)
+        largest = cfg->waves_list[n] > cfg->waves_list[largest] ? n : largest;
+    for (int n = 0; waves && n < cfg->waves_count; n++)
+        one = cfg->waves_list[n] == 1 && n != largest && one < 0 ? n : one;
+    if (rc == MOE_EXIT_OK && drawing && largest == 0)
+        rc = collect_pictures(&ctx, &pics, one >= 0);
+    if (rc == MOE_EXIT_OK && drawing && one == 0)
+        gather_panel(&ctx, &pics, 1);
     if (rc == MOE_EXIT_OK && cfg->check) {
         check_against_truth(&ctx);
         if (path->training)
@@ -660,7 +693,6 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     const moe_schedule first_schedule = ctx.schedule;
     moe_curve_point curve[MOE_MAX_WAVE_RUNS];
     int points = 0;
-    const bool waves = path->pipelined && !path->training;
     for (int n = 0; rc == MOE_EXIT_OK && waves && n < cfg->waves_count; n++) {
         if (n > 0) {
             ctx.schedule.waves = (int)cfg->waves_list[n];
@@ -668,6 +700,10 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
             if (rc)
                 break;
             moe_context_time_alltoalls(&ctx, (int)cfg->iters);
+            if (drawing && n == largest)
+                rc = collect_pictures(&ctx, &pics, one >= 0);
+            if (drawing && n == one)
+                gather_panel(&ctx, &pics, 1);
         }
         curve[points++] = (moe_curve_point){(int)cfg->waves_list[n], s->layer_seconds,
                                             s->pipeline_seconds, s->compute_seconds,
