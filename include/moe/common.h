@@ -70,15 +70,14 @@ extern void (*moe_fatal)(const moe_status *st);
 
 /* How the default moe_fatal ends a failure on this thread (the library's
  * calls set it; the CLI installs its own moe_fatal and never does): with
- * `point` set, st is copied to *status and the call that set it resumes
- * there (longjmp; a call with no MPI in flight, which returns the status
- * instead of ending the process); else with `end` set, end(st, arg) (a
- * collective call: the job ends on its communicator, the ranks waiting in
- * it with it). Not from inside an OpenMP parallel region, where the
- * process ends as before. */
+ * `point` set, the call that set it resumes there (longjmp; a call with no
+ * MPI in flight, which returns the status, moe_recovery_lost, instead of
+ * ending the process); else with `end` set, end(st, arg) (a collective
+ * call: the job ends on its communicator, the ranks waiting in it with
+ * it). Not from inside an OpenMP parallel region, where the process ends
+ * as before. */
 typedef struct {
     jmp_buf *point;
-    moe_status *status;
     void (*end)(const moe_status *st, void *arg);
     void *arg;
 } moe_recovery;
@@ -93,6 +92,10 @@ int moe_thread_slot(void);
 /* Make r this thread's recovery; returns the one it replaces, for
  * moe_recovery_set to put back when the call returns. */
 moe_recovery moe_recovery_set(moe_recovery r);
+
+/* The failure the last jump to a recovery point on this thread carried
+ * (kept outside the caller's frame, which a longjmp leaves indeterminate). */
+const moe_status *moe_recovery_lost(void);
 
 /* malloc that never returns NULL: on failure the size, file and line and a
  * hint go to moe_fatal (one line, exit status 3 on every rank).

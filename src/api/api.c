@@ -51,8 +51,8 @@ static int verdict(const moe_status *st, char *error)
 /* Running out of memory inside a call (moe_recovery, common.h). A call
  * with no MPI returns it: RECOVER_HERE(error), after the call's object is
  * known, makes the rest of the call resume at its setjmp and return
- * MOE_EP_RUNTIME with the message in `error` (RECOVERY_POINT(lost): the
- * statement after it runs instead, with the status in lost); what the call
+ * MOE_EP_RUNTIME with the message in `error` (RECOVERY_POINT: the statement
+ * after it runs instead, the status in moe_recovery_lost()); what the call
  * had allocated by then is not freed. A collective call cannot return alone while the
  * other ranks wait in it: END_JOB_HERE(comm) ends the job on that
  * communicator (MPI_Abort, exit status 3) with the message, where the
@@ -67,16 +67,15 @@ static void end_job(const moe_status *st, void *arg)
     moe_comm_abort(&c, st);
 }
 
-#define RECOVERY_POINT(lost)                                                                 \
+#define RECOVERY_POINT                                                                       \
     jmp_buf point_;                                                                          \
-    moe_status lost = {0};                                                                   \
     moe_recovery was_ __attribute__((cleanup(restore))) =                                    \
-        moe_recovery_set((moe_recovery){.point = &point_, .status = &lost});                 \
+        moe_recovery_set((moe_recovery){.point = &point_});                                  \
     if (setjmp(point_))
 
 #define RECOVER_HERE(error)                                                                  \
-    RECOVERY_POINT(lost_)                                                                    \
-    return verdict(&lost_, error)
+    RECOVERY_POINT                                                                           \
+    return verdict(moe_recovery_lost(), error)
 
 #define END_JOB_HERE(comm)                                                                   \
     moe_recovery was_ __attribute__((cleanup(restore))) =                                    \
@@ -866,12 +865,13 @@ int moe_ep_verify_with(const char *golden_dir, const char *candidate,
                                     .allow_unknown = options && options->allow_unknown};
     moe_golden_result counts;
     memset(&counts, 0, sizeof counts);
-    RECOVERY_POINT(lost) {
+    RECOVERY_POINT {
+        const moe_status *lost = moe_recovery_lost();
         if (result) {
-            *result = (moe_ep_verify_result){.verdict = lost.code, .first_failing = -1};
-            snprintf(result->message, sizeof result->message, "%s", lost.message);
+            *result = (moe_ep_verify_result){.verdict = lost->code, .first_failing = -1};
+            snprintf(result->message, sizeof result->message, "%s", lost->message);
         }
-        return lost.code;
+        return lost->code;
     }
     const int rc = st.code ? st.code : moe_golden_verify(golden_dir, candidate, &opt, out, &counts, &st);
     if (out && out != table)

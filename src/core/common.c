@@ -73,6 +73,7 @@ int moe_thread_slot(void)
 }
 
 static _Thread_local moe_recovery recovery;
+static _Thread_local moe_status lost;
 
 moe_recovery moe_recovery_set(moe_recovery r)
 {
@@ -80,6 +81,8 @@ moe_recovery moe_recovery_set(moe_recovery r)
     recovery = r;
     return was;
 }
+
+const moe_status *moe_recovery_lost(void) { return &lost; }
 
 /* Until the comm layer installs its own (which ends the job with MPI_Abort):
  * this thread's recovery when it has one (a library call's), else the
@@ -92,7 +95,7 @@ static void exit_runtime(const moe_status *st)
     const bool parallel = false;
 #endif
     if (recovery.point && !parallel) {
-        *recovery.status = *st;
+        lost = *st;
         longjmp(*recovery.point, 1);
     }
     if (recovery.end)
