@@ -28,6 +28,10 @@ double moe_fma_rate(int bits, double seconds);
  * independent sums so the loads, not the adds, set the pace. */
 double moe_read_bandwidth(size_t bytes, int passes);
 
+/* Seconds on the monotonic clock: the peak's and bench's timer where no
+ * MPI runs (moe-ep sgemm-anchor; MPICH refuses MPI_Wtime before MPI_Init). */
+double moe_monotonic_seconds(void);
+
 /* The CPU's model name with its family and model numbers (/proc/cpuinfo;
  * "unknown CPU" elsewhere). */
 void moe_cpu_model(char *name, size_t size);

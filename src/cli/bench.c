@@ -19,9 +19,9 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <spawn.h>
 #include <stdlib.h>
 #include <string.h>
-#include <spawn.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -73,11 +73,11 @@ static double timed(const moe_comm *c, void (*fn)(void *), void *arg, bool per_r
     for (int n = 0; n < 3; n++) {
         for (size_t i = 0; i < EVICT_BYTES; i += 64)
             evict[i] = (unsigned char)n;
-        if (c) /* NULL: a process of its own (the default kernel's anchor) */
+        if (c) /* NULL: a process of its own without MPI (the default kernel's anchor) */
             moe_comm_barrier(c);
-        const double start = moe_clock_now();
+        const double start = c ? moe_clock_now() : moe_monotonic_seconds();
         fn(arg);
-        const double own = moe_stage_since(start);
+        const double own = (c ? moe_clock_now() : moe_monotonic_seconds()) - start;
         t[n] = per_rank || !c ? own : moe_comm_max(c, own);
     }
     free((void *)evict);
@@ -170,7 +170,7 @@ static double default_kernel_sgemm(const moe_comm *c, const sgemm_anchor *g, cha
         close(out[1]);
         char line[160] = "";
         FILE *from = fdopen(out[0], "r");
-        const bool read = from && fgets(line, sizeof line, from);
+        const bool got = from && fgets(line, sizeof line, from);
         if (from)
             fclose(from);
         else
@@ -179,7 +179,7 @@ static double default_kernel_sgemm(const moe_comm *c, const sgemm_anchor *g, cha
         char name[64];
         double t;
         if (spawned && waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
-            WEXITSTATUS(status) == 0 && read && sscanf(line, "%63s %lf", name, &t) == 2 && t > 0) {
+            WEXITSTATUS(status) == 0 && got && sscanf(line, "%63s %lf", name, &t) == 2 && t > 0) {
             seconds = t;
             snprintf(kernel, size, "%s", name);
         }

@@ -16,7 +16,7 @@
 
 const int moe_fma_bits[MOE_FMA_WIDTHS] = {128, 256, 512};
 
-static double seconds_now(void)
+double moe_monotonic_seconds(void)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -104,11 +104,11 @@ double moe_fma_rate(int bits, double seconds)
     const long iterations = 1L << 16; /* about 0.2-0.5 ms at any width */
     chains(iterations / 16);          /* warm-up: the wide units power on */
     double best = 0.0;
-    const double start = seconds_now();
-    for (int batch = 0; batch < 3 || seconds_now() - start < seconds; batch++) {
-        const double t = seconds_now();
+    const double start = moe_monotonic_seconds();
+    for (int batch = 0; batch < 3 || moe_monotonic_seconds() - start < seconds; batch++) {
+        const double t = moe_monotonic_seconds();
         peak_sink = chains(iterations);
-        const double rate = 2.0 * fmas_per_iteration(bits) * (double)iterations / (seconds_now() - t);
+        const double rate = 2.0 * fmas_per_iteration(bits) * (double)iterations / (moe_monotonic_seconds() - t);
         best = rate > best ? rate : best;
     }
     return best;
@@ -131,7 +131,7 @@ double moe_read_bandwidth(size_t bytes, int passes)
         v[i] = (float)(i % 61) * (1.0f / 64.0f);
     double best = 0.0;
     for (int pass = 0; pass < passes; pass++) {
-        const double t = seconds_now();
+        const double t = moe_monotonic_seconds();
 #pragma omp parallel
         {
             float acc[LANES] = {0};
@@ -142,7 +142,7 @@ double moe_read_bandwidth(size_t bytes, int passes)
             for (int j = 0; j < LANES; j++)
                 sums[moe_thread_slot() * LANES + j] += acc[j];
         }
-        const double rate = (double)(n * sizeof(float)) / (seconds_now() - t);
+        const double rate = (double)(n * sizeof(float)) / (moe_monotonic_seconds() - t);
         best = rate > best ? rate : best;
     }
     bandwidth_sink = sums[0];
