@@ -423,8 +423,8 @@ static int backward_truth(moe_ep_config *c, const char *call, const float *x, co
     float *logits = moe_xmalloc(sizeof(float) * (size_t)(N * E));
     float *gate = moe_xmalloc(sizeof(float) * (size_t)(E * d + 2 * E)), *bias = gate + E * d;
     double *dweights = moe_xcalloc((size_t)(N * k), sizeof(double));
-    route(cfg, x, N, NULL, *ids, weights, logits);
-    moe_model_gate(cfg, gate);
+    moe_model_gate(cfg, gate); /* once: the routing and the router's backward both read it */
+    route(cfg, x, N, gate, *ids, weights, logits);
     const moe_router r = moe_model_router(cfg, bias, bias + E);
     memset(t->dx, 0, sizeof(double) * (size_t)(N * d));
     for (int e = 0; e < (int)E; e++)
@@ -548,25 +548,26 @@ int moe_ep_check_backward(moe_ep_config *c, int ranks, const float *x, const flo
         COMPARE("dx", -1, g->dx, t.dx, tokens * d, d, base);
     if (g->dgate)
         COMPARE("dgate", -1, g->dgate, t.dgate, E * d, d, base);
+    moe_index *rows = moe_xcalloc((size_t)E, sizeof(moe_index)); /* tokens that chose each expert */
+    for (moe_index m = 0; m < tokens * k; m++)
+        rows[ids[m]]++;
     for (moe_index e = 0; e < E; e++) { /* a routed expert's wgrad sums its tokens in fp32 */
-        moe_index rows = 0;
-        for (moe_index m = 0; m < tokens * k; m++)
-            rows += ids[m] == e;
         if (g->dw1)
             COMPARE("dw1", e, g->dw1 + e * 2 * f * d, t.dw1 + e * 2 * f * d, 2 * f * d, d,
-                    base + (double)rows);
+                    base + (double)rows[e]);
         if (g->dw2)
-            COMPARE("dw2", e, g->dw2 + e * d * f, t.dw2 + e * d * f, d * f, f, base + (double)rows);
+            COMPARE("dw2", e, g->dw2 + e * d * f, t.dw2 + e * d * f, d * f, f, base + (double)rows[e]);
     }
     for (moe_index sh = 0; sh < S; sh++) { /* a shared one, a rank's tokens, then ranks in fp64 */
-        const double rows = (double)(tokens / ranks);
+        const double rank_rows = (double)(tokens / ranks);
         if (g->dshared_w1)
             COMPARE("dshared_w1", sh, g->dshared_w1 + sh * 2 * f * d, t.dshared_w1 + sh * 2 * f * d,
-                    2 * f * d, d, base + rows);
+                    2 * f * d, d, base + rank_rows);
         if (g->dshared_w2)
             COMPARE("dshared_w2", sh, g->dshared_w2 + sh * d * f, t.dshared_w2 + sh * d * f, d * f,
-                    f, base + rows);
+                    f, base + rank_rows);
     }
+    free(rows);
 #undef COMPARE
     if (used)
         *used = worst;
