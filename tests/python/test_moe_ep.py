@@ -296,6 +296,26 @@ def torch_example_passes_where_torch_is():
     assert run.returncode == 0, run.stdout
 
 
+@test
+def torch_port_passes_every_shipped_set_where_torch_is():
+    """examples/torch_port.py, a whole-layer port in torch, passes every
+    shipped set with every stage required; with the first GEMM rounded to
+    bf16 it fails every set at experts."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(SRCDIR, "python"))
+    sets = sorted(os.path.join(GOLDEN, s) for s in os.listdir(GOLDEN) if os.path.isdir(os.path.join(GOLDEN, s)))
+    command = [sys.executable, os.path.join(SRCDIR, "examples", "torch_port.py")]
+    good = subprocess.run(command + sets, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print("  " + good.stdout.strip().splitlines()[-1])
+    if good.returncode == 77:
+        raise Skip("no torch here")
+    assert good.returncode == 0, good.stdout
+    assert "torch port: %d of %d sets passed" % (len(sets), len(sets)) in good.stdout, good.stdout
+    bad = subprocess.run(command + ["--bf16-gemm"] + sets, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    assert bad.returncode == 1, bad.stdout
+    assert bad.stdout.count("verify: FAIL, first failing stage: experts") == len(sets), bad.stdout
+
+
 failed = [(n, why) for n, why in results if why]
 for name, why in results:
     print("%s: %s%s" % ("FAIL" if why else "PASS", name, " (%s)" % why if why else ""))
