@@ -544,9 +544,14 @@ static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, co
     if (moe_truth_rounds(cfg))
         r->allow = moe_xmalloc(sizeof(double) * (size_t)(T * d));
     moe_forward_stats stats;
-    const int rc = ep->path->training
+    int rc = ep->path->training
                        ? backward_step(c, ep, x, dy, ids, weights, logits, r->y, &r->cap, &r->bwd, st)
                        : moe_ep_forward_ref(ep, x, ids, weights, r->y, &stats, &r->cap, st);
+    /* The two-stage dispatch with the reduced combine sums once more at
+     * each node's relay: the output is that path's (its relay sums follow
+     * from the ranks' sums, lay_out_nodes). */
+    if (rc == MOE_EXIT_OK && !moe_config_truth_shares(cfg))
+        rc = moe_ep_forward_hier(ep, x, ids, weights, r->y, &stats, st);
     if (rc == MOE_EXIT_OK)
         moe_ep_round_output(ep, r->y);
     if (rc == MOE_EXIT_OK) /* the truth of the logical experts, each pair summed where its copy is */
@@ -675,6 +680,58 @@ static void lay_out_ranks(tensor_list *l, source_list *sl, share_stream *s, cons
     }
 }
 
+/* The two-stage dispatch with the reduced combine: per node, the rows its
+ * relays send home, one per token that reached the node (ascending global
+ * id): the sums of its ranks' rows for that token (experts.rank{r}.sum, as
+ * they travelled) added in ascending local index from zero in fp32, then
+ * rounded to --combine-dtype, as ep_hier.c's relay_combine adds them. Home
+ * adds them in ascending node order. The rows live in *rows and *tokens
+ * until the set is written. */
+static void lay_out_nodes(tensor_list *l, share_stream *s, const moe_ep *ep, int G, int64_t N,
+                          float **rows, int32_t **tokens)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index d = cfg->hidden;
+    const int R = ep->link.ranks_per_node, nodes = G / R;
+    float *acc = moe_xmalloc(sizeof(float) * (size_t)(N * d));
+    uint8_t *reached = moe_xmalloc((size_t)N);
+    int64_t total = 0, at = 0;
+    for (int r = 0; r < G; r++)
+        total += (int64_t)(s->meta[r].bytes[RECV_TOKEN] / sizeof(int32_t));
+    *rows = moe_xmalloc(sizeof(float) * (size_t)(total * d) + 1);
+    *tokens = moe_xmalloc(sizeof(int32_t) * (size_t)total + 1);
+    for (int n = 0; n < nodes; n++) {
+        memset(reached, 0, (size_t)N);
+        for (int r = n * R; r < (n + 1) * R; r++) { /* ascending local index */
+            const int64_t count = (int64_t)(s->meta[r].bytes[RECV_TOKEN] / sizeof(int32_t));
+            const int32_t *token = (const int32_t *)stream_part(s, r, RECV_TOKEN);
+            const float *sums = (const float *)stream_part(s, r, SUMS);
+            for (int64_t j = 0; j < count; j++) {
+                float *to = acc + (int64_t)token[j] * d;
+                if (!reached[token[j]])
+                    memset(to, 0, sizeof(float) * (size_t)d);
+                reached[token[j]] = 1;
+                for (moe_index c = 0; c < d; c++)
+                    to[c] += sums[j * d + c];
+            }
+        }
+        const int64_t first = at;
+        for (int64_t t = 0; t < N; t++)
+            if (reached[t]) {
+                memcpy(*rows + at * d, acc + t * d, sizeof(float) * (size_t)d);
+                (*tokens)[at++] = (int32_t)t;
+            }
+        moe_precision_combine(cfg->combine_dtype, *rows + first * d, (at - first) * d);
+        moe_golden_tensor *g = add(l, MOE_GK_NODE_SUM, n, *rows + first * d, 2, at - first, d, 0);
+        g->rel += 0x1p-24 * R; /* the ranks' sums added once more */
+        g->abs = g->rel * rms_f32(*rows + first * d, (at - first) * d);
+        g->bf16_step = cfg->combine_dtype == MOE_DTYPE_BF16;
+        add(l, MOE_GK_NODE_TOKEN, n, *tokens + first, 1, at - first, 0, 0);
+    }
+    free(reached);
+    free(acc);
+}
+
 /* The output and its truth: --check's contract, per element (truth.h). */
 static void lay_out_output(tensor_list *l, const moe_config *cfg, int64_t N, const gathered *a)
 {
@@ -748,6 +805,10 @@ static void write_set(const moe_comm *c, const moe_ep *ep, const char *dir, gath
                               (PARTS + 1) * G};
     const moe_wire wire = moe_wire_dispatch(cfg);
     lay_out_ranks(&l, &sources_of, &stream, cfg, G);
+    float *node_rows = NULL;
+    int32_t *node_tokens = NULL;
+    if (!moe_config_truth_shares(cfg))
+        lay_out_nodes(&l, &stream, ep, G, N, &node_rows, &node_tokens);
     add_layout(&l, &sources_of, &stream, &wire, ep, G);
     lay_out_output(&l, cfg, N, a);
     if (ep->path->training)
@@ -771,6 +832,8 @@ static void write_set(const moe_comm *c, const moe_ep *ep, const char *dir, gath
         moe_comm_send_bytes(c, r, &stop, sizeof stop);
     }
     free(sources_of.items);
+    free(node_tokens);
+    free(node_rows);
     free(config);
     json_decref(config_object);
     layout_counts_free(&lc);

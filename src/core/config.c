@@ -390,10 +390,6 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                             "hold %lld at %d ranks), got --waves %lld; use --wave-by tokens or fewer waves",
                             (long long)fewest, ranks, (long long)cfg->waves_list[n]);
     const int64_t R = cfg->ranks_per_node > 0 ? cfg->ranks_per_node : ranks;
-    if (cfg->combine == MOE_COMBINE_REDUCED && cfg->dump[0] && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
-        return moe_fail(st, MOE_EXIT_USAGE,
-                        "--dump writes the flat dispatch's sums per (token, rank) (golden.md); the "
-                        "two-stage dispatch sums per node too: add --combine pairs or --dispatch flat");
     if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL && ranks % R != 0)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dispatch hierarchical needs nodes of equal size: --ranks-per-node must "

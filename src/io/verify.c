@@ -531,6 +531,9 @@ static uint8_t *tied_rows(verify_run *v, const char *name, int64_t rows)
     if (sscanf(name, "dispatch.rank%d.", &r) == 1 || sums) { /* a sum's rows are the received rows */
         snprintf(golden_name, sizeof golden_name, "dispatch.rank%d.token", r);
         snprintf(file, sizeof file, "dispatch.safetensors");
+    } else if (sscanf(name, "experts.node%d.", &r) == 1) { /* a relay sum's rows are the node's tokens */
+        snprintf(golden_name, sizeof golden_name, "experts.node%d.token", r);
+        snprintf(file, sizeof file, "experts.safetensors");
     } else if (sscanf(name, "experts.rank%d.", &r) == 1) {
         snprintf(golden_name, sizeof golden_name, "experts.rank%d.pair", r);
         snprintf(file, sizeof file, "experts.safetensors");
@@ -1244,7 +1247,8 @@ static bool expected_shape(const verify_run *v, const char *name, int64_t d, int
                  {"output.truth", 'N', 'd'},       {"output.allow", 'N', 'd'}};
     const char *rank_tensor[][2] = {{"dispatch.rank%d.x%n", "rd"}, {"dispatch.rank%d.token%n", "r"},
                                     {"experts.rank%d.out%n", "rd"}, {"experts.rank%d.pair%n", "r2"},
-                                    {"experts.rank%d.sum%n", "rd"}};
+                                    {"experts.rank%d.sum%n", "rd"}, {"experts.node%d.sum%n", "rd"},
+                                    {"experts.node%d.token%n", "r"}};
     char rows = 0, cols = 0;
     for (size_t n = 0; n < sizeof table / sizeof table[0]; n++)
         if (!strcmp(name, table[n].name))
