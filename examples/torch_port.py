@@ -20,9 +20,9 @@ the pairs a capacity dropped (layout.kept_ids) or sent to a copy
 balancer, not of the layer (docs/load-balance.md).
 
 --bf16-gemm rounds the first GEMM's output to bf16 before the activation,
-as a bf16 grouped GEMM writes it: a rounding no shipped set makes, which
-verify fails at the experts stage (docs/golden.md, "The precision a port
-must keep").
+as a bf16 grouped GEMM writes it: a rounding that a set made without
+--gemm-out-dtype bf16 does not make, which verify fails at the experts
+stage (docs/golden.md, "The precision a port must keep").
 
 Exit 0 when the port passes every set, 1 when one fails, 77 without torch.
 """
@@ -81,9 +81,10 @@ def pow2_at_least(s):
 
 
 def fp8_dispatch(x, recipe, ue8m0):
-    """Rows x (n, d) as they arrive in FP8: one scale per block of 128 of a
-    row, computed as the recipe's code computes it (golden.md section 7),
-    dequantised (value times scale, in fp32)."""
+    """Rows x (n, d) as they arrive in FP8 (or an activation re-quantised):
+    one scale per block of 128 of a row, computed as the recipe's code
+    computes it (golden.md section 7), dequantised (value times scale, in
+    fp32)."""
     n, d = x.shape
     blocks = -(-d // 128)
     xb = torch.nn.functional.pad(x, (0, blocks * 128 - d)).view(n, blocks, 128)
@@ -145,14 +146,24 @@ def owners(experts, ranks):
     return torch.repeat_interleave(torch.arange(ranks, device=DEVICE), torch.tensor(sizes, device=DEVICE))
 
 
-def swiglu_ffn(x, w1, w2, scale=None):
-    """SwiGLU: W1 rows [0, f) gate, [f, 2f) up, all in fp32."""
+def swiglu_ffn(x, w1, w2, scale=None, cfg=None):
+    """SwiGLU: W1 rows [0, f) gate, [f, 2f) up, in fp32; with cfg, a routed
+    expert's rounding points as a DeepGEMM pipeline has them: the GEMM
+    outputs in bf16 (gemm-out-dtype), the activation re-quantised to FP8
+    per block of 128 of a row, or to bf16 (act-dtype)."""
+    cfg = cfg or {}
+    gemm_bf16 = cfg.get("gemm-out-dtype") == "bf16"
     h = x @ w1.T
-    gate, up = (bf16(h) if BF16_GEMM else h).chunk(2, dim=-1)
+    gate, up = (bf16(h) if BF16_GEMM or gemm_bf16 else h).chunk(2, dim=-1)
     act = torch.nn.functional.silu(gate) * up
     if scale is not None:  # the gate weight before L2
         act = act * scale[:, None]
-    return act @ w2.T
+    if cfg.get("act-dtype") == "fp8":
+        act = fp8_dispatch(act, cfg["fp8-recipe"], cfg["fp8-scale"] == "ue8m0")
+    elif cfg.get("act-dtype") == "bf16":
+        act = bf16(act)
+    y = act @ w2.T
+    return bf16(y) if gemm_bf16 else y
 
 
 def layer(cfg, t, x, params, out):
@@ -197,7 +208,7 @@ def layer(cfg, t, x, params, out):
             w = weights[tokens[row[at]], slot[at]]
             result = result.index_put((at,), swiglu_ffn(rows[row[at]], params["experts.w1"][logical[e]],
                                                          params["experts.w2"][logical[e]],
-                                                         w if before_l2 else None))
+                                                         w if before_l2 else None, cfg))
         if cfg["combine-dtype"] == "bf16" and not reduced:
             result = bf16(result)
         out["experts.rank%d.out" % r] = result

@@ -127,6 +127,8 @@ typedef struct {
     int64_t layers, moe_layers;
     int param_dtype, dispatch_dtype, combine_dtype; /* enum moe_dtype */
     int output_dtype;            /* enum moe_dtype: the layer output, rounded once at home */
+    int gemm_out_dtype;          /* enum moe_dtype: the routed experts' GEMM outputs (h, out) */
+    int act_dtype;               /* enum moe_dtype: the routed experts' activation before L2 */
     int topk_weights_dtype;      /* enum moe_dtype: the router's top-k weights */
     int fp8_scale;               /* enum moe_fp8_scale */
     int fp8_recipe;              /* enum moe_fp8_recipe */

@@ -155,6 +155,8 @@ typedef struct {
     float *out;          /* (pairs, d) expert outputs: as sent back, after --combine-dtype,
                             or with --combine reduced in fp32, before they are summed */
     int32_t *pair;       /* (pairs, 2) global token id and expert id of each */
+    int32_t *pair_row;   /* (pairs) the received row of each */
+    float *pair_weight;  /* (pairs) the gate weight of each */
     float *sums;         /* --combine reduced: (rows, d) per received row, its pairs' sum as
                             sent back, after --combine-dtype; NULL otherwise */
     /* The tensor the expert GEMMs read (--expert-layout, layout.h), its rows

@@ -20,6 +20,7 @@
 #include <stdbool.h>
 
 #include "moe/dims.h"
+#include "moe/quant.h"
 
 enum moe_gemm_kind {
     MOE_GEMM_BLAS,   /* OpenBLAS sgemm; bits depend on M, row position, threads */
@@ -36,11 +37,35 @@ static inline int moe_gemm_rows_independent(enum moe_gemm_kind gemm)
     return gemm != MOE_GEMM_BLAS;
 }
 
+/* The rounding points inside an expert (--gemm-out-dtype, --act-dtype; all
+ * zero: none, every intermediate fp32), each applied to the fp32 value:
+ *   h_bf16     h = x W1^T rounded to bf16 before the activation
+ *   act_dtype  the activation rounded before L2: MOE_DTYPE_BF16, or
+ *              MOE_DTYPE_FP8, each row's f values quantised in blocks of
+ *              128 as fmt says (moe_quantize_e4m3_row) and dequantised
+ *   out_bf16   the output rounded to bf16 */
+typedef struct {
+    bool h_bf16, out_bf16;
+    int act_dtype; /* enum moe_dtype */
+    moe_fp8_format fmt;
+} moe_expert_rounding;
+
+/* The routed experts' rounding points of a config. */
+moe_expert_rounding moe_expert_rounding_of(const moe_config *cfg);
+
+/* Whether r rounds anywhere. */
+static inline bool moe_expert_rounds(const moe_expert_rounding *r)
+{
+    return r->h_bf16 || r->out_bf16 || r->act_dtype != MOE_DTYPE_FP32;
+}
+
 /* An expert's weights as its GEMM kind takes them: transposed, (in, out),
- * and for packed, that transpose in moe_sgemm_pack's panels. */
+ * and for packed, that transpose in moe_sgemm_pack's panels; and the
+ * rounding points its forward applies (routed experts only). */
 typedef struct {
     const float *w1t; /* (d, 2f) = W1^T: columns [0, f) gate, [f, 2f) up */
     const float *w2t; /* (f, d) = W2^T */
+    moe_expert_rounding rounding;
 } moe_expert_weights;
 
 /* C (M, N) = A (M, K) * Bt, the operand (K, N) in the layout of gemm
@@ -101,6 +126,23 @@ enum moe_truth_gemm {
 void moe_expert_forward_f64(enum moe_truth_gemm gemm, const double *w1, const double *w2,
                             const double *x, moe_index rows, moe_index hidden, moe_index ffn,
                             double *scratch, double *y);
+
+/* The same with the rounding points of r (x, w1 and w2 hold fp32 values):
+ * each rounding applied to the fp64 value as the fp32 path applies it to
+ * its own, into y; and width (rows, d), when not NULL, how far apart the
+ * outputs of two fp32 computations of this expert can lie, each with its
+ * own summation order and exp, before the output's own rounding to bf16:
+ * every intermediate is carried as an interval holding every such
+ * computation's value (h within the fp32 dot product's error bound
+ * gamma(d+1) sum |x||w| of the fp64 value, the activation within 8 u of
+ * silu(g) up over the box of its inputs, the FP8 scale over the block's
+ * amax interval), each rounding point maps its interval's ends, and
+ * width = |W2| (hi - lo) of the activation. Zero where nothing can flip;
+ * a value a rounding boundary lies near widens its row. */
+void moe_expert_forward_f64_rounded(enum moe_truth_gemm gemm, const moe_expert_rounding *r,
+                                    const double *w1, const double *w2, const double *x,
+                                    moe_index rows, moe_index hidden, moe_index ffn, double *y,
+                                    double *width);
 
 /* e^x in fp32, every step one IEEE single operation (round to nearest, no
  * fused multiply-add):

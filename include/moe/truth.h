@@ -95,6 +95,13 @@ void moe_truth_pair_outputs(const moe_config *cfg, enum moe_truth_gemm gemm,
                             const float *x_dispatched, const int32_t *ids, moe_index tokens,
                             double *out);
 
+/* width (rows, d) = how far apart two correct fp32 computations of routed
+ * expert `expert` (logical) on the rows x (rows, d) can lie, with the
+ * rounding points inside the expert (--gemm-out-dtype, --act-dtype; some
+ * must be set): moe_expert_forward_f64_rounded's width. */
+void moe_truth_expert_widths(const moe_config *cfg, enum moe_truth_gemm gemm, int expert,
+                             const float *x, moe_index rows, double *width);
+
 /* y (T, d) += the shared experts on x (T, d), as moe_truth_forward adds them. */
 void moe_truth_add_shared(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
                           moe_index tokens, double *y);

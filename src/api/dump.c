@@ -290,7 +290,7 @@ static int gather_backward(const moe_comm *c, const moe_ep *ep, backward_share *
  * rows produced by fill_part), so that rank 0 never holds more than one
  * rank's share and no rank's slot tensor is gathered whole. Rank 0's own
  * parts are read where they are. */
-enum { RECV_X, RECV_TOKEN, OUT, PAIR, SUMS, LAY_WIRE, LAY_SRC, LAY_EXPERT, LAY_COUNT, PARTS };
+enum { RECV_X, RECV_TOKEN, OUT, PAIR, SUMS, LAY_WIRE, LAY_SRC, LAY_EXPERT, LAY_COUNT, OUT_ALLOW, SUM_ALLOW, PARTS };
 
 /* What rank 0 needs of each rank's share before it writes: the parts'
  * sizes, and the rms of its expert outputs and sums (their tolerances'
@@ -300,18 +300,20 @@ typedef struct {
     double rms_out, rms_sums;
 } share_meta;
 
-static void share_parts(const moe_ep_capture *cap, const moe_ep *ep, const void *part[PARTS],
-                        share_meta *m)
+static void share_parts(const moe_ep_capture *cap, const double *out_allow, const double *sum_allow,
+                        const moe_ep *ep, const void *part[PARTS], share_meta *m)
 {
     const moe_index d = ep->cfg->hidden;
     const size_t row = moe_wire_dispatch(ep->cfg).bytes;
     const void *p[PARTS] = {cap->recv_x, cap->recv_token, cap->out, cap->pair, cap->sums, cap->layout_wire,
-                            cap->layout_src, cap->layout_expert, cap->layout_count};
+                            cap->layout_src, cap->layout_expert, cap->layout_count, out_allow, sum_allow};
     const size_t b[PARTS] = {sizeof(float) * (size_t)(cap->rows * d), sizeof(int32_t) * (size_t)cap->rows,
                              sizeof(float) * (size_t)(cap->pairs * d), sizeof(int32_t) * (size_t)(2 * cap->pairs),
                              cap->sums ? sizeof(float) * (size_t)(cap->rows * d) : 0,
                              row * (size_t)cap->slots, sizeof(int32_t) * (size_t)cap->slots,
-                             sizeof(int32_t) * (size_t)cap->slots, sizeof(int32_t) * (size_t)ep->local_experts};
+                             sizeof(int32_t) * (size_t)cap->slots, sizeof(int32_t) * (size_t)ep->local_experts,
+                             out_allow ? sizeof(double) * (size_t)(cap->pairs * d) : 0,
+                             sum_allow ? sizeof(double) * (size_t)(cap->rows * d) : 0};
     for (int n = 0; n < PARTS; n++) {
         part[n] = p[n];
         m->bytes[n] = b[n];
@@ -516,19 +518,65 @@ typedef struct {
  * the truth. */
 typedef struct {
     float *y, *x_scratch;  /* (T, d) */
-    double *truth, *allow; /* (T, d); allow with a bf16 combine only */
+    double *truth, *allow; /* (T, d); allow where the truth rounds (moe_truth_rounds) */
     moe_ep_capture cap;
     backward_share bwd;
+    double *out_allow, *sum_allow; /* (pairs, d), (rows, d): rounding points inside the experts */
 } rank_share;
 
 static void rank_share_free(rank_share *r)
 {
+    free(r->sum_allow);
+    free(r->out_allow);
     moe_ep_capture_free(&r->cap);
     backward_share_free(&r->bwd);
     free(r->allow);
     free(r->truth);
     free(r->x_scratch);
     free(r->y);
+}
+
+/* With rounding points inside the routed experts (--gemm-out-dtype,
+ * --act-dtype): how far two correct computations of each pair's output can
+ * lie apart (moe_truth_expert_widths, each expert's pairs at once) and,
+ * with --combine reduced, of each received row's sum: its pairs' widths
+ * times their gate weights, with one bf16 step of each output that
+ * --gemm-out-dtype bf16 rounded (the sum's own rounding is its bf16_step). */
+static void expert_allowances(const moe_ep *ep, const moe_ep_capture *cap, rank_share *r)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index d = cfg->hidden, P = cap->pairs;
+    float *x = moe_xmalloc(sizeof(float) * (size_t)(P * d) + 1);
+    double *width = moe_xmalloc(sizeof(double) * (size_t)(P * d) + 1);
+    moe_index *at = moe_xmalloc(sizeof(moe_index) * (size_t)P + 1);
+    r->out_allow = moe_xcalloc((size_t)(P * d) + 1, sizeof(double));
+    for (int l = 0; l < ep->local_experts; l++) {
+        const int e = ep->first_expert + l;
+        moe_index n = 0;
+        for (moe_index p = 0; p < P; p++)
+            if (cap->pair[2 * p + 1] == e) {
+                memcpy(x + n * d, cap->recv_x + (moe_index)cap->pair_row[p] * d, sizeof(float) * (size_t)d);
+                at[n++] = p;
+            }
+        if (n == 0)
+            continue;
+        moe_truth_expert_widths(cfg, MOE_TRUTH_EXACT, ep->replicas.phy2log ? ep->replicas.phy2log[e] : e, x, n,
+                                width);
+        for (moe_index m = 0; m < n; m++)
+            memcpy(r->out_allow + at[m] * d, width + m * d, sizeof(double) * (size_t)d);
+    }
+    if (cfg->combine == MOE_COMBINE_REDUCED) {
+        const bool stepped = cfg->gemm_out_dtype == MOE_DTYPE_BF16;
+        r->sum_allow = moe_xcalloc((size_t)(cap->rows * d) + 1, sizeof(double));
+        for (moe_index p = 0; p < P; p++)
+            for (moe_index j = 0; j < d; j++)
+                r->sum_allow[cap->pair_row[p] * d + j] +=
+                    fabs(cap->pair_weight[p]) *
+                    (r->out_allow[p * d + j] + (stepped ? moe_bf16_step(cap->out[p * d + j]) : 0.0));
+    }
+    free(at);
+    free(width);
+    free(x);
 }
 
 static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, const float *dy,
@@ -554,6 +602,9 @@ static int capture_share(const moe_comm *c, const moe_ep *ep, const float *x, co
         rc = moe_ep_forward_hier(ep, x, ids, weights, r->y, &stats, st);
     if (rc == MOE_EXIT_OK)
         moe_ep_round_output(ep, r->y);
+    const moe_expert_rounding rounding = moe_expert_rounding_of(cfg);
+    if (rc == MOE_EXIT_OK && moe_expert_rounds(&rounding))
+        expert_allowances(ep, &r->cap, r);
     if (rc == MOE_EXIT_OK) /* the truth of the logical experts, each pair summed where its copy is */
         moe_truth_forward_placed(cfg, MOE_TRUTH_EXACT, x, moe_ep_dispatched_tokens(ep, x, r->x_scratch),
                                  routing->kept, weights, T, c->ranks, routing->pair_rank, r->truth, r->allow);
@@ -618,7 +669,7 @@ static int gather_shares(const moe_comm *c, const moe_ep *ep, const dump_routing
     moe_comm_gather_bytes(c, r->truth, sizeof(double) * (size_t)(T * d), a->truth);
     if (r->allow)
         moe_comm_gather_bytes(c, r->allow, sizeof(double) * (size_t)(T * d), a->allow);
-    share_parts(&r->cap, ep, a->mine, &a->my_meta);
+    share_parts(&r->cap, r->out_allow, r->sum_allow, ep, a->mine, &a->my_meta);
     moe_comm_gather_bytes(c, &a->my_meta, sizeof a->my_meta, a->meta);
     return ep->path->training ? gather_backward(c, ep, &r->bwd, st) : MOE_EXIT_OK;
 }
@@ -656,10 +707,12 @@ static void lay_out_inputs(tensor_list *l, const moe_ep *ep, int64_t N, float *t
 
 /* Per rank: the rows it received, its experts' outputs and pairs, and
  * (--combine reduced) each row's sum as sent back. */
-static void lay_out_ranks(tensor_list *l, source_list *sl, share_stream *s, const moe_config *cfg, int G)
+static void lay_out_ranks(tensor_list *l, source_list *sl, share_stream *s, const moe_config *cfg, int G,
+                          char (*allow_names)[MOE_ST_NAME_MAX])
 {
     const moe_index d = cfg->hidden;
     const bool bf16_combine = cfg->combine_dtype == MOE_DTYPE_BF16;
+    const bool bf16_out = cfg->gemm_out_dtype == MOE_DTYPE_BF16;
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
     for (int r = 0; r < G; r++) {
         const share_meta *m = &s->meta[r];
@@ -670,12 +723,26 @@ static void lay_out_ranks(tensor_list *l, source_list *sl, share_stream *s, cons
         moe_golden_tensor *g = add_streamed(l, sl, (part_source){s, NULL, r, OUT, AS_IS, 0, 1}, MOE_GK_EXPERT_OUT,
                                             2, pairs, d, 0);
         g->abs = g->rel * m->rms_out;
-        g->bf16_step = bf16_combine && !reduced; /* each value was rounded to bf16 once */
+        g->bf16_step = (bf16_combine && !reduced) || bf16_out; /* each value was rounded to bf16 once */
+        const int out_at = l->count - 1; /* add() may move the list: indices, not pointers */
         add_streamed(l, sl, (part_source){s, NULL, r, PAIR, AS_IS, 0, 1}, MOE_GK_EXPERT_PAIR, 2, pairs, 2, 0);
+        if (m->bytes[OUT_ALLOW]) { /* rounding points inside the experts: each value's allowance */
+            snprintf(allow_names[2 * r], MOE_ST_NAME_MAX, moe_golden_kinds[MOE_GK_EXPERT_OUT_ALLOW].name, r);
+            add_streamed(l, sl, (part_source){s, NULL, r, OUT_ALLOW, AS_IS, 0, 1}, MOE_GK_EXPERT_OUT_ALLOW, 2,
+                         pairs, d, 0);
+            l->items[out_at].allow = allow_names[2 * r];
+        }
         if (reduced) { /* per received row, its pairs summed in slot order, as sent back */
             g = add_streamed(l, sl, (part_source){s, NULL, r, SUMS, AS_IS, 0, 1}, MOE_GK_EXPERT_SUM, 2, rows, d, 0);
             g->abs = g->rel * m->rms_sums;
             g->bf16_step = bf16_combine;
+            const int sum_at = l->count - 1;
+            if (m->bytes[SUM_ALLOW]) {
+                snprintf(allow_names[2 * r + 1], MOE_ST_NAME_MAX, moe_golden_kinds[MOE_GK_EXPERT_SUM_ALLOW].name, r);
+                add_streamed(l, sl, (part_source){s, NULL, r, SUM_ALLOW, AS_IS, 0, 1}, MOE_GK_EXPERT_SUM_ALLOW, 2,
+                             rows, d, 0);
+                l->items[sum_at].allow = allow_names[2 * r + 1];
+            }
         }
     }
 }
@@ -804,7 +871,8 @@ static void write_set(const moe_comm *c, const moe_ep *ep, const char *dir, gath
     source_list sources_of = {moe_xcalloc((size_t)(PARTS + 1) * (size_t)G, sizeof(part_source)), 0,
                               (PARTS + 1) * G};
     const moe_wire wire = moe_wire_dispatch(cfg);
-    lay_out_ranks(&l, &sources_of, &stream, cfg, G);
+    char (*allow_names)[MOE_ST_NAME_MAX] = moe_xcalloc((size_t)(2 * G), MOE_ST_NAME_MAX);
+    lay_out_ranks(&l, &sources_of, &stream, cfg, G, allow_names);
     float *node_rows = NULL;
     int32_t *node_tokens = NULL;
     if (!moe_config_truth_shares(cfg))
@@ -832,6 +900,7 @@ static void write_set(const moe_comm *c, const moe_ep *ep, const char *dir, gath
         moe_comm_send_bytes(c, r, &stop, sizeof stop);
     }
     free(sources_of.items);
+    free(allow_names);
     free(node_tokens);
     free(node_rows);
     free(config);

@@ -98,6 +98,7 @@ static void check_against_truth(moe_run_context *ctx)
     if (s->quantised) {
         moe_config full = *cfg;
         full.param_dtype = full.dispatch_dtype = full.combine_dtype = full.output_dtype = MOE_DTYPE_FP32;
+        full.gemm_out_dtype = full.act_dtype = MOE_DTYPE_FP32;
         moe_synth_tokens(cfg->seed, (uint64_t)c->rank * (uint64_t)T, T, d, (float)cfg->init_scale,
                          cfg->input_dist, scratch);
         moe_truth_collective(c, &full, scratch, scratch, kept ? kept : ids, weights, NULL, truth,

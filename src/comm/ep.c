@@ -292,8 +292,11 @@ moe_expert_weights moe_ep_weights(const moe_ep *ep, bool shared, int n)
 {
     const size_t size1 = (size_t)moe_expert_w1_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
     const size_t size2 = (size_t)moe_expert_w2_floats(ep->gemm, ep->cfg->hidden, ep->cfg->ffn);
+    /* the rounding points are the routed experts' (the grouped GEMMs'); the
+     * shared experts stay fp32 */
     return (moe_expert_weights){(shared ? ep->shared_w1 : ep->w1) + (size_t)n * size1,
-                                (shared ? ep->shared_w2 : ep->w2) + (size_t)n * size2};
+                                (shared ? ep->shared_w2 : ep->w2) + (size_t)n * size2,
+                                shared ? (moe_expert_rounding){0} : moe_expert_rounding_of(ep->cfg)};
 }
 
 moe_index moe_ep_grad_weights_floats(const moe_ep *ep)

@@ -24,6 +24,8 @@ void moe_ep_capture_free(moe_ep_capture *capture)
     free(capture->recv_token);
     free(capture->out);
     free(capture->pair);
+    free(capture->pair_row);
+    free(capture->pair_weight);
     free(capture->sums);
     free(capture->layout_wire);
     free(capture->layout_src);
@@ -46,12 +48,17 @@ static void capture_rank(const moe_recv_plan *recv, const float *recv_rows,
     capture->pairs = recv->pairs;
     capture->out = moe_xmalloc(sizeof(float) * (size_t)(recv->pairs * d));
     memcpy(capture->out, expert_out, sizeof(float) * (size_t)(recv->pairs * d));
-    capture->pair = moe_xmalloc(sizeof(int32_t) * (size_t)(2 * recv->pairs));
+    capture->pair = moe_xmalloc(sizeof(int32_t) * (size_t)(2 * recv->pairs) + 1);
+    capture->pair_row = moe_xmalloc(sizeof(int32_t) * (size_t)recv->pairs + 1);
+    capture->pair_weight = moe_xmalloc(sizeof(float) * (size_t)recv->pairs + 1);
     for (int l = 0; l < recv->local_experts; l++)
         for (moe_index m = recv->expert_offset[l]; m < recv->expert_offset[l + 1]; m++) {
             const moe_index p = recv->expert_pair[m];
             capture->pair[2 * p] = capture->recv_token[recv->expert_row[m]];
             capture->pair[2 * p + 1] = first_expert + l;
+            capture->pair_row[p] = (int32_t)recv->expert_row[m];
+            capture->pair_weight[p] = moe_meta_weight(recv_meta + recv->expert_row[m] * MOE_META_WORDS(k), k,
+                                                      recv->expert_slot[m]);
         }
 }
 

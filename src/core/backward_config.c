@@ -30,6 +30,12 @@ int moe_backward_validate(const moe_config *cfg, moe_status *st)
                         "must be fp32, got %s and %s",
                         moe_config_choice_name("dispatch-dtype", cfg->dispatch_dtype),
                         moe_config_choice_name("combine-dtype", cfg->combine_dtype));
+    if (cfg->gemm_out_dtype != MOE_DTYPE_FP32 || cfg->act_dtype != MOE_DTYPE_FP32)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--backward differentiates fp32 experts: --gemm-out-dtype and --act-dtype "
+                        "must be fp32, got %s and %s",
+                        moe_config_choice_name("gemm-out-dtype", cfg->gemm_out_dtype),
+                        moe_config_choice_name("act-dtype", cfg->act_dtype));
     if (cfg->output_dtype != MOE_DTYPE_FP32 || cfg->topk_weights_dtype != MOE_DTYPE_FP32)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--backward differentiates the fp32 output through the fp32 top-k weights: "

@@ -370,6 +370,14 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
         return moe_fail(st, MOE_EXIT_USAGE, "--combine-dtype must be fp32 or bf16 for moe-ep run, got fp8");
     if (cfg->output_dtype == MOE_DTYPE_FP8)
         return moe_fail(st, MOE_EXIT_USAGE, "--output-dtype must be fp32 or bf16, got fp8");
+    if (cfg->gemm_out_dtype == MOE_DTYPE_FP8)
+        return moe_fail(st, MOE_EXIT_USAGE, "--gemm-out-dtype must be fp32 or bf16, got fp8");
+    if ((cfg->act_dtype != MOE_DTYPE_FP32 || cfg->gemm_out_dtype != MOE_DTYPE_FP32) &&
+        cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--gemm-out-dtype and --act-dtype round inside the expert, where --weight-at "
+                        "activation would scale by the gate weight first: use --weight-at output "
+                        "(DeepSeek-V3's), or fp32 for both");
     if (cfg->topk_weights_dtype == MOE_DTYPE_FP8)
         return moe_fail(st, MOE_EXIT_USAGE, "--topk-weights-dtype must be fp32 or bf16, got fp8");
     if (cfg->dump[0] && cfg->gemm == MOE_GEMM_BLAS)
@@ -377,6 +385,12 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
                         "--dump needs --gemm packed or exact (default packed), got blas: OpenBLAS's "
                         "bits depend on the CPU and the thread count, and a golden set is the same "
                         "bytes on every machine");
+    if (cfg->dump[0] && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL && cfg->combine == MOE_COMBINE_REDUCED &&
+        (cfg->act_dtype != MOE_DTYPE_FP32 || cfg->gemm_out_dtype != MOE_DTYPE_FP32))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--dump of the two-stage dispatch's relay sums holds no allowance for rounding "
+                        "inside the experts: with --gemm-out-dtype or --act-dtype, use --combine pairs "
+                        "or --dispatch flat");
     if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL && cfg->wave_by == MOE_WAVE_BY_EXPERTS)
         return moe_fail(st, MOE_EXIT_USAGE,
                         "--dispatch hierarchical runs waves of tokens (a relay forwards a token once "

@@ -52,6 +52,29 @@ static void swiglu(float *h, moe_index rows, moe_index ffn, const float *scale)
     }
 }
 
+moe_expert_rounding moe_expert_rounding_of(const moe_config *cfg)
+{
+    return (moe_expert_rounding){
+        .h_bf16 = cfg->gemm_out_dtype == MOE_DTYPE_BF16,
+        .out_bf16 = cfg->gemm_out_dtype == MOE_DTYPE_BF16,
+        .act_dtype = cfg->act_dtype,
+        .fmt = {(enum moe_fp8_recipe)cfg->fp8_recipe, cfg->fp8_scale == MOE_FP8_SCALE_UE8M0}};
+}
+
+/* The activation (rows, f; leading dimension 2f) rounded to r's
+ * act_dtype in place; q (f) and scales (blocks of f) the FP8 scratch. */
+static void round_activation(const moe_expert_rounding *r, float *h, moe_index rows, moe_index ffn,
+                             uint8_t *q, float *scales)
+{
+    for (moe_index n = 0; n < rows && r->act_dtype != MOE_DTYPE_FP32; n++) {
+        float *act = h + n * 2 * ffn;
+        if (r->act_dtype == MOE_DTYPE_BF16)
+            moe_round_bf16_array(act, ffn);
+        else
+            moe_quantize_e4m3_row(act, ffn, r->fmt, q, scales, act);
+    }
+}
+
 static inline void after(const moe_ffn_hooks *hooks, enum moe_ffn_stage stage)
 {
     if (hooks && hooks->after)
@@ -91,6 +114,9 @@ static void expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm,
     /* h (rows, 2f), then the activation in its first f columns */
     const bool chunked = moe_gemm_rows_independent(gemm) && hooks && hooks->chunk_rows > 0;
     const moe_index chunk = chunked ? hooks->chunk_rows : rows;
+    const moe_expert_rounding *r = &w->rounding;
+    uint8_t *q = r->act_dtype == MOE_DTYPE_FP8 ? moe_xmalloc((size_t)ffn) : NULL;
+    float *scales = q ? moe_xmalloc(sizeof(float) * (size_t)moe_fp8_blocks(ffn)) : NULL;
     for (moe_index first = 0; first < rows; first += chunk) {
         const moe_index n = rows - first < chunk ? rows - first : chunk;
         float *h = scratch + first * 2 * ffn;
@@ -100,12 +126,19 @@ static void expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm,
         else
             moe_expert_gemm(gemm, n, 2 * ffn, hidden, x + first * hidden, hidden, w->w1t, h,
                             2 * ffn);
+        if (r->h_bf16)
+            moe_round_bf16_array(h, n * 2 * ffn);
         after(hooks, MOE_FFN_L1);
         swiglu(h, n, ffn, act_scale ? act_scale + first : NULL);
+        round_activation(r, h, n, ffn, q, scales);
         after(hooks, MOE_FFN_ACTIVATION);
         moe_expert_gemm(gemm, n, hidden, ffn, h, 2 * ffn, w->w2t, y + first * hidden, hidden);
+        if (r->out_bf16)
+            moe_round_bf16_array(y + first * hidden, n * hidden);
         after(hooks, MOE_FFN_L2);
     }
+    free(scales);
+    free(q);
 }
 
 void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
@@ -144,6 +177,155 @@ void moe_expert_forward_f64(enum moe_truth_gemm gemm, const double *w1, const do
             act[c] = gate[c] / (1.0 + moe_exp_fp64(-gate[c])) * up[c];
     }
     product(rows, hidden, ffn, a, ffn, w2, ffn, y, hidden);
+}
+
+/* The rounded truth's intervals (moe_expert_forward_f64_rounded). */
+#define U32 0x1p-24 /* fp32 unit roundoff */
+
+static double silu64(double g) { return g / (1.0 + moe_exp_fp64(-g)); }
+
+/* v rounded to bf16 as an fp32 computation holding v would round it. */
+static double bf16_of(double v) { return moe_round_bf16((float)v); }
+
+/* [lo, hi] widened by eps times its larger end's magnitude. */
+static void widen(double *lo, double *hi, double eps)
+{
+    const double m = eps * fmax(fabs(*lo), fabs(*hi));
+    *lo -= m;
+    *hi += m;
+}
+
+/* The activation silu(g) * up over the box [g0, g1] x [u0, u1]: silu falls
+ * to its one minimum at g* = -1.27846454... and rises after it. */
+static void act_range(double g0, double g1, double u0, double u1, double *lo, double *hi)
+{
+    const double star = -1.2784645427610738;
+    const double a = silu64(g0), b = silu64(g1);
+    const double s0 = g0 <= star && star <= g1 ? silu64(star) : fmin(a, b), s1 = fmax(a, b);
+    const double p[4] = {s0 * u0, s0 * u1, s1 * u0, s1 * u1};
+    *lo = fmin(fmin(p[0], p[1]), fmin(p[2], p[3]));
+    *hi = fmax(fmax(p[0], p[1]), fmax(p[2], p[3]));
+}
+
+/* The FP8 scale fmt gives a block whose largest magnitude is amax. */
+static double fp8_scale(moe_fp8_format fmt, float amax)
+{
+    uint8_t q;
+    float s;
+    moe_quantize_e4m3_row(&amax, 1, fmt, &q, &s, NULL);
+    return s;
+}
+
+/* One row's activation quantised in blocks of 128 (act_dtype fp8): the
+ * truth's values v (from its own a, as an fp32 computation would quantise
+ * them), and [lo, hi] (the activation's interval on entry) mapped to every
+ * value the quantiser can give a value of the interval, with the scale
+ * of any amax the block's intervals allow: the quotient a / s over both
+ * intervals (4 u for the recipe's fp32 steps), e4m3 at its ends, times
+ * either end of the scale (u for the product). */
+static void fp8_interval_row(moe_fp8_format fmt, const double *a, moe_index f, double *lo, double *hi,
+                             double *v, float *af, uint8_t *q, float *scales)
+{
+    for (moe_index c = 0; c < f; c++)
+        af[c] = (float)a[c];
+    moe_quantize_e4m3_row(af, f, fmt, q, scales, af);
+    for (moe_index c = 0; c < f; c++)
+        v[c] = af[c];
+    for (moe_index b0 = 0; b0 < f; b0 += MOE_FP8_BLOCK) {
+        const moe_index b1 = b0 + MOE_FP8_BLOCK < f ? b0 + MOE_FP8_BLOCK : f;
+        float amax_lo = 0.0f, amax_hi = 0.0f;
+        for (moe_index c = b0; c < b1; c++) {
+            const float l = (float)lo[c], h = (float)hi[c];
+            amax_lo = fmaxf(amax_lo, l > 0.0f ? l : h < 0.0f ? -h : 0.0f);
+            amax_hi = fmaxf(amax_hi, fmaxf(fabsf(l), fabsf(h)));
+        }
+        /* an all-zero block's values are zero whatever its scale: the
+         * smallest positive amax stands for it */
+        const double s0 = fp8_scale(fmt, fmaxf(amax_lo, 0x1p-149f)), s1 = fp8_scale(fmt, amax_hi);
+        for (moe_index c = b0; c < b1; c++) {
+            const double l = (float)lo[c], h = (float)hi[c];
+            double r0 = fmin(l / s0, l / s1), r1 = fmax(h / s0, h / s1);
+            widen(&r0, &r1, 4 * U32);
+            const double q0 = moe_e4m3_to_f32(moe_f32_to_e4m3((float)r0));
+            const double q1 = moe_e4m3_to_f32(moe_f32_to_e4m3((float)r1));
+            lo[c] = fmin(q0 * s0, q0 * s1);
+            hi[c] = fmax(q1 * s0, q1 * s1);
+            widen(&lo[c], &hi[c], U32);
+        }
+    }
+}
+
+void moe_expert_forward_f64_rounded(enum moe_truth_gemm gemm, const moe_expert_rounding *r,
+                                    const double *w1, const double *w2, const double *x,
+                                    moe_index rows, moe_index hidden, moe_index ffn, double *y,
+                                    double *width)
+{
+    if (rows == 0)
+        return;
+    void (*product)(moe_index, moe_index, moe_index, const double *, moe_index, const double *,
+                    moe_index, double *, moe_index) =
+        gemm == MOE_TRUTH_EXACT ? moe_dgemm_nt_exact : moe_dgemm_nt;
+    const moe_index d = hidden, f = ffn;
+    double *h = moe_xmalloc(sizeof(double) * (size_t)(rows * 2 * f));   /* x W1^T */
+    double *err = moe_xmalloc(sizeof(double) * (size_t)(rows * 2 * f)); /* |x| |W1|^T */
+    double *absx = moe_xmalloc(sizeof(double) * (size_t)(rows * d));
+    double *absw = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d));
+    double *v = moe_xmalloc(sizeof(double) * (size_t)(rows * f));  /* the truth's activation */
+    double *lo = moe_xmalloc(sizeof(double) * (size_t)(rows * f)); /* and its interval */
+    double *hi = moe_xmalloc(sizeof(double) * (size_t)(rows * f));
+    float *af = moe_xmalloc(sizeof(float) * (size_t)f);
+    uint8_t *q = moe_xmalloc((size_t)f);
+    float *scales = moe_xmalloc(sizeof(float) * (size_t)moe_fp8_blocks(f));
+    for (moe_index m = 0; m < rows * d; m++)
+        absx[m] = fabs(x[m]);
+    for (moe_index m = 0; m < 2 * f * d; m++)
+        absw[m] = fabs(w1[m]);
+    product(rows, 2 * f, d, x, d, w1, d, h, 2 * f);
+    product(rows, 2 * f, d, absx, d, absw, d, err, 2 * f);
+    /* any order of an fp32 dot product over d: within gamma(d+1) sum |x w| */
+    const double gamma = (double)(d + 1) * U32 / (1.0 - (double)(d + 1) * U32);
+    for (moe_index n = 0; n < rows; n++) {
+        for (moe_index c = 0; c < f; c++) {
+            const moe_index g = n * 2 * f + c, u = g + f;
+            double g0 = h[g] - gamma * err[g], g1 = h[g] + gamma * err[g];
+            double u0 = h[u] - gamma * err[u], u1 = h[u] + gamma * err[u];
+            double gt = h[g], ut = h[u];
+            if (r->h_bf16) { /* rounding is monotone: the ends' roundings bound every value's */
+                g0 = bf16_of(g0), g1 = bf16_of(g1), gt = bf16_of(gt);
+                u0 = bf16_of(u0), u1 = bf16_of(u1), ut = bf16_of(ut);
+            }
+            const moe_index m = n * f + c;
+            act_range(g0, g1, u0, u1, &lo[m], &hi[m]);
+            widen(&lo[m], &hi[m], 8 * U32); /* an fp32 exp, quotient and products */
+            v[m] = silu64(gt) * ut;
+            if (r->act_dtype == MOE_DTYPE_BF16)
+                lo[m] = bf16_of(lo[m]), hi[m] = bf16_of(hi[m]), v[m] = bf16_of(v[m]);
+        }
+        if (r->act_dtype == MOE_DTYPE_FP8)
+            fp8_interval_row(r->fmt, v + n * f, f, lo + n * f, hi + n * f, v + n * f, af, q, scales);
+    }
+    product(rows, d, f, v, f, w2, f, y, d);
+    if (r->out_bf16)
+        for (moe_index m = 0; m < rows * d; m++)
+            y[m] = bf16_of(y[m]);
+    if (width) { /* |W2| (hi - lo) */
+        double *absw2 = absw; /* (d, f) fits in (2f, d) */
+        for (moe_index m = 0; m < d * f; m++)
+            absw2[m] = fabs(w2[m]);
+        for (moe_index m = 0; m < rows * f; m++)
+            lo[m] = hi[m] - lo[m];
+        product(rows, d, f, lo, f, absw2, f, width, d);
+    }
+    free(scales);
+    free(q);
+    free(af);
+    free(hi);
+    free(lo);
+    free(v);
+    free(absw);
+    free(absx);
+    free(err);
+    free(h);
 }
 
 static moe_index layout_floats(enum moe_gemm_kind gemm, moe_index K, moe_index N)

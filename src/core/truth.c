@@ -24,11 +24,15 @@ static void to_f64(const float *src, moe_index n, double *dst)
  * terms of one expert on the tokens it is evaluated on. With
  * --combine-dtype bf16 each term is rounded as the EP path rounds it: the
  * output (weight after) or the weighted output (weight before L2), and
- * allow gets one bf16 step of the term. */
+ * allow gets one bf16 step of the term (also where --gemm-out-dtype bf16
+ * rounded the output itself), and the term's share of the expert's width
+ * (moe_expert_forward_f64_rounded) when width is set. */
 static void accumulate(const moe_config *cfg, double *y, double *allow, const double *out,
-                       const double *scale, const moe_index *row, moe_index rows, moe_index hidden)
+                       const double *width, const double *scale, const moe_index *row,
+                       moe_index rows, moe_index hidden)
 {
     const bool bf16 = cfg->combine_dtype == MOE_DTYPE_BF16;
+    const bool step = bf16 || cfg->gemm_out_dtype == MOE_DTYPE_BF16;
     const bool before_l2 = cfg->weight_at == MOE_WEIGHT_AT_ACTIVATION;
 #pragma omp parallel for schedule(static)
     for (moe_index m = 0; m < rows; m++) {
@@ -43,8 +47,10 @@ static void accumulate(const moe_config *cfg, double *y, double *allow, const do
             else
                 term = g * (double)moe_round_bf16((float)v);
             yi[j] += term;
-            if (bf16 && ai)
+            if (step && ai)
                 ai[j] += fabs(before_l2 ? 1.0 : g) * moe_bf16_step(before_l2 ? g * v : v);
+            if (width && ai)
+                ai[j] += fabs(g) * width[m * hidden + j];
         }
     }
 }
@@ -143,6 +149,8 @@ static moe_index forward_rows(const int32_t *ids, const float *weights, moe_inde
 typedef struct {
     double *w1, *w2;              /* (2f, d), (d, f) */
     double *xe, *out, *scratch;   /* (cap, d), (cap, d), (cap, 3f) */
+    double *width;                /* (cap, d) with rounding points inside the expert */
+    moe_expert_rounding rounding; /* the routed experts' (--gemm-out-dtype, --act-dtype) */
     moe_index cap, block;
 } expert_work;
 
@@ -153,11 +161,13 @@ static expert_work expert_work_new(const moe_config *cfg)
     const moe_index d = cfg->hidden, f = cfg->ffn;
     return (expert_work){.w1 = moe_xmalloc(sizeof(double) * (size_t)(2 * f * d)),
                          .w2 = moe_xmalloc(sizeof(double) * (size_t)(d * f)),
+                         .rounding = moe_expert_rounding_of(cfg),
                          .block = cfg->tokens > 0 ? cfg->tokens : 1};
 }
 
 static void expert_work_free(expert_work *b)
 {
+    free(b->width);
     free(b->scratch);
     free(b->out);
     free(b->xe);
@@ -174,12 +184,28 @@ static void expert_work_fit(const moe_config *cfg, int e, moe_index n, expert_wo
         free(b->xe);
         free(b->out);
         free(b->scratch);
+        free(b->width);
         b->cap = n < b->block ? n : b->block;
         b->xe = moe_xmalloc(sizeof(double) * (size_t)(b->cap * d));
         b->out = moe_xmalloc(sizeof(double) * (size_t)(b->cap * d));
         b->scratch = moe_xmalloc(sizeof(double) * (size_t)(b->cap * 3 * f));
+        b->width = moe_expert_rounds(&b->rounding) ? moe_xmalloc(sizeof(double) * (size_t)(b->cap * d)) : NULL;
     }
     generated_f64(cfg, false, e, b->w1, b->w2);
+}
+
+/* The expert on the block's rows (b->xe) into b->out, with the rounding
+ * points inside it, and their width into b->width where there are any. */
+static const double *expert_block(enum moe_truth_gemm gemm, moe_index rows, moe_index d,
+                                  moe_index f, expert_work *b)
+{
+    if (!moe_expert_rounds(&b->rounding)) {
+        moe_expert_forward_f64(gemm, b->w1, b->w2, b->xe, rows, d, f, b->scratch, b->out);
+        return NULL;
+    }
+    moe_expert_forward_f64_rounded(gemm, &b->rounding, b->w1, b->w2, b->xe, rows, d, f, b->out,
+                                   b->width);
+    return b->width;
 }
 
 static void expert_terms(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x_dispatched,
@@ -192,12 +218,20 @@ static void expert_terms(const moe_config *cfg, enum moe_truth_gemm gemm, const 
     for (moe_index first = 0; first < n; first += b->cap) {
         const moe_index rows = n - first < b->cap ? n - first : b->cap;
         gather_f64(x_dispatched, row + first, rows, d, b->xe);
-        moe_expert_forward_f64(gemm, b->w1, b->w2, b->xe, rows, d, f, b->scratch, b->out);
+        const double *width = expert_block(gemm, rows, d, f, b);
         if (!reduced)
-            accumulate(cfg, y, allow, b->out, gate + first, row + first, rows, d);
+            accumulate(cfg, y, allow, b->out, width, gate + first, row + first, rows, d);
         for (moe_index m = 0; reduced && m < rows; m++)
             for (moe_index j = 0; j < d; j++)
                 sums[row[first + m] * d + j] += gate[first + m] * b->out[m * d + j];
+        /* a reduced combine's sums carry each term's width, and a step
+         * where the output was rounded to bf16 (the sum's own rounding is
+         * flush's) */
+        for (moe_index m = 0; reduced && width && allow && m < rows; m++)
+            for (moe_index j = 0; j < d; j++)
+                allow[row[first + m] * d + j] +=
+                    fabs(gate[first + m]) *
+                    (width[m * d + j] + (b->rounding.out_bf16 ? moe_bf16_step(b->out[m * d + j]) : 0.0));
     }
 }
 
@@ -285,8 +319,7 @@ void moe_truth_pair_outputs(const moe_config *cfg, enum moe_truth_gemm gemm,
         for (moe_index first = 0; first < n; first += work.cap) {
             const moe_index rows = n - first < work.cap ? n - first : work.cap;
             gather_f64(x_dispatched, row + first, rows, d, work.xe);
-            moe_expert_forward_f64(gemm, work.w1, work.w2, work.xe, rows, d, f, work.scratch,
-                                   work.out);
+            expert_block(gemm, rows, d, f, &work);
             for (moe_index m = 0; m < rows; m++)
                 memcpy(out + pair[first + m] * d, work.out + m * d, sizeof(double) * (size_t)d);
         }
@@ -294,6 +327,22 @@ void moe_truth_pair_outputs(const moe_config *cfg, enum moe_truth_gemm gemm,
     expert_work_free(&work);
     free(pair);
     free(row);
+}
+
+void moe_truth_expert_widths(const moe_config *cfg, enum moe_truth_gemm gemm, int expert,
+                             const float *x, moe_index rows, double *width)
+{
+    const moe_index d = cfg->hidden, f = cfg->ffn;
+    expert_work work = expert_work_new(cfg);
+    MOE_ASSERT(moe_expert_rounds(&work.rounding));
+    expert_work_fit(cfg, expert, rows, &work);
+    for (moe_index first = 0; first < rows; first += work.cap) {
+        const moe_index n = rows - first < work.cap ? rows - first : work.cap;
+        to_f64(x + first * d, n * d, work.xe);
+        expert_block(gemm, n, d, f, &work);
+        memcpy(width + first * d, work.width, sizeof(double) * (size_t)(n * d));
+    }
+    expert_work_free(&work);
 }
 
 void moe_truth_add_shared(const moe_config *cfg, enum moe_truth_gemm gemm, const float *x,
@@ -336,7 +385,9 @@ static void truth_forward(const moe_config *cfg, enum moe_truth_gemm gemm, const
 
 bool moe_truth_rounds(const moe_config *cfg)
 {
-    return cfg->combine_dtype != MOE_DTYPE_FP32 || cfg->output_dtype != MOE_DTYPE_FP32;
+    const moe_expert_rounding r = moe_expert_rounding_of(cfg);
+    return cfg->combine_dtype != MOE_DTYPE_FP32 || cfg->output_dtype != MOE_DTYPE_FP32 ||
+           moe_expert_rounds(&r);
 }
 
 void moe_truth_round_output(const moe_config *cfg, double *y, double *allow, moe_index n)

@@ -55,6 +55,10 @@ const moe_golden_kind_spec moe_golden_kinds[MOE_GOLDEN_KINDS] = {
     [MOE_GK_EXPERT_OUT] = CHAIN("experts.rank%d.out", MOE_GOLDEN_EXPERTS, 1, 0, 0, 1, 0),
     [MOE_GK_EXPERT_PAIR] = EXACT("experts.rank%d.pair", MOE_GOLDEN_EXPERTS, MOE_ST_I32),
     [MOE_GK_EXPERT_SUM] = CHAIN("experts.rank%d.sum", MOE_GOLDEN_EXPERTS, 1, 0, 1, 1, 0),
+    /* with rounding points inside the experts: how far apart two correct
+     * computations of each value can lie (truth.h) */
+    [MOE_GK_EXPERT_OUT_ALLOW] = EXACT("experts.rank%d.out_allow", MOE_GOLDEN_EXPERTS, MOE_ST_F64),
+    [MOE_GK_EXPERT_SUM_ALLOW] = EXACT("experts.rank%d.sum_allow", MOE_GOLDEN_EXPERTS, MOE_ST_F64),
     /* the two-stage dispatch's relay sums: a node's ranks' sums added once
      * more (the dump adds R to the chain) */
     [MOE_GK_NODE_SUM] = CHAIN("experts.node%d.sum", MOE_GOLDEN_EXPERTS, 1, 0, 1, 1, 0),

@@ -679,7 +679,7 @@ static void print_check(FILE *out, const moe_run_summary *s)
                      "the truth of every pair max |diff| %.3e = %.2e x rms (the cost of the drops, not "
                      "checked)\n", s->drop_max_abs, s->drop_max_rel_rms);
     if (s->quantised)
-        fprintf(out, "precision weights and tokens %s%s, dispatch %s%s%s%s%s, combine %s%s: against the fp32 "
+        fprintf(out, "precision weights and tokens %s%s, dispatch %s%s%s%s%s, combine %s%s%s%s%s: against the fp32 "
                      "truth max |diff| %.3e = %.2e x rms (the cost of the precision, not checked)\n",
                 dtype_names[cfg->param_dtype],
                 cfg->param_dtype != MOE_DTYPE_FP8 ? ""
@@ -691,7 +691,11 @@ static void print_check(FILE *out, const moe_run_summary *s)
                 cfg->dispatch_dtype == MOE_DTYPE_FP8 ? moe_config_choice_name("fp8-recipe", cfg->fp8_recipe) : "",
                 cfg->dispatch_dtype == MOE_DTYPE_FP8 ? ")" : "",
                 dtype_names[cfg->combine_dtype],
-                cfg->output_dtype == MOE_DTYPE_BF16 ? ", output bf16" : "", s->quant_max_abs, s->quant_max_rel_rms);
+                cfg->output_dtype == MOE_DTYPE_BF16 ? ", output bf16" : "",
+                cfg->gemm_out_dtype == MOE_DTYPE_BF16 ? ", experts' GEMM outputs bf16" : "",
+                cfg->act_dtype != MOE_DTYPE_FP32 ? ", activation " : "",
+                cfg->act_dtype != MOE_DTYPE_FP32 ? dtype_names[cfg->act_dtype] : "", s->quant_max_abs,
+                s->quant_max_rel_rms);
     if (s->ref_compared)
         fprintf(out, "          vs the blocking %s: %s (%.0f values differ, max |diff| "
                      "%.3e; %s)\n",
@@ -707,11 +711,13 @@ static void print_check(FILE *out, const moe_run_summary *s)
                 s->bwd_ref_differ == 0.0 ? "bitwise identical" : "differs", s->bwd_ref_differ,
                 s->bwd_ref_bitwise_expected ? "bitwise expected"
                                             : "waves with blas: the truth's tolerance expected");
-    fprintf(out, "check: %s max_abs=%.3e max_rel=%.3e tol=%.3e+%.3e*|ref|%s%s used=%.1f%%\n",
+    const moe_expert_rounding rounding = moe_expert_rounding_of(cfg);
+    fprintf(out, "check: %s max_abs=%.3e max_rel=%.3e tol=%.3e+%.3e*|ref|%s%s%s used=%.1f%%\n",
             moe_report_check_passed(s) ? "PASS" : "FAIL", s->cmp.max_abs, s->cmp.max_rel,
             s->tol.abs, s->tol.rel,
             cfg->combine_dtype == MOE_DTYPE_BF16 ? "+1 bf16 step per combined term" : "",
             cfg->output_dtype == MOE_DTYPE_BF16 ? "+1 bf16 step of the output" : "",
+            moe_expert_rounds(&rounding) ? "+the experts' rounding intervals" : "",
             100.0 * s->cmp.max_used);
 }
 

@@ -1248,6 +1248,7 @@ static bool expected_shape(const verify_run *v, const char *name, int64_t d, int
     const char *rank_tensor[][2] = {{"dispatch.rank%d.x%n", "rd"}, {"dispatch.rank%d.token%n", "r"},
                                     {"experts.rank%d.out%n", "rd"}, {"experts.rank%d.pair%n", "r2"},
                                     {"experts.rank%d.sum%n", "rd"}, {"experts.node%d.sum%n", "rd"},
+                                    {"experts.rank%d.out_allow%n", "rd"}, {"experts.rank%d.sum_allow%n", "rd"},
                                     {"experts.node%d.token%n", "r"}};
     char rows = 0, cols = 0;
     for (size_t n = 0; n < sizeof table / sizeof table[0]; n++)

@@ -10,10 +10,14 @@ A port's view of the contract in docs/golden.md. Experts: the fixed-order
 GEMM (k ascending, each product rounded to fp32 and then added, no fused
 multiply-add), silu with the exp that include/moe/experts.h specifies step
 by step, the gate weight multiplied into the activation when the set applies
-it there, the combine rounding, and with --combine reduced the sums each rank
-sends back. Truth: the same in fp64, with the GEMM
+it there, the rounding points inside the routed experts (--gemm-out-dtype
+bf16: h and the output; --act-dtype: the activation, FP8 with the set's
+recipe per block of 128), the combine rounding, and with --combine reduced
+the sums each rank sends back. Truth: the same in fp64, with the GEMM
 of moe_dgemm_nt_exact (include/moe/gemm.h) and the exp of
-include/moe/exp.h, every expert on every token, summed in expert order.
+include/moe/exp.h, every expert on every token, summed in expert order,
+each rounding point applied to the fp64 value as fp32 code would round its
+own (to fp32 first).
 Every operation below is one IEEE operation, as in C. Exit 0 when every
 value has the same bits.
 """
@@ -24,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
-from recompute import bf16, pair_ranks, reduced_sum  # noqa: E402
+from recompute import bf16, pair_ranks, reduced_sum, round_act, round_h  # noqa: E402
 
 F = np.float32
 
@@ -85,13 +89,14 @@ def dgemm_exact(a, b):
     return acc
 
 
-def ffn_fp64(x, w1, w2):
-    """The truth's SwiGLU expert, w1 (2f, d) and w2 (d, f) as dumped."""
+def ffn_fp64(x, w1, w2, config=None):
+    """The truth's SwiGLU expert, w1 (2f, d) and w2 (d, f) as dumped; with a
+    config, a routed expert's rounding points."""
     w1, w2 = w1.astype(np.float64), w2.astype(np.float64)
-    h = dgemm_exact(x, w1)
+    h = round_h(dgemm_exact(x, w1), config)
     f = w1.shape[0] // 2
     gate, up = h[:, :f], h[:, f:]
-    return dgemm_exact(gate / (1.0 + exp_fp64(-gate)) * up, w2)
+    return round_h(dgemm_exact(round_act(gate / (1.0 + exp_fp64(-gate)) * up, config), w2), config)
 
 
 def truth_exact(files, config):
@@ -113,7 +118,7 @@ def truth_exact(files, config):
         for s in range(ids.shape[1]):
             g = np.where(ids[:, s] == e, weights[:, s].astype(np.float64), g)
             at_rank = np.where(ids[:, s] == e, rank_of[:, s], at_rank)
-        out = ffn_fp64(xq, files["experts.w1"][e], files["experts.w2"][e])
+        out = ffn_fp64(xq, files["experts.w1"][e], files["experts.w2"][e], config)
         rows = np.nonzero(g != 0.0)[0]
         v, gr = out[rows], g[rows][:, None]
         if reduced:  # each pair into the sum of the rank that computed it (its copy's)
@@ -186,13 +191,13 @@ def main(golden):
                 e = files["layout.replica_of"][p] if "layout.replica_of" in files else p
                 tokens = pairs[at, 0]
                 x = np.stack([rows[t] for t in tokens.tolist()]).astype(np.float32)
-                h = gemm_exact(x, w1t[e])
+                h = round_h(gemm_exact(x, w1t[e]), config)
                 gate, up = h[:, :f], h[:, f:]
                 act = gate / (F(1) + exp_fp32(-gate)) * up
                 if before_l2:
                     slot = np.argmax(ids[tokens] == e, axis=1)
                     act = act * weights[tokens, slot][:, None]
-                y = gemm_exact(act, w2t[e])
+                y = round_h(gemm_exact(round_act(act, config), w2t[e]), config)
                 if combine_bf16 and not reduced:
                     y = bf16(y)
                 same = y.view(np.uint32) == out[at].view(np.uint32)

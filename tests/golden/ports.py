@@ -70,12 +70,15 @@ def gemm_pairwise(a, bt, rows=16):
 # rounded to nearest even, the expert outputs truncated to bf16 for the
 # combine, and the layer output truncated to bf16 (--output-dtype bf16):
 # each such element is at most one bf16 step off, which the contract allows
-# one by one; verify catches it by the steps' direction.
+# one by one; verify catches it by the steps' direction. With rounding
+# points inside the experts (--gemm-out-dtype bf16, --act-dtype fp8): a
+# port that keeps the GEMM outputs or the activation in fp32.
 BUGS = {"no-shared": "output", "weight-elsewhere": "experts", "fp8-per-row": "dispatch",
         "fp8-per-tensor": "dispatch", "softmax-for-sigmoid": "router", "mask-zero": "router",
         "no-route-scale": "router", "no-renorm": "router", "bias-in-weights": "router",
         "dispatch-off-by-one": "dispatch", "combine-off-by-one": "output",
-        "bf16-truncation": "inputs", "combine-truncation": "experts", "output-truncation": "output"}
+        "bf16-truncation": "inputs", "combine-truncation": "experts", "output-truncation": "output",
+        "fp32-gemm-out": "experts", "fp32-activation": "experts"}
 
 
 def bug_applies(bug, files, config):
@@ -91,7 +94,9 @@ def bug_applies(bug, files, config):
             "combine-off-by-one": config["weight-at"] == "output" and int(config["topk"]) > 1,
             "bf16-truncation": config["dtype"] == "bf16",
             "combine-truncation": config["combine-dtype"] == "bf16",
-            "output-truncation": config.get("output-dtype", "fp32") == "bf16"}.get(bug, True)
+            "output-truncation": config.get("output-dtype", "fp32") == "bf16",
+            "fp32-gemm-out": config.get("gemm-out-dtype", "fp32") == "bf16",
+            "fp32-activation": config.get("act-dtype", "fp32") != "fp32"}.get(bug, True)
 
 PORTS = {
     "fma": gemm_fma,
@@ -102,16 +107,28 @@ PORTS = {
 }
 
 
-def ffn(gemm, x, w1, w2, scale=None):
-    """SwiGLU of x (rows, d) with w1 (2f, d), w2 (d, f), in fp32."""
+def ffn(gemm, x, w1, w2, scale=None, config=None, bug=None):
+    """SwiGLU of x (rows, d) with w1 (2f, d), w2 (d, f), in fp32; with a
+    config, the routed experts' rounding points (--gemm-out-dtype bf16: h
+    and the output to bf16; --act-dtype: the activation to bf16, or to FP8
+    with the set's recipe per block of 128 of a row)."""
+    config = config or {}
+    gemm_bf16 = config.get("gemm-out-dtype", "fp32") == "bf16" and bug != "fp32-gemm-out"
+    act_dtype = "fp32" if bug == "fp32-activation" else config.get("act-dtype", "fp32")
     h = gemm(x, np.ascontiguousarray(w1.T))
+    h = bf16(h) if gemm_bf16 else h
     f = w1.shape[0] // 2
     gate, up = h[:, :f], h[:, f:]
     with np.errstate(over="ignore"):
         act = (gate / (F(1) + np.exp(-gate)) * up).astype(F)
     if scale is not None:
         act = (act * scale[:, None]).astype(F)
-    return gemm(act, np.ascontiguousarray(w2.T))
+    if act_dtype == "bf16":
+        act = bf16(act)
+    elif act_dtype == "fp8":
+        act = dispatch_fp8(act, config)
+    y = gemm(act, np.ascontiguousarray(w2.T))
+    return bf16(y) if gemm_bf16 else y
 
 
 def e4m3_value(q):
@@ -277,7 +294,7 @@ def port(files, config, gemm, bug=None):
             x = np.stack([rows[t] for t in tokens.tolist()]).astype(F)
             slot = np.argmax(ids[tokens] == e, axis=1)
             y = ffn(gemm, x, files["experts.w1"][logical[e]], files["experts.w2"][logical[e]],
-                    weights[tokens, slot] if before_l2 else None)
+                    weights[tokens, slot] if before_l2 else None, config, bug)
             result[at] = to_bf16(y) if combine_bf16 and not reduced else y
         out["experts.rank%d.out" % r] = result
         for row, (t, e) in enumerate(pairs.tolist()):

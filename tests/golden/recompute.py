@@ -4,8 +4,9 @@ dispatched rows with numpy, and compare it with the dumped output.
 
     /usr/bin/python3 tests/golden/recompute.py GOLDEN_DIR
 
-A cross-language check: the SwiGLU experts, the gate-weighted sum, the shared
-experts and the bf16 combine rounding are written here again, in float64.
+A cross-language check: the SwiGLU experts (with the rounding points inside
+the routed ones), the gate-weighted sum, the shared experts and the bf16
+combine rounding are written here again, in float64.
 Exit 0 when every element is within the manifest's tolerance for output.y.
 """
 import os
@@ -15,6 +16,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
+from fp8_recipes import recipe  # noqa: E402
+
+F = np.float32
 
 
 def bf16(values):
@@ -50,11 +54,41 @@ def reduced_sum(ranks, partials, combine_bf16):
     return y
 
 
-def ffn(x, w1, w2):
-    h = x @ w1.T.astype(np.float64)
+def e4m3_value(q):
+    """The value of E4M3 bytes q, in fp32."""
+    q = q.astype(np.int64)
+    v = np.where((q >> 3) & 0xF == 0, (q & 7) * 2.0 ** -9, (8 + (q & 7)) * np.ldexp(1.0, ((q >> 3) & 0xF) - 10))
+    return (np.where(q & 0x80, -v, v)).astype(F)
+
+
+def round_h(h, config):
+    """--gemm-out-dtype bf16: a GEMM's output to bf16 (an fp64 value through fp32)."""
+    return bf16(h).astype(h.dtype) if config and config.get("gemm-out-dtype", "fp32") == "bf16" else h
+
+
+def round_act(act, config):
+    """--act-dtype: the activation to bf16, or to FP8 per block of 128 of a
+    row with the set's recipe, dequantised in fp32 (an fp64 value through
+    fp32)."""
+    kind = config.get("act-dtype", "fp32") if config else "fp32"
+    if kind == "bf16":
+        return bf16(act).astype(act.dtype)
+    if kind != "fp8":
+        return act
+    out, a32 = np.empty(act.shape, dtype=F), act.astype(F)
+    for i in range(a32.shape[0]):
+        for b0 in range(0, a32.shape[1], 128):
+            q, s = recipe(config["fp8-recipe"], config["fp8-scale"] == "ue8m0", a32[i, b0 : b0 + 128])
+            out[i, b0 : b0 + 128] = e4m3_value(q) * s
+    return out.astype(act.dtype)
+
+
+def ffn(x, w1, w2, config=None):
+    """SwiGLU in float64; with a config, a routed expert's rounding points."""
+    h = round_h(x @ w1.T.astype(np.float64), config)
     f = w1.shape[0] // 2
     gate, up = h[:, :f], h[:, f:]
-    return (gate / (1.0 + np.exp(-gate)) * up) @ w2.T.astype(np.float64)
+    return round_h(round_act(gate / (1.0 + np.exp(-gate)) * up, config) @ w2.T.astype(np.float64), config)
 
 
 def kept_pairs(config, ids, weights):
@@ -127,7 +161,7 @@ def main(golden):
         rows, slots = np.nonzero(ids == e)
         if rows.size == 0:
             continue
-        out = ffn(xq[rows], files["experts.w1"][e], files["experts.w2"][e])
+        out = ffn(xq[rows], files["experts.w1"][e], files["experts.w2"][e], config)
         g = weights[rows, slots][:, None]
         if reduced:  # each pair into the sum of the rank that computed it
             for r in np.unique(rank_of[rows, slots]):

@@ -297,7 +297,7 @@ START_TEST(fp32_backward_matches_fp64)
     float *w2g = malloc(sizeof(float) * moe_expert_grad_w2_floats(kind, DD, FF));
     moe_expert_layout(kind, DD, FF, w1, w2, w1t, w2t);
     moe_expert_grad_layout(kind, DD, FF, w1, w2, w1g, w2g);
-    const moe_expert_weights fw = {w1t, w2t};
+    const moe_expert_weights fw = {w1t, w2t, {0}};
     const moe_expert_grad_weights bw = {w1g, w2g};
     moe_expert_grad_work work = moe_expert_grad_work_alloc(N, DD, FF);
     float dx[N * DD], dg[N], dw1[2 * FF * DD], dw2[DD * FF];
@@ -373,7 +373,7 @@ START_TEST(grad_layout_from_forward_is_grad_layout)
     memset(got, 0xff, sizeof(float) * (size_t)(n1 + n2)); /* NaNs where nothing is written */
     moe_expert_layout(kind, DD, FF, w1, w2, w1t, w2t);
     moe_expert_grad_layout(kind, DD, FF, w1, w2, want, want + n1);
-    const moe_expert_weights fw = {w1t, w2t};
+    const moe_expert_weights fw = {w1t, w2t, {0}};
     moe_expert_grad_layout_from_forward(kind, DD, FF, &fw, got, got + n1);
     ck_assert(memcmp(got, want, sizeof(float) * (size_t)(n1 + n2)) == 0);
     free(got);

@@ -54,6 +54,71 @@ START_TEST(ffn_matches_the_definition)
 }
 END_TEST
 
+/* The rounding points inside an expert (--gemm-out-dtype bf16, --act-dtype
+ * fp8 or bf16): the fp32 forward with each --gemm lies within the truth's
+ * interval of every fp32 computation (width, plus one bf16 step where the
+ * output is rounded, plus the fp32 chain of L2 the contract's rel allows),
+ * the width is below 1 % of the rms on most values, and the same fp32
+ * forward without the rounding points lies outside it on 5 % or more. */
+START_TEST(rounded_expert_lies_within_the_truths_interval)
+{
+    enum { ROWS = 24, D = 256, F = 160 }; /* F: a full FP8 block and a partial one */
+    const enum moe_gemm_kind kind = (enum moe_gemm_kind)(_i % 3);
+    const moe_expert_rounding r = {.h_bf16 = true, .out_bf16 = true,
+                                   .act_dtype = _i < 3 ? MOE_DTYPE_FP8 : MOE_DTYPE_BF16,
+                                   .fmt = {MOE_FP8_RECIPE_DEEPGEMM, true}};
+    float *w1 = malloc(sizeof(float) * 2 * F * D), *w2 = malloc(sizeof(float) * D * F);
+    float *x = malloc(sizeof(float) * ROWS * D), *y = malloc(sizeof(float) * ROWS * D);
+    float *plain = malloc(sizeof(float) * ROWS * D), *scratch = malloc(sizeof(float) * ROWS * 3 * F);
+    double *w1_64 = malloc(sizeof(double) * 2 * F * D), *w2_64 = malloc(sizeof(double) * D * F);
+    double *x64 = malloc(sizeof(double) * ROWS * D), *y64 = malloc(sizeof(double) * ROWS * D);
+    double *width = malloc(sizeof(double) * ROWS * D);
+    moe_expert_generate(5, 1, D, F, w1, w2);
+    moe_synth_tokens(5, 0, ROWS, D, 1.0f, MOE_INPUT_ACTIVATIONS, x);
+    for (int n = 0; n < 2 * F * D; n++)
+        w1_64[n] = w1[n];
+    for (int n = 0; n < D * F; n++)
+        w2_64[n] = w2[n];
+    for (int n = 0; n < ROWS * D; n++)
+        x64[n] = x[n];
+    float *w1t = malloc(sizeof(float) * moe_expert_w1_floats(kind, D, F));
+    float *w2t = malloc(sizeof(float) * moe_expert_w2_floats(kind, D, F));
+    moe_expert_layout(kind, D, F, w1, w2, w1t, w2t);
+    const moe_expert_weights w = {.w1t = w1t, .w2t = w2t, .rounding = r};
+    const moe_expert_weights w_plain = {.w1t = w1t, .w2t = w2t};
+    moe_expert_forward(&w, kind, x, ROWS, D, F, scratch, y, NULL, NULL);
+    moe_expert_forward(&w_plain, kind, x, ROWS, D, F, scratch, plain, NULL, NULL);
+    moe_expert_forward_f64_rounded(MOE_TRUTH_EXACT, &r, w1_64, w2_64, x64, ROWS, D, F, y64, width);
+    double rms = 0.0;
+    for (int n = 0; n < ROWS * D; n++)
+        rms += y64[n] * y64[n];
+    rms = sqrt(rms / (ROWS * D));
+    const double rel = 0x1p-24 * (D + F);
+    int narrow = 0, plain_outside = 0;
+    for (int n = 0; n < ROWS * D; n++) {
+        const double bound = width[n] + moe_bf16_step(y64[n]) + rel * (rms + fabs(y64[n]));
+        ck_assert_msg(fabs(y[n] - y64[n]) <= bound, "value %d: %g, truth %g, width %g", n, y[n], y64[n], width[n]);
+        narrow += width[n] < 0.01 * rms;
+        plain_outside += fabs(plain[n] - y64[n]) > bound;
+    }
+    ck_assert_int_gt(narrow, ROWS * D * 9 / 10);
+    ck_assert_int_gt(plain_outside, ROWS * D / 20);
+    free(w2t);
+    free(w1t);
+    free(width);
+    free(y64);
+    free(x64);
+    free(w2_64);
+    free(w1_64);
+    free(scratch);
+    free(plain);
+    free(y);
+    free(x);
+    free(w2);
+    free(w1);
+}
+END_TEST
+
 START_TEST(compare_reports_worst_and_nonfinite)
 {
     const double ref[4] = {1.0, -2.0, 0.0, 4.0};
@@ -754,6 +819,7 @@ Suite *make_experts_suite(void)
     Suite *s = suite_create("experts");
     TCase *tc = tcase_create("ffn");
     tcase_add_loop_test(tc, ffn_matches_the_definition, MOE_GEMM_BLAS, MOE_GEMM_PACKED + 1);
+    tcase_add_loop_test(tc, rounded_expert_lies_within_the_truths_interval, 0, 6);
     tcase_add_test(tc, compare_reports_worst_and_nonfinite);
     tcase_add_test(tc, fma_peak_is_measured_where_the_width_exists);
     tcase_add_test(tc, exact_gemm_is_the_scalar_loop);
