@@ -84,6 +84,18 @@ void moe_precision_weights(int dtype, float *w, moe_index n);
  * in fp32, the weight a port dequantises. */
 void moe_fp8_block_weights(float *m, moe_index rows, moe_index cols, bool pow2);
 
+/* The same, the E4M3 bytes into q (rows, cols) and each block's scale into
+ * scales (ceil(rows/128), ceil(cols/128)), row-major, when not NULL. */
+void moe_fp8_block_quantize(float *m, moe_index rows, moe_index cols, bool pow2, uint8_t *q,
+                            float *scales);
+
+/* An expert's W1 (2f, d) and W2 (d, f) in --dtype fp8's blocks (below), in
+ * place, with the bytes q1 (2f, d), q2 (d, f) and the scales s1
+ * (2 ceil(f/128), ceil(d/128): the gate projection's block rows, then the
+ * up projection's), s2 (ceil(d/128), ceil(f/128)) when not NULL. */
+void moe_fp8_expert_blocks(float *w1, float *w2, moe_index hidden, moe_index ffn, bool pow2,
+                           uint8_t *q1, float *s1, uint8_t *q2, float *s2);
+
 /* An expert's W1 (2f, d) and W2 (d, f) rounded to --dtype: each value to
  * bf16, or (fp8) DeepSeek-V3's checkpoint: the gate projection (rows 0..f-1
  * of W1), the up projection (rows f..2f-1) and W2 each in 128 x 128 blocks

@@ -36,21 +36,42 @@ typedef struct {
     int dtype;
     bool pow2;           /* --fp8-scale ue8m0 (for --dtype fp8) */
     bool shared, second; /* shared experts; W2 rather than W1 */
+    int part;            /* enum weight_part */
 } weight_source;
 
-/* One expert's W1 (2f, d) or W2 (d, f), regenerated and rounded to --dtype. */
+/* What a weight tensor holds: the values (rounded to --dtype), or with
+ * --dtype fp8 their E4M3 bytes or their blocks' scales. */
+enum weight_part { WEIGHT_VALUES, WEIGHT_BYTES, WEIGHT_SCALES };
+
+/* One expert's W1 (2f, d) or W2 (d, f), regenerated and rounded to
+ * --dtype, as the source's part says. */
 static void fill_weight(const void *ctx, int64_t expert, void *out)
 {
     const weight_source *w = ctx;
-    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * w->f * w->d));
-    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(w->d * w->f));
+    const moe_index d = w->d, f = w->f, fb = moe_fp8_blocks(f), db = moe_fp8_blocks(d);
+    float *w1 = moe_xmalloc(sizeof(float) * (size_t)(2 * f * d));
+    float *w2 = moe_xmalloc(sizeof(float) * (size_t)(d * f));
+    uint8_t *q = w->part == WEIGHT_BYTES ? moe_xmalloc((size_t)(2 * f * d)) : NULL;
+    float *s = w->part == WEIGHT_SCALES ? moe_xmalloc(sizeof(float) * (size_t)(2 * fb * db)) : NULL;
     if (w->shared)
-        moe_shared_expert_generate(w->seed, (int)expert, w->d, w->f, w1, w2);
+        moe_shared_expert_generate(w->seed, (int)expert, d, f, w1, w2);
     else
-        moe_expert_generate(w->seed, (int)expert, w->d, w->f, w1, w2);
-    moe_precision_expert(w->dtype, w->pow2, w1, w2, w->d, w->f);
-    const moe_index n = w->second ? w->d * w->f : 2 * w->f * w->d;
-    memcpy(out, w->second ? w2 : w1, sizeof(float) * (size_t)n);
+        moe_expert_generate(w->seed, (int)expert, d, f, w1, w2);
+    if (w->part == WEIGHT_VALUES)
+        moe_precision_expert(w->dtype, w->pow2, w1, w2, d, f);
+    else if (w->second)
+        moe_fp8_expert_blocks(w1, w2, d, f, w->pow2, NULL, NULL, q, s);
+    else
+        moe_fp8_expert_blocks(w1, w2, d, f, w->pow2, q, s, NULL, NULL);
+    const moe_index n = w->second ? d * f : 2 * f * d;
+    if (q)
+        memcpy(out, q, (size_t)n);
+    else if (s)
+        memcpy(out, s, sizeof(float) * (size_t)(w->second ? db * fb : 2 * fb * db));
+    else
+        memcpy(out, w->second ? w2 : w1, sizeof(float) * (size_t)n);
+    free(s);
+    free(q);
     free(w2);
     free(w1);
 }
@@ -675,9 +696,11 @@ static int gather_shares(const moe_comm *c, const moe_ep *ep, const dump_routing
 }
 
 /* The inputs: tokens, the gate, and (--dump-weights) the experts' weights,
- * regenerated as the file is written. */
+ * regenerated as the file is written; with --dtype fp8 also as their E4M3
+ * bytes and block scales (what an FP8 GEMM loads, as DeepSeek-V3's
+ * checkpoint holds them). */
 static void lay_out_inputs(tensor_list *l, const moe_ep *ep, int64_t N, float *tokens,
-                           weight_source sources[4])
+                           weight_source sources[12])
 {
     const moe_config *cfg = ep->cfg;
     const moe_index d = cfg->hidden, f = cfg->ffn, E = cfg->experts, S = cfg->shared_experts;
@@ -693,15 +716,22 @@ static void lay_out_inputs(tensor_list *l, const moe_ep *ep, int64_t N, float *t
         return;
     static const enum moe_golden_kind kinds[4] = {MOE_GK_EXPERTS_W1, MOE_GK_EXPERTS_W2,
                                                   MOE_GK_SHARED_W1, MOE_GK_SHARED_W2};
+    const bool fp8 = cfg->param_dtype == MOE_DTYPE_FP8;
+    const moe_index fb = moe_fp8_blocks(f), db = moe_fp8_blocks(d);
     for (int n = 0; n < 4; n++) {
-        sources[n] = (weight_source){cfg->seed, d, f, cfg->param_dtype,
-                                     cfg->fp8_scale == MOE_FP8_SCALE_UE8M0, n >= 2, n % 2};
         const int64_t count = n < 2 ? E : S;
-        if (count == 0)
-            continue;
-        moe_golden_tensor *g = add(l, kinds[n], -1, NULL, 3, count, n % 2 ? d : 2 * f, n % 2 ? f : d);
-        g->tensor.fill = fill_weight;
-        g->tensor.ctx = &sources[n];
+        for (int part = WEIGHT_VALUES; part <= (fp8 ? WEIGHT_SCALES : WEIGHT_VALUES) && count > 0; part++) {
+            weight_source *src = &sources[3 * n + part];
+            *src = (weight_source){cfg->seed, d, f, cfg->param_dtype, cfg->fp8_scale == MOE_FP8_SCALE_UE8M0,
+                                   n >= 2, n % 2, part};
+            const enum moe_golden_kind kind =
+                part == WEIGHT_VALUES ? kinds[n] : MOE_GK_EXPERTS_W1_FP8 + 2 * n + (part == WEIGHT_SCALES);
+            const int64_t rows = part == WEIGHT_SCALES ? (n % 2 ? db : 2 * fb) : n % 2 ? d : 2 * f;
+            const int64_t cols = part == WEIGHT_SCALES ? (n % 2 ? fb : db) : n % 2 ? f : d;
+            moe_golden_tensor *g = add(l, kind, -1, NULL, 3, count, rows, cols);
+            g->tensor.fill = fill_weight;
+            g->tensor.ctx = src;
+        }
     }
 }
 
@@ -828,7 +858,7 @@ static void write_set(const moe_comm *c, const moe_ep *ep, const char *dir, gath
     const int64_t N = (int64_t)G * T;
     tensor_list l = {.d = d, .experts = E, .topk = k, .ffn = cfg->ffn};
     float *tokens = moe_xmalloc(sizeof(float) * (size_t)(N * d));
-    weight_source sources[4];
+    weight_source sources[12];
     lay_out_inputs(&l, ep, N, tokens, sources);
     /* router */
     float *selection = moe_xmalloc(sizeof(float) * (size_t)(N * E));

@@ -152,8 +152,10 @@ void moe_precision_weights(int dtype, float *w, moe_index n)
         moe_round_bf16_array(w, n);
 }
 
-void moe_fp8_block_weights(float *m, moe_index rows, moe_index cols, bool pow2)
+void moe_fp8_block_quantize(float *m, moe_index rows, moe_index cols, bool pow2, uint8_t *q,
+                            float *scales)
 {
+    const moe_index blocks = moe_fp8_blocks(cols);
     for (moe_index r0 = 0; r0 < rows; r0 += MOE_FP8_BLOCK)
         for (moe_index c0 = 0; c0 < cols; c0 += MOE_FP8_BLOCK) {
             const moe_index r1 = r0 + MOE_FP8_BLOCK < rows ? r0 + MOE_FP8_BLOCK : rows;
@@ -165,12 +167,32 @@ void moe_fp8_block_weights(float *m, moe_index rows, moe_index cols, bool pow2)
             float scale = amax > 0.0f ? amax / MOE_E4M3_MAX : 1.0f;
             if (pow2 && amax > 0.0f)
                 scale = fmaxf(pow2_at_least(scale), 0x1p-126f);
+            if (scales)
+                scales[r0 / MOE_FP8_BLOCK * blocks + c0 / MOE_FP8_BLOCK] = scale;
             for (moe_index r = r0; r < r1; r++)
                 for (moe_index c = c0; c < c1; c++) {
                     float *w = &m[r * cols + c];
-                    *w = moe_e4m3_to_f32(moe_f32_to_e4m3(*w / scale)) * scale;
+                    const uint8_t byte = moe_f32_to_e4m3(*w / scale);
+                    if (q)
+                        q[r * cols + c] = byte;
+                    *w = moe_e4m3_to_f32(byte) * scale;
                 }
         }
+}
+
+void moe_fp8_block_weights(float *m, moe_index rows, moe_index cols, bool pow2)
+{
+    moe_fp8_block_quantize(m, rows, cols, pow2, NULL, NULL);
+}
+
+void moe_fp8_expert_blocks(float *w1, float *w2, moe_index hidden, moe_index ffn, bool pow2,
+                           uint8_t *q1, float *s1, uint8_t *q2, float *s2)
+{
+    const moe_index half = moe_fp8_blocks(ffn) * moe_fp8_blocks(hidden); /* scales of a projection */
+    moe_fp8_block_quantize(w1, ffn, hidden, pow2, q1, s1);                /* gate projection */
+    moe_fp8_block_quantize(w1 + ffn * hidden, ffn, hidden, pow2, q1 ? q1 + ffn * hidden : NULL,
+                           s1 ? s1 + half : NULL); /* up projection */
+    moe_fp8_block_quantize(w2, hidden, ffn, pow2, q2, s2);
 }
 
 void moe_precision_expert(int dtype, bool pow2, float *w1, float *w2, moe_index hidden, moe_index ffn)
@@ -180,9 +202,7 @@ void moe_precision_expert(int dtype, bool pow2, float *w1, float *w2, moe_index 
         moe_precision_weights(dtype, w2, hidden * ffn);
         return;
     }
-    moe_fp8_block_weights(w1, ffn, hidden, pow2);               /* gate projection */
-    moe_fp8_block_weights(w1 + ffn * hidden, ffn, hidden, pow2); /* up projection */
-    moe_fp8_block_weights(w2, hidden, ffn, pow2);
+    moe_fp8_expert_blocks(w1, w2, hidden, ffn, pow2, NULL, NULL, NULL, NULL);
 }
 
 void moe_precision_dispatch(int dispatch_dtype, moe_fp8_format fp8, const float *x,

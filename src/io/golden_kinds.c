@@ -21,6 +21,15 @@ const moe_golden_kind_spec moe_golden_kinds[MOE_GOLDEN_KINDS] = {
     [MOE_GK_EXPERTS_W2] = EXACT("experts.w2", MOE_GOLDEN_INPUTS, MOE_ST_F32),
     [MOE_GK_SHARED_W1] = EXACT("shared.w1", MOE_GOLDEN_INPUTS, MOE_ST_F32),
     [MOE_GK_SHARED_W2] = EXACT("shared.w2", MOE_GOLDEN_INPUTS, MOE_ST_F32),
+    /* --dtype fp8: the same weights as their E4M3 bytes and 128 x 128 block scales */
+    [MOE_GK_EXPERTS_W1_FP8] = EXACT("experts.w1.fp8", MOE_GOLDEN_INPUTS, MOE_ST_F8_E4M3),
+    [MOE_GK_EXPERTS_W1_SCALE] = EXACT("experts.w1.fp8.scale", MOE_GOLDEN_INPUTS, MOE_ST_F32),
+    [MOE_GK_EXPERTS_W2_FP8] = EXACT("experts.w2.fp8", MOE_GOLDEN_INPUTS, MOE_ST_F8_E4M3),
+    [MOE_GK_EXPERTS_W2_SCALE] = EXACT("experts.w2.fp8.scale", MOE_GOLDEN_INPUTS, MOE_ST_F32),
+    [MOE_GK_SHARED_W1_FP8] = EXACT("shared.w1.fp8", MOE_GOLDEN_INPUTS, MOE_ST_F8_E4M3),
+    [MOE_GK_SHARED_W1_SCALE] = EXACT("shared.w1.fp8.scale", MOE_GOLDEN_INPUTS, MOE_ST_F32),
+    [MOE_GK_SHARED_W2_FP8] = EXACT("shared.w2.fp8", MOE_GOLDEN_INPUTS, MOE_ST_F8_E4M3),
+    [MOE_GK_SHARED_W2_SCALE] = EXACT("shared.w2.fp8.scale", MOE_GOLDEN_INPUTS, MOE_ST_F32),
     /* router: one dot product over d; the softmax or sigmoid over E more;
      * the bias added once; normalised over k */
     [MOE_GK_LOGITS] = CHAIN("router.logits", MOE_GOLDEN_ROUTER, 1, 0, 0, 0, 0),

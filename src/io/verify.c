@@ -306,6 +306,46 @@ static bool exponent_scales(const moe_st_entry *e, const moe_st_entry *golden)
     return same;
 }
 
+/* An expert weight in --dtype fp8's blocks (experts.w1.fp8, shared.w2.fp8,
+ * ...: (count, R, C) E4M3 bytes beside F32 scales (count, SR, ceil(C/128)),
+ * one per 128 x 128 block, W1's gate and up projections each blocked from
+ * their first row): SR, or 0 when name is not one. */
+static int64_t weight_block_rows(const char *name, const int64_t *shape, int ndim)
+{
+    const size_t len = strlen(name);
+    const bool w1 = len > 7 && !strcmp(name + len - 7, ".w1.fp8");
+    const bool w2 = len > 7 && !strcmp(name + len - 7, ".w2.fp8");
+    if (ndim != 3 || !(w1 || w2))
+        return 0;
+    return w1 ? 2 * ((shape[1] / 2 + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK)
+              : (shape[1] + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+}
+
+/* Such a weight's block scales as one scale per row's block of 128 (count
+ * R, blocks), the form the decoders below read; NULL (st set) when the
+ * scale tensor is not F32 (count, SR, blocks). */
+static float *weight_scales_by_row(const char *name, const int64_t *shape, const moe_st_entry *s,
+                                   const float *block, int64_t SR, int64_t blocks, moe_status *st)
+{
+    const int64_t count = shape[0], R = shape[1];
+    if (!s || s->dtype != MOE_ST_F32 || s->ndim != 3 || s->shape[0] != count || s->shape[1] != SR ||
+        s->shape[2] != blocks) {
+        moe_fail(st, MOE_EXIT_USAGE,
+                 "'%s.scale' must be F32 (%lld, %lld, %lld): one scale per 128 x 128 block of '%s'",
+                 name, (long long)count, (long long)SR, (long long)blocks, name);
+        return NULL;
+    }
+    const bool w1 = strstr(name, ".w1.fp8") != NULL;
+    const int64_t half = R / 2, first_up = (half + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
+    float *rows = moe_xmalloc(sizeof(float) * (size_t)(count * R * blocks) + 1);
+    for (int64_t e = 0; e < count; e++)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t br = w1 && r >= half ? first_up + (r - half) / MOE_FP8_BLOCK : r / MOE_FP8_BLOCK;
+            memcpy(rows + (e * R + r) * blocks, block + (e * SR + br) * blocks, sizeof(float) * (size_t)blocks);
+        }
+    return rows;
+}
+
 /* An F8_E4M3 candidate tensor name (rows, d) as F32 values: each byte's
  * value times its block's scale from the candidate's "name.scale" (rows,
  * ceil(d/128)) in one of scales_as_f32's forms, as DeepEP and DeepGEMM ship
@@ -319,8 +359,21 @@ static float *fp8_with_scales(const moe_st_file *cand, const moe_st_entry *e, co
     const int64_t width = e->ndim >= 2 ? e->shape[e->ndim - 1] : 0;
     const int64_t rows = width ? moe_st_elements(e->ndim, e->shape) / width : 0;
     const int64_t blocks = (width + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
-    float *scales = e->ndim >= 2 ? scales_as_f32(cand, e, moe_st_find(cand, name), rows, blocks, st)
-                                 : scales_as_f32(cand, e, NULL, rows, blocks, st);
+    const int64_t SR = weight_block_rows(e->name, e->shape, e->ndim);
+    float *scales = NULL;
+    if (SR) { /* an expert weight: 128 x 128 blocks */
+        const moe_st_entry *s = moe_st_find(cand, name);
+        float *block = s && s->dtype == MOE_ST_F32 ? moe_xmalloc((size_t)(s->end - s->begin) + 1) : NULL;
+        if (block && moe_st_read(cand, s, block, st)) {
+            free(block);
+            return NULL;
+        }
+        scales = weight_scales_by_row(e->name, e->shape, s, block, SR, blocks, st);
+        free(block);
+    } else {
+        scales = e->ndim >= 2 ? scales_as_f32(cand, e, moe_st_find(cand, name), rows, blocks, st)
+                              : scales_as_f32(cand, e, NULL, rows, blocks, st);
+    }
     if (!scales)
         return NULL;
     float *values = moe_xmalloc(sizeof(float) * (size_t)(rows * width) + 1);
@@ -345,7 +398,12 @@ static void *golden_fp8_values(const verify_run *v, const char *name, moe_st_ent
     const int64_t width = entry->ndim >= 2 ? entry->shape[entry->ndim - 1] : 0;
     const int64_t rows = width ? moe_st_elements(entry->ndim, entry->shape) / width : 0;
     const int64_t blocks = (width + MOE_FP8_BLOCK - 1) / MOE_FP8_BLOCK;
-    if (scales && (s_entry.dtype != MOE_ST_F32 || moe_st_elements(s_entry.ndim, s_entry.shape) != rows * blocks)) {
+    const int64_t SR = weight_block_rows(name, entry->shape, entry->ndim);
+    if (scales && SR) { /* an expert weight: its 128 x 128 blocks' scales, one per row's block */
+        float *by_row = weight_scales_by_row(name, entry->shape, &s_entry, scales, SR, blocks, st);
+        free(scales);
+        scales = by_row;
+    } else if (scales && (s_entry.dtype != MOE_ST_F32 || moe_st_elements(s_entry.ndim, s_entry.shape) != rows * blocks)) {
         moe_fail(st, MOE_EXIT_USAGE, "golden tensor '%s' is not the F32 scales, (rows, %lld), of F8_E4M3 '%s'",
                  scale_name, (long long)blocks, name);
         free(scales);
