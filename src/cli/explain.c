@@ -9,7 +9,10 @@
  * each row lands in its rank's receive buffer and in which wave the wave
  * pipeline would send it, each expert's output, what each rank sends back,
  * the weighted sum, the shared experts, and the output next to the fp64
- * truth. Then the per-rank view: rows and pairs from each rank to each.
+ * truth; with the two-stage dispatch each node's relay and what it
+ * forwards (and, reduced, each relay's sum), with the low-latency mode each
+ * pair's buffer slot. Then the per-rank view: rows and pairs from each
+ * rank to each.
  * Every rank fills a fixed-size record per token; rank 0 gathers and
  * prints. With --dump the golden set of the same forward is written too,
  * which is what tests/mpi/explain checks the printed numbers against.
@@ -42,7 +45,9 @@ static void print_usage(FILE *out)
             "logits and scores, the top-k experts and where they live, the rows the dispatch\n"
             "sends after deduplication and where each lands, the experts' outputs, what comes\n"
             "back, the weighted sum, the shared experts and the output next to the fp64 truth;\n"
-            "then the rows and pairs each rank sends to each. Rows show their first %d values.\n"
+            "then the rows and pairs each rank sends to each. With --dispatch hierarchical it\n"
+            "follows the token through each node's relay (and each relay's sum); with --mode\n"
+            "low-latency into each expert's buffer slot. Rows show their first %d values.\n"
             "Flags override the preset, whatever their order.\n"
             "\n",
             SHOW);
@@ -66,11 +71,12 @@ static int parse_tokens(const char *text, int64_t N, int64_t *out, moe_status *s
 }
 
 /* What the token's home rank knows, in doubles: x, logits, scores, ids,
- * weights, the wave of each slot, y, the shared experts' outputs, the
- * truth, max |y - truth| and the truth's rms over d. */
+ * weights, the wave of each slot, the low-latency buffer slot of each (the
+ * tokens of its rank before it that chose the same expert), y, the shared
+ * experts' outputs, the truth, max |y - truth| and the truth's rms over d. */
 typedef struct {
     int E, k, S;
-    size_t x, logits, scores, ids, weights, wave, y, shared, truth, diff, size;
+    size_t x, logits, scores, ids, weights, wave, slot, y, shared, truth, diff, size;
 } home_layout;
 
 static home_layout home_layout_of(const moe_config *cfg)
@@ -81,7 +87,8 @@ static home_layout home_layout_of(const moe_config *cfg)
     h.ids = h.scores + (size_t)h.E;
     h.weights = h.ids + (size_t)h.k;
     h.wave = h.weights + (size_t)h.k;
-    h.y = h.wave + (size_t)h.k;
+    h.slot = h.wave + (size_t)h.k;
+    h.y = h.slot + (size_t)h.k;
     h.shared = h.y + SHOW;
     h.truth = h.shared + (size_t)h.S * SHOW;
     h.diff = h.truth + SHOW;
@@ -125,6 +132,11 @@ static void fill_home(const moe_run_context *ctx, const moe_waves *waves, moe_in
         rec[h->ids + s] = ctx->ids[i * k + s];
         rec[h->weights + s] = ctx->weights[i * k + s];
         rec[h->wave + s] = moe_wave_of(waves, i, ctx->ids[i * k + s]);
+        int before = 0;
+        for (moe_index j = 0; j < i; j++)
+            for (int t = 0; t < k; t++)
+                before += ctx->ids[j * k + t] == ctx->ids[i * k + s];
+        rec[h->slot + s] = before;
     }
     copy_show(rec + h->y, ctx->y + i * d, d);
     float *shared = moe_xmalloc(sizeof(float) * (size_t)(S * d) + 1);
@@ -269,6 +281,98 @@ static void print_router(const moe_run_context *ctx, const double *home, const h
     }
 }
 
+/* The two-stage dispatch of the token: per node holding any of its
+ * experts, the one row that crosses the inter-node tier to the node's
+ * relay (the rank of the home's local index there; none for the home's own
+ * node), and the ranks of that node the relay forwards it to over NVLink;
+ * then the IB rows against the flat dispatch's. */
+static void print_relay(const moe_run_context *ctx, int home_rank, const double *ranks,
+                        const rank_layout *rl)
+{
+    const moe_ep *ep = &ctx->ep;
+    const int G = ctx->comm->ranks, R = ep->link.ranks_per_node, nodes = G / R;
+    int ib = 0, flat = 0, shown = 0;
+    for (int n = 0; n < nodes; n++) {
+        int held = 0;
+        for (int r = n * R; r < (n + 1) * R; r++)
+            held += ranks[(size_t)r * rl->size + rl->row] >= 0;
+        if (!held)
+            continue;
+        const int relay = n * R + home_rank % R;
+        const char *label = shown++ ? "" : "two-stage";
+        if (n == node_of(ep, home_rank))
+            printf("  %-11s node %d (home's): no inter-node hop; rank %d forwards it over NVLink to rank%s",
+                   label, n, home_rank, held == 1 ? "" : "s");
+        else
+            printf("  %-11s node %d: one row over IB to its relay, rank %d (local index %d, as the home's), "
+                   "which forwards it over NVLink to rank%s",
+                   label, n, relay, home_rank % R, held == 1 ? "" : "s");
+        for (int r = n * R, first = 1; r < (n + 1) * R; r++)
+            if (ranks[(size_t)r * rl->size + rl->row] >= 0) {
+                printf("%s %d%s", first ? "" : ",", r, r == relay ? " (itself)" : "");
+                first = 0;
+            }
+        printf("\n");
+        ib += n != node_of(ep, home_rank);
+        flat += n != node_of(ep, home_rank) ? held : 0;
+    }
+    printf("  %-11s %d row%s cross%s the inter-node tier (the flat dispatch would send %d); the combine "
+           "returns the same way%s\n",
+           "", ib, ib == 1 ? "" : "s", ib == 1 ? "es" : "", flat,
+           ctx->cfg.combine == MOE_COMBINE_REDUCED ? ", each relay summing its node's rows first" : "");
+}
+
+/* The two-stage dispatch's reduced combine: each node's relay adds its
+ * ranks' sums of the token (ascending local index, in fp32), rounds the
+ * sum as it travels, and sends one row home. */
+static void print_node_sums(const moe_run_context *ctx, const double *ranks, const rank_layout *rl)
+{
+    const int G = ctx->comm->ranks, R = ctx->ep.link.ranks_per_node;
+    for (int n = 0; n < G / R; n++) {
+        float sum[SHOW] = {0};
+        bool any = false;
+        for (int r = n * R; r < (n + 1) * R; r++)
+            if (ranks[(size_t)r * rl->size + rl->row] >= 0) {
+                any = true;
+                for (int c = 0; c < SHOW; c++)
+                    sum[c] += (float)ranks[(size_t)r * rl->size + rl->sum + c];
+            }
+        if (!any)
+            continue;
+        moe_precision_combine(ctx->cfg.combine_dtype, sum, SHOW);
+        double shown[SHOW];
+        for (int c = 0; c < SHOW; c++)
+            shown[c] = sum[c];
+        char label[32];
+        snprintf(label, sizeof label, "node %d sum", n);
+        print_row(label, shown, ctx->cfg.hidden);
+    }
+}
+
+/* The low-latency dispatch of the token: every pair its own row (no
+ * deduplication), written one-sidedly into the owner's fixed buffer. */
+static void print_low_latency(const moe_run_context *ctx, int home_rank, const double *home,
+                              const home_layout *h)
+{
+    const moe_ep *ep = &ctx->ep;
+    const moe_config *cfg = &ctx->cfg;
+    for (int s = 0; s < h->k; s++) {
+        const int e = (int)home[h->ids + s];
+        if (e == MOE_DROPPED)
+            continue;
+        const int r = ep->placement.expert_rank[e];
+        char how[64];
+        if (cfg->rma == MOE_RMA_GET)
+            snprintf(how, sizeof how, "read by rank %d from rank %d's window into", r, home_rank);
+        else
+            snprintf(how, sizeof how, "put by rank %d into", home_rank);
+        printf("  %-11s expert %d: its own row, %s rank %d's buffer of local expert %d, source block %d, "
+               "slot %.0f of %lld\n",
+               s ? "" : "low-latency", e, how, r, e - ep->placement.first_expert[r], home_rank,
+               home[h->slot + s], (long long)moe_config_max_tokens(cfg));
+    }
+}
+
 static void print_token(const moe_run_context *ctx, int64_t g, const double *home,
                         const home_layout *h, const double *ranks, const rank_layout *rl)
 {
@@ -291,10 +395,21 @@ static void print_token(const moe_run_context *ctx, int64_t g, const double *hom
             nodes += node_of(ep, r) != last_node;
             last_node = node_of(ep, r);
         }
-    printf("  %-11s %d pair%s, %d row%s after deduplication (one per rank holding any of its "
-           "experts), on %d of %d node%s\n",
-           "dispatch", pairs, pairs == 1 ? "" : "s", copies, copies == 1 ? "" : "s", nodes, node_of(ep, G - 1) + 1,
-           node_of(ep, G - 1) ? "s" : "");
+    const bool ll = cfg->mode == MOE_MODE_LOW_LATENCY;
+    if (ll)
+        printf("  %-11s %d pair%s, %d row%s: the low-latency mode sends each pair as its own row (no "
+               "deduplication), to %d rank%s on %d of %d node%s\n",
+               "dispatch", pairs, pairs == 1 ? "" : "s", pairs, pairs == 1 ? "" : "s", copies,
+               copies == 1 ? "" : "s", nodes, node_of(ep, G - 1) + 1, node_of(ep, G - 1) ? "s" : "");
+    else
+        printf("  %-11s %d pair%s, %d row%s after deduplication (one per rank holding any of its "
+               "experts), on %d of %d node%s\n",
+               "dispatch", pairs, pairs == 1 ? "" : "s", copies, copies == 1 ? "" : "s", nodes,
+               node_of(ep, G - 1) + 1, node_of(ep, G - 1) ? "s" : "");
+    if (cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
+        print_relay(ctx, home_rank, ranks, rl);
+    if (cfg->mode == MOE_MODE_LOW_LATENCY)
+        print_low_latency(ctx, home_rank, home, h);
     double routed[SHOW] = {0};
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
     const bool at_output = cfg->weight_at == MOE_WEIGHT_AT_OUTPUT;
@@ -302,9 +417,13 @@ static void print_token(const moe_run_context *ctx, int64_t g, const double *hom
         const double *rec = ranks + (size_t)r * rl->size;
         if (rec[rl->row] < 0)
             continue;
-        printf("  %-11s rank %d%s: receive row %.0f of %.0f; ", "arrives", r,
-               r == home_rank ? " (its own rank)" : "", rec[rl->row], rec[rl->rows]);
-        print_waves(ep, home, h, r, ctx->schedule.waves, r == home_rank);
+        if (ll) {
+            printf("  %-11s rank %d%s: its buffer slots above\n", "arrives", r, r == home_rank ? " (its own rank)" : "");
+        } else {
+            printf("  %-11s rank %d%s: receive row %.0f of %.0f; ", "arrives", r,
+                   r == home_rank ? " (its own rank)" : "", rec[rl->row], rec[rl->rows]);
+            print_waves(ep, home, h, r, ctx->schedule.waves, r == home_rank);
+        }
         for (int p = 0; p < (int)rec[rl->pairs]; p++) {
             const double *pair = rec + rl->pair + (size_t)p * (1 + SHOW);
             int slot = 0;
@@ -325,8 +444,13 @@ static void print_token(const moe_run_context *ctx, int64_t g, const double *hom
                    rec[rl->pairs], rec[rl->pairs] == 1 ? "" : "s");
         }
     }
+    if (reduced && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL)
+        print_node_sums(ctx, ranks, rl);
     printf("  %-11s %s\n", "combine",
-           reduced ? (at_output ? "each rank sent its experts' outputs weighted and summed; home adds the sums"
+           reduced && cfg->dispatch == MOE_DISPATCH_HIERARCHICAL
+               ? "each rank sent its experts' outputs weighted and summed to the relay, each relay its "
+                 "node's sum home; home adds the nodes' sums"
+           : reduced ? (at_output ? "each rank sent its experts' outputs weighted and summed; home adds the sums"
                                 : "each rank sent its experts' outputs summed (weights applied before L2)")
                    : (at_output ? "home sums weight x output over the k slots, in slot order"
                                 : "home sums the k outputs (weights applied before L2), in slot order"));
@@ -412,8 +536,14 @@ static int explain(moe_run_context *ctx, const int64_t *tokens, int count)
     moe_ep_capture cap = {0};
     moe_forward_stats stats;
     int rc = moe_ep_forward_ref(ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &stats, &cap, &ctx->status);
-    if (rc)
+    /* the two-stage dispatch's reduced combine sums again at each relay: the
+     * output is that path's (the walk's rows and sums are the same) */
+    if (!rc && !moe_config_truth_shares(cfg))
+        rc = moe_ep_forward_hier(ep, ctx->x, ctx->ids, ctx->weights, ctx->y, &stats, &ctx->status);
+    if (rc) {
+        moe_ep_capture_free(&cap);
         return rc;
+    }
     float *scratch = moe_xmalloc(sizeof(float) * (size_t)(T * d) + 1);
     const float *xd = moe_ep_dispatched_tokens(ep, ctx->x, scratch);
     moe_waves waves;
@@ -426,9 +556,12 @@ static int explain(moe_run_context *ctx, const int64_t *tokens, int count)
     double *ranks = c->rank == 0 ? moe_xmalloc(sizeof(double) * rl.size * (size_t)G) : NULL;
     if (c->rank == 0)
         printf("moe-ep explain · G=%d ranks · T=%lld tokens per rank · d=%lld f=%lld E=%lld k=%d · "
-               "router %s · %lld shared · %s combine · W=%d (%s)\n",
+               "router %s · %lld shared · %s%s combine · W=%d (%s)\n",
                G, (long long)T, (long long)d, (long long)cfg->ffn, (long long)cfg->experts, k,
                moe_config_choice_name("router", cfg->router), (long long)cfg->shared_experts,
+               cfg->mode == MOE_MODE_LOW_LATENCY ? "low-latency dispatch (one-sided), "
+               : cfg->dispatch == MOE_DISPATCH_HIERARCHICAL ? "two-stage dispatch (IB, then NVLink), "
+                                                             : "",
                moe_config_choice_name("combine", cfg->combine), ctx->schedule.waves,
                waves.kind == MOE_WAVES_EXPERT_SLOTS ? "expert-slot waves" : "token-chunk waves");
     for (int n = 0; n < count; n++) {

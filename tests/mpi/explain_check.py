@@ -7,9 +7,16 @@ Every number the walk prints is looked up in the dump (numpy and the
 safetensors reader of tests/golden, no C code of moe-ep): values printed with
 %.6g must agree to 6 significant digits, those with %.4g to 4; ids, ranks,
 receive rows and row counts exactly. The shared experts' outputs, which the
-set does not hold, are recomputed in float64 from its weights. Exit 0 when
-all agree; the last line says how many numbers were compared.
+set does not hold, are recomputed in float64 from its weights. The
+two-stage dispatch's lines: each node's relay is the rank of the home's
+local index there, it forwards to the node's ranks holding the token's
+experts, the rows crossing the inter-node tier are one per other node
+(the flat dispatch's one per other node's rank), and each node's sum is
+the set's relay sum; the low-latency lines: each pair's buffer slot holds
+the token in the set's masked layout. Exit 0 when all agree; the last line
+says how many numbers were compared.
 """
+import json
 import os
 import re
 import sys
@@ -50,6 +57,8 @@ def main(walk_path, golden, tokens):
     t = {}
     for name in ("inputs", "router", "dispatch", "experts", "output", "layout"):
         t.update(st.load(os.path.join(golden, name + ".safetensors"))[0])
+    config = json.load(open(os.path.join(golden, "manifest.json")))["config"]
+    R = int(config["ranks-per-node"]) or int(config["ranks"])
     lines = open(walk_path).read().splitlines()
     head = re.match(r"moe-ep explain · G=(\d+) ranks · T=(\d+) tokens per rank · d=\d+ f=\d+ E=(\d+) k=(\d+)", lines[0])
     G, T, E, k = (int(v) for v in head.groups())
@@ -58,7 +67,7 @@ def main(walk_path, golden, tokens):
     counts = t["layout.send_counts"]
     received_pairs = np.bincount(owner[ids_all.ravel()], minlength=G)
     seen = []
-    token = rank = None
+    token = rank = section = None
     for line in lines[1:]:
         m = re.match(r"token (\d+): rank (\d+)'s token (\d+)", line)
         if m:
@@ -70,13 +79,39 @@ def main(walk_path, golden, tokens):
             arrived = set()
             continue
         label, rest = line[2:13].strip(), line[13:]
-        where = "token %s, %s" % (token, label or "top-k")
+        section = label or section
+        where = "token %s, %s" % (token, section)
+        if section == "two-stage":
+            home = token // T
+            m = re.match(r"\s*node (\d+)", rest)
+            if m:
+                n = int(m.group(1))
+                want = sorted({int(owner[e]) for e in ids_all[token] if owner[e] // R == n})
+                got = [int(v) for v in re.findall(r"(\d+)(?: \(itself\))?(?:,|$)", rest.split("NVLink to rank")[1])]
+                same(where + " node %d's ranks" % n, got, want)
+                relay = re.search(r"its relay, rank (\d+)", rest)
+                if relay:
+                    same(where + " node %d's relay" % n, int(relay.group(1)), n * R + home % R)
+                continue
+            m = re.match(r"\s*(\d+) rows? cross(?:es)? the inter-node tier \(the flat dispatch would send (\d+)\)", rest)
+            far = {int(owner[e]) for e in ids_all[token] if owner[e] // R != home // R}
+            same(where + " IB rows", int(m.group(1)), len({r // R for r in far}))
+            same(where + " flat IB rows", int(m.group(2)), len(far))
+            continue
+        if section == "low-latency":
+            m = re.match(r"\s*expert (\d+): its own row, .* rank (\d+)'s buffer of local expert (\d+), "
+                         r"source block (\d+), slot (\d+) of (\d+)", rest)
+            e, r, l, src, slot_at, N = (int(v) for v in m.groups())
+            same(where + " expert %d's rank" % e, r, int(owner[e]))
+            same(where + " expert %d's source block" % e, src, token // T)
+            same(where + " expert %d's slot" % e, int(t["dispatch.rank%d.layout.src" % r][l, src * N + slot_at]), token)
+            continue
         if label == "x":
             near(where, values(rest), t["tokens.x"][token], 6)
         elif label in ("logits", "scores"):
             v = [float(x) for x in re.findall(r"e\d+ (\S+)", rest)]
             near(where, v, t["router." + label][token], 4)
-        elif re.match(r"expert \d+:", rest.strip()) and label in ("top-k", ""):
+        elif re.match(r"expert \d+:", rest.strip()) and section == "top-k":
             m = re.match(r"\s*expert (\d+): logit (\S+), score (\S+), weight (\S+); on rank (\d+), node \d+", rest)
             e = int(m.group(1))
             same(where + " slot %d id" % slot, e, int(ids_all[token, slot]))
@@ -89,7 +124,14 @@ def main(walk_path, golden, tokens):
             m = re.match(r"\s*(\d+) pairs?, (\d+) rows?", rest)
             same(where + " pairs", int(m.group(1)), k)
             ranks = {int(owner[e]) for e in ids_all[token]}
-            same(where + " rows", int(m.group(2)), len(ranks))
+            same(where + " rows", int(m.group(2)), k if "low-latency" in rest else len(ranks))
+        elif label == "arrives" and "buffer slots" in rest:  # the low-latency mode
+            rank = int(re.match(r"\s*rank (\d+)", rest).group(1))
+            arrived.add(rank)
+        elif label.startswith("node ") and label.endswith(" sum"):
+            n = int(label.split()[1])
+            row = int(np.nonzero(t["experts.node%d.token" % n] == token)[0][0])
+            near(where, values(rest), t["experts.node%d.sum" % n][row], 6)
         elif label == "arrives":
             m = re.match(r"\s*rank (\d+)[^:]*: receive row (\d+) of (\d+)", rest)
             rank = int(m.group(1))
