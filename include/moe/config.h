@@ -121,6 +121,7 @@ typedef struct {
     char dump[MOE_NAME_MAX];     /* golden set directory, "" for none */
     char report[MOE_NAME_MAX];   /* self-contained HTML page of the run, "" for none */
     char explain[MOE_NAME_MAX];  /* explain --token: global token ids, "N[,N...]" */
+    char placement_svg[MOE_NAME_MAX]; /* explain: the placement picture, "" for none */
     char routing[MOE_NAME_MAX];  /* routing replay file (routing.h), "" for the router */
     bool dump_weights;           /* include the weights in the golden set */
     /* moe-ep plan: the whole model and its cluster */

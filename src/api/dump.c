@@ -725,7 +725,7 @@ static void lay_out_inputs(tensor_list *l, const moe_ep *ep, int64_t N, float *t
             *src = (weight_source){cfg->seed, d, f, cfg->param_dtype, cfg->fp8_scale == MOE_FP8_SCALE_UE8M0,
                                    n >= 2, n % 2, part};
             const enum moe_golden_kind kind =
-                part == WEIGHT_VALUES ? kinds[n] : MOE_GK_EXPERTS_W1_FP8 + 2 * n + (part == WEIGHT_SCALES);
+                part == WEIGHT_VALUES ? kinds[n] : (enum moe_golden_kind)(MOE_GK_EXPERTS_W1_FP8 + 2 * n + (part == WEIGHT_SCALES));
             const int64_t rows = part == WEIGHT_SCALES ? (n % 2 ? db : 2 * fb) : n % 2 ? d : 2 * f;
             const int64_t cols = part == WEIGHT_SCALES ? (n % 2 ? fb : db) : n % 2 ? f : d;
             moe_golden_tensor *g = add(l, kind, -1, NULL, 3, count, rows, cols);

@@ -27,7 +27,8 @@ static int check_outputs(const moe_config *cfg, moe_status *st)
         const char *flag, *path;
     } out[] = {{"--dump", cfg->dump}, {"--trace", cfg->trace}, {"--timeline", cfg->timeline},
                {"--csv", cfg->csv}, {"--plot", cfg->plot}, {"--report", cfg->report},
-               {"--steps-csv", cfg->steps_csv}, {"--steps-plot", cfg->steps_plot}};
+               {"--steps-csv", cfg->steps_csv}, {"--steps-plot", cfg->steps_plot},
+               {"--placement-svg", cfg->placement_svg}};
     enum { N = sizeof out / sizeof out[0] };
     char where[N][PATH_MAX + 8];
     for (int n = 0; n < N; n++) {

@@ -28,7 +28,9 @@
 #include "moe/dump.h"
 #include "moe/context.h"
 #include "moe/ep.h"
+#include "moe/files.h"
 #include "moe/layout.h"
+#include "moe/placement_svg.h"
 #include "moe/router.h"
 #include "moe/truth.h"
 
@@ -525,6 +527,40 @@ static void print_traffic(const moe_run_context *ctx, const double *all)
 #undef PAIRS
 }
 
+static void write_placement(FILE *out, const void *arg)
+{
+    moe_write_placement_svg(out, arg);
+}
+
+/* --placement-svg: rank 0 draws the experts' placement and the first
+ * token's rows (its ids from the home record); every rank learns how it
+ * went. */
+static int placement_svg(moe_run_context *ctx, int64_t g, const double *home, const home_layout *h)
+{
+    const moe_ep *ep = &ctx->ep;
+    const moe_comm *c = ctx->comm;
+    moe_status local = {0};
+    if (c->rank == 0) {
+        int chosen[MOE_ROUTER_MAX_EXPERTS];
+        for (int s = 0; s < h->k; s++)
+            chosen[s] = (int)home[h->ids + s];
+        char title[256];
+        snprintf(title, sizeof title, "%d ranks in %d node%s of %d, %lld experts · token %lld's rows (%s dispatch)",
+                 c->ranks, (c->ranks + ep->link.ranks_per_node - 1) / ep->link.ranks_per_node,
+                 c->ranks > ep->link.ranks_per_node ? "s" : "", ep->link.ranks_per_node,
+                 (long long)ctx->cfg.experts, (long long)g,
+                 ctx->cfg.dispatch == MOE_DISPATCH_HIERARCHICAL ? "two-stage" : "flat");
+        const moe_placement_picture picture = {
+            title, c->ranks, ep->link.ranks_per_node, ep->placement.experts, ep->placement.first_expert,
+            ep->replicas.phy2log, g, (int)(g / ctx->cfg.tokens), h->k, chosen,
+            ctx->cfg.dispatch == MOE_DISPATCH_HIERARCHICAL};
+        moe_write_file_atomic(ctx->cfg.placement_svg, write_placement, &picture, &local);
+    }
+    if (moe_comm_agree(c, &local))
+        ctx->status = local;
+    return local.code;
+}
+
 static int explain(moe_run_context *ctx, const int64_t *tokens, int count)
 {
     const moe_comm *c = ctx->comm;
@@ -574,6 +610,8 @@ static int explain(moe_run_context *ctx, const int64_t *tokens, int count)
         moe_comm_gather_bytes(c, mine, sizeof(double) * rl.size, ranks);
         if (c->rank == 0)
             print_token(ctx, g, homes + (size_t)(g / T) * h.size, &h, ranks, &rl);
+        if (n == 0 && cfg->placement_svg[0])
+            rc = placement_svg(ctx, g, c->rank == 0 ? homes + (size_t)(g / T) * h.size : NULL, &h);
     }
     /* the per-rank view: rows to each rank after dedup, and the pairs they carry */
     double *counts = moe_xcalloc((size_t)(2 * G), sizeof(double));
@@ -600,7 +638,7 @@ static int explain(moe_run_context *ctx, const int64_t *tokens, int count)
     moe_waves_free(&waves);
     free(scratch);
     moe_ep_capture_free(&cap);
-    if (cfg->dump[0])
+    if (cfg->dump[0] && !rc)
         rc = moe_dump_write(c, ep, ctx->cfg.dump, ctx->x, ctx->dy, NULL, &ctx->summary.dump_bytes, &ctx->status);
     return rc;
 }

@@ -134,6 +134,7 @@ const flag_spec moe_flags[] = {
     {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, NULL, "true", "include the weights in --dump", RUN | EXPLAIN, false},
     {"report", FLAG_TEXT, FIELD(report), 0, 0, "FILE.html", NULL, "", "a self-contained HTML page of the run: stage times, the timeline, the traffic heat map, tokens per expert, expert time per rank, nodes per token", RUN_ONLY, false},
     {"trace", FLAG_TEXT, FIELD(trace), 0, 0, "FILE.json", NULL, "", "Chrome trace of the last forward or training step (Perfetto)", RUN, false},
+    {"placement-svg", FLAG_TEXT, FIELD(placement_svg), 0, 0, "FILE.svg", NULL, "", "a picture of who holds which expert (nodes, ranks, experts, copies marked) and the first --token's rows: IB arrows between nodes, NVLink within", EXPLAIN, false},
     {"timeline", FLAG_TEXT, FIELD(timeline), 0, 0, "FILE.svg", NULL, "", "SVG Gantt chart of the last forward of the largest --waves W, its W = 1 beside it when listed (with --backward: of the last training step)", RUN, false},
     {"link", FLAG_TEXT, FIELD(link), 0, 0, "SPEC", NULL, "", "emulated links: cb=RATIO[,inter-cb=RATIO] | bw=BW[:LAT] | intra=BW[:LAT],inter=BW[:LAT]", RUN, false},
     {"ranks-per-node", FLAG_INT, FIELD(ranks_per_node), 0, 1 << 20, "R|auto", NULL, "auto", "ranks per node: virtual nodes of R consecutive ranks (0 = one node), or auto: the machines the ranks run on", RUN | EXPLAIN, false},
