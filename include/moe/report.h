@@ -83,6 +83,7 @@ typedef struct {
     /* routing and traffic detail, filled on rank 0 */
     int ranks_per_node, nodes;
     const double *matrix;        /* (G, G) dispatch bytes, row rank to column rank */
+    const double *wire;          /* (G, G) the two-stage dispatch's as they cross the links; NULL flat */
     const double *nodes_hist;    /* (nodes + 1) tokens whose experts span n nodes */
     const double *rank_expert_seconds; /* (G) each rank's expert time, last forward */
     const double *tokens_expert;       /* (E) (token, expert) pairs of each expert, all ranks */

@@ -459,6 +459,7 @@ static int write_pictures(const moe_comm *c, const moe_config *cfg, const pictur
  * caller, allocated here) that the report points to. Collective. */
 typedef struct {
     double *matrix;       /* (G, G) on rank 0 */
+    double *wire;         /* (G, G) the two-stage dispatch's, as it crosses the links */
     double *nodes_hist;   /* (nodes + 1) */
     double *rank_seconds; /* (G) on rank 0 */
     double *per_expert;   /* (E) */
@@ -466,6 +467,44 @@ typedef struct {
     double *drops;        /* (E + 2G) --capacity-factor: pairs dropped per expert, then pairs
                              per rank routed and kept */
 } traffic_detail;
+
+/* The two-stage dispatch's bytes from rank to rank as they cross the
+ * links: each token's row from its home to each other node's relay (the
+ * rank of the home's local index there) over IB, from the relay to the
+ * other ranks of that node holding its experts, and within the home's
+ * node from the home (one row to itself where it holds one). Collective;
+ * every rank's tokens summed. */
+static double *two_stage_wire(const moe_run_context *ctx, const int32_t *ids, double row_bytes)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_placement *p = &ctx->ep.placement;
+    const int G = c->ranks, R = ctx->ep.link.ranks_per_node, k = (int)ctx->cfg.topk, home = c->rank;
+    double *wire = moe_xcalloc((size_t)G * (size_t)G, sizeof(double));
+    bool *hit = moe_xmalloc(sizeof(bool) * (size_t)G);
+    for (moe_index i = 0; i < ctx->cfg.tokens; i++) {
+        memset(hit, 0, sizeof(bool) * (size_t)G);
+        for (int s = 0; s < k; s++)
+            if (ids[i * k + s] != MOE_DROPPED)
+                hit[p->expert_rank[ids[i * k + s]]] = true;
+        for (int node = 0; node < G / R; node++) {
+            const int relay = node * R + home % R;
+            bool reached = false;
+            for (int r = node * R; r < (node + 1) * R; r++) {
+                if (!hit[r])
+                    continue;
+                reached = true;
+                const int from = node == home / R ? home : relay;
+                if (from != r || from == home)
+                    wire[(size_t)from * (size_t)G + (size_t)r] += row_bytes;
+            }
+            if (reached && node != home / R)
+                wire[(size_t)home * (size_t)G + (size_t)relay] += row_bytes;
+        }
+    }
+    free(hit);
+    moe_comm_sum_array(c, wire, G * G);
+    return wire;
+}
 
 /* min, mean and max of v (n > 0). */
 static moe_spread spread_of(const double *v, int n)
@@ -605,6 +644,7 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     out->matrix = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)G * (size_t)G) : NULL;
     moe_comm_gather_doubles(c, rows, G, out->matrix);
     free(rows);
+    out->wire = path->two_stage ? two_stage_wire(ctx, ids, row_bytes) : NULL;
 
     s->node_rows = (moe_node_rows){0};
     moe_node_copies(&ep->placement, ids, T, k, R, c->rank, &s->node_rows);
@@ -626,6 +666,7 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     s->ranks_per_node = R;
     s->nodes = nodes;
     s->matrix = out->matrix;
+    s->wire = out->wire;
     s->nodes_hist = out->nodes_hist;
     s->rank_expert_seconds = out->rank_seconds;
     s->tokens_expert = out->per_expert;
@@ -654,7 +695,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         rc = moe_context_timed_forwards(&ctx, (int)cfg->iters);
     if (rc == MOE_EXIT_OK)
         moe_context_time_alltoalls(&ctx, (int)cfg->iters);
-    traffic_detail detail = {NULL, NULL, NULL, NULL, NULL, NULL};
+    traffic_detail detail = {0};
     if (rc == MOE_EXIT_OK)
         routing_detail(&ctx, &detail);
     pictures pics = {.count = 0};
@@ -736,6 +777,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
         free(pics.events[p]);
     }
     free(detail.matrix);
+    free(detail.wire);
     free(detail.nodes_hist);
     free(detail.rank_seconds);
     free(detail.per_expert);

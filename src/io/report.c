@@ -321,23 +321,33 @@ static void print_routing(FILE *out, const moe_run_summary *s)
     }
 }
 
-/* The dispatch's bytes from rank to rank: the matrix up to 16 ranks, the
- * spread of what each sends and receives beyond. */
+/* A (G, G) matrix of bytes in KiB under its header. */
+static void print_kib(FILE *out, const char *header, const double *matrix, int G)
+{
+    fprintf(out, "          %s:\n          %6s", header, "");
+    for (int q = 0; q < G; q++)
+        fprintf(out, " %7d", q);
+    fprintf(out, "\n");
+    for (int r = 0; r < G; r++) {
+        fprintf(out, "          %6d", r);
+        for (int q = 0; q < G; q++)
+            fprintf(out, " %7.0f", matrix[r * G + q] / 1024.0);
+        fprintf(out, "\n");
+    }
+}
+
+/* The dispatch's bytes from rank to rank: the matrix up to 16 ranks (and
+ * the two stages' as they cross the links), the spread of what each sends
+ * and receives beyond. */
 static void print_matrix(FILE *out, const moe_run_summary *s)
 {
     const int G = s->ranks;
     char b1[32], b2[32], b3[32];
     if (s->matrix && G <= 16) {
-        fprintf(out, "          dispatch KiB, from rank (row) to rank (column):\n          %6s", "");
-        for (int q = 0; q < G; q++)
-            fprintf(out, " %7d", q);
-        fprintf(out, "\n");
-        for (int r = 0; r < G; r++) {
-            fprintf(out, "          %6d", r);
-            for (int q = 0; q < G; q++)
-                fprintf(out, " %7.0f", s->matrix[r * G + q] / 1024.0);
-            fprintf(out, "\n");
-        }
+        print_kib(out, "dispatch KiB, from rank (row) to rank (column)", s->matrix, G);
+        if (s->wire)
+            print_kib(out, "dispatch KiB as the two stages send it (over IB to each node's relay, then "
+                           "within the node)", s->wire, G);
     } else if (s->matrix) {
         moe_spread out_bytes = {INFINITY, 0, 0}, in_bytes = {INFINITY, 0, 0};
         for (int r = 0; r < G; r++) {

@@ -59,14 +59,14 @@ static void html_text(FILE *out, const char *text)
 /* The dispatch matrix (bytes) as a table, each cell shaded from the
  * smallest cell (pale) to the largest (dark), so that an uneven row or
  * column stands out even when all cells are of a size. */
-static void heat_map(FILE *out, const double *matrix, int G)
+static void heat_map(FILE *out, const char *kind, const double *matrix, int G)
 {
     double most = matrix[0], least = matrix[0];
     for (int i = 0; i < G * G; i++) {
         most = fmax(most, matrix[i]);
         least = fmin(least, matrix[i]);
     }
-    fprintf(out, "<table class=\"heat\"><tr><th>from \\ to</th>");
+    fprintf(out, "<table class=\"%s\"><tr><th>from \\ to</th>", kind);
     for (int q = 0; q < G; q++)
         fprintf(out, "<th>%d</th>", q);
     fprintf(out, "</tr>\n");
@@ -131,7 +131,15 @@ void moe_report_write_html(FILE *out, const moe_run_summary *s, const moe_timeli
         fprintf(out, "<h2>Dispatch traffic, KiB from rank (row) to rank (column)</h2>\n"
                      "<p class=\"note\">the diagonal stays on its rank; shades run from the "
                      "smallest cell (pale) to the largest (dark)</p>\n");
-        heat_map(out, s->matrix, G);
+        heat_map(out, "heat", s->matrix, G);
+    }
+    if (s->wire) {
+        fprintf(out, "<h2>Dispatch on the wire, KiB from rank (row) to rank (column)</h2>\n"
+                     "<p class=\"note\">the two-stage dispatch as it crosses the links: a token's row "
+                     "once over IB to each other node's relay (the rank of its home's local index "
+                     "there), then from the relay to the node's ranks that hold its experts; the map "
+                     "above is the flat dispatch's, one row a (token, rank)</p>\n");
+        heat_map(out, "heat wire", s->wire, G);
     }
     if (s->tokens_expert) {
         fprintf(out, "<h2>Tokens per expert</h2>\n<p class=\"note\">(token, expert) pairs of all "
