@@ -240,10 +240,11 @@ static void draw_legend(FILE *out, const moe_timeline_panel *panels, int n_panel
         fprintf(out, "<text x=\"%d\" y=\"%d\">%s</text>\n", x + 20, ly + 11, label);
         x += 20 + (int)(6.5 * (double)strlen(label)) + 30;
     }
-    fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave%s</text>\n",
-            x, ly + 11,
-            has_tiers(panels, n_panels) ? "; comm lane, top to bottom: inter-node dispatch, intra-node dispatch (pale), "
-                    "intra-node combine (pale), inter-node combine" : "");
+    fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">numbers: wave</text>\n", x, ly + 11);
+    if (has_tiers(panels, n_panels)) /* on a line of its own: it is longer than the room left */
+        fprintf(out, "<text x=\"%d\" y=\"%d\" fill=\"#555\">comm lane, top to bottom: inter-node dispatch, "
+                     "intra-node dispatch (pale), intra-node combine (pale), inter-node combine</text>\n",
+                left, ly + 28);
 }
 
 void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_panels,
@@ -272,7 +273,7 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
      * and L2: a wave's back-to-back expert stages are drawn as one block. */
     const bool merge = ranks > 4;
     const int panel_height = panel_head + ranks * (comm + lane + gap) + axis;
-    const int width = left + plot + right, legend = 34;
+    const int width = left + plot + right, legend = has_tiers(panels, n_panels) ? 51 : 34;
     const bool with_curve = curve && curve->count > 1;
     const int height = n_panels * panel_height + legend + 10 + (with_curve ? CURVE_HEIGHT : 0);
     const double scale = plot / span; /* pixels per second */
