@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""python3 -m moe_ep verify [--require STAGE,...|all] [--allow-unknown]
+"""python3 -m moe_ep verify [--require STAGE,...|all] [--allow-unknown] [--]
 GOLDEN_DIR CANDIDATE.safetensors — as `moe-ep verify`: the per-tensor table,
 then PASS or the first failing stage; exit 0 all within contract, 1 some not
 (or a required stage missing), 2 files that cannot be read or a tensor name
@@ -12,6 +12,9 @@ from . import verify
 def main(argv):
     args, require, allow_unknown = argv[1:], (), False
     while args and args[0].startswith("--"):
+        if args[0] == "--":  # the paths follow, even ones that begin with --
+            args = args[1:]
+            break
         if args[0] == "--allow-unknown":
             allow_unknown, args = True, args[1:]
         elif args[0] == "--require" and len(args) > 1:

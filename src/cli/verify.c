@@ -3,6 +3,7 @@
  * tensors against a golden set, stage by stage: the library's moe_ep_verify
  * (src/api/api.c, over src/io/verify.c). Rank 0 does the work; it needs no
  * mpirun. */
+#include <stdbool.h>
 #include <string.h>
 
 #include "moe/cli.h"
@@ -12,7 +13,7 @@
 static void print_usage(FILE *out)
 {
     fprintf(out,
-            "usage: moe-ep verify [--require STAGE,...|all] [--allow-unknown] GOLDEN_DIR CANDIDATE.safetensors\n"
+            "usage: moe-ep verify [--require STAGE,...|all] [--allow-unknown] [--] GOLDEN_DIR CANDIDATE.safetensors\n"
             "\n"
             "Compares every tensor of CANDIDATE whose name is in GOLDEN_DIR/manifest.json\n"
             "with the golden one under its contract (exact, abs + rel*|ref|, or top-k ids\n"
@@ -31,17 +32,26 @@ static void print_usage(FILE *out)
             "                           inputs router layout dispatch experts output backward\n"
             "  --allow-unknown          ignore candidate tensors the set does not name\n"
             "                           (default: refused, exit 2, with the nearest name)\n"
+            "  --                       the arguments after it are paths, even those that\n"
+            "                           begin with --\n"
             "\n"
             "Exit status: 0 all within contract, 1 some not (or a required stage missing),\n"
             "2 files that cannot be read or a name the set does not hold.\n");
 }
 
-/* The options, anywhere among the arguments, and the two paths. */
+/* The options, anywhere among the arguments before a "--", and the two paths. */
 static int parse_options(int argc, char **argv, moe_ep_verify_options *opt, const char *path[2], moe_status *st)
 {
     int paths = 0;
+    bool options = true;
     for (int n = 0; n < argc; n++) {
-        if (!strcmp(argv[n], "--allow-unknown")) {
+        if (options && !strcmp(argv[n], "--")) {
+            options = false;
+        } else if (!options) {
+            if (paths < 2)
+                path[paths] = argv[n];
+            paths++;
+        } else if (!strcmp(argv[n], "--allow-unknown")) {
             opt->allow_unknown = 1;
         } else if (!strcmp(argv[n], "--require") || !strncmp(argv[n], "--require=", 10)) {
             const char *value = argv[n][9] == '=' ? argv[n] + 10 : n + 1 < argc ? argv[++n] : NULL;

@@ -225,11 +225,14 @@ def module_verify_exits_as_the_cli_does():
         good, bad = os.path.join(tmp, "good.safetensors"), os.path.join(tmp, "bad.safetensors")
         safetensors.write(good, {"output.y": t["output.y"]})
         safetensors.write(bad, {"output.y": t["output.y"] + np.float32(1e-3)})
-        env = dict(os.environ, PYTHONPATH=os.path.join(SRCDIR, "python"))
-        codes = [subprocess.run([sys.executable, "-m", "moe_ep", "verify", d, p], env=env,
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(os.path.join(SRCDIR, "python")))
+        d = os.path.abspath(d)
+        safetensors.write(os.path.join(tmp, "--odd.safetensors"), {"output.y": t["output.y"]})
+        codes = [subprocess.run([sys.executable, "-m", "moe_ep", "verify"] + p, env=env, cwd=tmp,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE).returncode
-                 for p in (good, bad, os.path.join(tmp, "missing.safetensors"))]
-    assert codes == [0, 1, 2], codes
+                 for p in ([d, good], [d, bad], [d, os.path.join(tmp, "missing.safetensors")],
+                           ["--", d, "--odd.safetensors"])]
+    assert codes == [0, 1, 2, 0], codes
 
 
 @test
