@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "bench", "peers"))
 import moe_data  # noqa: E402  (docs/data.md's Philox mapping in numpy)
 import st  # noqa: E402
 from fp8_recipes import recipe as fp8_block  # noqa: E402
-from recompute import bf16  # noqa: E402
+from recompute import bf16, e4m3_value  # noqa: E402
 
 F = np.float32
 
@@ -129,15 +129,6 @@ def ffn(gemm, x, w1, w2, scale=None, config=None, bug=None):
         act = dispatch_fp8(act, config)
     y = gemm(act, np.ascontiguousarray(w2.T))
     return bf16(y) if gemm_bf16 else y
-
-
-def e4m3_value(q):
-    """The value of E4M3 bytes q."""
-    q = q.astype(np.int64)
-    sign = np.where(q & 0x80, -1.0, 1.0)
-    exponent, mantissa = (q >> 3) & 0xF, q & 7
-    v = np.where(exponent == 0, mantissa * 2.0 ** -9, (8 + mantissa) * np.ldexp(1.0, exponent - 10))
-    return (sign * v).astype(F)
 
 
 def dispatch_fp8(x, config, bug=None):
