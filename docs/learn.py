@@ -4,7 +4,7 @@
     /usr/bin/python3 docs/learn.py --write [--stale] [--builddir DIR] [--mpirun CMD]   rewrite the outputs
     /usr/bin/python3 docs/learn.py --check [--builddir DIR] [--mpirun CMD] [--only DOC] exit 1 when one is stale
 
---only DOC (learn.md, plan.md, load-balance.md, demo.md, routing.md, README.md) checks or writes
+--only DOC (learn.md, plan.md, load-balance.md, demo.md, routing.md, diagnosis.md, README.md) checks or writes
 that document alone.
 
 --write --stale rewrites only the outputs --check calls stale, so that the
@@ -34,10 +34,12 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = [os.path.join(HERE, name) for name in ("learn.md", "plan.md", "load-balance.md", "demo.md", "routing.md",
+                                               "diagnosis.md",
                                                os.path.join("..", "README.md"))]
 MARK = re.compile(r"^<!-- learn( timed)?: (.*) -->$")
 TIMED = re.compile(r"\d ?(ms|s|us|µs)\b|GFLOP/s|GB/s|tokens/s|peak resident|estimated up front|overlap|"
-                   r"in MPI_Test|not computing|speed-up|ceiling|token chunks|expert slots|worst element|max_abs|^\s*[\d.\s]+$|\d+\.\d+x\b")
+                   r"in MPI_Test|not computing|speed-up|ceiling|token chunks|expert slots|worst element|max_abs|^\s*[\d.\s]+$|\d+\.\d+x\b|"
+                   r"^    W[0-7] [a-z-]+ +[\d.]+ ")
 # Lines that name the machine (its cores, vector units, BLAS kernel): left out of a timed block's comparison.
 MACHINE = re.compile(r"^machine |· gemm packed \(|OpenBLAS kernel")
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?(e[-+]?\d+)?%?")

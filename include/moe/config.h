@@ -123,6 +123,8 @@ typedef struct {
     char explain[MOE_NAME_MAX];  /* explain --token: global token ids, "N[,N...]" */
     char placement_svg[MOE_NAME_MAX]; /* explain: the placement picture, "" for none */
     char routing[MOE_NAME_MAX];  /* routing replay file (routing.h), "" for the router */
+    int workload;                /* enum moe_workload (workload.h): replayed instead of the router */
+    int64_t workload_step;       /* the step a --workload draws (W6 and W7 vary with it) */
     bool dump_weights;           /* include the weights in the golden set */
     /* moe-ep plan: the whole model and its cluster */
     int64_t layers, moe_layers;

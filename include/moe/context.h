@@ -58,6 +58,10 @@ int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command c
                      int argc, char **argv);
 void moe_context_close(moe_run_context *ctx);
 
+/* --workload: this rank's top-k ids and weights of `workload` (workload.h)
+ * at --workload-step, replayed instead of the router from the next forward
+ * on (as --routing's). */
+void moe_context_workload(moe_run_context *ctx, int workload);
 /* --redundant-experts after --steps with --bias-update: EPLB measures its
  * window again, on the batches after the steps' under the final bias, and
  * places the copies again for that load (as a server re-runs EPLB when the

@@ -31,6 +31,9 @@ enum moe_tensor {
     MOE_TENSOR_TOKEN_SCALE = 8, /* --input-dist activations: a token's binade, index = global id */
     MOE_TENSOR_CHANNEL = 9,   /* --input-dist activations: outlier channels, index = j */
     MOE_TENSOR_GRAD_OUTPUT = 10, /* dy (G*T, d) of --backward, entity 0, row = global token id */
+    MOE_TENSOR_WORKLOAD_DRAW = 11,   /* --workload: one word per (token, slot), entity = step */
+    MOE_TENSOR_WORKLOAD_WEIGHT = 12, /* --workload: one word per (token, slot), entity = step */
+    MOE_TENSOR_WORKLOAD_HOT = 13,    /* --workload: one word per expert (W1's hot set), entity 0 */
 };
 
 /* The fp32 value of element `index` of (tensor, entity): uniform in

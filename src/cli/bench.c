@@ -26,6 +26,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "moe/workload.h"
 #include "moe/clock.h"
 #include "moe/cli.h"
 #include "moe/gemm.h"
@@ -742,6 +743,58 @@ static int bench_latency(moe_run_context *ctx)
     return MOE_EXIT_OK;
 }
 
+/* --workload all: the named workloads W0 .. W7 one after another at the
+ * first --waves, each --warmup untimed then --iters timed forwards, as
+ * Megatron-LM's imbalance benchmark tabulates them: the layer (median of
+ * the max over ranks), how unevenly the ranks receive rows and spend expert
+ * time (max over the mean), and the spread of the layer over workloads. */
+static int bench_workloads(moe_run_context *ctx)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_config *cfg = &ctx->cfg;
+    ctx->schedule.waves = (int)cfg->waves_list[0];
+    double layer[MOE_WORKLOADS], rows[MOE_WORKLOADS], expert[MOE_WORKLOADS], expert_max[MOE_WORKLOADS];
+    for (int n = 0; n < MOE_WORKLOADS; n++) {
+        const int w = MOE_WORKLOAD_BALANCED + n;
+        if (c->rank == 0)
+            fprintf(stderr, "bench: W%d %s: %lld warm-up and %lld timed forwards\n", n,
+                    moe_workload_name(w), (long long)cfg->warmup, (long long)cfg->iters);
+        moe_context_workload(ctx, w);
+        int rc = cfg->warmup > 0 ? moe_context_timed_forwards(ctx, (int)cfg->warmup) : MOE_EXIT_OK;
+        if (rc == MOE_EXIT_OK)
+            rc = moe_context_timed_forwards(ctx, (int)cfg->iters);
+        if (rc)
+            return rc;
+        const moe_run_summary *s = &ctx->summary;
+        layer[n] = s->layer_seconds;
+        rows[n] = s->rows_received.mean > 0 ? s->rows_received.max / s->rows_received.mean : 0.0;
+        expert_max[n] = moe_comm_max(c, ctx->last_expert_seconds);
+        const double mean = moe_comm_sum(c, ctx->last_expert_seconds) / c->ranks;
+        expert[n] = mean > 0 ? expert_max[n] / mean : 0.0;
+    }
+    if (c->rank != 0)
+        return MOE_EXIT_OK;
+    double lo = layer[0], hi = layer[0];
+    for (int n = 1; n < MOE_WORKLOADS; n++)
+        lo = layer[n] < lo ? layer[n] : lo, hi = layer[n] > hi ? layer[n] : hi;
+    printf("moe-ep bench --workload all · preset %s · G=%d ranks · T=%lld d=%lld f=%lld E=%lld k=%lld · "
+           "W = %d · step %lld · %lld timed forwards each (after %lld warm-up)\n",
+           cfg->preset[0] ? cfg->preset : "(none)", c->ranks, (long long)cfg->tokens,
+           (long long)cfg->hidden, (long long)cfg->ffn, (long long)cfg->experts, (long long)cfg->topk,
+           ctx->schedule.waves, (long long)cfg->workload_step, (long long)cfg->iters,
+           (long long)cfg->warmup);
+    printf("          rows = dispatch rows received, max rank / mean; expert = expert-stage time, "
+           "max rank / mean (last forward)\n");
+    printf("    workload          layer ms  vs W0   rows  expert  expert ms (max)\n");
+    for (int n = 0; n < MOE_WORKLOADS; n++)
+        printf("    W%d %-12s %10.2f %6.2f %6.2f %7.2f %16.2f\n", n,
+               moe_workload_name(MOE_WORKLOAD_BALANCED + n), 1e3 * layer[n], layer[n] / layer[0],
+               rows[n], expert[n], 1e3 * expert_max[n]);
+    printf("spread    %.2fx: the slowest workload's layer over the fastest's\n", lo > 0 ? hi / lo : 0.0);
+    fflush(stdout);
+    return MOE_EXIT_OK;
+}
+
 static void print_usage(FILE *out)
 {
     fprintf(out,
@@ -749,9 +802,10 @@ static void print_usage(FILE *out)
             "\n"
             "The wave pipeline at each W (default 1,2,4,8), --warmup untimed then --iters timed\n"
             "forwards, against anchors measured in the same run: one sgemm of the experts' FLOPs\n"
-            "and one plain MPI_Alltoallv of the forward's counts-> Takes every flag of run.\n"
+            "and one plain MPI_Alltoallv of the forward's counts. Takes every flag of run.\n"
             "With --mode low-latency: the layer's latency at 1, 8, 32, 128 and 512 tokens per\n"
             "rank (up to --max-tokens-per-rank), the normal path against put and get.\n"
+            "With --workload all: one row per named imbalance workload (W0-W7, docs/data.md).\n"
             "\n");
     moe_config_print_flags(out, MOE_CMD_BENCH);
 }
@@ -931,6 +985,13 @@ int moe_cli_bench(const moe_comm *c, int argc, char **argv)
     const moe_path *path = ctx.ep.path;
     if (path->low_latency || ctx.cfg.schedule == MOE_SCHEDULE_DUALPIPE) {
         rc = path->low_latency ? bench_latency(&ctx) : bench_pairs(&ctx);
+        if (rc)
+            moe_comm_print_error(c, &ctx.status);
+        moe_context_close(&ctx);
+        return rc;
+    }
+    if (ctx.cfg.workload == MOE_WORKLOAD_ALL) {
+        rc = bench_workloads(&ctx);
         if (rc)
             moe_comm_print_error(c, &ctx.status);
         moe_context_close(&ctx);

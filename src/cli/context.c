@@ -2,6 +2,7 @@
 /* context.c — the set-up and the timed forwards that run and bench share
  * (see context.h). */
 #define _POSIX_C_SOURCE 200809L
+#include "moe/workload.h"
 #include "moe/clock.h"
 #include "moe/context.h"
 #include "moe/wire.h"
@@ -78,6 +79,14 @@ static int command_checks(const moe_config *cfg, const moe_path *path, const moe
                         "write the table with --csv");
     if (command == MOE_CMD_BENCH && path->reference_run)
         return moe_fail(st, MOE_EXIT_USAGE, "moe-ep bench sweeps the wave pipeline; drop --blocking");
+    if (cfg->workload == MOE_WORKLOAD_ALL && command != MOE_CMD_BENCH)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--workload all is bench's table (one row per workload): name one workload");
+    if (cfg->workload == MOE_WORKLOAD_ALL && (path->low_latency || cfg->schedule == MOE_SCHEDULE_DUALPIPE ||
+                                              path->training))
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--workload all times the normal forward: drop --mode low-latency, --schedule "
+                        "dualpipe and --backward");
     if (cfg->compare_serial && !cfg->timeline[0])
         return moe_fail(st, MOE_EXIT_USAGE, "--compare-serial needs --timeline FILE.svg");
     if (path->reference_run && (cfg->trace[0] || cfg->timeline[0]))
@@ -400,6 +409,21 @@ static int place_replicas(moe_run_context *ctx)
     return MOE_EXIT_OK;
 }
 
+void moe_context_workload(moe_run_context *ctx, int workload)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_index T = ctx->cfg.tokens, k = ctx->cfg.topk;
+    if (!ctx->ep.replay_ids) {
+        ctx->ep.replay_ids = moe_xmalloc(sizeof(int32_t) * (size_t)(T * k));
+        ctx->ep.replay_weights = moe_xmalloc(sizeof(float) * (size_t)(T * k));
+    }
+    moe_placement logical;
+    moe_placement_init(&logical, (int)ctx->cfg.experts, c->ranks);
+    moe_workload_route(workload, ctx->cfg.seed, ctx->cfg.workload_step, &logical, T, c->rank, (int)k,
+                       ctx->ep.replay_ids, ctx->ep.replay_weights);
+    moe_placement_free(&logical);
+}
+
 void moe_context_replace_replicas(moe_run_context *ctx)
 {
     moe_ep_window_load(&ctx->ep, ctx->expert_load);
@@ -431,6 +455,9 @@ int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command c
             return ctx->status.code;
         }
     }
+    if (ctx->cfg.workload != MOE_WORKLOAD_NONE)
+        moe_context_workload(ctx, ctx->cfg.workload == MOE_WORKLOAD_ALL ? MOE_WORKLOAD_BALANCED
+                                                                        : ctx->cfg.workload);
     if (ctx->cfg.redundant_experts > 0 && place_replicas(ctx))
         return ctx->status.code;
     const int threads = moe_comm_threads_for(c, ctx->ep.gemm);

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/workload.h"
 #include "moe/capacity.h"
 #include "moe/cli.h"
 #include "moe/dump.h"
@@ -243,6 +244,9 @@ static void print_router(const moe_run_context *ctx, const double *home, const h
     const int E = h->E, k = h->k;
     const bool v3 = cfg->router == MOE_ROUTER_DEEPSEEK_V3;
     const bool sigmoid = v3 && ep->bias;
+    if (cfg->routing[0] || cfg->workload != MOE_WORKLOAD_NONE)
+        printf("  %-11s the top-k below replayed from %s, not chosen from these scores\n", "router",
+               cfg->routing[0] ? "--routing" : "--workload");
     printf("  %-11s %s\n", "router",
            v3 ? (sigmoid ? "deepseek-v3: scores = sigmoid(logits); selection on scores + bias"
                          : "deepseek-v3 without a bias: scores = softmax(logits)")
@@ -272,7 +276,7 @@ static void print_router(const moe_run_context *ctx, const double *home, const h
     for (int s = 0; s < k; s++) {
         const int e = (int)home[h->ids + s];
         if (e == MOE_DROPPED) {
-            printf("  %-11s masked (-1 in --routing): not dispatched, its weight %.6g unused\n",
+            printf("  %-11s masked (-1, replayed): not dispatched, its weight %.6g unused\n",
                    s ? "" : "top-k", home[h->weights + s]);
             continue;
         }

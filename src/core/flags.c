@@ -15,6 +15,7 @@
 #include "moe/gemm.h"
 #include "moe/layout.h"
 #include "moe/router.h"
+#include "moe/workload.h"
 
 static const flag_choice router_choices[] = {
     {"softmax", MOE_ROUTER_SOFTMAX}, {"deepseek-v3", MOE_ROUTER_DEEPSEEK_V3}, {NULL, 0}};
@@ -39,6 +40,12 @@ static const flag_choice replica_choices[] = {
     {"spread", MOE_REPLICA_SPREAD}, {"dedup", MOE_REPLICA_DEDUP}, {NULL, 0}};
 static const flag_choice drop_policy_choices[] = {
     {"probs", MOE_DROP_PROBS}, {"position", MOE_DROP_POSITION}, {NULL, 0}};
+static const flag_choice workload_choices[] = {
+    {"none", MOE_WORKLOAD_NONE}, {"balanced", MOE_WORKLOAD_BALANCED},
+    {"hot-experts", MOE_WORKLOAD_HOT_EXPERTS}, {"hot-rank", MOE_WORKLOAD_HOT_RANK},
+    {"spread-hot", MOE_WORKLOAD_SPREAD_HOT}, {"ragged", MOE_WORKLOAD_RAGGED},
+    {"zero-rank", MOE_WORKLOAD_ZERO_RANK}, {"rotating", MOE_WORKLOAD_ROTATING},
+    {"burst", MOE_WORKLOAD_BURST}, {"all", MOE_WORKLOAD_ALL}, {NULL, 0}};
 static const flag_choice wave_by_choices[] = {
     {"auto", MOE_WAVE_BY_AUTO}, {"experts", MOE_WAVE_BY_EXPERTS}, {"tokens", MOE_WAVE_BY_TOKENS}, {NULL, 0}};
 static const flag_choice dispatch_choices[] = {
@@ -129,6 +136,8 @@ const flag_spec moe_flags[] = {
     {"grad-output", FLAG_TEXT, FIELD(grad_output), 0, 0, "FILE", NULL, "", "--backward's upstream gradient: backward.dy (G*T, d) of FILE.safetensors instead of the synthetic one", RUN_ONLY, false},
     {"check", FLAG_BOOL, FIELD(check), 0, 0, NULL, NULL, "false", "compare with the dense fp64 truth; exit 1 on FAIL", RUN, false},
     {"routing", FLAG_TEXT, FIELD(routing), 0, 0, "FILE", NULL, "", "replay top-k ids and weights from FILE.safetensors instead of the router (docs/golden.md)", RUN | EXPLAIN, false},
+    {"workload", FLAG_CHOICE, FIELD(workload), 0, 0, NULL, workload_choices, "none", "top-k ids and weights of a named imbalance workload instead of the router (W0-W7, docs/data.md; bench: all, one row each)", RUN | EXPLAIN, false},
+    {"workload-step", FLAG_INT, FIELD(workload_step), 0, 2147483647, "S", NULL, "0", "the step --workload draws (rotating moves its hot rank every 3, burst bursts when S mod 4 = 3)", RUN | EXPLAIN, false},
     {"token", FLAG_TEXT, FIELD(explain), 0, 0, "N[,N...]", NULL, "0", "the tokens to follow, by global id (rank r's token i is r*T + i)", EXPLAIN, false},
     {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", NULL, "", "write the golden set of this run (docs/golden.md)", RUN | EXPLAIN, false},
     {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, NULL, "true", "include the weights in --dump", RUN | EXPLAIN, false},

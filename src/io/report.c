@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* report.c — rank 0's text report (see report.h). */
+#include "moe/workload.h"
 #include "moe/report.h"
 
 #include "config.h"
@@ -116,7 +117,7 @@ static const char *const dtype_names[] = {"fp32", "bf16", "fp8"};
 static void print_node_limit(FILE *out, const moe_run_summary *s)
 {
     const moe_config *cfg = s->cfg;
-    if (cfg->routing[0] || cfg->router != MOE_ROUTER_DEEPSEEK_V3 || cfg->groups <= 1 ||
+    if (cfg->routing[0] || cfg->workload || cfg->router != MOE_ROUTER_DEEPSEEK_V3 || cfg->groups <= 1 ||
         cfg->topk_groups >= cfg->groups || cfg->groups == s->nodes)
         return;
     moe_placement p;
@@ -136,6 +137,16 @@ static void print_router(FILE *out, const moe_config *cfg)
         fprintf(out, "top-%lld ids and weights replayed from %s (--routing) · weight on the %s",
                 (long long)cfg->topk, cfg->routing,
                 cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? "expert output" : "activation (before L2)");
+        fprintf(out, "\n");
+        return;
+    }
+    if (cfg->workload != MOE_WORKLOAD_NONE) {
+        fprintf(out, "top-%lld ids and weights of workload W%d %s at step %lld (--workload, "
+                     "docs/data.md §6) · weight on the %s",
+                (long long)cfg->topk, cfg->workload - MOE_WORKLOAD_BALANCED,
+                moe_workload_name(cfg->workload), (long long)cfg->workload_step,
+                cfg->weight_at == MOE_WEIGHT_AT_OUTPUT ? "expert output" : "activation (before L2)");
+        fprintf(out, "\n");
         return;
     }
     if (cfg->router == MOE_ROUTER_DEEPSEEK_V3 && cfg->bias_scale > 0)

@@ -17,5 +17,6 @@ Suite *make_quant_suite(void);
 Suite *make_golden_suite(void);
 Suite *make_eplb_suite(void);
 Suite *make_capacity_suite(void);
+Suite *make_workload_suite(void);
 
 #endif
