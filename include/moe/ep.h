@@ -61,6 +61,7 @@ typedef struct moe_ep_s {
     float *skew;       /* (E) --skew logit bias, NULL without */
     int32_t *replay_ids;   /* (T, k) --routing: this rank's ids, replacing the router's; NULL: none */
     float *replay_weights; /* (T, k) and weights (owned; moe_ep_free frees them) */
+    bool *lost_ranks;      /* (G) --mask-ranks: the ranks run as lost (mask.h); NULL: none */
     moe_link link;     /* the emulated interconnect (configured by --link; its
                           bandwidths calibrated once by cb=RATIO) */
     const struct moe_path_s *path; /* chosen once from cfg at init (path.h) */
@@ -133,9 +134,11 @@ void moe_ep_generate_grad_output(const moe_ep *ep, float *dy);
 /* Stage route. x (T, d) → ids (T, k), weights (T, k); logits and scores
  * (T, E) kept for inspection. A token's routing depends on its row only
  * (fixed-order fp64 gate, specified exp): the same bits at any G. With
- * replay_ids set (--routing), ids and weights are the replayed ones. Pure. */
-void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
-                  float *weights);
+ * replay_ids set (--routing), ids and weights are the replayed ones; with
+ * lost_ranks (--mask-ranks) the pairs mask.h drops are -1 and the kept
+ * weights rescaled. Returns the pairs the mask dropped. Pure. */
+moe_index moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
+                       float *weights);
 
 /* out (S, rows, d) = each shared expert's output for x (rows, d), this
  * rank's copy of its weights, as the forward's shared stage computes them

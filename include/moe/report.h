@@ -95,6 +95,7 @@ typedef struct {
                                           the logical experts E/G a rank, and with the copies */
     moe_spread tokens_per_physical;    /* pairs of each physical expert */
     double expert_bytes;               /* one routed expert's weights in memory */
+    double mask_dropped;               /* --mask-ranks: the pairs it dropped, summed over ranks */
     /* --capacity-factor, filled on rank 0 (capacity 0 without) */
     moe_index capacity;                /* pairs an expert takes of each rank's tokens */
     double pairs_dropped;              /* summed over ranks */

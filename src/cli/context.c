@@ -267,11 +267,12 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     ctx->per_iter_bwd = ctx->ep.path->training ? moe_xmalloc(sizeof(double) * (size_t)(iters * BWD_COLS))
                                           : NULL;
     ctx->per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * COLS));
+    moe_index mask_dropped = 0;
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
         moe_trace_clear(&ctx->trace);
         moe_comm_barrier(c);
         const double origin = moe_clock_now();
-        moe_ep_route(&ctx->ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
+        mask_dropped = moe_ep_route(&ctx->ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
         moe_ep_place(&ctx->ep, ctx->ids, ctx->weights, ctx->placed);
         const double route = moe_stage_since(origin);
         rc = forward(ctx, origin);
@@ -297,6 +298,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
         return rc;
     summarize_times(ctx->per_iter, iters, s);
     summarize_traffic(c, &ctx->ep, &ctx->last, s);
+    s->mask_dropped = moe_comm_sum(c, (double)mask_dropped);
     ctx->last_expert_seconds = ctx->last.seconds[MOE_STAGE_EXPERTS];
     s->waves = ctx->last.waves;
     s->wave_kind = ctx->last.wave_kind;

@@ -276,8 +276,10 @@ static void print_router(const moe_run_context *ctx, const double *home, const h
     for (int s = 0; s < k; s++) {
         const int e = (int)home[h->ids + s];
         if (e == MOE_DROPPED) {
-            printf("  %-11s masked (-1, replayed): not dispatched, its weight %.6g unused\n",
-                   s ? "" : "top-k", home[h->weights + s]);
+            const bool replayed = cfg->routing[0] || cfg->workload != MOE_WORKLOAD_NONE;
+            printf("  %-11s masked (-1, %s): not dispatched, its weight %.6g unused\n", s ? "" : "top-k",
+                   !cfg->mask_ranks[0] ? "replayed" : replayed ? "replayed or --mask-ranks" : "--mask-ranks",
+                   home[h->weights + s]);
             continue;
         }
         const int r = ep->placement.expert_rank[e];

@@ -13,6 +13,7 @@
 #include "moe/cluster.h"
 #include "moe/eplb.h"
 #include "moe/layout.h"
+#include "moe/mask.h"
 #include "moe/router.h"
 #include "moe/routing.h"
 #include "moe/wire.h"
@@ -231,6 +232,33 @@ static void print_replicas(const moe_config *cfg, const moe_cluster *p, const do
     moe_replicas_free(&r);
 }
 
+/* --mask-ranks: what losing those ranks of the EP group costs, with the
+ * mask's rule (drop their pairs, rescale the kept weights; mask.h) and with
+ * rerouting to live experts, under uniform routing. */
+static void print_mask(const moe_config *cfg, const bool *lost)
+{
+    const int G = (int)cfg->ep;
+    int ranks;
+    const int experts = moe_mask_lost_experts(lost, G, (int)cfg->experts, &ranks);
+    const double E = (double)cfg->experts, k = (double)cfg->topk, T = (double)cfg->tokens;
+    const double f = experts / E, g = (double)ranks / G;
+    double all_lost = 1.0; /* C(X, k) / C(E, k): every one of a token's k experts lost */
+    for (int i = 0; i < cfg->topk; i++)
+        all_lost *= experts > i ? (experts - i) / (E - i) : 0.0;
+    printf("mask      %d of %d ranks of the EP group lost (--mask-ranks %s): %d of %lld experts "
+           "(%.1f%%) unreachable, and those ranks' %d x %lld tokens not served (%.1f%% of the batch)\n",
+           ranks, G, cfg->mask_ranks, experts, (long long)cfg->experts, 100.0 * f, ranks,
+           (long long)cfg->tokens, 100.0 * g);
+    printf("          dropped (moe-ep's rule): a live token keeps k (1 - f) = %.2f of its %lld experts "
+           "on average under uniform routing (all %lld lost with probability %.2g), its kept weights "
+           "rescaled; a live GPU computes T k (1 - f) = %.0f pairs instead of %.0f, and its rows "
+           "fall alike\n",
+           k * (1.0 - f), (long long)cfg->topk, (long long)cfg->topk, all_lost, T * k * (1.0 - f), T * k);
+    printf("          rerouted (a top-k over the live experts): every token keeps its %lld experts and a "
+           "live GPU computes T k = %.0f pairs, the time of the whole group for %.1f%% fewer tokens\n",
+           (long long)cfg->topk, T * k, 100.0 * g);
+}
+
 int moe_cli_plan(const moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
@@ -274,6 +302,9 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
     }
     if (st.code == MOE_EXIT_OK)
         moe_eplb_validate(&cfg, (int)cfg.ep, "GPUs of --ep", &st);
+    bool *lost = moe_xcalloc((size_t)cfg.ep, sizeof(bool));
+    if (st.code == MOE_EXIT_OK && cfg.mask_ranks[0])
+        moe_mask_parse(cfg.mask_ranks, (int)cfg.ep, lost, &st);
     double *load = NULL;
     if (st.code == MOE_EXIT_OK && cfg.redundant_experts > 0) {
         load = moe_xmalloc(sizeof(double) * (size_t)cfg.experts);
@@ -294,6 +325,7 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
     if (st.code) {
         moe_comm_print_error(c, &st);
         free(load);
+        free(lost);
         return st.code;
     }
     moe_cluster plan;
@@ -302,7 +334,10 @@ int moe_cli_plan(const moe_comm *c, int argc, char **argv)
         print_plan(&cfg, &plan);
         if (load)
             print_replicas(&cfg, &plan, load);
+        if (cfg.mask_ranks[0])
+            print_mask(&cfg, lost);
     }
     free(load);
+    free(lost);
     return MOE_EXIT_OK;
 }

@@ -14,6 +14,7 @@
 #include "moe/capacity.h"
 #include "moe/gemm.h"
 #include "moe/experts.h"
+#include "moe/mask.h"
 #include "moe/model.h"
 #include "moe/path.h"
 #include "moe/progress.h"
@@ -149,6 +150,10 @@ int moe_ep_init(moe_ep *ep, const moe_config *cfg, const moe_comm *comm, moe_sta
         free(ep->skew);
         ep->skew = NULL;
     }
+    if (cfg->mask_ranks[0]) { /* validated by moe_config_validate */
+        ep->lost_ranks = moe_xmalloc(sizeof(bool) * (size_t)comm->ranks);
+        moe_mask_parse(cfg->mask_ranks, comm->ranks, ep->lost_ranks, &ignored);
+    }
     return MOE_EXIT_OK;
 }
 
@@ -163,6 +168,7 @@ void moe_ep_free(moe_ep *ep)
     free(ep->skew);
     free(ep->replay_ids);
     free(ep->replay_weights);
+    free(ep->lost_ranks);
     moe_placement_free(&ep->placement);
     moe_replicas_free(&ep->replicas);
     if (ep->work) {
@@ -182,6 +188,7 @@ void moe_ep_free(moe_ep *ep)
     ep->w1 = ep->w2 = ep->shared_w1 = ep->shared_w2 = ep->gate = ep->bias = ep->skew = NULL;
     ep->replay_ids = NULL;
     ep->replay_weights = NULL;
+    ep->lost_ranks = NULL;
 }
 
 void moe_ep_window_load(const moe_ep *ep, double *load)
@@ -274,8 +281,8 @@ void moe_ep_generate_grad_output(const moe_ep *ep, float *dy)
                    T * d, 1.0f, dy);
 }
 
-void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
-                  float *weights)
+moe_index moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,
+                       float *weights)
 {
     const moe_index T = ep->cfg->tokens;
     moe_router_logits(x, ep->gate, T, ep->cfg->hidden, (int)ep->cfg->experts, logits);
@@ -285,6 +292,10 @@ void moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores
         memcpy(ids, ep->replay_ids, sizeof(int32_t) * pairs);
         memcpy(weights, ep->replay_weights, sizeof(float) * pairs);
     }
+    if (!ep->lost_ranks)
+        return 0;
+    return moe_mask_apply(ep->lost_ranks, &ep->placement, ep->comm.rank, T, (int)ep->cfg->topk, ids,
+                          weights);
 }
 
 

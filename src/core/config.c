@@ -8,6 +8,7 @@
  * (router.c, eplb.c, capacity.c, layout.c, wire.c, backward.c, link.c).
  */
 #define _POSIX_C_SOURCE 200809L
+#include "moe/mask.h"
 #include "moe/workload.h"
 #include "moe/config.h"
 #include "moe/backward.h"
@@ -413,7 +414,7 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     if (moe_backward_validate(cfg, st) || moe_eplb_validate(cfg, ranks, "ranks", st) ||
         moe_router_validate_steps(cfg, st) || moe_capacity_validate(cfg, ranks, st) ||
         moe_layout_validate(cfg, st) || moe_ll_validate(cfg, st) ||
-        moe_workload_validate(cfg, ranks, st))
+        moe_workload_validate(cfg, ranks, st) || moe_mask_validate(cfg, ranks, st))
         return st->code;
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))

@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* report.c — rank 0's text report (see report.h). */
+#include "moe/mask.h"
 #include "moe/workload.h"
 #include "moe/report.h"
 
@@ -163,6 +164,25 @@ static void print_router(FILE *out, const moe_config *cfg)
     if (cfg->skew[0])
         fprintf(out, " · skew %s", cfg->skew);
     fprintf(out, "\n");
+}
+
+/* --mask-ranks: what the lost ranks cost the layer. */
+static void print_mask(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
+    const int G = s->ranks;
+    bool lost[G];
+    moe_status ignored;
+    moe_mask_parse(cfg->mask_ranks, G, lost, &ignored);
+    int ranks;
+    const int experts = moe_mask_lost_experts(lost, G, (int)cfg->experts, &ranks);
+    const double pairs = (double)G * (double)cfg->tokens * (double)cfg->topk;
+    fprintf(out, "mask      %d of %d ranks lost (--mask-ranks %s): their %d of %lld experts "
+                 "unreachable, their %lld tokens routed to no expert; %.0f of %.0f pairs dropped "
+                 "(%.1f%%), each token's kept weights rescaled to its k weights' sum\n",
+            ranks, G, cfg->mask_ranks, experts, (long long)cfg->experts,
+            (long long)cfg->tokens * ranks, s->mask_dropped, pairs,
+            pairs > 0 ? 100.0 * s->mask_dropped / pairs : 0.0);
 }
 
 /* --redundant-experts: the policy, the copies, the balance they buy, their
@@ -330,6 +350,8 @@ static void print_routing(FILE *out, const moe_run_summary *s)
                      "every rank waits for the slowest in the all-to-all\n",
                 slow, 1e3 * s->rank_expert_seconds[slow], fast, 1e3 * s->rank_expert_seconds[fast]);
     }
+    if (s->cfg->mask_ranks[0])
+        print_mask(out, s);
 }
 
 /* A (G, G) matrix of bytes in KiB under its header. */

@@ -19,6 +19,7 @@ int main(void)
     srunner_add_suite(runner, make_eplb_suite());
     srunner_add_suite(runner, make_capacity_suite());
     srunner_add_suite(runner, make_workload_suite());
+    srunner_add_suite(runner, make_mask_suite());
     srunner_run_all(runner, CK_NORMAL);
     int failed = srunner_ntests_failed(runner);
     srunner_free(runner);

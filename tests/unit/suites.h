@@ -18,5 +18,6 @@ Suite *make_golden_suite(void);
 Suite *make_eplb_suite(void);
 Suite *make_capacity_suite(void);
 Suite *make_workload_suite(void);
+Suite *make_mask_suite(void);
 
 #endif
