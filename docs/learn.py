@@ -40,8 +40,9 @@ MARK = re.compile(r"^<!-- learn( timed)?: (.*) -->$")
 TIMED = re.compile(r"\d ?(ms|s|us|µs)\b|GFLOP/s|GB/s|tokens/s|peak resident|estimated up front|overlap|"
                    r"in MPI_Test|not computing|speed-up|ceiling|token chunks|expert slots|worst element|max_abs|^\s*[\d.\s]+$|\d+\.\d+x\b|"
                    r"^    W[0-7] [a-z-]+ +[\d.]+ ")
-# Lines that name the machine (its cores, vector units, BLAS kernel): left out of a timed block's comparison.
-MACHINE = re.compile(r"^machine |· gemm packed \(|OpenBLAS kernel")
+# Lines that name the machine (its cores, vector units, BLAS kernel), or the slow-rank verdict (whose
+# words the timings decide): left out of a timed block's comparison.
+MACHINE = re.compile(r"^machine |· gemm packed \(|OpenBLAS kernel|^verdict ")
 NUMBER = re.compile(r"[-+]?\d+(\.\d+)?(e[-+]?\d+)?%?")
 
 

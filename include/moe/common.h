@@ -157,11 +157,16 @@ FILE *moe_open_input(const char *what, const char *path, moe_status *st);
  * `ranks` (a fault that would never fire), with exit 2, and
  * moe_fault_validate_writer a dump's fault in a run that writes no set
  * (`dumping` false) or a writer's (write, kill, term) on a rank but 0;
- * moe_fault_armed says whether `rank` is to fail at `stage`. */
+ * moe_fault_armed says whether `rank` is to fail at `stage`.
+ * MOE_EP_FAULT=RANK:slow=MS@STAGE (STAGE plan, dispatch, experts or
+ * combine) makes rank RANK sleep MS milliseconds each time the forward
+ * passes STAGE (every wave), and fail nowhere: moe_fault_delay gives those
+ * seconds for (rank, stage), 0 elsewhere. */
 extern const char *const moe_fault_stages[];
 int moe_fault_validate(int ranks, moe_status *st);
 int moe_fault_validate_writer(bool dumping, moe_status *st);
 bool moe_fault_armed(int rank, const char *stage);
+double moe_fault_delay(int rank, const char *stage);
 
 /* Bytes of memory this machine can still give (MemAvailable), or its
  * physical memory when that is unknown. */

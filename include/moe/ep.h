@@ -131,6 +131,12 @@ void moe_ep_generate_tokens(const moe_ep *ep, float *x);
  * (rng.h, MOE_TENSOR_GRAD_OUTPUT: uniform in [-1, 1), row = global id). */
 void moe_ep_generate_grad_output(const moe_ep *ep, float *dy);
 
+/* When this rank reached each collective agreement of its last forward
+ * (the plan's, and on the blocking path each stage's), in order: at most
+ * MOE_ARRIVALS_MAX clock times (clock.h) into `at` and their stages into
+ * `stage`; returns how many. Every rank passes the same ones. */
+int moe_ep_arrivals(const moe_ep *ep, double *at, const char **stage);
+
 /* Stage route. x (T, d) → ids (T, k), weights (T, k); logits and scores
  * (T, E) kept for inspection. A token's routing depends on its row only
  * (fixed-order fp64 gate, specified exp): the same bits at any G. With

@@ -86,6 +86,11 @@ typedef struct {
     const double *wire;          /* (G, G) the two-stage dispatch's as they cross the links; NULL flat */
     const double *nodes_hist;    /* (nodes + 1) tokens whose experts span n nodes */
     const double *rank_expert_seconds; /* (G) each rank's expert time, last forward */
+    const double *posted;        /* (G, 2W + A) on rank 0: when each rank posted each dispatch
+                                    and combine of the last forward (moe_trace_posts) and reached
+                                    each of its A agreements (moe_ep_arrivals) */
+    int posted_waves, posted_agreements; /* W and A of posted */
+    int posted_side[MOE_ARRIVALS_MAX];   /* each agreement's side (moe_waits_analyze) */
     const double *tokens_expert;       /* (E) (token, expert) pairs of each expert, all ranks */
     moe_spread tokens_per_expert;
     /* --redundant-experts, filled on rank 0 (replicas NULL without) */

@@ -62,6 +62,8 @@ typedef struct {
     moe_index rows;      /* rows sent (comm) or computed (compute) */
     int tier;            /* comm of the two-stage dispatch: the tier it crossed
                             (link.h, MOE_TIER_*); -1: both (a flat all-to-all), or compute */
+    double posted;       /* comm: seconds since the forward's aligned start when this rank
+                            posted it (start may be later: a lane shows one at a time) */
 } moe_event;
 
 /* A growable list of one rank's events. */
@@ -73,6 +75,34 @@ typedef struct {
 void moe_trace_add(moe_trace *t, moe_event e);
 void moe_trace_clear(moe_trace *t);
 void moe_trace_free(moe_trace *t);
+
+/* The collective agreements a forward passes at most (moe_ep_arrivals). */
+#define MOE_ARRIVALS_MAX 8
+
+/* The slow-rank finder. posted (2 W) = when this rank posted each of its
+ * W dispatches, then its W combines (the earliest hop of a two-stage one),
+ * in seconds from the forward's aligned start, from the trace's comm
+ * events; NaN for one it holds no event of (a path that records none). */
+void moe_trace_posts(const moe_trace *t, int waves, double *posted);
+/* From every rank's posted (G, 2 W + A) — its W dispatches, its W
+ * combines, then its A collective agreements (moe_ep_arrivals), each on
+ * the dispatch's side (side 0: the plan's, the dispatch's) or the
+ * combine's (1) — and the dispatch bytes sends (G, G), rank row to rank
+ * column (combine rows go back the other way): waits (2, G, G) = on each
+ * side, how long rank r had posted before a source s that sends it rows
+ * (at an agreement: any rank) posted its own, summed (r cannot have s's
+ * rows sooner: a lower bound of its wait), and last (G) = of the 2 W + A
+ * operations, how many each rank posted last. Returns moe_waits_slow's
+ * verdict, -1 also when nothing was posted. */
+int moe_waits_analyze(int G, int W, int A, const int *side, const double *posted, const double *sends,
+                      double *waits, int *last);
+/* The verdict on waits (2, G, G): the rank the others waited for longest in
+ * all, when that is at least MOE_SLOW_MIN_SECONDS and twice as long as for
+ * any other rank; else -1 (no rank stands out: which is last is then
+ * jitter). waited (2) and ranked (2), when not NULL: the longest and the
+ * second longest of those sums, and their ranks (-1: none, G = 1). */
+#define MOE_SLOW_MIN_SECONDS 1e-3
+int moe_waits_slow(int G, const double *waits, double *waited, int *ranked);
 
 /* Overlap, the OSU way: 1 - (T_layer - T_compute) / T_comm, clamped to
  * [0, 1]; 0 when nothing was communicated. The one definition the report,

@@ -12,6 +12,8 @@
 
 #include "moe/common.h"
 #include "moe/files.h"
+#include <stdbool.h>
+
 #include "moe/stats.h"
 
 /* One run's events: events of rank r are events[offset[r] .. offset[r+1]). */
@@ -21,6 +23,8 @@ typedef struct {
     int ranks;
     const int *offset;      /* (G+1) */
     const moe_event *events;
+    bool has_slow;          /* the slow-rank finder named a rank (moe_waits_analyze): */
+    int slow_rank;          /* its lanes are drawn on red */
 } moe_timeline_panel;
 
 /* The speed-up curve of a --waves list, drawn under the panels. */

@@ -26,7 +26,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "moe/workload.h"
 #include "moe/clock.h"
 #include "moe/cli.h"
 #include "moe/gemm.h"
@@ -34,6 +33,7 @@
 #include "moe/timeline.h"
 #include "moe/context.h"
 #include "moe/wire.h"
+#include "moe/workload.h"
 
 typedef struct {
     int waves, wave_kind, ranks;

@@ -2,7 +2,6 @@
 /* context.c — the set-up and the timed forwards that run and bench share
  * (see context.h). */
 #define _POSIX_C_SOURCE 200809L
-#include "moe/workload.h"
 #include "moe/clock.h"
 #include "moe/context.h"
 #include "moe/wire.h"
@@ -19,6 +18,7 @@
 #include "moe/path.h"
 #include "moe/routing.h"
 #include "moe/settle.h"
+#include "moe/workload.h"
 
 /* Every output path can be written, and no two name the same place (nor a
  * file inside the dump's directory, which the dump replaces). Rank 0. */

@@ -23,7 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "moe/workload.h"
 #include "moe/capacity.h"
 #include "moe/cli.h"
 #include "moe/dump.h"
@@ -34,6 +33,7 @@
 #include "moe/placement_svg.h"
 #include "moe/router.h"
 #include "moe/truth.h"
+#include "moe/workload.h"
 
 #define SHOW 4         /* values shown of a d-long row */
 #define MAX_TOKENS 16  /* entries of --token */

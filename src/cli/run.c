@@ -419,6 +419,38 @@ static void write_html(FILE *out, const void *arg)
     moe_report_write_html(out, files->summary, files->panels, files->pictures->count, files->curve);
 }
 
+/* The slow-rank finder on a panel's own forward (its every rank's comm
+ * events, W waves; sends, the dispatch bytes rank to rank): the rank the
+ * others waited for longest is drawn on red and named in the summary. */
+static void mark_slow_rank(moe_timeline_panel *panel, int W, const double *sends, char *summary,
+                           size_t size)
+{
+    const int G = panel->ranks;
+    double *posted = moe_xmalloc(sizeof(double) * 2 * (size_t)W * (size_t)G);
+    double *waits = moe_xmalloc(sizeof(double) * 2 * (size_t)G * (size_t)G);
+    int *last = moe_xmalloc(sizeof(int) * (size_t)G);
+    for (int r = 0; r < G; r++) {
+        const moe_trace mine = {(moe_event *)panel->events + panel->offset[r],
+                                panel->offset[r + 1] - panel->offset[r], 0};
+        moe_trace_posts(&mine, W, posted + (size_t)r * 2 * W);
+    }
+    const int slow = moe_waits_analyze(G, W, 0, NULL, posted, sends, waits, last);
+    if (slow >= 0 && G > 1) {
+        double waited = 0.0;
+        for (int half = 0; half < 2; half++)
+            for (int r = 0; r < G; r++)
+                waited += waits[((size_t)half * G + r) * G + slow];
+        panel->has_slow = true;
+        panel->slow_rank = slow;
+        const size_t at = strlen(summary);
+        snprintf(summary + at, size - at, "%sslow rank %d: the others waited %.2f ms for its rows",
+                 at ? " · " : "", slow, 1e3 * waited);
+    }
+    free(last);
+    free(waits);
+    free(posted);
+}
+
 /* Rank 0 writes the files (the curve under the timeline); all agree. */
 static int write_pictures(const moe_comm *c, const moe_config *cfg, const pictures *p,
                           const moe_run_summary *s, moe_status *st)
@@ -439,6 +471,8 @@ static int write_pictures(const moe_comm *c, const moe_config *cfg, const pictur
     shown.curve_count = s->curve_count;
     if (!s->path->training)
         picture_summary(&shown, summary, sizeof summary);
+    if (c->rank == 0 && p->count && s->matrix && !s->path->training)
+        mark_slow_rank(&panels[0], p->shown, s->matrix, summary, sizeof summary);
     panels[0].summary = summary;
     const picture_files files = {p, panels, &curve, s};
     moe_status local = {0};
@@ -466,6 +500,7 @@ typedef struct {
     double *rank_pairs;   /* (2, G) --redundant-experts: pairs per rank without and with copies */
     double *drops;        /* (E + 2G) --capacity-factor: pairs dropped per expert, then pairs
                              per rank routed and kept */
+    double *posted;       /* (G, 2W) on rank 0: when each rank posted each all-to-all */
 } traffic_detail;
 
 /* The two-stage dispatch's bytes from rank to rank as they cross the
@@ -663,6 +698,24 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
 
     out->rank_seconds = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)G) : NULL;
     moe_comm_gather_doubles(c, &ctx->last_expert_seconds, 1, out->rank_seconds);
+    /* The slow-rank finder: when each rank posted each wave's all-to-alls
+     * and reached each agreement of the last forward, from its start. */
+    const int W = ctx->last.waves > 0 ? ctx->last.waves : 1;
+    double arrived[MOE_ARRIVALS_MAX];
+    const char *stage[MOE_ARRIVALS_MAX];
+    const int A = moe_ep_arrivals(ep, arrived, stage);
+    double *mine = moe_xmalloc(sizeof(double) * (size_t)(2 * W + A));
+    moe_trace_posts(&ctx->trace, W, mine);
+    for (int n = 0; n < A; n++) {
+        mine[2 * W + n] = arrived[n] - ctx->schedule.origin;
+        s->posted_side[n] = !strcmp(stage[n], "experts") || !strcmp(stage[n], "combine");
+    }
+    out->posted = c->rank == 0 ? moe_xmalloc(sizeof(double) * (size_t)(2 * W + A) * (size_t)G) : NULL;
+    moe_comm_gather_doubles(c, mine, 2 * W + A, out->posted);
+    free(mine);
+    s->posted = out->posted;
+    s->posted_waves = W;
+    s->posted_agreements = A;
     s->ranks_per_node = R;
     s->nodes = nodes;
     s->matrix = out->matrix;
@@ -783,6 +836,7 @@ int moe_cli_run(const moe_comm *c, int argc, char **argv)
     free(detail.per_expert);
     free(detail.rank_pairs);
     free(detail.drops);
+    free(detail.posted);
     moe_context_close(&ctx);
     return rc;
 }

@@ -461,6 +461,12 @@ int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, vo
 
 bool moe_fault_here(const moe_comm *c, const char *stage, moe_status *st)
 {
+    const double delay = moe_fault_delay(c->rank, stage);
+    if (delay > 0) { /* a slow rank: late, not failing */
+        const struct timespec wait = {(time_t)delay, (long)((delay - (double)(time_t)delay) * 1e9)};
+        nanosleep(&wait, NULL);
+        return false;
+    }
     if (!moe_fault_armed(c->rank, stage))
         return false;
     moe_fail(st, MOE_EXIT_RUNTIME, "injected fault at stage %s on rank %d (MOE_EP_FAULT)", stage,

@@ -70,10 +70,16 @@ float *moe_ep_wire_values(const moe_wire *w, uint8_t *wire, moe_index rows, floa
     return values;
 }
 
-bool moe_ep_agreed(const moe_comm *c, const char *stage, moe_status *local)
+bool moe_ep_agreed(const moe_ep *ep, const char *stage, moe_status *local)
 {
+    const moe_comm *c = &ep->comm;
     if (local->code == MOE_EXIT_OK)
         moe_fault_here(c, stage, local);
+    struct moe_ep_workspace *work = ep->work;
+    if (work && work->arrivals < MOE_ARRIVALS_MAX) { /* a slow fault's rank arrives late */
+        work->arrived_at[work->arrivals] = stage;
+        work->arrived[work->arrivals++] = moe_clock_now();
+    }
     return moe_comm_agree(c, local) == MOE_EXIT_OK;
 }
 
@@ -279,6 +285,14 @@ void moe_ep_generate_grad_output(const moe_ep *ep, float *dy)
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     moe_synth_fill(ep->cfg->seed, MOE_TENSOR_GRAD_OUTPUT, 0, (uint64_t)ep->comm.rank * (uint64_t)(T * d),
                    T * d, 1.0f, dy);
+}
+
+int moe_ep_arrivals(const moe_ep *ep, double *at, const char **stage)
+{
+    const struct moe_ep_workspace *work = ep->work;
+    for (int n = 0; work && n < work->arrivals; n++)
+        at[n] = work->arrived[n], stage[n] = work->arrived_at[n];
+    return work ? work->arrivals : 0;
 }
 
 moe_index moe_ep_route(const moe_ep *ep, const float *x, float *logits, float *scores, int32_t *ids,

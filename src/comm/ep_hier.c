@@ -638,7 +638,7 @@ int moe_ep_hier_forward(const moe_ep *ep, const moe_schedule *sched, const float
         moe_ep_pack(ep, x, ids, weights, &f.hw[w].p1, -1, f.hw[w].send1, f.hw[w].meta1_out);
     moe_stage_end(&stats->seconds[MOE_STAGE_PLAN], t);
     moe_status local = {0};
-    if (!moe_ep_agreed(c, "plan", &local)) { /* an injected fault: every rank stops here */
+    if (!moe_ep_agreed(ep, "plan", &local)) { /* an injected fault: every rank stops here */
         *st = local;
         free_hier_waves(f.hw, f.W);
     } else {

@@ -131,7 +131,8 @@ void moe_pipeline_comm_event(moe_trace *trace, const moe_comm_op *o, const moe_c
     double start = o->posted;
     if (previous && previous->completed > start)
         start = previous->completed < o->completed ? previous->completed : o->completed;
-    moe_trace_add(trace, (moe_event){wave, kind, start - origin, o->completed - origin, bytes, rows, tier});
+    moe_trace_add(trace, (moe_event){wave, kind, start - origin, o->completed - origin, bytes, rows, tier,
+                                     o->posted - origin});
 }
 
 void moe_pipeline_experts(const moe_ep *ep, const moe_recv_plan *recv, const float *const *row_at,

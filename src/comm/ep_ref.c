@@ -365,7 +365,7 @@ int moe_ep_ref_begin(const moe_ep *ep, const float *x, const int32_t *ids, const
     moe_status local = {0};
     ref_init(ep, f, stats);
     ref_plan(ep, ids, f, stats, &local);
-    if (!moe_ep_agreed(&ep->comm, "plan", &local)) {
+    if (!moe_ep_agreed(ep, "plan", &local)) {
         *st = local;
         return local.code;
     }
@@ -394,19 +394,18 @@ int moe_ep_ref_run(const moe_ep *ep, const float *x, const int32_t *ids, const f
                    float *y, moe_forward_stats *stats, moe_ep_capture *capture,
                    moe_ref_forward *f, moe_status *st)
 {
-    const moe_comm *c = &ep->comm;
     moe_status local = {0};
     ref_init(ep, f, stats);
     ref_plan(ep, ids, f, stats, &local);
-    if (moe_ep_agreed(c, "plan", &local)) {
+    if (moe_ep_agreed(ep, "plan", &local)) {
         ref_pack_dispatch(ep, x, ids, weights, f, stats, NULL);
         ref_plan_receive(ep, f, stats, &local);
     }
-    if (moe_ep_agreed(c, "dispatch", &local))
+    if (moe_ep_agreed(ep, "dispatch", &local))
         ref_experts(ep, f, stats, capture, NULL);
     /* A rank that failed in its experts (an injected fault stands for it)
      * stops every rank here, before the combine. */
-    if (moe_ep_agreed(c, "experts", &local)) {
+    if (moe_ep_agreed(ep, "experts", &local)) {
         ref_combine(ep, f, stats, NULL);
         if (capture && f->sums) { /* the sums as they travelled */
             const size_t bytes = sizeof(float) * (size_t)(f->rows_in * ep->cfg->hidden);
@@ -414,7 +413,7 @@ int moe_ep_ref_run(const moe_ep *ep, const float *x, const int32_t *ids, const f
             memcpy(capture->sums, f->sums, bytes);
         }
     }
-    if (moe_ep_agreed(c, "combine", &local))
+    if (moe_ep_agreed(ep, "combine", &local))
         ref_reduce(ep, f, x, ids, weights, y, stats);
     if (local.code)
         *st = local;

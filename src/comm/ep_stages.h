@@ -77,6 +77,12 @@ struct moe_ep_workspace {
     struct moe_hier_wave *hier_last;
     int hier_last_waves;
     struct moe_ll_state *ll; /* --mode low-latency: the window and its layout (ep_ll.c) */
+    /* When this rank reached each collective agreement of the forward under
+     * way (moe_ep_agreed: plan, and on the blocking path each stage), for
+     * the slow-rank finder; moe_path_run starts the list. */
+    int arrivals;
+    double arrived[MOE_ARRIVALS_MAX];     /* clock times (clock.h) */
+    const char *arrived_at[MOE_ARRIVALS_MAX]; /* the stages */
 };
 
 /* Free the low-latency mode's window (collective, as ep_free is). */
@@ -190,8 +196,9 @@ float *moe_ep_wire_values(const moe_wire *w, uint8_t *wire, moe_index rows, floa
 /* After a stage that may have failed on some ranks: inject the test fault of
  * `stage` (moe_fault_here) on a rank that is still well, then agree. True
  * when every rank may go on; otherwise every rank's local holds the
- * collective error. Collective. */
-bool moe_ep_agreed(const moe_comm *c, const char *stage, moe_status *local);
+ * collective error. Records when this rank got here (moe_ep_arrivals).
+ * Collective. */
+bool moe_ep_agreed(const moe_ep *ep, const char *stage, moe_status *local);
 
 /* Stage pack. send_rows = the rows of x (T, d) that plan sends, as the wire
  * carries them (wire.h: quantised here, so that they decode to exactly the

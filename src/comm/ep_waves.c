@@ -630,7 +630,7 @@ int moe_ep_forward_waves(const moe_ep *ep, const moe_schedule *sched, const floa
 
     const double t = moe_stage_begin();
     waves_plan(ep, sched, ids, &f, stats, &local);
-    const bool well = moe_ep_agreed(&ep->comm, "plan", &local);
+    const bool well = moe_ep_agreed(ep, "plan", &local);
     if (well) {
         waves_pack(ep, sched, x, ids, weights, &f);
         moe_stage_end(&stats->seconds[MOE_STAGE_PLAN], t);

@@ -94,6 +94,8 @@ const moe_path *moe_path_choose(const moe_config *cfg)
 
 int moe_path_run(const moe_path *p, const moe_ep *ep, const moe_path_args *a, moe_status *st)
 {
+    if (ep->work)
+        ep->work->arrivals = 0;
     const int rc = p->run(ep, a, st);
     if (rc == MOE_EXIT_OK && a->y)
         moe_ep_round_output(ep, a->y);

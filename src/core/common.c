@@ -230,8 +230,13 @@ void moe_to_counts(const moe_index *count, int n, int *counts, int *displs)
 const char *const moe_fault_stages[] = {"generate", "plan", "dispatch", "experts", "combine",
                                         "dump", "mpi", "write", "kill", "term", NULL};
 
-/* MOE_EP_FAULT=RANK:STAGE: a rank in [0, 2^20) and a known stage, nothing else. */
-static bool fault_spec(long *rank, const char **stage)
+/* The stages a slow fault may delay: those the forward passes each time. */
+static const char *const slow_stages[] = {"plan", "dispatch", "experts", "combine", NULL};
+
+/* MOE_EP_FAULT=RANK:STAGE or RANK:slow=MS@STAGE: a rank in [0, 2^20), a
+ * known stage (for slow, one of slow_stages, and MS in [1, 60000]), nothing
+ * else. *delay is the slow fault's seconds, 0 for a failing one. */
+static bool fault_spec_delay(long *rank, const char **stage, double *delay)
 {
     const char *spec = getenv("MOE_EP_FAULT");
     if (!spec || !*spec)
@@ -241,12 +246,30 @@ static bool fault_spec(long *rank, const char **stage)
     *rank = (spec[0] >= '0' && spec[0] <= '9') ? strtol(spec, &end, 10) : -1;
     if (*rank < 0 || *rank >= (1 << 20) || errno || *end != ':')
         return false;
-    for (const char *const *s = moe_fault_stages; *s; s++)
-        if (!strcmp(end + 1, *s)) {
+    const char *name = end + 1;
+    const char *const *known = moe_fault_stages;
+    *delay = 0.0;
+    if (!strncmp(name, "slow=", 5)) {
+        const char *ms = name + 5;
+        const long v = (ms[0] >= '0' && ms[0] <= '9') ? strtol(ms, &end, 10) : -1;
+        if (v < 1 || v > 60000 || errno || *end != '@')
+            return false;
+        *delay = (double)v * 1e-3;
+        name = end + 1;
+        known = slow_stages;
+    }
+    for (const char *const *s = known; *s; s++)
+        if (!strcmp(name, *s)) {
             *stage = *s;
             return true;
         }
     return false;
+}
+
+static bool fault_spec(long *rank, const char **stage)
+{
+    double delay;
+    return fault_spec_delay(rank, stage, &delay) && delay == 0.0;
 }
 
 int moe_fault_validate(int ranks, moe_status *st)
@@ -255,7 +278,8 @@ int moe_fault_validate(int ranks, moe_status *st)
     const char *stage, *spec = getenv("MOE_EP_FAULT");
     if (!spec || !*spec)
         return MOE_EXIT_OK;
-    if (fault_spec(&rank, &stage))
+    double delay;
+    if (fault_spec_delay(&rank, &stage, &delay))
         return rank < ranks ? MOE_EXIT_OK
                             : moe_fail(st, MOE_EXIT_USAGE,
                                        "MOE_EP_FAULT names rank %ld, but the job has %d rank%s "
@@ -264,7 +288,9 @@ int moe_fault_validate(int ranks, moe_status *st)
     char names[160] = "";
     for (const char *const *s = moe_fault_stages; *s; s++)
         snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *s, s[1] ? "|" : "");
-    return moe_fail(st, MOE_EXIT_USAGE, "MOE_EP_FAULT must be RANK:STAGE, STAGE one of %s, got '%.60s'",
+    return moe_fail(st, MOE_EXIT_USAGE,
+                    "MOE_EP_FAULT must be RANK:STAGE, STAGE one of %s, or RANK:slow=MS@STAGE, MS in "
+                    "[1, 60000] and STAGE one of plan|dispatch|experts|combine, got '%.60s'",
                     names, spec);
 }
 
@@ -281,6 +307,15 @@ int moe_fault_validate_writer(bool dumping, moe_status *st)
                     rank, stage, !writer ? "a run with --dump"
                                  : dumping ? "the golden set's writer, rank 0"
                                            : "the golden set's writer, rank 0 of a run with --dump");
+}
+
+double moe_fault_delay(int rank, const char *stage)
+{
+    long want;
+    const char *armed;
+    double delay;
+    return fault_spec_delay(&want, &armed, &delay) && want == rank && !strcmp(armed, stage) ? delay
+                                                                                             : 0.0;
 }
 
 bool moe_fault_armed(int rank, const char *stage)

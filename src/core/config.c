@@ -8,16 +8,16 @@
  * (router.c, eplb.c, capacity.c, layout.c, wire.c, backward.c, link.c).
  */
 #define _POSIX_C_SOURCE 200809L
-#include "moe/mask.h"
-#include "moe/workload.h"
 #include "moe/config.h"
 #include "moe/backward.h"
 #include "moe/capacity.h"
 #include "moe/eplb.h"
 #include "moe/layout.h"
 #include "moe/link.h"
+#include "moe/mask.h"
 #include "moe/router.h"
 #include "moe/wire.h"
+#include "moe/workload.h"
 
 #include "flags.h"
 

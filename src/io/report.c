@@ -1,19 +1,21 @@
 /* SPDX-License-Identifier: MIT */
 /* report.c — rank 0's text report (see report.h). */
-#include "moe/mask.h"
-#include "moe/workload.h"
 #include "moe/report.h"
 
 #include "config.h"
 
 #include <math.h>
+#include <stdlib.h>
+
 #include "moe/capacity.h"
 #include "moe/cluster.h"
 #include "moe/experts.h"
 #include "moe/layout.h"
+#include "moe/mask.h"
 #include "moe/path.h"
 #include "moe/router.h"
 #include "moe/wire.h"
+#include "moe/workload.h"
 
 /* The links cannot do less than all the traffic, nor the cores less than
  * all the compute, and the routed experts cannot start before the first
@@ -684,6 +686,54 @@ static void print_curve(FILE *out, const moe_run_summary *s)
     }
 }
 
+/* The slow-rank finder: how long each rank waited for each source's rows,
+ * and the rank the others waited for longest when it stands out
+ * (moe_waits_analyze). */
+static void print_waits(FILE *out, const moe_run_summary *s)
+{
+    const int G = s->ranks, W = s->posted_waves, A = s->posted_agreements;
+    if (!s->posted || !s->matrix || G < 2)
+        return;
+    double *waits = moe_xmalloc(sizeof(double) * 2 * (size_t)G * (size_t)G);
+    int *last = moe_xmalloc(sizeof(int) * (size_t)G);
+    const int slow = moe_waits_analyze(G, W, A, s->posted_side, s->posted, s->matrix, waits, last);
+    int posted = 0;
+    for (int r = 0; r < G; r++)
+        posted += last[r];
+    if (posted > 0 && G <= 16) {
+        fprintf(out, "waits     ms each rank (row) had posted an all-to-all or reached an agreement "
+                     "before a source (column) that sends it rows did, the last forward (%d wave%s)\n"
+                     "          %-*s  combine\n          %6s", W, W == 1 ? "" : "s", 6 + 8 * G,
+                "dispatch", "");
+        for (int half = 0; half < 2; half++)
+            for (int q = 0; q < G; q++)
+                fprintf(out, " %7d", q);
+        fprintf(out, "\n");
+        for (int r = 0; r < G; r++) {
+            fprintf(out, "          %6d", r);
+            for (int half = 0; half < 2; half++)
+                for (int q = 0; q < G; q++)
+                    fprintf(out, " %7.2f", 1e3 * waits[((size_t)half * G + r) * G + q]);
+            fprintf(out, "\n");
+        }
+    }
+    double waited[2];
+    int ranked[2];
+    moe_waits_slow(G, waits, waited, ranked);
+    if (posted > 0 && slow >= 0)
+        fprintf(out, "verdict   rank %d is the slow one: the others waited %.2f ms for its rows in all "
+                     "(the next, rank %d, %.2f ms), and it was last in %d of the %d all-to-alls and "
+                     "agreements\n",
+                slow, 1e3 * waited[0], ranked[1], 1e3 * waited[1], last[slow], 2 * W + A);
+    else if (posted > 0)
+        fprintf(out, "verdict   no rank stands out: the others waited longest for rank %d, %.2f ms in "
+                     "all, then rank %d, %.2f ms (a slow rank is waited for %.0f ms or more, and twice "
+                     "as long as any other)\n",
+                ranked[0], 1e3 * waited[0], ranked[1], 1e3 * waited[1], 1e3 * MOE_SLOW_MIN_SECONDS);
+    free(last);
+    free(waits);
+}
+
 /* The golden set written, and the memory. */
 static void print_outputs(FILE *out, const moe_run_summary *s)
 {
@@ -781,6 +831,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
         print_backward(out, s);
     print_time(out, s);
     print_curve(out, s);
+    print_waits(out, s);
     print_outputs(out, s);
     if (s->checked)
         print_check(out, s);

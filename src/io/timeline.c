@@ -298,12 +298,15 @@ void moe_write_timeline_svg(FILE *out, const moe_timeline_panel *panels, int n_p
                     panel->summary);
         for (int r = 0; r < panel->ranks; r++) {
             const int y0 = top + panel_head + r * (comm + lane + gap);
-            fprintf(out, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">rank %d comm</text>\n",
-                    left - 6, y0 + comm - 6, r);
-            fprintf(out, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">compute</text>\n",
-                    left - 6, y0 + comm + lane - 6);
-            fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"#f4f4f4\"/>\n",
-                    left, y0, plot, comm + lane);
+            const bool slow = panel->has_slow && panel->slow_rank == r;
+            fprintf(out, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\"%s>rank %d comm</text>\n",
+                    left - 6, y0 + comm - 6, slow ? " fill=\"#b71c1c\" font-weight=\"bold\"" : "", r);
+            fprintf(out, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\"%s>%s</text>\n",
+                    left - 6, y0 + comm + lane - 6, slow ? " fill=\"#b71c1c\" font-weight=\"bold\"" : "",
+                    slow ? "slow rank" : "compute");
+            fprintf(out, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"%s\">%s</rect>\n",
+                    left, y0, plot, comm + lane, slow ? "#fbe3e3" : "#f4f4f4",
+                    slow ? "<title>the slow rank: the others waited longest for its rows</title>" : "");
             expert_run run = {.wave = -1};
             for (int n = panel->offset[r]; n < panel->offset[r + 1]; n++) {
                 const moe_event *e = &panel->events[n];
