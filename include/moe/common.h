@@ -161,7 +161,8 @@ FILE *moe_open_input(const char *what, const char *path, moe_status *st);
  * MOE_EP_FAULT=RANK:slow=MS@STAGE (STAGE plan, dispatch, experts or
  * combine) makes rank RANK sleep MS milliseconds each time the forward
  * passes STAGE (every wave), and fail nowhere: moe_fault_delay gives those
- * seconds for (rank, stage), 0 elsewhere. */
+ * seconds for (rank, stage), 0 elsewhere; RANK:stall@STAGE stops it there
+ * for good (INFINITY), for the watchdog (watchdog.h) to find. */
 extern const char *const moe_fault_stages[];
 int moe_fault_validate(int ranks, moe_status *st);
 int moe_fault_validate_writer(bool dumping, moe_status *st);

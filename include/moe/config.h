@@ -126,6 +126,7 @@ typedef struct {
     int workload;                /* enum moe_workload (workload.h): replayed instead of the router */
     int64_t workload_step;       /* the step a --workload draws (W6 and W7 vary with it) */
     char mask_ranks[MOE_NAME_MAX]; /* --mask-ranks: the ranks run as lost (mask.h), "" none */
+    double watchdog;             /* seconds a rank may wait at a forward's collective (watchdog.h); 0 off */
     bool dump_weights;           /* include the weights in the golden set */
     /* moe-ep plan: the whole model and its cluster */
     int64_t layers, moe_layers;

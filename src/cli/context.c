@@ -18,6 +18,7 @@
 #include "moe/path.h"
 #include "moe/routing.h"
 #include "moe/settle.h"
+#include "moe/watchdog.h"
 #include "moe/workload.h"
 
 /* Every output path can be written, and no two name the same place (nor a
@@ -270,7 +271,9 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     moe_index mask_dropped = 0;
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
         moe_trace_clear(&ctx->trace);
+        moe_watch_wait(MOE_WATCH_START, -1);
         moe_comm_barrier(c);
+        moe_watch_done();
         const double origin = moe_clock_now();
         mask_dropped = moe_ep_route(&ctx->ep, ctx->x, ctx->logits, ctx->scores, ctx->ids, ctx->weights);
         moe_ep_place(&ctx->ep, ctx->ids, ctx->weights, ctx->placed);
@@ -280,7 +283,9 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
         ctx->last.seconds[MOE_STAGE_ROUTE] = route;
         double *row = ctx->per_iter + (size_t)it * COLS;
         iteration_row(&ctx->last, layer, row);
+        moe_watch_wait(MOE_WATCH_END, -1);
         moe_comm_max_array(c, row, COLS);
+        moe_watch_done();
         row[COL_WINDOW] += row[COL_EXPERT_END];
         const uint64_t digest = moe_digest64(ctx->y, sizeof(float) * (size_t)n);
         if (it == 0)
@@ -368,6 +373,7 @@ static void buffers_init(moe_run_context *ctx)
 
 void moe_context_close(moe_run_context *ctx)
 {
+    moe_watchdog_stop();
     moe_trace_free(&ctx->trace);
     free(ctx->per_iter);
     free(ctx->per_iter_bwd);
@@ -482,6 +488,7 @@ int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command c
                                      .bound = c->bound, .threads = threads,
                                      .blas_threads = moe_gemm_threads(), .link = &ctx->ep.link,
                                      .progress = ctx->schedule.progress};
+    moe_watchdog_start(c, ctx->cfg.watchdog);
     if (ctx->ep.path->linked && ctx->ep.link.enabled && ctx->ep.link.cb_ratio > 0)
         rc = calibrate_link(ctx);
     if (rc) {

@@ -5,6 +5,7 @@
 
 #include <limits.h>
 #include <malloc.h>
+#include <math.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,7 @@
 
 #include "moe/gemm.h"
 #include "moe/progress.h"
+#include "moe/watchdog.h"
 
 void moe_comm_attach(moe_comm *c, MPI_Comm comm)
 {
@@ -461,7 +463,11 @@ int moe_comm_gatherv_bytes(const moe_comm *c, const void *mine, size_t bytes, vo
 
 bool moe_fault_here(const moe_comm *c, const char *stage, moe_status *st)
 {
+    moe_watch_stage_named(stage);
     const double delay = moe_fault_delay(c->rank, stage);
+    if (isinf(delay)) /* a stuck rank: the watchdog's to find */
+        for (;;)
+            pause();
     if (delay > 0) { /* a slow rank: late, not failing */
         const struct timespec wait = {(time_t)delay, (long)((delay - (double)(time_t)delay) * 1e9)};
         nanosleep(&wait, NULL);

@@ -20,6 +20,7 @@
 #include "moe/progress.h"
 #include "moe/quant.h"
 #include "moe/rng.h"
+#include "moe/watchdog.h"
 #include "ep_stages.h"
 
 const char *const moe_stage_names[MOE_STAGES] = {
@@ -80,7 +81,10 @@ bool moe_ep_agreed(const moe_ep *ep, const char *stage, moe_status *local)
         work->arrived_at[work->arrivals] = stage;
         work->arrived[work->arrivals++] = moe_clock_now();
     }
-    return moe_comm_agree(c, local) == MOE_EXIT_OK;
+    moe_watch_wait(moe_watch_place_named(stage), -1);
+    const bool agreed = moe_comm_agree(c, local) == MOE_EXIT_OK;
+    moe_watch_done();
+    return agreed;
 }
 
 /* The weights of this rank's experts n = from .. to-1, laid out for

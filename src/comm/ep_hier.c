@@ -70,6 +70,7 @@
 #include "ep_stages.h"
 #include "moe/gemm.h"
 #include "moe/quant.h"
+#include "moe/watchdog.h"
 
 /* The four all-to-alls of a wave, in the order they run. */
 enum { D1, D2, C2, C1, HOPS };
@@ -250,7 +251,9 @@ static void hier_plan(hier_forward *f, const int32_t *ids)
                 out[(dest[n] * W + w) * 2 + 1]++;
     }
     const double counts_posted = moe_stage_begin();
+    moe_watch_wait(MOE_WATCH_PLAN, -1);
     MOE_MPI(MPI_Alltoall(out, 2 * W, MPI_INT, in, 2 * W, MPI_INT, c->comm));
+    moe_watch_done();
     moe_pipeline_count_round(ep, f->link, counts_posted, sizeof(int) * (double)(2 * W));
     const size_t row = f->in_wire.bytes, meta = sizeof(int32_t) * (size_t)MOE_META_WORDS(k);
     for (int w = 0; w < W; w++) {
@@ -436,7 +439,9 @@ static void relay_until(hier_forward *f, int w, int hop)
 {
     while (f->hw[w].posted <= hop) {
         fill(f, w * HOPS + hop - 1);
+        moe_watch_wait(hop <= D2 ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE, w);
         moe_progress_wait(&f->progress, w * HOPS + hop - 1);
+        moe_watch_done();
         relay_landed(f);
     }
 }
@@ -452,7 +457,9 @@ static void hier_pipeline(hier_forward *f, int lookahead)
             post(f, posted, D1);
         relay_until(f, w, D2);
         fill(f, w * HOPS + D2);
+        moe_watch_wait(MOE_WATCH_DISPATCH, w);
         moe_progress_wait(&f->progress, w * HOPS + D2);
+        moe_watch_done();
         moe_pipeline_fail_here(c, "dispatch");
         wave_experts(f, w);
         moe_pipeline_fail_here(c, "experts");
@@ -463,7 +470,9 @@ static void hier_pipeline(hier_forward *f, int lookahead)
         relay_until(f, w, C1);
     for (int w = 0; w < W; w++) {
         fill(f, w * HOPS + C1);
+        moe_watch_wait(MOE_WATCH_COMBINE, w);
         moe_progress_wait(&f->progress, w * HOPS + C1);
+        moe_watch_done();
     }
     moe_pipeline_fail_here(c, "combine");
 }

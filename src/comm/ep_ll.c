@@ -66,6 +66,7 @@
 #include "moe/ep.h"
 #include "moe/gemm.h"
 #include "moe/quant.h"
+#include "moe/watchdog.h"
 #include "ep_stages.h"
 
 enum { SIG_DISPATCH, SIG_COMBINE, SIG_DISPATCH_READY, SIG_COMBINE_READY, SIGNALS };
@@ -214,8 +215,10 @@ static int64_t read_signal(const struct moe_ll_state *s, int rank, int which)
  * public copy is what this rank reads. */
 static void wait_signal(const struct moe_ll_state *s, int me, int which, int64_t want)
 {
+    moe_watch_wait(which == SIG_DISPATCH || which == SIG_DISPATCH_READY ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE, -1);
     while (read_signal(s, me, which) < want)
         ;
+    moe_watch_done();
     MOE_MPI(MPI_Win_sync(s->win));
 }
 
@@ -321,6 +324,7 @@ typedef void pull_fn(const moe_ep *ep, struct moe_ll_state *s, int peer);
 static void pull_when_ready(const moe_ep *ep, struct moe_ll_state *s, int which, pull_fn *pull)
 {
     bool *done = moe_xcalloc((size_t)s->G, sizeof(bool));
+    moe_watch_wait(which == SIG_DISPATCH || which == SIG_DISPATCH_READY ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE, -1);
     for (int left = s->G; left > 0;)
         for (int peer = 0; peer < s->G; peer++) {
             if (done[peer] || read_signal(s, peer, which) < s->forwards)
@@ -329,6 +333,7 @@ static void pull_when_ready(const moe_ep *ep, struct moe_ll_state *s, int which,
             done[peer] = true;
             left--;
         }
+    moe_watch_done();
     MOE_MPI(MPI_Win_flush_all(s->win));
     MOE_MPI(MPI_Win_sync(s->win));
     free(done);
@@ -635,11 +640,15 @@ int moe_ep_forward_ll(const moe_ep *ep, const float *x, const int32_t *ids, cons
     MOE_ASSERT(ep->cfg->tokens <= f.s->N); /* moe_config_validate refuses more */
     f.s->forwards++;
     ll_plan(ep, &f, x, ids, weights, stats);     /* each pair a row, in its owner's slot */
+    moe_pipeline_fail_here(&ep->comm, "plan");
     ll_dispatch_post(ep, &f, stats);             /* put, or marked ready to be pulled */
     ll_shared(ep, &f, x, stats);                 /* the shared experts while the rows travel */
     ll_dispatch_wait(ep, &f, stats);             /* every source's rows here */
+    moe_pipeline_fail_here(&ep->comm, "dispatch");
     ll_compute(ep, &f, stats);                   /* the local experts on their slots */
+    moe_pipeline_fail_here(&ep->comm, "experts");
     ll_combine(ep, &f, stats);                   /* each output to its pair's home slot */
+    moe_pipeline_fail_here(&ep->comm, "combine");
     ll_reduce(ep, &f, weights, y, stats);        /* slot order, then the shared experts */
     ll_traffic(ep, &f, stats);
     free(f.from);

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "moe/gemm.h"
+#include "moe/watchdog.h"
 #include "ep_stages.h"
 
 
@@ -107,7 +108,9 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, moe_ref_forward *f,
     const double t = moe_stage_begin();
     moe_send_plan_build(&f->send, &ep->placement, ids, T, k, NULL, 0);
     moe_to_counts(f->send.row_count, G, f->send_counts, f->send_at);
+    moe_watch_wait(MOE_WATCH_PLAN, -1);
     MOE_MPI(MPI_Alltoall(f->send_counts, 1, MPI_INT, f->recv_counts, 1, MPI_INT, c->comm));
+    moe_watch_done();
     f->rows_in = 0;
     for (int r = 0; r < G; r++) {
         f->rows_from[r] = f->recv_counts[r];
@@ -133,12 +136,14 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, moe_ref_forward *f,
 /* One all-to-all of a step: blocking (flight NULL), or posted as request
  * `request` of flight's operation `op`. */
 static void ref_alltoallv(const moe_ep *ep, const moe_ref_flight *flight, int op, int request,
-                          const void *send, const int *sc, const int *sa, void *recv, const int *rc,
+                          enum moe_watch_place place, const void *send, const int *sc, const int *sa, void *recv, const int *rc,
                           const int *ra, MPI_Datatype type)
 {
     moe_comm_count_posted(sc, ep->comm.ranks, ep->comm.rank, type);
     if (!flight) {
+        moe_watch_wait(place, -1);
         MOE_MPI(MPI_Alltoallv(send, sc, sa, type, recv, rc, ra, type, ep->comm.comm));
+        moe_watch_done();
         return;
     }
     moe_progress_lock(flight->progress);
@@ -167,9 +172,9 @@ static void ref_dispatch(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats
                          const moe_ref_flight *flight)
 {
     const int G = ep->comm.ranks, me = ep->comm.rank, op = flight ? flight->op : 0;
-    ref_alltoallv(ep, flight, op, 0, f->send_rows, f->send_counts, f->send_at, f->recv_rows,
+    ref_alltoallv(ep, flight, op, 0, MOE_WATCH_DISPATCH, f->send_rows, f->send_counts, f->send_at, f->recv_rows,
                   f->recv_counts, f->recv_at, f->types.dispatch);
-    ref_alltoallv(ep, flight, op, 1, f->send_meta, f->send_counts, f->send_at, f->recv_meta,
+    ref_alltoallv(ep, flight, op, 1, MOE_WATCH_DISPATCH, f->send_meta, f->send_counts, f->send_at, f->recv_meta,
                   f->recv_counts, f->recv_at, f->types.meta);
     if (flight)
         ref_launched(ep, flight, op, 2, f->rows_from, f->send.row_count,
@@ -263,7 +268,7 @@ static void ref_combine(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats 
     if (f->out_wire != (const uint8_t *)values)
         moe_wire_encode(&f->combine_wire, values, NULL, back, f->out_wire);
     const int op = flight ? flight->op + 1 : 0;
-    ref_alltoallv(ep, flight, op, 0, f->out_wire, f->send_counts, f->send_at, f->back,
+    ref_alltoallv(ep, flight, op, 0, MOE_WATCH_COMBINE, f->out_wire, f->send_counts, f->send_at, f->back,
                   f->recv_counts, f->recv_at, f->types.combine);
     if (flight)
         ref_launched(ep, flight, op, 1, reduced ? f->send.row_count : f->send.pair_count,

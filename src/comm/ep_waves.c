@@ -37,6 +37,7 @@
 #include "moe/ep.h"
 #include "moe/gemm.h"
 #include "moe/progress.h"
+#include "moe/watchdog.h"
 #include "ep_stages.h"
 
 /* One wave's plan and buffers on this rank. */
@@ -236,7 +237,9 @@ static int *exchange_counts(const moe_ep *ep, const moe_schedule *sched, const i
             counts_out[(r * W + moe_wave_of(&f->waves, i, e)) * stride + 1 + l]++;
         }
     const double counts_posted = moe_stage_begin();
+    moe_watch_wait(MOE_WATCH_PLAN, -1);
     MOE_MPI(MPI_Alltoall(counts_out, W * stride, MPI_INT, counts_in, W * stride, MPI_INT, c->comm));
+    moe_watch_done();
     moe_pipeline_count_round(ep, moe_schedule_link(ep, sched), counts_posted,
                              sizeof(int) * (double)(W * stride));
     free(counts_out);
@@ -525,7 +528,9 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
             wave_dispatch(&ws[posted], &progress, posted, G, &f->types, c->comm,
                           link, &links);
         moe_pipeline_fill(&progress, w, &f->shared, NULL, NULL);
+        moe_watch_wait(MOE_WATCH_DISPATCH, w);
         moe_progress_wait(&progress, w);
+        moe_watch_done();
         moe_pipeline_fail_here(c, "dispatch");
         clock.wave = w;
         clock.mark = moe_stage_begin();
@@ -542,7 +547,9 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     }
     for (int w = 0; w < W; w++) {
         moe_pipeline_fill(&progress, W + w, &f->shared, NULL, NULL);
+        moe_watch_wait(MOE_WATCH_COMBINE, w);
         moe_progress_wait(&progress, W + w);
+        moe_watch_done();
     }
     const double end = moe_stage_end(&stats->pipeline_seconds, start);
     stats->fill_seconds = f->shared.seconds;

@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #ifdef __GLIBC__
 #include <malloc.h>
+#include <math.h>
 #endif
 #include <signal.h>
 #include <stdarg.h>
@@ -249,7 +250,11 @@ static bool fault_spec_delay(long *rank, const char **stage, double *delay)
     const char *name = end + 1;
     const char *const *known = moe_fault_stages;
     *delay = 0.0;
-    if (!strncmp(name, "slow=", 5)) {
+    if (!strncmp(name, "stall@", 6)) { /* slow for ever */
+        *delay = INFINITY;
+        name += 6;
+        known = slow_stages;
+    } else if (!strncmp(name, "slow=", 5)) {
         const char *ms = name + 5;
         const long v = (ms[0] >= '0' && ms[0] <= '9') ? strtol(ms, &end, 10) : -1;
         if (v < 1 || v > 60000 || errno || *end != '@')
@@ -289,8 +294,9 @@ int moe_fault_validate(int ranks, moe_status *st)
     for (const char *const *s = moe_fault_stages; *s; s++)
         snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *s, s[1] ? "|" : "");
     return moe_fail(st, MOE_EXIT_USAGE,
-                    "MOE_EP_FAULT must be RANK:STAGE, STAGE one of %s, or RANK:slow=MS@STAGE, MS in "
-                    "[1, 60000] and STAGE one of plan|dispatch|experts|combine, got '%.60s'",
+                    "MOE_EP_FAULT must be RANK:STAGE, STAGE one of %s, or RANK:slow=MS@STAGE or "
+                    "RANK:stall@STAGE, MS in [1, 60000] and STAGE one of plan|dispatch|experts|combine, "
+                    "got '%.60s'",
                     names, spec);
 }
 

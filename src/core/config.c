@@ -419,6 +419,12 @@ int moe_config_validate(const moe_config *cfg, int ranks, moe_status *st)
     moe_link link = {.ranks_per_node = 1};
     if (moe_link_parse(&link, cfg->link, st))
         return st->code;
+    const double latency = link.latency[MOE_TIER_INTRA] > link.latency[MOE_TIER_INTER]
+                               ? link.latency[MOE_TIER_INTRA] : link.latency[MOE_TIER_INTER];
+    if (cfg->watchdog > 0 && cfg->watchdog <= 2 * latency)
+        return moe_fail(st, MOE_EXIT_USAGE,
+                        "--watchdog must be 0 (off) or above two of --link's latencies (%g s: a pull "
+                        "waits two rounds), got %g", 2 * latency, cfg->watchdog);
     /* Every rank may receive every pair: G*T*k rows must fit an MPI count. */
     double pairs = (double)ranks * (double)cfg->tokens * (double)cfg->topk;
     if (pairs > (double)INT_MAX && (double)ranks * (double)cfg->topk > (double)INT_MAX)

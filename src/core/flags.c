@@ -139,6 +139,7 @@ const flag_spec moe_flags[] = {
     {"workload", FLAG_CHOICE, FIELD(workload), 0, 0, NULL, workload_choices, "none", "top-k ids and weights of a named imbalance workload instead of the router (W0-W7, docs/data.md; bench: all, one row each)", RUN | EXPLAIN, false},
     {"workload-step", FLAG_INT, FIELD(workload_step), 0, 2147483647, "S", NULL, "0", "the step --workload draws (rotating moves its hot rank every 3, burst bursts when S mod 4 = 3)", RUN | EXPLAIN, false},
     {"mask-ranks", FLAG_TEXT, FIELD(mask_ranks), 0, 0, "LIST", NULL, "", "run as if ranks R[,R...] or A-B were lost: their tokens go to no expert, and pairs to their experts are dropped, the kept weights rescaled (docs/diagnosis.md)", RUN | PLAN | EXPLAIN, false},
+    {"watchdog", FLAG_REAL, FIELD(watchdog), 0, 86400, "SECONDS", NULL, "60", "end the job (exit 3, one report naming the stage and the ranks that have not arrived) when a rank waits longer than this at a forward's collective or one-sided epoch; 0 = off (docs/diagnosis.md)", RUN, false},
     {"token", FLAG_TEXT, FIELD(explain), 0, 0, "N[,N...]", NULL, "0", "the tokens to follow, by global id (rank r's token i is r*T + i)", EXPLAIN, false},
     {"dump", FLAG_TEXT, FIELD(dump), 0, 0, "DIR", NULL, "", "write the golden set of this run (docs/golden.md)", RUN | EXPLAIN, false},
     {"dump-weights", FLAG_BOOL, FIELD(dump_weights), 0, 0, NULL, NULL, "true", "include the weights in --dump", RUN | EXPLAIN, false},
