@@ -20,10 +20,11 @@
 #include "moe/comm.h"
 
 /* The places a rank can be: a forward's stages, its start (the barrier
- * that aligns the forwards) and its end (the figures the ranks reduce). */
+ * that aligns the forwards) and its end (the figures the ranks reduce), and
+ * a training step's backward (its all-to-alls). */
 enum moe_watch_place {
     MOE_WATCH_START, MOE_WATCH_ROUTE, MOE_WATCH_PLAN, MOE_WATCH_DISPATCH, MOE_WATCH_EXPERTS,
-    MOE_WATCH_COMBINE, MOE_WATCH_REDUCE, MOE_WATCH_END, MOE_WATCH_PLACES
+    MOE_WATCH_COMBINE, MOE_WATCH_REDUCE, MOE_WATCH_END, MOE_WATCH_BACKWARD, MOE_WATCH_PLACES
 };
 extern const char *const moe_watch_place_names[MOE_WATCH_PLACES];
 

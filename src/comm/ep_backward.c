@@ -34,6 +34,7 @@
 #include "moe/ep.h"
 #include "moe/gemm.h"
 #include "moe/progress.h"
+#include "moe/watchdog.h"
 #include "ep_stages.h"
 
 void moe_ep_grads_init(const moe_ep *ep, moe_ep_grads *g)
@@ -221,7 +222,9 @@ static void exchange(const moe_ep *ep, bwd_run *b, int op, int request, int set,
     to_ints(recv_at, G, ra);
     if (!b->progress) {
         moe_comm_count_posted(sc, G, ep->comm.rank, type);
+        moe_watch_wait(MOE_WATCH_BACKWARD, -1);
         MOE_MPI(MPI_Alltoallv(send, sc, sa, type, recv, rc, ra, type, ep->comm.comm));
+        moe_watch_done();
         return;
     }
     moe_progress_lock(b->progress); /* every MPI call, with a progress thread running */
@@ -250,7 +253,9 @@ static void finish(bwd_run *b, int op, moe_backward_stats *stats, int stage)
     if (!b->progress)
         return;
     const double t = moe_stage_begin();
+    moe_watch_wait(MOE_WATCH_BACKWARD, -1);
     moe_progress_wait(b->progress, op);
+    moe_watch_done();
     moe_stage_end(&stats->seconds[stage], t);
 }
 
@@ -630,7 +635,9 @@ typedef struct {
 static void paired_wait(moe_progress *p, int op, paired_forward *pf, int stage)
 {
     const double t = moe_stage_begin();
+    moe_watch_wait(MOE_WATCH_BACKWARD, -1);
     moe_progress_wait(p, op);
+    moe_watch_done();
     moe_stage_end(&pf->stats->seconds[stage], t);
 }
 

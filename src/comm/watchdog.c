@@ -15,7 +15,7 @@
 
 const char *const moe_watch_place_names[MOE_WATCH_PLACES] = {
     "the forward's start", "route", "plan", "dispatch", "experts", "combine", "reduce",
-    "the forward's end",
+    "the forward's end", "the backward's all-to-alls",
 };
 
 /* One rank's place on its host's board; every field is read by the other
