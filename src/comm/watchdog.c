@@ -66,21 +66,31 @@ static void report(double waited)
     const long long n = __atomic_load_n(&me->waits, __ATOMIC_ACQUIRE);
     char arrived[512] = "", behind[1024] = "";
     size_t a = 0, b = 0;
-    for (int i = 0; i < dog.head->ranks; i++) {
-        const board_slot *s = &dog.slots[i];
-        if (s == me)
-            continue;
-        const long long theirs = __atomic_load_n(&s->waits, __ATOMIC_ACQUIRE);
-        const int place = load(&s->place), wave = load(&s->wave);
-        if (theirs >= n && a < sizeof arrived - 16)
-            a += (size_t)snprintf(arrived + a, sizeof arrived - a, "%s%d", a ? ", " : "", s->rank);
-        else if (theirs < n && b < sizeof behind - 96) {
-            b += (size_t)snprintf(behind + b, sizeof behind - b, "%srank %d at %s", b ? "; " : "",
-                                  s->rank, moe_watch_place_names[place]);
+    /* the ranks behind: first those in no wait (stuck or slow where they
+     * are), then those waiting further back (for them, as likely as not) */
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < dog.head->ranks; i++) {
+            const board_slot *s = &dog.slots[i];
+            if (s == me)
+                continue;
+            const long long theirs = __atomic_load_n(&s->waits, __ATOMIC_ACQUIRE);
+            const int waiting = load(&s->waiting);
+            const int place = waiting ? load(&s->wait_place) : load(&s->place);
+            const int wave = waiting ? load(&s->wait_wave) : load(&s->wave);
+            if (theirs >= n) {
+                if (pass == 0 && a < sizeof arrived - 16)
+                    a += (size_t)snprintf(arrived + a, sizeof arrived - a, "%s%d", a ? ", " : "", s->rank);
+                continue;
+            }
+            if (waiting != pass || b >= sizeof behind - 128)
+                continue;
+            b += (size_t)snprintf(behind + b, sizeof behind - b, "%srank %d %s%s", b ? "; " : "",
+                                  s->rank, waiting ? "waiting at " : "at ", moe_watch_place_names[place]);
             if (wave >= 0)
                 b += (size_t)snprintf(behind + b, sizeof behind - b, " (wave %d)", wave);
+            if (!waiting)
+                b += (size_t)snprintf(behind + b, sizeof behind - b, ", in no wait");
         }
-    }
     const int place = load(&me->wait_place), wave = load(&me->wait_wave);
     char where[64];
     snprintf(where, sizeof where, "%s", moe_watch_place_names[place]);
