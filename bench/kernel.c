@@ -178,7 +178,8 @@ static moe_expert_weights ffn_weights(const ffn_shape *x, int e)
 {
     return (moe_expert_weights){
         x->s->packed + (size_t)e * (size_t)moe_sgemm_packed_floats(x->d, 2 * x->f),
-        x->w2 + (size_t)e * (size_t)moe_expert_w2_floats(MOE_GEMM_PACKED, x->d, x->f)};
+        x->w2 + (size_t)e * (size_t)moe_expert_w2_floats(MOE_GEMM_PACKED, x->d, x->f),
+        (moe_expert_rounding){0}}; /* fp32: the kernel's own rate, no rounding points */
 }
 
 static void run_ffn(const ffn_shape *x, int mode, int e)

@@ -66,6 +66,7 @@ static void report(double waited)
     const long long n = __atomic_load_n(&me->waits, __ATOMIC_ACQUIRE);
     char arrived[512] = "", behind[1024] = "";
     size_t a = 0, b = 0;
+    int count = 0; /* ranks arrived */
     /* the ranks behind: first those in no wait (stuck or slow where they
      * are), then those waiting further back (for them, as likely as not) */
     for (int pass = 0; pass < 2; pass++)
@@ -78,8 +79,10 @@ static void report(double waited)
             const int place = waiting ? load(&s->wait_place) : load(&s->place);
             const int wave = waiting ? load(&s->wait_wave) : load(&s->wave);
             if (theirs >= n) {
-                if (pass == 0 && a < sizeof arrived - 16)
+                if (pass == 0 && a < sizeof arrived - 16) {
                     a += (size_t)snprintf(arrived + a, sizeof arrived - a, "%s%d", a ? ", " : "", s->rank);
+                    count++;
+                }
                 continue;
             }
             if (waiting != pass || b >= sizeof behind - 128)
@@ -99,7 +102,8 @@ static void report(double waited)
     fprintf(stderr,
             "moe-ep: error: watchdog: rank %d waited %.1f s (--watchdog %g) at %s; arrived there: "
             "%s%s; not arrived: %s%s\n",
-            me->rank, waited, dog.limit, where, a ? "ranks " : "", a ? arrived : "none but it",
+            me->rank, waited, dog.limit, where, count > 1 ? "ranks " : count ? "rank " : "",
+            count ? arrived : "none but it",
             b ? behind : "none on this host",
             dog.head->ranks < dog.head->job_ranks ? " (ranks on other hosts are not on this host's "
                                                     "board)" : "");
@@ -189,6 +193,8 @@ void moe_watch_wait(enum moe_watch_place place, int wave)
 {
     if (!dog.on)
         return;
+    if (place >= MOE_WATCH_PLACES) /* a stage the board does not name */
+        place = MOE_WATCH_START;
     moe_watch_stage(place, wave);
     __atomic_store_n(&dog.mine->wait_place, (int)place, __ATOMIC_RELEASE);
     __atomic_store_n(&dog.mine->wait_wave, wave, __ATOMIC_RELEASE);

@@ -9,7 +9,7 @@
 #include "moe/workload.h"
 #include "suites.h"
 
-enum { T = 512, K = 4, E = 32, SEED = 7 };
+enum { T = 256, K = 4, E = 32, SEED = 7 };
 
 /* Every rank's share of `workload` at G ranks and step: ids (G*T, K), the
  * pairs each expert got, and per token the weights' checks. */
@@ -126,7 +126,7 @@ START_TEST(hot_rank_spread_and_rotating)
         ck_assert_int_gt(sum_range(n, r * per_rank, (r + 1) * per_rank), total / 6);
         ck_assert_int_gt(n[r * per_rank], 3 * total / (E * 2)); /* its first expert is hot */
     }
-    for (int step = 0; step < 12; step++) {
+    for (int step = 0; step < 12; step += 2) { /* every hot rank, the step before a move too */
         draw_all(MOE_WORKLOAD_ROTATING, 4, step, ids, n);
         const int rho = (step / 3) % 4;
         ck_assert_int_gt(sum_range(n, rho * per_rank, (rho + 1) * per_rank), total / 2);
