@@ -436,15 +436,13 @@ static void mark_slow_rank(moe_timeline_panel *panel, int W, const double *sends
     }
     const int slow = moe_waits_analyze(G, W, 0, NULL, posted, sends, waits, last);
     if (slow >= 0 && G > 1) {
-        double waited = 0.0;
-        for (int half = 0; half < 2; half++)
-            for (int r = 0; r < G; r++)
-                waited += waits[((size_t)half * G + r) * G + slow];
+        double waited[2];
+        moe_waits_slow(G, waits, waited, NULL);
         panel->has_slow = true;
         panel->slow_rank = slow;
         const size_t at = strlen(summary);
         snprintf(summary + at, size - at, "%sslow rank %d: the others waited %.2f ms for its rows",
-                 at ? " · " : "", slow, 1e3 * waited);
+                 at ? " · " : "", slow, 1e3 * waited[0]);
     }
     free(last);
     free(waits);

@@ -211,11 +211,17 @@ static int64_t read_signal(const struct moe_ll_state *s, int rank, int which)
     return v;
 }
 
+/* The stage a wait for signal `which` belongs to (the watchdog's board). */
+static enum moe_watch_place signal_place(int which)
+{
+    return which == SIG_DISPATCH || which == SIG_DISPATCH_READY ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE;
+}
+
 /* Until this rank's counter `which` reaches `want`; then its window's
  * public copy is what this rank reads. */
 static void wait_signal(const struct moe_ll_state *s, int me, int which, int64_t want)
 {
-    moe_watch_wait(which == SIG_DISPATCH || which == SIG_DISPATCH_READY ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE, -1);
+    moe_watch_wait(signal_place(which), -1);
     while (read_signal(s, me, which) < want)
         ;
     moe_watch_done();
@@ -324,7 +330,7 @@ typedef void pull_fn(const moe_ep *ep, struct moe_ll_state *s, int peer);
 static void pull_when_ready(const moe_ep *ep, struct moe_ll_state *s, int which, pull_fn *pull)
 {
     bool *done = moe_xcalloc((size_t)s->G, sizeof(bool));
-    moe_watch_wait(which == SIG_DISPATCH || which == SIG_DISPATCH_READY ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE, -1);
+    moe_watch_wait(signal_place(which), -1);
     for (int left = s->G; left > 0;)
         for (int peer = 0; peer < s->G; peer++) {
             if (done[peer] || read_signal(s, peer, which) < s->forwards)
