@@ -34,6 +34,7 @@
 #include "moe/link.h"
 #include "moe/router.h"
 #include "moe/stats.h"
+#include "moe/wave_estimate.h"
 
 struct moe_ep_workspace; /* the paths' buffers, kept across forwards (ep_stages.h) */
 struct moe_path_s;       /* the path this object runs (path.h) */
@@ -64,6 +65,9 @@ typedef struct moe_ep_s {
     bool *lost_ranks;      /* (G) --mask-ranks: the ranks run as lost (mask.h); NULL: none */
     moe_link link;     /* the emulated interconnect (configured by --link; its
                           bandwidths calibrated once by cb=RATIO) */
+    moe_wave_choice *wave_choices; /* (cfg->waves_count) --wave-by auto under --link: the
+                                      grouping of each --waves entry, chosen at start-up
+                                      (moe_waves_choose); NULL: by the placement alone */
     const struct moe_path_s *path; /* chosen once from cfg at init (path.h) */
     struct moe_ep_workspace *work; /* mutable through a const moe_ep */
 } moe_ep;
@@ -80,6 +84,17 @@ typedef struct {
     bool serial;                     /* the backward waits for each all-to-all as it posts it
                                         (under the link model: the serial time) */
 } moe_schedule;
+
+/* The grouping (enum moe_wave_by) a forward under sched runs: --wave-by as
+ * given, or for auto the one ep->wave_choices holds for sched->waves (auto,
+ * by the placement, without one). */
+int moe_ep_wave_by(const moe_ep *ep, const moe_schedule *sched);
+
+/* Seconds this rank's routed experts take on a batch of `rows` rows each
+ * (this rank's tokens, repeated as needed), each batch split into `chunks`
+ * calls of even size, as waves of token chunks split it: every rank at
+ * once, as in a forward, and the slowest rank's time. Collective. */
+double moe_ep_time_experts(const moe_ep *ep, const float *x, moe_index rows, int chunks);
 
 /* The schedule ep's configuration asks for: the first --waves,
  * --lookahead, --progress as the MPI library can give it

@@ -15,6 +15,7 @@
 #include "moe/stats.h"
 #include "moe/timeline.h"
 #include "moe/truth.h"
+#include "moe/wave_estimate.h"
 
 typedef struct {
     double min, mean, max;
@@ -80,6 +81,8 @@ typedef struct {
     double rank_flops;               /* --link cb: measured expert FLOP/s of a rank */
     moe_curve_point curve[MOE_MAX_WAVE_RUNS];
     int curve_count;
+    const moe_wave_choice *wave_choices; /* (cfg->waves_count) --wave-by auto's choices under
+                                            --link (ep.h); NULL: none made */
     /* routing and traffic detail, filled on rank 0 */
     int ranks_per_node, nodes;
     const double *matrix;        /* (G, G) dispatch bytes, row rank to column rank */

@@ -845,7 +845,7 @@ static void measure_alltoall(const moe_run_context *ctx, sweep_point *p)
     double *dispatch_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
     double *combine_rows = moe_xmalloc(sizeof(double) * (size_t)c->ranks);
     moe_waves waves;
-    moe_waves_init_by(&waves, &ctx->ep.placement, p->waves, T, ctx->schedule.wave_by);
+    moe_waves_init_by(&waves, &ctx->ep.placement, p->waves, T, moe_ep_wave_by(&ctx->ep, &ctx->schedule));
     moe_rows_per_destination(&ctx->ep.placement, ctx->ids, T, (int)cfg->topk, &waves, dispatch_rows);
     moe_waves_free(&waves);
     moe_send_plan plan;

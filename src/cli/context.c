@@ -353,6 +353,55 @@ static int calibrate_link(moe_run_context *ctx)
     return MOE_EXIT_OK;
 }
 
+/* --wave-by auto under --link: for each --waves entry W > 1, the grouping
+ * the two-resource estimate finds faster (moe_waves_choose), with the
+ * experts timed here at each grouping's batches: whole ones (T G k / E
+ * rows, expert slots) and W chunks of them (token chunks). The same
+ * choice on every rank (the times are the slowest rank's). Only where the
+ * choice keeps the bits (GEMMs whose rows are independent) and every
+ * expert's batch may be split (not --pad-to-capacity). Collective. */
+static void choose_waves(moe_run_context *ctx)
+{
+    moe_ep *ep = &ctx->ep;
+    const moe_config *cfg = &ctx->cfg;
+    const moe_path *path = ep->path;
+    if (cfg->wave_by != MOE_WAVE_BY_AUTO || !ep->link.enabled || !path->pipelined ||
+        !path->linked || path->two_stage || path->training || cfg->pad_to_capacity ||
+        !moe_gemm_rows_independent(ep->gemm))
+        return;
+    bool split = false;
+    for (int n = 0; n < cfg->waves_count; n++)
+        split |= cfg->waves_list[n] > 1;
+    if (!split)
+        return;
+    const moe_index G = ctx->comm->ranks;
+    const double batch = (double)(cfg->tokens * G * cfg->topk) / ep->placement.experts;
+    const moe_index rows = batch < 1.0 ? 1 : (moe_index)lround(batch);
+    /* whole batches before and after the chunked ones, so that a drift
+     * during the measurement weighs on both groupings alike */
+    const double before = moe_ep_time_experts(ep, ctx->x, rows, 1);
+    double *chunked = moe_xcalloc((size_t)cfg->waves_count, sizeof(double));
+    for (int n = 0; n < cfg->waves_count; n++)
+        if (cfg->waves_list[n] > 1)
+            chunked[n] = moe_ep_time_experts(ep, ctx->x, rows, (int)cfg->waves_list[n]);
+    const double whole = 0.5 * (before + moe_ep_time_experts(ep, ctx->x, rows, 1));
+    ep->wave_choices = moe_xcalloc((size_t)cfg->waves_count, sizeof *ep->wave_choices);
+    for (int n = 0; n < cfg->waves_count; n++) {
+        moe_wave_choice *choice = &ep->wave_choices[n];
+        const moe_wave_traffic t = {.placement = &ep->placement, .link = &ep->link,
+                                    .tokens = cfg->tokens, .topk = (int)cfg->topk,
+                                    .waves = (int)cfg->waves_list[n],
+                                    .reduced = cfg->combine == MOE_COMBINE_REDUCED,
+                                    .dispatch_row_bytes = moe_dispatch_row_bytes(cfg),
+                                    .combine_row_bytes = moe_combine_row_bytes(cfg),
+                                    .compute_whole = whole, .compute_chunked = chunked[n]};
+        choice->waves = t.waves;
+        choice->by = t.waves > 1 ? moe_waves_choose(&t, choice->estimate) : MOE_WAVE_BY_EXPERTS;
+    }
+    free(chunked);
+    ctx->summary.wave_choices = ep->wave_choices;
+}
+
 static void buffers_init(moe_run_context *ctx)
 {
     const moe_config *cfg = &ctx->cfg;
@@ -491,6 +540,8 @@ int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command c
     moe_watchdog_start(c, ctx->cfg.watchdog);
     if (ctx->ep.path->linked && ctx->ep.link.enabled && ctx->ep.link.cb_ratio > 0)
         rc = calibrate_link(ctx);
+    if (!rc)
+        choose_waves(ctx);
     if (rc) {
         moe_comm_print_error(c, &ctx->status);
         moe_context_close(ctx);

@@ -653,7 +653,7 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
     const moe_path *path = ep->path;
     moe_waves waves;
     if (!path->reference_run)
-        moe_waves_init_by(&waves, &ep->placement, ctx->schedule.waves, T, ctx->schedule.wave_by);
+        moe_waves_init_by(&waves, &ep->placement, ctx->schedule.waves, T, moe_ep_wave_by(ep, &ctx->schedule));
     moe_rows_per_destination(&ep->placement, ids, T, k, NULL, rows); /* one wave */
     s->rows_one_wave = 0.0;
     for (int r = 0; r < G; r++)

@@ -12,6 +12,7 @@
 
 #include "moe/backward.h"
 #include "moe/capacity.h"
+#include "moe/clock.h"
 #include "moe/gemm.h"
 #include "moe/experts.h"
 #include "moe/mask.h"
@@ -44,6 +45,39 @@ moe_schedule moe_schedule_default(const moe_ep *ep)
         .link = true,
         .trace = NULL,
         .origin = 0.0};
+}
+
+int moe_ep_wave_by(const moe_ep *ep, const moe_schedule *sched)
+{
+    for (int n = 0; sched->wave_by == MOE_WAVE_BY_AUTO && ep->wave_choices && n < ep->cfg->waves_count; n++)
+        if (ep->wave_choices[n].waves == sched->waves)
+            return ep->wave_choices[n].by;
+    return sched->wave_by;
+}
+
+double moe_ep_time_experts(const moe_ep *ep, const float *x, moe_index rows, int chunks)
+{
+    const moe_config *cfg = ep->cfg;
+    const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
+    float *in = moe_xmalloc(sizeof(float) * (size_t)(rows * d));   /* (rows, d) */
+    float *out = moe_xmalloc(sizeof(float) * (size_t)(rows * d));  /* (rows, d) */
+    float *scratch = moe_xmalloc(sizeof(float) * (size_t)(rows * 2 * f) + 1); /* (rows, 2f) */
+    for (moe_index i = 0; i < rows; i++)
+        memcpy(in + i * d, x + (i % T) * d, sizeof(float) * (size_t)d);
+    moe_comm_barrier(&ep->comm);
+    const double begun = moe_clock_now();
+    for (int c = 0; c < chunks; c++) { /* wave by wave: each streams every expert's weights */
+        const moe_index first = c * rows / chunks, n = (c + 1) * rows / chunks - first;
+        for (int l = 0; l < ep->local_experts && n > 0; l++) {
+            const moe_expert_weights w = moe_ep_weights(ep, false, l);
+            moe_expert_forward(&w, ep->gemm, in + first * d, n, d, f, scratch, out + first * d, NULL, NULL);
+        }
+    }
+    const double seconds = moe_clock_now() - begun;
+    free(in);
+    free(out);
+    free(scratch);
+    return moe_comm_max(&ep->comm, seconds);
 }
 
 void moe_ep_types_create(const moe_ep *ep, moe_ep_types *types)
@@ -179,6 +213,7 @@ void moe_ep_free(moe_ep *ep)
     free(ep->replay_ids);
     free(ep->replay_weights);
     free(ep->lost_ranks);
+    free(ep->wave_choices);
     moe_placement_free(&ep->placement);
     moe_replicas_free(&ep->replicas);
     if (ep->work) {
@@ -199,6 +234,7 @@ void moe_ep_free(moe_ep *ep)
     ep->replay_ids = NULL;
     ep->replay_weights = NULL;
     ep->lost_ranks = NULL;
+    ep->wave_choices = NULL;
 }
 
 void moe_ep_window_load(const moe_ep *ep, double *load)

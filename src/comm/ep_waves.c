@@ -356,7 +356,7 @@ static void waves_plan(const moe_ep *ep, const moe_schedule *sched, const int32_
 {
     const moe_config *cfg = ep->cfg;
     const int G = ep->comm.ranks, W = sched->waves;
-    moe_waves_init_by(&f->waves, &ep->placement, W, cfg->tokens, sched->wave_by);
+    moe_waves_init_by(&f->waves, &ep->placement, W, cfg->tokens, moe_ep_wave_by(ep, sched));
     stats->wave_kind = f->waves.kind;
     int EM = 0;
     for (int r = 0; r < G; r++)

@@ -120,7 +120,7 @@ const flag_spec moe_flags[] = {
     {"iters", FLAG_INT, FIELD(iters), 1, 100000, "N", NULL, "1", "timed forward passes", RUN, false},
     {"waves", FLAG_WAVES, FIELD(waves_list), 1, 1024, "W[,W...]", NULL, "4", "pipelined waves, at most --tokens; a list runs each and prints the speed-up curve", BOTH | EXPLAIN, false},
     {"lookahead", FLAG_INT, FIELD(lookahead), 1, 1024, "A", NULL, "2", "waves dispatched ahead of the computing one (1: neighbours only)", RUN, false},
-    {"wave-by", FLAG_CHOICE, FIELD(wave_by), 0, 0, NULL, wave_by_choices, "auto", "waves as groups of expert slots (auto: when every rank has >= W experts) or chunks of tokens (keep the dedup)", RUN | EXPLAIN, false},
+    {"wave-by", FLAG_CHOICE, FIELD(wave_by), 0, 0, NULL, wave_by_choices, "auto", "waves as groups of expert slots or chunks of tokens (keep the dedup); auto: with --link the one estimated faster for each W, else expert slots when every rank has >= W experts", RUN | EXPLAIN, false},
     {"dispatch", FLAG_CHOICE, FIELD(dispatch), 0, 0, NULL, dispatch_choices, "flat", "one all-to-all over all ranks, or two stages: once per node between nodes, then within each (waves of tokens; nodes of --ranks-per-node)", RUN | EXPLAIN, false},
     {"combine", FLAG_CHOICE, FIELD(combine), 0, 0, NULL, combine_choices, "reduced", "per (token, rank) its experts' weighted outputs summed at the source (DeepEP), or every (token, expert) output (--mode low-latency: pairs)", RUN | EXPLAIN, false},
     {"mode", FLAG_CHOICE, FIELD(mode), 0, 0, NULL, mode_choices, "normal", "the forward's path: count exchange and MPI_Alltoallv (prefill), or one-sided MPI into fixed per-expert buffers, no count exchange (decode; docs/low-latency.md)", RUN | EXPLAIN, false},

@@ -686,6 +686,31 @@ static void print_curve(FILE *out, const moe_run_summary *s)
     }
 }
 
+/* --wave-by auto under --link: each W's two estimates and the grouping it ran. */
+static void print_grouping(FILE *out, const moe_run_summary *s)
+{
+    const moe_config *cfg = s->cfg;
+    if (!s->wave_choices)
+        return;
+    fprintf(out, "grouping  --wave-by auto: each W runs the grouping estimated faster, ms: max(comm, first "
+                 "dispatch + compute + last combine), uniform routing, experts timed at each one's "
+                 "batches (docs/waves.md)\n");
+    fprintf(out, "          %4s %13s %8s %8s %13s %8s %8s   %s\n", "W", "expert slots", "comm", "compute",
+            "token chunks", "comm", "compute", "runs");
+    for (int n = 0; n < cfg->waves_count; n++) {
+        const moe_wave_choice *c = &s->wave_choices[n];
+        if (c->waves < 2)
+            continue;
+        const moe_wave_estimate *e = &c->estimate[MOE_WAVES_EXPERT_SLOTS], *t = &c->estimate[MOE_WAVES_TOKEN_CHUNKS];
+        if (e->time > 0)
+            fprintf(out, "          %4d %13.2f %8.2f %8.2f", c->waves, 1e3 * e->time, 1e3 * e->comm, 1e3 * e->compute);
+        else
+            fprintf(out, "          %4d %13s %8s %8s", c->waves, "-", "", "");
+        fprintf(out, " %13.2f %8.2f %8.2f   %s\n", 1e3 * t->time, 1e3 * t->comm, 1e3 * t->compute,
+                c->by == MOE_WAVE_BY_TOKENS ? "token chunks" : "expert slots");
+    }
+}
+
 /* The slow-rank finder: how long each rank waited for each source's rows,
  * and the rank the others waited for longest when it stands out
  * (moe_waits_analyze). */
@@ -830,6 +855,7 @@ void moe_report_print(FILE *out, const moe_run_summary *s)
     if (s->backward)
         print_backward(out, s);
     print_time(out, s);
+    print_grouping(out, s);
     print_curve(out, s);
     print_waits(out, s);
     print_outputs(out, s);

@@ -2,10 +2,14 @@
 /* check_layout.c — placement, and the dispatch/combine plan run through an
  * in-process all-to-all: every (token, slot) must come back as the output of
  * its own expert for its own token (the permutation and its inverse). */
+#include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe/config.h"
 #include "moe/layout.h"
+#include "moe/wave_estimate.h"
 #include "suites.h"
 
 START_TEST(placement_blocks_differ_by_at_most_one)
@@ -290,6 +294,125 @@ START_TEST(gather_follows_row_pointers_across_buffers)
 }
 END_TEST
 
+/* A link of bandwidth B (bytes/s) on both tiers, G ranks on one node. */
+static moe_link flat_link(double bandwidth, int ranks)
+{
+    moe_link link = {.enabled = true, .ranks_per_node = ranks};
+    for (int t = 0; t < MOE_TIERS; t++)
+        link.bandwidth[t] = bandwidth;
+    return link;
+}
+
+START_TEST(wave_estimate_misses_by_the_hypergeometric_law)
+{
+    ck_assert_double_eq(moe_waves_miss(64, 6, 0), 1.0);
+    ck_assert_double_eq(moe_waves_miss(64, 6, 64), 0.0);
+    ck_assert_double_eq(moe_waves_miss(64, 6, 59), 0.0); /* 5 experts left for 6 picks */
+    ck_assert_double_eq_tol(moe_waves_miss(64, 6, 1), 58.0 / 64.0, 1e-15);
+    /* C(56, 6) / C(64, 6) */
+    ck_assert_double_eq_tol(moe_waves_miss(64, 6, 8), 32468436.0 / 74974368.0, 1e-12);
+}
+END_TEST
+
+/* The estimate's rows against the rows moe_send_plan_build counts for
+ * uniformly drawn top-k ids: every rank's dispatch to the others, summed
+ * over the waves, for each grouping. */
+START_TEST(wave_estimate_counts_the_rows_waves_send)
+{
+    enum { E = 64, G = 4, K = 6, T = 4096, W = 4 };
+    moe_placement p;
+    moe_placement_init(&p, E, G);
+    int32_t *ids = malloc(sizeof(int32_t) * T * K);
+    uint64_t state = 0x9E3779B97F4A7C15u;
+    for (int i = 0; i < T; i++) { /* k distinct experts: a partial Fisher-Yates shuffle */
+        int deck[E];
+        for (int e = 0; e < E; e++)
+            deck[e] = e;
+        for (int s = 0; s < K; s++) {
+            state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+            const int pick = s + (int)(state % (uint64_t)(E - s));
+            const int e = deck[pick];
+            deck[pick] = deck[s];
+            deck[s] = e;
+            ids[i * K + s] = e;
+        }
+    }
+    const moe_link link = flat_link(1e9, G);
+    for (int kind = 0; kind < 2; kind++) {
+        moe_waves w;
+        moe_waves_init_by(&w, &p, W, T, kind == MOE_WAVES_EXPERT_SLOTS ? MOE_WAVE_BY_EXPERTS : MOE_WAVE_BY_TOKENS);
+        double sent = 0.0; /* rank 0's rows to the other ranks */
+        for (int wave = 0; wave < W; wave++) {
+            moe_send_plan plan;
+            moe_send_plan_build(&plan, &p, ids, T, K, &w, wave);
+            for (int r = 1; r < G; r++)
+                sent += (double)plan.row_count[r];
+            moe_send_plan_free(&plan);
+        }
+        moe_waves_free(&w);
+        const moe_wave_traffic t = {.placement = &p, .link = &link, .tokens = T, .topk = K, .waves = W,
+                                    .reduced = true, .dispatch_row_bytes = 1.0, .combine_row_bytes = 1.0};
+        moe_wave_estimate e;
+        moe_waves_estimate(&t, kind, &e);
+        /* about 10^4 rows: the draw's spread is about 1 % */
+        ck_assert_double_eq_tol(e.rows / sent, 1.0, 0.03);
+    }
+    free(ids);
+    moe_placement_free(&p);
+}
+END_TEST
+
+/* The reduced combine sends a token's sum on a rank once, whatever the
+ * grouping: with only combine bytes on the wire every W moves one wave's. */
+START_TEST(wave_estimate_reduced_combine_goes_once)
+{
+    moe_placement p;
+    moe_placement_init(&p, 64, 2);
+    const moe_link link = flat_link(1.0, 2); /* seconds = bytes */
+    moe_wave_traffic t = {.placement = &p, .link = &link, .tokens = 512, .topk = 6, .waves = 1,
+                          .reduced = true, .dispatch_row_bytes = 0.0, .combine_row_bytes = 1.0};
+    moe_wave_estimate one, slots, chunks;
+    moe_waves_estimate(&t, MOE_WAVES_EXPERT_SLOTS, &one);
+    ck_assert_double_eq_tol(one.comm, 512.0 * (1.0 - moe_waves_miss(64, 6, 32)), 1e-9);
+    t.waves = 4;
+    moe_waves_estimate(&t, MOE_WAVES_EXPERT_SLOTS, &slots);
+    moe_waves_estimate(&t, MOE_WAVES_TOKEN_CHUNKS, &chunks);
+    ck_assert_double_eq_tol(slots.comm, one.comm, 1e-9);
+    ck_assert_double_eq_tol(chunks.comm, one.comm, 1e-9);
+    /* the last wave of expert slots combines every token whose last expert
+     * there is in it: more than a quarter; a chunk of tokens a quarter */
+    ck_assert_double_eq_tol(slots.tail, 512.0 * (1.0 - moe_waves_miss(64, 6, 8)), 1e-9);
+    ck_assert_double_eq_tol(chunks.tail, one.comm / 4, 1e-9);
+    moe_placement_free(&p);
+}
+END_TEST
+
+/* A slow link picks token chunks (expert slots resend tokens), a free one
+ * expert slots (token chunks split the GEMMs); fewer experts than waves
+ * leave token chunks alone. */
+START_TEST(wave_choice_follows_the_scarcer_resource)
+{
+    moe_placement p;
+    moe_placement_init(&p, 64, 2);
+    moe_link link = flat_link(1e6, 2);
+    moe_wave_traffic t = {.placement = &p, .link = &link, .tokens = 512, .topk = 6, .waves = 4,
+                          .reduced = true, .dispatch_row_bytes = 4136.0, .combine_row_bytes = 4096.0,
+                          .compute_whole = 0.1, .compute_chunked = 0.15};
+    moe_wave_estimate est[2];
+    ck_assert_int_eq(moe_waves_choose(&t, est), MOE_WAVE_BY_TOKENS);
+    ck_assert_double_gt(est[MOE_WAVES_EXPERT_SLOTS].rows, 2.0 * est[MOE_WAVES_TOKEN_CHUNKS].rows);
+    for (int tier = 0; tier < MOE_TIERS; tier++)
+        link.bandwidth[tier] = INFINITY;
+    ck_assert_int_eq(moe_waves_choose(&t, est), MOE_WAVE_BY_EXPERTS);
+    ck_assert_double_eq(est[MOE_WAVES_EXPERT_SLOTS].time, 0.1);
+    ck_assert_double_eq(est[MOE_WAVES_TOKEN_CHUNKS].time, 0.15);
+    t.waves = 33; /* 32 experts a rank */
+    ck_assert_int_eq(moe_waves_choose(&t, est), MOE_WAVE_BY_TOKENS);
+    ck_assert_double_eq(est[MOE_WAVES_EXPERT_SLOTS].time, 0.0);
+    moe_placement_free(&p);
+}
+END_TEST
+
 Suite *make_layout_suite(void)
 {
     Suite *s = suite_create("layout");
@@ -301,6 +424,10 @@ Suite *make_layout_suite(void)
     tcase_add_test(tc, wave_kinds_and_boundaries);
     tcase_add_test(tc, reduce_sums_in_slot_order);
     tcase_add_test(tc, gather_follows_row_pointers_across_buffers);
+    tcase_add_test(tc, wave_estimate_misses_by_the_hypergeometric_law);
+    tcase_add_test(tc, wave_estimate_counts_the_rows_waves_send);
+    tcase_add_test(tc, wave_estimate_reduced_combine_goes_once);
+    tcase_add_test(tc, wave_choice_follows_the_scarcer_resource);
     suite_add_tcase(s, tc);
     return s;
 }
