@@ -924,8 +924,14 @@ static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const
     const double bytes = s->rows_sent_remote * moe_dispatch_row_bytes(cfg) +
                          s->pairs_back_remote * moe_combine_row_bytes(cfg);
     /* the routed experts' compute (a pipeline's compute also holds the
-     * shared experts that ran in its waits) */
-    const double expert_time = s->stage_seconds[MOE_STAGE_EXPERTS];
+     * shared experts that ran in its waits); with more ranks than cores
+     * the ranks take turns, and a rank's expert time leaves out the turns
+     * of the others: the rate of all ranks is then over the window any
+     * rank computed in (as run's report gives it), or it reads above the
+     * cores' FMA peak */
+    const double expert_time = s->ranks_on_host > s->cores && s->expert_window > 0
+                                   ? s->expert_window
+                                   : s->stage_seconds[MOE_STAGE_EXPERTS];
     *r = (bench_row){
         .waves = p->waves,
         .ranks = ranks,
