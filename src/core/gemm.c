@@ -567,6 +567,13 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
                     pf.at2 = next2 + first * PACK_COLS;
                     pf.lines = K - first < share ? K - first : share;
                 }
+                /* the next tile's rows of C, for writing: a C that is
+                 * not in the caches (the weight gradients' 1024 x 1024 of
+                 * an expert) would otherwise be read from memory at each
+                 * tile's stores, while nothing computes */
+                for (moe_index r = 0; full && i + 1 < tiles && r < TILE_ROWS && m + rows + r < m1; r++)
+                    for (moe_index l = 0; l < span; l++)
+                        __builtin_prefetch(C + (m + rows + r) * ldc + n0 + l * PACK_COLS, 1, 3);
                 if (span == 2)
                     wide[rows](K, a, b, b + K * PACK_COLS, c, ldt, pf);
                 else
