@@ -107,6 +107,14 @@ void *moe_calloc_check(size_t count, size_t size, const char *file, int line);
 #define moe_xmalloc(bytes) moe_malloc_check((bytes), __FILE__, __LINE__)
 #define moe_xcalloc(count, size) moe_calloc_check((count), (size), __FILE__, __LINE__)
 
+/* moe_xmalloc starting on a cache line (64 bytes), for a GEMM's output
+ * written whole: its rows then do not straddle lines (a 64-byte store
+ * across two costs both, and the weight gradients, 1024 x 1024 floats an
+ * expert, ran at 68 instead of 86 GFLOP/s a core from malloc's 16-byte
+ * alignment). Freed with free(). */
+void *moe_malloc_lines_check(size_t bytes, const char *file, int line);
+#define moe_xmalloc_lines(bytes) moe_malloc_lines_check((bytes), __FILE__, __LINE__)
+
 /* malloc whose failure is recorded in st (a runtime error naming the size,
  * what it was for and the rank) instead of aborting, so that the ranks can
  * agree on it; a first failure is kept. A zero size gives a valid pointer. */

@@ -43,10 +43,11 @@ void moe_ep_grads_init(const moe_ep *ep, moe_ep_grads *g)
     const size_t d = (size_t)cfg->hidden, f = (size_t)cfg->ffn, EL = (size_t)ep->local_experts,
                  S = (size_t)cfg->shared_experts;
     g->dx = moe_xmalloc(sizeof(float) * (size_t)cfg->tokens * d + 1);
-    g->dw1 = moe_xmalloc(sizeof(float) * EL * 2 * f * d + 1);
-    g->dw2 = moe_xmalloc(sizeof(float) * EL * d * f + 1);
-    g->dshared_w1 = moe_xmalloc(sizeof(float) * S * 2 * f * d + 1);
-    g->dshared_w2 = moe_xmalloc(sizeof(float) * S * d * f + 1);
+    /* the weight gradients' GEMMs write them whole: on cache lines */
+    g->dw1 = moe_xmalloc_lines(sizeof(float) * EL * 2 * f * d + 1);
+    g->dw2 = moe_xmalloc_lines(sizeof(float) * EL * d * f + 1);
+    g->dshared_w1 = moe_xmalloc_lines(sizeof(float) * S * 2 * f * d + 1);
+    g->dshared_w2 = moe_xmalloc_lines(sizeof(float) * S * d * f + 1);
     g->dgate = moe_xmalloc(sizeof(float) * (size_t)cfg->experts * d + 1);
 }
 

@@ -128,6 +128,14 @@ void *moe_malloc_check(size_t bytes, const char *file, int line)
     return p;
 }
 
+void *moe_malloc_lines_check(size_t bytes, const char *file, int line)
+{
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? bytes : 1) != 0)
+        out_of_memory(bytes, file, line);
+    return p;
+}
+
 void *moe_calloc_check(size_t count, size_t size, const char *file, int line)
 {
     void *p = calloc(count ? count : 1, size ? size : 1);
