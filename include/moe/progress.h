@@ -23,6 +23,7 @@
 
 #include "moe/comm.h"
 #include "moe/config.h"
+#include "moe/watchdog.h"
 
 typedef struct {
     MPI_Request requests[2];
@@ -74,6 +75,10 @@ void moe_progress_poll(moe_progress *p);
 
 /* Until op has completed. */
 void moe_progress_wait(moe_progress *p, int op);
+
+/* The same, on the watchdog's board as a wait at `place` of wave `wave`
+ * (-1: none). */
+void moe_progress_wait_at(moe_progress *p, int op, enum moe_watch_place place, int wave);
 
 /* Whether op, posted, has completed as far as the last test round saw (poll
  * mode: call moe_progress_poll first). Does not block. */

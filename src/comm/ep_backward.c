@@ -254,9 +254,7 @@ static void finish(bwd_run *b, int op, moe_backward_stats *stats, int stage)
     if (!b->progress)
         return;
     const double t = moe_stage_begin();
-    moe_watch_wait(MOE_WATCH_BACKWARD, -1);
-    moe_progress_wait(b->progress, op);
-    moe_watch_done();
+    moe_progress_wait_at(b->progress, op, MOE_WATCH_BACKWARD, -1);
     moe_stage_end(&stats->seconds[stage], t);
 }
 
@@ -636,9 +634,7 @@ typedef struct {
 static void paired_wait(moe_progress *p, int op, paired_forward *pf, int stage)
 {
     const double t = moe_stage_begin();
-    moe_watch_wait(MOE_WATCH_BACKWARD, -1);
-    moe_progress_wait(p, op);
-    moe_watch_done();
+    moe_progress_wait_at(p, op, MOE_WATCH_BACKWARD, -1);
     moe_stage_end(&pf->stats->seconds[stage], t);
 }
 

@@ -439,9 +439,8 @@ static void relay_until(hier_forward *f, int w, int hop)
 {
     while (f->hw[w].posted <= hop) {
         fill(f, w * HOPS + hop - 1);
-        moe_watch_wait(hop <= D2 ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE, w);
-        moe_progress_wait(&f->progress, w * HOPS + hop - 1);
-        moe_watch_done();
+        moe_progress_wait_at(&f->progress, w * HOPS + hop - 1,
+                             hop <= D2 ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE, w);
         relay_landed(f);
     }
 }
@@ -457,9 +456,7 @@ static void hier_pipeline(hier_forward *f, int lookahead)
             post(f, posted, D1);
         relay_until(f, w, D2);
         fill(f, w * HOPS + D2);
-        moe_watch_wait(MOE_WATCH_DISPATCH, w);
-        moe_progress_wait(&f->progress, w * HOPS + D2);
-        moe_watch_done();
+        moe_progress_wait_at(&f->progress, w * HOPS + D2, MOE_WATCH_DISPATCH, w);
         moe_pipeline_fail_here(c, "dispatch");
         wave_experts(f, w);
         moe_pipeline_fail_here(c, "experts");
@@ -470,9 +467,7 @@ static void hier_pipeline(hier_forward *f, int lookahead)
         relay_until(f, w, C1);
     for (int w = 0; w < W; w++) {
         fill(f, w * HOPS + C1);
-        moe_watch_wait(MOE_WATCH_COMBINE, w);
-        moe_progress_wait(&f->progress, w * HOPS + C1);
-        moe_watch_done();
+        moe_progress_wait_at(&f->progress, w * HOPS + C1, MOE_WATCH_COMBINE, w);
     }
     moe_pipeline_fail_here(c, "combine");
 }

@@ -528,9 +528,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
             wave_dispatch(&ws[posted], &progress, posted, G, &f->types, c->comm,
                           link, &links);
         moe_pipeline_fill(&progress, w, &f->shared, NULL, NULL);
-        moe_watch_wait(MOE_WATCH_DISPATCH, w);
-        moe_progress_wait(&progress, w);
-        moe_watch_done();
+        moe_progress_wait_at(&progress, w, MOE_WATCH_DISPATCH, w);
         moe_pipeline_fail_here(c, "dispatch");
         clock.wave = w;
         clock.mark = moe_stage_begin();
@@ -547,9 +545,7 @@ static void waves_pipeline(const moe_ep *ep, const moe_schedule *sched, waves_fo
     }
     for (int w = 0; w < W; w++) {
         moe_pipeline_fill(&progress, W + w, &f->shared, NULL, NULL);
-        moe_watch_wait(MOE_WATCH_COMBINE, w);
-        moe_progress_wait(&progress, W + w);
-        moe_watch_done();
+        moe_progress_wait_at(&progress, W + w, MOE_WATCH_COMBINE, w);
     }
     const double end = moe_stage_end(&stats->pipeline_seconds, start);
     stats->fill_seconds = f->shared.seconds;

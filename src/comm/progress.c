@@ -198,6 +198,13 @@ void moe_progress_wait(moe_progress *p, int op)
     pthread_mutex_unlock(&p->lock);
 }
 
+void moe_progress_wait_at(moe_progress *p, int op, enum moe_watch_place place, int wave)
+{
+    moe_watch_wait(place, wave);
+    moe_progress_wait(p, op);
+    moe_watch_done();
+}
+
 bool moe_progress_done(moe_progress *p, int op)
 {
     moe_progress_lock(p);

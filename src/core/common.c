@@ -9,8 +9,8 @@
 #include <fcntl.h>
 #ifdef __GLIBC__
 #include <malloc.h>
-#include <math.h>
 #endif
+#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
