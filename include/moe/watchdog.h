@@ -31,7 +31,9 @@ extern const char *const moe_watch_place_names[MOE_WATCH_PLACES];
 /* Start the watchdog of `seconds` (0: none, and nothing else happens).
  * Collective over c. */
 void moe_watchdog_start(const moe_comm *c, double seconds);
-/* Stop it (the thread joined, the board freed). Collective over the start's c. */
+/* Stop it (the thread joined, the board freed). Collective over the start's c.
+ * Checks the board's rule: a host's ranks entered the same number of waits
+ * (an internal error if not). */
 void moe_watchdog_stop(void);
 /* This rank is now at `place` of wave `wave` (-1: none); or at the stage
  * named `stage` (moe_watch_place_named; none: nothing changes), its wave

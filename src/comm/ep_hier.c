@@ -434,15 +434,18 @@ static void fill(hier_forward *f, int op)
 }
 
 /* Until wave w has posted `hop` (which the relay posts): wait for the hop
- * before it, relay what landed. */
+ * before it, relay what landed. The wait is entered on the watchdog's board
+ * even when a poll has relayed the wave already (it then returns at once):
+ * every rank enters the same waits in the same order, which is how the
+ * board tells the ranks arrived from those behind. The earlier waves were
+ * relayed by the earlier calls, so one landed hop relays wave w. */
 static void relay_until(hier_forward *f, int w, int hop)
 {
-    while (f->hw[w].posted <= hop) {
-        fill(f, w * HOPS + hop - 1);
-        moe_progress_wait_at(&f->progress, w * HOPS + hop - 1,
-                             hop <= D2 ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE, w);
-        relay_landed(f);
-    }
+    fill(f, w * HOPS + hop - 1);
+    moe_progress_wait_at(&f->progress, w * HOPS + hop - 1, hop <= D2 ? MOE_WATCH_DISPATCH : MOE_WATCH_COMBINE,
+                         w);
+    relay_landed(f);
+    MOE_ASSERT(f->hw[w].posted > hop);
 }
 
 /* Stages dispatch, experts and combine of every wave, overlapped as the
