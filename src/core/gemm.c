@@ -639,10 +639,57 @@ void moe_sgemm_packed_rows(moe_index M, moe_index N, moe_index K, const float *c
     sgemm_packed(M, N, K, &rows, Bp, C, ldc);
 }
 
-/* In square blocks: walking a whole column of B at once reads rows a power
- * of two apart (4 KiB at 1024 floats), which all fall in one set of the L1
- * cache and evict each other; a block's lines fit. */
-enum { TRANSPOSE_BLOCK = 16 };
+/* ---- Transposes ----
+ *
+ * In blocks of 8 x 8, each in registers: eight rows' 8-float runs loaded,
+ * shuffled, stored as eight columns' runs (a transpose one float at a time
+ * took a sixth of the weight gradients' stage). The blocks walk B in
+ * squares of TRANSPOSE_BLOCK: walking a whole column of B at once reads
+ * rows a power of two apart (4 KiB at 1024 floats), which all fall in one
+ * set of the L1 cache and evict each other; a square's lines fit. */
+enum { TRANSPOSE_BLOCK = 16, T8 = 8 };
+typedef int32_t shuffle8 __attribute__((vector_size(32)));
+
+/* dst[c * ldd + r] = src[r][c] for the nr rows (NULL: zeros) and nc columns
+ * of a block of at most 8 x 8. */
+static inline __attribute__((always_inline)) void transpose8(int nr, int nc,
+                                                             const float *const src[T8],
+                                                             float *dst, moe_index ldd)
+{
+    if (nr < T8 || nc < T8) {
+        for (int c = 0; c < nc; c++)
+            for (int r = 0; r < nr; r++)
+                dst[c * ldd + r] = src[r] ? src[r][c] : 0.0f;
+        return;
+    }
+    lanes8 a[T8];
+#pragma GCC unroll 8
+    for (int r = 0; r < T8; r++) {
+        a[r] = (lanes8){0};
+        if (src[r])
+            a[r] = load8(src[r]);
+    }
+    /* pairs of rows interleaved, then pairs of pairs, then the halves */
+    const shuffle8 lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+    const shuffle8 lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const shuffle8 lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const lanes8 t0 = __builtin_shuffle(a[0], a[1], lo), t1 = __builtin_shuffle(a[0], a[1], hi);
+    const lanes8 t2 = __builtin_shuffle(a[2], a[3], lo), t3 = __builtin_shuffle(a[2], a[3], hi);
+    const lanes8 t4 = __builtin_shuffle(a[4], a[5], lo), t5 = __builtin_shuffle(a[4], a[5], hi);
+    const lanes8 t6 = __builtin_shuffle(a[6], a[7], lo), t7 = __builtin_shuffle(a[6], a[7], hi);
+    const lanes8 u0 = __builtin_shuffle(t0, t2, lo2), u1 = __builtin_shuffle(t0, t2, hi2);
+    const lanes8 u2 = __builtin_shuffle(t1, t3, lo2), u3 = __builtin_shuffle(t1, t3, hi2);
+    const lanes8 u4 = __builtin_shuffle(t4, t6, lo2), u5 = __builtin_shuffle(t4, t6, hi2);
+    const lanes8 u6 = __builtin_shuffle(t5, t7, lo2), u7 = __builtin_shuffle(t5, t7, hi2);
+    store8(dst, __builtin_shuffle(u0, u4, lo4));
+    store8(dst + ldd, __builtin_shuffle(u1, u5, lo4));
+    store8(dst + 2 * ldd, __builtin_shuffle(u2, u6, lo4));
+    store8(dst + 3 * ldd, __builtin_shuffle(u3, u7, lo4));
+    store8(dst + 4 * ldd, __builtin_shuffle(u0, u4, hi4));
+    store8(dst + 5 * ldd, __builtin_shuffle(u1, u5, hi4));
+    store8(dst + 6 * ldd, __builtin_shuffle(u2, u6, hi4));
+    store8(dst + 7 * ldd, __builtin_shuffle(u3, u7, hi4));
+}
 
 /* ---- The packed kernel on the forward's panels, transposed ----
  *
@@ -783,6 +830,28 @@ static void packed_t_columns(tile_t_fn *tile, tile_t2_fn *wide, moe_index M, moe
     }
 }
 
+/* At = A (M, N) in panels of 16 rows, each [n][row], N * 16 floats (zeros
+ * past M). */
+__attribute__((target_clones("avx2", "default")))
+static void pack_a_panels(moe_index M, moe_index N, const float *A, moe_index lda, float *At)
+{
+    for (moe_index m0 = 0; m0 < M; m0 += T8) {
+        const float *src[T8];
+        for (int r = 0; r < T8; r++)
+            src[r] = m0 + r < M ? A + (m0 + r) * lda : NULL;
+        float *dst = At + m0 / PACK_COLS * N * PACK_COLS + m0 % PACK_COLS;
+        for (moe_index n = 0; n < N; n += T8) {
+            transpose8(T8, N - n < T8 ? (int)(N - n) : T8, src, dst + n * PACK_COLS, PACK_COLS);
+            for (int r = 0; r < T8; r++)
+                if (src[r])
+                    src[r] += T8;
+        }
+    }
+    if (M % PACK_COLS && M % PACK_COLS <= T8) /* the last panel's rows 8..15: zeros */
+        for (moe_index n = 0; n < N; n++)
+            memset(At + (M / PACK_COLS * N + n) * PACK_COLS + T8, 0, sizeof(float) * T8);
+}
+
 void moe_sgemm_packed_t(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
                         const float *Bp, float *C, moe_index ldc)
 {
@@ -794,17 +863,9 @@ void moe_sgemm_packed_t(moe_index M, moe_index N, moe_index K, const float *A, m
             memset(C + m * ldc, 0, sizeof(float) * (size_t)K);
         return;
     }
-    /* A in panels of 16 rows, [n][row] (zeros past M) */
     const moe_index panels = (M + PACK_COLS - 1) / PACK_COLS;
     float *At = moe_xmalloc(sizeof(float) * (size_t)(panels * N * PACK_COLS));
-    for (moe_index p = 0; p < panels; p++)
-        for (moe_index n0 = 0; n0 < N; n0 += TRANSPOSE_BLOCK)
-            for (int j = 0; j < PACK_COLS; j++) {
-                const moe_index m = p * PACK_COLS + j;
-                const moe_index n1 = N - n0 < TRANSPOSE_BLOCK ? N : n0 + TRANSPOSE_BLOCK;
-                for (moe_index n = n0; n < n1; n++)
-                    At[(p * N + n) * PACK_COLS + j] = m < M ? A[m * lda + n] : 0.0f;
-            }
+    pack_a_panels(M, N, A, lda, At);
     tile_t_fn *tile = packed_t_tile();
     tile_t2_fn *wide = packed_t_wide_tile();
     const moe_index tiles = (K + TILE_ROWS - 1) / TILE_ROWS;
@@ -827,18 +888,28 @@ void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt)
     moe_transpose_rows_at(rows, cols, B, NULL, Bt);
 }
 
-void moe_transpose_rows_at(moe_index rows, moe_index cols, const float *B, const moe_index *at,
-                           float *Bt)
+__attribute__((target_clones("avx2", "default")))
+static void transpose_rows_at(moe_index rows, moe_index cols, const float *B, const moe_index *at,
+                              float *Bt)
 {
 #pragma omp parallel for schedule(static)
     for (moe_index c0 = 0; c0 < cols; c0 += TRANSPOSE_BLOCK)
-        for (moe_index r0 = 0; r0 < rows; r0 += TRANSPOSE_BLOCK) {
+        for (moe_index r0 = 0; r0 < rows; r0 += T8) {
+            const int nr = rows - r0 < T8 ? (int)(rows - r0) : T8;
             const moe_index c1 = cols - c0 < TRANSPOSE_BLOCK ? cols : c0 + TRANSPOSE_BLOCK;
-            const moe_index r1 = rows - r0 < TRANSPOSE_BLOCK ? rows : r0 + TRANSPOSE_BLOCK;
-            for (moe_index c = c0; c < c1; c++)
-                for (moe_index r = r0; r < r1; r++)
-                    Bt[c * rows + r] = B[(at ? at[r] : r) * cols + c];
+            for (moe_index c = c0; c < c1; c += T8) {
+                const float *src[T8];
+                for (int r = 0; r < nr; r++)
+                    src[r] = B + (at ? at[r0 + r] : r0 + r) * cols + c;
+                transpose8(nr, c1 - c < T8 ? (int)(c1 - c) : T8, src, Bt + c * rows + r0, rows);
+            }
         }
+}
+
+void moe_transpose_rows_at(moe_index rows, moe_index cols, const float *B, const moe_index *at,
+                           float *Bt)
+{
+    transpose_rows_at(rows, cols, B, at, Bt);
 }
 
 double moe_gemm_sflops(void) { return sgemm_flops; }

@@ -254,7 +254,7 @@ END_TEST
  * gives the floats that packing its transpose (N, K) does. */
 START_TEST(transpose_and_row_packing_are_the_definitions)
 {
-    static const int shapes[][2] = {{1, 1}, {5, 37}, {16, 16}, {33, 64}, {96, 1024}};
+    static const int shapes[][2] = {{1, 1}, {5, 37}, {16, 16}, {24, 21}, {33, 64}, {96, 1024}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int K = shapes[s][0], N = shapes[s][1];
         float *Bt = malloc(sizeof(float) * K * N), *B = malloc(sizeof(float) * K * N);
@@ -302,7 +302,7 @@ END_TEST
  * B of mixed magnitudes) so that a kernel without FMA would differ. */
 START_TEST(packed_t_is_packed_on_the_transposed_operand)
 {
-    static const int shapes[][3] = {{1, 1, 1}, {7, 5, 13}, {16, 16, 6}, {33, 40, 17}, {96, 64, 50}};
+    static const int shapes[][3] = {{1, 1, 1}, {7, 5, 13}, {16, 16, 6}, {33, 40, 17}, {45, 19, 9}, {96, 64, 50}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int M = shapes[s][0], N = shapes[s][1], K = shapes[s][2], lda = N + 3, ldc = K + 2;
         float *A = malloc(sizeof(float) * M * lda), *B = malloc(sizeof(float) * N * K);
