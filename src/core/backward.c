@@ -214,6 +214,18 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
     free(h);
 }
 
+/* a[j][r] *= s[r] for a (rows, cols): one fp32 product a lane. */
+__attribute__((target_clones("avx2", "default")))
+static void scale_columns(moe_index rows, moe_index cols, const float *s, float *a)
+{
+    for (moe_index j = 0; j < rows; j++) {
+        float *row = a + j * cols;
+#pragma omp simd
+        for (moe_index r = 0; r < cols; r++)
+            row[r] *= s[r];
+    }
+}
+
 void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, const float *dy,
                                  const moe_index *rows, const float *gate, int weight_at,
                                  moe_index n, moe_index hidden, moe_index ffn,
@@ -233,9 +245,7 @@ void moe_expert_backward_weights(enum moe_gemm_kind gemm, const float *x, const 
     float *b = moe_xmalloc(sizeof(float) * (size_t)b_floats);
     moe_transpose_rows_at(n, d, dy, rows, at); /* dO^T (d, n): dy^T, times the gates as the data gradient */
     if (gated_output(gate, weight_at))
-        for (moe_index j = 0; j < d; j++)
-            for (moe_index r = 0; r < n; r++)
-                at[j * n + r] *= gate[r];
+        scale_columns(d, n, gate, at);
     operand(gemm, n, f, act, NULL, b);
     moe_expert_gemm(gemm, d, f, n, at, n, b, dw2, f);
     moe_transpose(n, 2 * f, dH, at); /* dH^T (2f, n) */

@@ -501,10 +501,14 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
     for (moe_index p = 0; p < panels; p++) {
         const moe_index n0 = p * PACK_COLS, cols = N - n0 < PACK_COLS ? N - n0 : PACK_COLS;
         float *dst = Bp + p * K * PACK_COLS;
-        for (moe_index k = 0; k < K; k++) {
-            memcpy(dst + k * PACK_COLS, Bt + (rows ? rows[k] : k) * N + n0, sizeof(float) * (size_t)cols);
-            memset(dst + k * PACK_COLS + cols, 0, sizeof(float) * (size_t)(PACK_COLS - cols));
-        }
+        if (cols == PACK_COLS) /* a copy of constant size: inlined, not a call */
+            for (moe_index k = 0; k < K; k++)
+                memcpy(dst + k * PACK_COLS, Bt + (rows ? rows[k] : k) * N + n0, sizeof(float) * PACK_COLS);
+        else
+            for (moe_index k = 0; k < K; k++) {
+                memcpy(dst + k * PACK_COLS, Bt + (rows ? rows[k] : k) * N + n0, sizeof(float) * (size_t)cols);
+                memset(dst + k * PACK_COLS + cols, 0, sizeof(float) * (size_t)(PACK_COLS - cols));
+            }
     }
 }
 
