@@ -120,19 +120,36 @@ static void swiglu_backward(const float *h, const float *da, moe_index n, moe_in
         for (moe_index c0 = 0; c0 < ffn; c0 += 8) {
             const int w = ffn - c0 < 8 ? (int)(ffn - c0) : 8;
             lanes8 g = {0}, u = {0}, dv = {0};
-            for (int i = 0; i < w; i++) {
-                g[i] = gate[c0 + i];
-                u[i] = up[c0 + i];
-                dv[i] = da ? da[r * ffn + c0 + i] : 0.0f;
+            if (w == 8) {
+                g = *(const lanes8_unaligned *)(gate + c0);
+                u = *(const lanes8_unaligned *)(up + c0);
+                if (da)
+                    dv = *(const lanes8_unaligned *)(da + r * ffn + c0);
+            } else {
+                for (int i = 0; i < w; i++) {
+                    g[i] = gate[c0 + i];
+                    u[i] = up[c0 + i];
+                    dv[i] = da ? da[r * ffn + c0 + i] : 0.0f;
+                }
             }
-            const lanes8 silu = g / (1.0f + exp8(-g));
-            const lanes8 sig = 1.0f / (1.0f + exp8(-g));
-            const lanes8 a = silu * u;
+            const lanes8 e = exp8(-g);
+            const lanes8 silu = g / (1.0f + e);
+            const lanes8 sig = 1.0f / (1.0f + e);
+            const lanes8 a = scale ? silu * u * scale[r] : silu * u;
             const lanes8 dgate = dv * u * (sig + silu * (1.0f - sig));
             const lanes8 dup = dv * silu;
+            if (w == 8) {
+                if (act)
+                    *(lanes8_unaligned *)(act + r * ffn + c0) = a;
+                if (da) {
+                    *(lanes8_unaligned *)(dh + r * 2 * ffn + c0) = dgate;
+                    *(lanes8_unaligned *)(dh + r * 2 * ffn + ffn + c0) = dup;
+                }
+                continue;
+            }
             for (int i = 0; i < w; i++) {
                 if (act)
-                    act[r * ffn + c0 + i] = scale ? a[i] * scale[r] : a[i];
+                    act[r * ffn + c0 + i] = a[i];
                 if (da) {
                     dh[r * 2 * ffn + c0 + i] = dgate[i];
                     dh[r * 2 * ffn + ffn + c0 + i] = dup[i];
