@@ -168,6 +168,44 @@ static float dot(const float *a, const float *b, moe_index n)
     return (float)sum;
 }
 
+/* out[r] = dot(a[r], b[r], len) for n rows of len floats: four rows at a
+ * time, each its own chain of adds (one row's adds wait on each other;
+ * four keep the adder busy), so each sum is dot's. */
+static void row_dots(moe_index n, moe_index len, const float *a, const float *b, float *out)
+{
+    moe_index r = 0;
+    for (; r + 4 <= n; r += 4) {
+        const float *a0 = a + r * len, *a1 = a0 + len, *a2 = a1 + len, *a3 = a2 + len;
+        const float *b0 = b + r * len, *b1 = b0 + len, *b2 = b1 + len, *b3 = b2 + len;
+        double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+        for (moe_index j = 0; j < len; j++) {
+            s0 += (double)a0[j] * (double)b0[j];
+            s1 += (double)a1[j] * (double)b1[j];
+            s2 += (double)a2[j] * (double)b2[j];
+            s3 += (double)a3[j] * (double)b3[j];
+        }
+        out[r] = (float)s0;
+        out[r + 1] = (float)s1;
+        out[r + 2] = (float)s2;
+        out[r + 3] = (float)s3;
+    }
+    for (; r < n; r++)
+        out[r] = dot(a + r * len, b + r * len, len);
+}
+
+/* dst[r][j] = s[r] * src[r][j] for n rows of len floats (dst may be src):
+ * one fp32 product a lane. */
+__attribute__((target_clones("avx2", "default")))
+static void scale_rows(moe_index n, moe_index len, const float *s, const float *src, float *dst)
+{
+    for (moe_index r = 0; r < n; r++) {
+        const float g = s[r];
+#pragma omp simd
+        for (moe_index j = 0; j < len; j++)
+            dst[r * len + j] = g * src[r * len + j];
+    }
+}
+
 /* C (n, K) = A (n, N) B, B (N, K) one of the expert's weight matrices: from
  * the backward's layout bwd, or with bwd NULL (packed) straight from the
  * forward's panels fwd. */
@@ -204,11 +242,8 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
             swiglu_backward(h, NULL, n, f, NULL, act, NULL);
             moe_expert_gemm(gemm, n, d, f, act, f, fw->w2t, o, d);
         }
-        for (moe_index r = 0; r < n; r++) {
-            dgate[r] = dot(dy + r * d, o + r * d, d);
-            for (moe_index j = 0; j < d; j++)
-                dO[r * d + j] = gate[r] * dy[r * d + j];
-        }
+        row_dots(n, d, dy, o, dgate);
+        scale_rows(n, d, gate, dy, dO);
         if (o != out)
             free(o);
     } else {
@@ -218,11 +253,8 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
     if (at_activation) {
         /* the activation unscaled, for dg = <dA', a>; then dA = g dA' */
         swiglu_backward(h, NULL, n, f, NULL, act, NULL);
-        for (moe_index r = 0; r < n; r++) {
-            dgate[r] = dot(da + r * f, act + r * f, f);
-            for (moe_index c = 0; c < f; c++)
-                da[r * f + c] *= gate[r];
-        }
+        row_dots(n, f, da, act, dgate);
+        scale_rows(n, f, gate, da, da);
     }
     swiglu_backward(h, da, n, f, dH, act, at_activation ? gate : NULL); /* act = a' */
     data_gemm(gemm, n, 2 * f, d, dH, fw->w1t, bw->w1, dx); /* dx = dH W1 */
