@@ -501,14 +501,15 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
     for (moe_index p = 0; p < panels; p++) {
         const moe_index n0 = p * PACK_COLS, cols = N - n0 < PACK_COLS ? N - n0 : PACK_COLS;
         float *dst = Bp + p * K * PACK_COLS;
-        if (cols == PACK_COLS) /* a copy of constant size: inlined, not a call */
-            for (moe_index k = 0; k < K; k++)
-                memcpy(dst + k * PACK_COLS, Bt + (rows ? rows[k] : k) * N + n0, sizeof(float) * PACK_COLS);
-        else
-            for (moe_index k = 0; k < K; k++) {
-                memcpy(dst + k * PACK_COLS, Bt + (rows ? rows[k] : k) * N + n0, sizeof(float) * (size_t)cols);
-                memset(dst + k * PACK_COLS + cols, 0, sizeof(float) * (size_t)(PACK_COLS - cols));
+        for (moe_index k = 0; k < K; k++) {
+            const float *src = Bt + (rows ? rows[k] : k) * N + n0;
+            if (cols == PACK_COLS) { /* a copy of constant size: inlined, not a call */
+                memcpy(dst + k * PACK_COLS, src, sizeof(float) * PACK_COLS);
+                continue;
             }
+            memcpy(dst + k * PACK_COLS, src, sizeof(float) * (size_t)cols);
+            memset(dst + k * PACK_COLS + cols, 0, sizeof(float) * (size_t)(PACK_COLS - cols));
+        }
     }
 }
 
@@ -869,12 +870,13 @@ static void packed_t_columns(tile_t_fn *tile, tile_t2_fn *wide, moe_index M, moe
     }
 }
 
-/* At = A (M, N) in panels of 16 rows, each [n][row], N * 16 floats (zeros
- * past M). */
+/* At = A (M, N) in panels of 16 rows, each [n][row], N * 16 floats (the
+ * rows past M, to the last panel's end, zeros: transpose8's NULL rows). */
 __attribute__((target_clones("avx2", "default")))
 static void pack_a_panels(moe_index M, moe_index N, const float *A, moe_index lda, float *At)
 {
-    for (moe_index m0 = 0; m0 < M; m0 += T8) {
+    const moe_index padded = (M + PACK_COLS - 1) / PACK_COLS * PACK_COLS;
+    for (moe_index m0 = 0; m0 < padded; m0 += T8) {
         const float *src[T8];
         for (int r = 0; r < T8; r++)
             src[r] = m0 + r < M ? A + (m0 + r) * lda : NULL;
@@ -886,9 +888,6 @@ static void pack_a_panels(moe_index M, moe_index N, const float *A, moe_index ld
                     src[r] += T8;
         }
     }
-    if (M % PACK_COLS && M % PACK_COLS <= T8) /* the last panel's rows 8..15: zeros */
-        for (moe_index n = 0; n < N; n++)
-            memset(At + (M / PACK_COLS * N + n) * PACK_COLS + T8, 0, sizeof(float) * T8);
 }
 
 void moe_sgemm_packed_t(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
