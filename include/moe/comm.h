@@ -44,6 +44,14 @@ typedef struct {
  * OMP_NUM_THREADS / OPENBLAS_NUM_THREADS say otherwise. */
 void moe_comm_init(int *argc, char ***argv, moe_comm *c);
 
+/* For the commands that never communicate (verify, plan, the help and
+ * version texts): when no MPI launcher started this process, c becomes a
+ * one-rank comm without MPI (MPI_COMM_NULL) and true is returned; MPI is
+ * not started, which saves a singleton's start-up (0.05-0.2 s, and a
+ * daemon with some MPIs) and works where MPI cannot start. Under a
+ * launcher, false: the caller runs moe_comm_init. */
+bool moe_comm_init_alone(moe_comm *c);
+
 /* The OpenMP threads for expert GEMMs of kind `gemm`, set and returned:
  * c->threads, except with blas, whose GEMMs run on OpenBLAS's own threads;
  * an OpenMP team on the same cores would spin between its parallel regions
@@ -51,7 +59,7 @@ void moe_comm_init(int *argc, char ***argv, moe_comm *c);
  * OMP_NUM_THREADS in the environment wins. */
 int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm);
 
-/* MPI_Finalize. */
+/* MPI_Finalize, when MPI was started. */
 void moe_comm_finalize(void);
 
 /* Describe `comm` (a duplicate is not made; the caller owns it).

@@ -20,6 +20,22 @@
 #include "moe/progress.h"
 #include "moe/watchdog.h"
 
+/* This process alone: the machine's online cores, and the cores it may run
+ * on (its binding), as bound and as the host's. */
+static void own_cores(moe_comm *c)
+{
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    c->cores = cores > 0 ? (int)cores : 1;
+    c->bound = c->host_cores = c->cores;
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
+        c->bound = CPU_COUNT(&set);
+        c->host_cores = c->bound < c->cores ? c->bound : c->cores;
+    }
+#endif
+}
+
 void moe_comm_attach(moe_comm *c, MPI_Comm comm)
 {
     c->comm = comm;
@@ -39,14 +55,10 @@ void moe_comm_attach(moe_comm *c, MPI_Comm comm)
     int sizes[2] = {c->ranks_on_host, -c->ranks_on_host}, extremes[2];
     MOE_MPI(MPI_Allreduce(sizes, extremes, 2, MPI_INT, MPI_MAX, comm));
     c->node_ranks = all && extremes[0] == -extremes[1] ? c->ranks_on_host : 0;
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    c->cores = cores > 0 ? (int)cores : 1;
-    int bound = c->cores;
-    c->host_cores = c->cores;
+    own_cores(c);
 #ifdef __linux__
     cpu_set_t set, any;
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
-        bound = CPU_COUNT(&set);
         /* every rank takes part, each with its own mask: the host's union */
         MOE_MPI(MPI_Allreduce(&set, &any, (int)sizeof set, MPI_BYTE, MPI_BOR, host));
         c->host_cores = CPU_COUNT(&any) < c->cores ? CPU_COUNT(&any) : c->cores;
@@ -54,7 +66,7 @@ void moe_comm_attach(moe_comm *c, MPI_Comm comm)
 #endif
     MOE_MPI(MPI_Comm_free(&host));
     int least;
-    MOE_MPI(MPI_Allreduce(&bound, &least, 1, MPI_INT, MPI_MIN, comm));
+    MOE_MPI(MPI_Allreduce(&c->bound, &least, 1, MPI_INT, MPI_MIN, comm));
     c->bound = least;
 }
 
@@ -141,6 +153,29 @@ void moe_comm_init(int *argc, char ***argv, moe_comm *c)
         moe_gemm_set_threads(c->threads);
 }
 
+/* Launchers announce a started process in its environment: Open MPI's
+ * mpirun, MPICH's Hydra and Intel MPI (PMI), PMIx-based ones and
+ * MVAPICH. */
+static bool launched(void)
+{
+    static const char *const marks[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMI_FD",
+                                        "PMIX_RANK", "MV2_COMM_WORLD_SIZE"};
+    for (size_t n = 0; n < sizeof marks / sizeof *marks; n++)
+        if (getenv(marks[n]))
+            return true;
+    return false;
+}
+
+bool moe_comm_init_alone(moe_comm *c)
+{
+    if (launched())
+        return false;
+    *c = (moe_comm){.comm = MPI_COMM_NULL, .rank = 0, .ranks = 1, .ranks_on_host = 1, .node_ranks = 1};
+    own_cores(c);
+    c->threads = c->bound;
+    return true;
+}
+
 int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm)
 {
 #ifdef _OPENMP
@@ -158,6 +193,8 @@ int moe_comm_agree(const moe_comm *c, moe_status *st)
 {
     /* MPI_MAXLOC keeps the highest code and, among equal codes, the lowest
      * rank: that rank's message is the one printed. */
+    if (c->ranks == 1) /* alone: its own message, with or without MPI */
+        return st->code;
     int mine[2] = {st->code, c->rank}, worst[2];
     MOE_MPI(MPI_Allreduce(mine, worst, 1, MPI_2INT, MPI_MAXLOC, c->comm));
     const int code = worst[0], lowest = worst[1];
@@ -191,6 +228,8 @@ static char *bcast_text(const moe_comm *c, const char *text, int root)
 int moe_comm_same_config(const moe_comm *c, const char *text, moe_status *st)
 {
     const int G = c->ranks;
+    if (G == 1)
+        return MOE_EXIT_OK;
     const uint64_t mine = moe_digest64(text, strlen(text));
     uint64_t *all = moe_xmalloc(sizeof(uint64_t) * (size_t)G);
     MOE_MPI(MPI_Allgather(&mine, 1, MPI_UINT64_T, all, 1, MPI_UINT64_T, c->comm));
@@ -305,7 +344,13 @@ void moe_comm_barrier_idle(const moe_comm *c)
     }
 }
 
-void moe_comm_finalize(void) { MOE_MPI(MPI_Finalize()); }
+void moe_comm_finalize(void)
+{
+    int started = 0;
+    MPI_Initialized(&started);
+    if (started)
+        MOE_MPI(MPI_Finalize());
+}
 
 void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int count, int **offset,
                             moe_event **all)
