@@ -44,13 +44,17 @@ typedef struct {
  * OMP_NUM_THREADS / OPENBLAS_NUM_THREADS say otherwise. */
 void moe_comm_init(int *argc, char ***argv, moe_comm *c);
 
-/* For the commands that never communicate (verify, plan, the help and
- * version texts): when no MPI launcher started this process, c becomes a
- * one-rank comm without MPI (MPI_COMM_NULL) and true is returned; MPI is
- * not started, which saves a singleton's start-up (0.05-0.2 s, and a
- * daemon with some MPIs) and works where MPI cannot start. Under a
- * launcher, false: the caller runs moe_comm_init. */
-bool moe_comm_init_alone(moe_comm *c);
+/* The binary's start: under an MPI launcher, moe_comm_init. Started alone
+ * (no mpirun), a one-rank comm without MPI (comm MPI_COMM_NULL) instead: a
+ * command that never communicates (verify, plan, a --help) or whose
+ * arguments are refused then ends without starting MPI, which saves a
+ * singleton's start-up (0.05-0.2 s, and a daemon with some MPIs) and works
+ * where MPI cannot start; one that runs calls moe_comm_start first. */
+void moe_comm_init_deferred(int *argc, char ***argv, moe_comm *c);
+
+/* For a comm that moe_comm_init_deferred left without MPI: moe_comm_init
+ * (c then holds MPI_COMM_WORLD of one rank). Nothing for one with MPI. */
+void moe_comm_start(moe_comm *c);
 
 /* The OpenMP threads for expert GEMMs of kind `gemm`, set and returned:
  * c->threads, except with blas, whose GEMMs run on OpenBLAS's own threads;

@@ -51,10 +51,12 @@ typedef struct {
     moe_status status;       /* the last failure, the same on every rank */
 } moe_run_context;
 
-/* Open a context for `command` (run or bench) from its arguments. On failure
- * rank 0 prints the one error line, nothing stays allocated, and the exit
- * code (the same on every rank) is returned. Collective. */
-int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command command,
+/* Open a context for `command` (run, bench or explain) from its arguments:
+ * once they are valid, MPI is started on a comm without it
+ * (moe_comm_start). On failure rank 0 prints the one error line, nothing
+ * stays allocated, and the exit code (the same on every rank) is returned.
+ * Collective. */
+int moe_context_open(moe_run_context *ctx, moe_comm *c, enum moe_command command,
                      int argc, char **argv);
 void moe_context_close(moe_run_context *ctx);
 

@@ -980,7 +980,7 @@ static void print_wave_rows(FILE *out, const bench_row *rows)
     }
 }
 
-int moe_cli_bench(const moe_comm *c, int argc, char **argv)
+int moe_cli_bench(moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
         return MOE_EXIT_OK;

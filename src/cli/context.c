@@ -487,14 +487,16 @@ void moe_context_replace_replicas(moe_run_context *ctx)
     moe_ep_place_replicas(&ctx->ep, ctx->expert_load);
 }
 
-int moe_context_open(moe_run_context *ctx, const moe_comm *c, enum moe_command command,
+int moe_context_open(moe_run_context *ctx, moe_comm *c, enum moe_command command,
                      int argc, char **argv)
 {
     memset(ctx, 0, sizeof *ctx);
     ctx->comm = c;
     int rc = set_up(c, &ctx->cfg, command, argc, argv, &ctx->status);
-    if (rc == MOE_EXIT_OK)
+    if (rc == MOE_EXIT_OK) {
+        moe_comm_start(c); /* started alone: MPI from here on (comm.h) */
         rc = moe_ep_init(&ctx->ep, &ctx->cfg, c, &ctx->status);
+    }
     if (rc) {
         moe_comm_print_error(c, &ctx->status);
         return rc;

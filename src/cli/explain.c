@@ -649,7 +649,7 @@ static int explain(moe_run_context *ctx, const int64_t *tokens, int count)
     return rc;
 }
 
-int moe_cli_explain(const moe_comm *c, int argc, char **argv)
+int moe_cli_explain(moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
         return MOE_EXIT_OK;

@@ -62,29 +62,13 @@ static void keep_freed_memory(void)
 #endif
 }
 
-/* Whether the command never communicates: verify and plan compute on one
- * rank and print on rank 0, and every command's --help and the top level's
- * texts print only. Started without mpirun, these run without MPI. */
-static bool talks_alone(int argc, char **argv)
-{
-    const char *command = argc > 1 ? argv[1] : "";
-    if (!strcmp(command, "verify") || !strcmp(command, "plan") || !strcmp(command, "--version") ||
-        !strcmp(command, "--help") || !strcmp(command, "-h"))
-        return true;
-    for (int n = 2; n < argc; n++)
-        if (!strcmp(argv[n], "--help") || !strcmp(argv[n], "-h"))
-            return true;
-    return false;
-}
-
 int main(int argc, char **argv)
 {
     keep_freed_memory();
     if (argc > 1 && !strcmp(argv[1], "sgemm-anchor")) /* bench's child: no MPI */
         return moe_cli_sgemm_anchor(argc, argv);
     moe_comm c;
-    if (!talks_alone(argc, argv) || !moe_comm_init_alone(&c))
-        moe_comm_init(&argc, &argv, &c);
+    moe_comm_init_deferred(&argc, &argv, &c);
     int rc;
     const char *command = argc > 1 ? argv[1] : "";
     if (!strcmp(command, "run")) {

@@ -725,7 +725,7 @@ static void routing_detail(moe_run_context *ctx, traffic_detail *out)
         replica_detail(ctx, out);
 }
 
-int moe_cli_run(const moe_comm *c, int argc, char **argv)
+int moe_cli_run(moe_comm *c, int argc, char **argv)
 {
     if (moe_cli_help(c, argc, argv, print_usage))
         return MOE_EXIT_OK;

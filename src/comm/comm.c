@@ -166,14 +166,21 @@ static bool launched(void)
     return false;
 }
 
-bool moe_comm_init_alone(moe_comm *c)
+void moe_comm_init_deferred(int *argc, char ***argv, moe_comm *c)
 {
-    if (launched())
-        return false;
+    if (launched()) {
+        moe_comm_init(argc, argv, c);
+        return;
+    }
     *c = (moe_comm){.comm = MPI_COMM_NULL, .rank = 0, .ranks = 1, .ranks_on_host = 1, .node_ranks = 1};
     own_cores(c);
-    c->threads = c->bound;
-    return true;
+    c->threads = 1;
+}
+
+void moe_comm_start(moe_comm *c)
+{
+    if (c->comm == MPI_COMM_NULL)
+        moe_comm_init(NULL, NULL, c);
 }
 
 int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm)
