@@ -103,11 +103,13 @@ void moe_mpi_check(int rc, const char *call, const char *file, int line)
 /* moe_fatal under MPI: the rank's message, then the job ends (exit 3).
  * When every rank runs out at once (the same allocation on all), rank 0
  * speaks first and its MPI_Abort ends the others before they print: one
- * line. A rank that fails alone still prints, a moment later. */
+ * line. A rank that fails alone still prints, a moment later: 3 s, since on
+ * two loaded cores (three test jobs, their ranks oversubscribed) an abort
+ * once took longer than 1 s to reach the other ranks. */
 static void abort_world(const moe_status *st)
 {
     if (moe_message_rank != 0) {
-        const struct timespec moment = {1, 0};
+        const struct timespec moment = {3, 0};
         nanosleep(&moment, NULL);
     }
     const moe_comm world = {.comm = MPI_COMM_WORLD, .rank = moe_message_rank};
