@@ -200,10 +200,10 @@ int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm)
 
 int moe_comm_agree(const moe_comm *c, moe_status *st)
 {
-    /* MPI_MAXLOC keeps the highest code and, among equal codes, the lowest
-     * rank: that rank's message is the one printed. */
     if (c->ranks == 1) /* alone: its own message, with or without MPI */
         return st->code;
+    /* MPI_MAXLOC keeps the highest code and, among equal codes, the lowest
+     * rank: that rank's message is the one printed. */
     int mine[2] = {st->code, c->rank}, worst[2];
     MOE_MPI(MPI_Allreduce(mine, worst, 1, MPI_2INT, MPI_MAXLOC, c->comm));
     const int code = worst[0], lowest = worst[1];
