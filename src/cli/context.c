@@ -326,8 +326,11 @@ void moe_context_time_alltoalls(moe_run_context *ctx, int iters)
 }
 
 /* --link cb=RATIO: B = C / RATIO with C a rank's expert FLOP/s, measured by
- * one untimed forward without the link model (summed FLOPs over summed
- * compute seconds of all ranks). Collective. */
+ * the second of two untimed forwards without the link model (summed FLOPs
+ * over summed compute seconds of all ranks): the first touches the
+ * buffers for the first time, and its experts ran at half the rate of the
+ * timed forwards (laptop, np = 2), which made every link twice as slow as
+ * RATIO says. Collective. */
 static int calibrate_link(moe_run_context *ctx)
 {
     moe_ep *ep = &ctx->ep;
@@ -338,9 +341,11 @@ static int calibrate_link(moe_run_context *ctx)
     moe_forward_stats f;
     const moe_path_args a = {.sched = &unlinked, .x = ctx->x, .ids = ctx->placed,
                              .weights = ctx->weights, .y = ctx->y, .fwd = &f};
-    const int rc = moe_path_run(ep->path->waves, ep, &a, &ctx->status);
-    if (rc)
-        return rc;
+    for (int pass = 0; pass < 2; pass++) {
+        const int rc = moe_path_run(ep->path->waves, ep, &a, &ctx->status);
+        if (rc)
+            return rc;
+    }
     const double flops = moe_comm_sum(ctx->comm, f.expert_flops);
     const double seconds = moe_comm_sum(ctx->comm, f.seconds[MOE_STAGE_EXPERTS]);
     ctx->summary.rank_flops = seconds > 0 ? flops / seconds : 0.0;
