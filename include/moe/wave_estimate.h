@@ -37,6 +37,9 @@ typedef struct {
     double compute_whole;           /* seconds of a rank's experts at whole batches
                                        (T G k / E rows each): one wave, expert slots */
     double compute_chunked;         /* the same split into W token chunks */
+    double compute_shared;          /* seconds of its shared experts: they run in the
+                                       waits (the first dispatch's, the last
+                                       combine's), never beside a routed expert */
 } moe_wave_traffic;
 
 /* The estimate of one grouping, for the rank it is longest on. */
@@ -44,9 +47,11 @@ typedef struct {
     double rows;    /* dispatch rows that rank sends to other ranks */
     double comm;    /* seconds its busiest link is busy with the forward's all-to-alls */
     double compute; /* seconds of its experts */
+    double shared;  /* seconds of its shared experts (compute_shared) */
     double head;    /* the first wave's dispatch: nothing to compute before it lands */
     double tail;    /* the last wave's combine: nothing left to compute behind it */
-    double time;    /* max(comm, head + compute + tail), with the links' latency */
+    double time;    /* max(comm, head + compute + tail, compute + the shared
+                       experts), with the links' latency */
 } moe_wave_estimate;
 
 /* The probability that none of a token's k distinct experts, drawn
@@ -58,7 +63,9 @@ double moe_waves_miss(int experts, int topk, int n);
  * experts with probability 1 - moe_waves_miss(E, k, n); token chunks carry
  * T/W of the tokens each. Each (rank, tier, direction) link is busy for
  * its bytes over the tier's bandwidth; the first wave's dispatch and the
- * last wave's combine cannot overlap an expert, the rest can. */
+ * last wave's combine cannot overlap an expert, the rest can. The shared
+ * experts fill those two waits; what they do not fit adds to the routed
+ * experts' time on the one core that computes both. */
 void moe_waves_estimate(const moe_wave_traffic *t, int kind, moe_wave_estimate *out);
 
 /* MOE_WAVE_BY_TOKENS when token chunks' estimate is shorter than expert

@@ -361,10 +361,11 @@ static int calibrate_link(moe_run_context *ctx)
 /* --wave-by auto under --link: for each --waves entry W > 1, the grouping
  * the two-resource estimate finds faster (moe_waves_choose), with the
  * experts timed here at each grouping's batches: whole ones (T G k / E
- * rows, expert slots) and W chunks of them (token chunks). The same
- * choice on every rank (the times are the slowest rank's). Only where the
- * choice keeps the bits (GEMMs whose rows are independent) and every
- * expert's batch may be split (not --pad-to-capacity). Collective. */
+ * rows, expert slots) and W chunks of them (token chunks); the shared
+ * experts at the whole batches' rate a row. The same choice on every rank
+ * (the times are the slowest rank's). Only where the choice keeps the bits
+ * (GEMMs whose rows are independent) and every expert's batch may be split
+ * (not --pad-to-capacity). Collective. */
 static void choose_waves(moe_run_context *ctx)
 {
     moe_ep *ep = &ctx->ep;
@@ -390,6 +391,9 @@ static void choose_waves(moe_run_context *ctx)
         if (cfg->waves_list[n] > 1)
             chunked[n] = moe_ep_time_experts(ep, ctx->x, rows, (int)cfg->waves_list[n]);
     const double whole = 0.5 * (before + moe_ep_time_experts(ep, ctx->x, rows, 1));
+    /* the shared experts (the same d and f) on T rows at the whole
+     * batches' rate a row: whole covers T k rows */
+    const double shared = whole * (double)cfg->shared_experts / (double)cfg->topk;
     ep->wave_choices = moe_xcalloc((size_t)cfg->waves_count, sizeof *ep->wave_choices);
     for (int n = 0; n < cfg->waves_count; n++) {
         moe_wave_choice *choice = &ep->wave_choices[n];
@@ -399,7 +403,8 @@ static void choose_waves(moe_run_context *ctx)
                                     .reduced = cfg->combine == MOE_COMBINE_REDUCED,
                                     .dispatch_row_bytes = moe_dispatch_row_bytes(cfg),
                                     .combine_row_bytes = moe_combine_row_bytes(cfg),
-                                    .compute_whole = whole, .compute_chunked = chunked[n]};
+                                    .compute_whole = whole, .compute_chunked = chunked[n],
+                                    .compute_shared = shared};
         choice->waves = t.waves;
         choice->by = t.waves > 1 ? moe_waves_choose(&t, choice->estimate) : MOE_WAVE_BY_EXPERTS;
     }

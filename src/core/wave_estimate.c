@@ -92,7 +92,10 @@ static void estimate_rank(const moe_wave_traffic *t, int kind, int r, const doub
     e->head += latency;
     e->tail += latency;
     e->compute = kind == MOE_WAVES_TOKEN_CHUNKS && W > 1 ? t->compute_chunked : t->compute_whole;
-    e->time = fmax(e->comm + latency, e->head + e->compute + e->tail);
+    /* the rank computes its shared experts in the waits: in the head and
+     * the tail, and in none when the routed experts never wait */
+    e->shared = t->compute_shared;
+    e->time = fmax(e->comm + latency, fmax(e->head + e->compute + e->tail, e->compute + e->shared));
 }
 
 void moe_waves_estimate(const moe_wave_traffic *t, int kind, moe_wave_estimate *out)

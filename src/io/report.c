@@ -692,9 +692,14 @@ static void print_grouping(FILE *out, const moe_run_summary *s)
     const moe_config *cfg = s->cfg;
     if (!s->wave_choices)
         return;
+    const moe_wave_estimate *first = NULL;
+    for (int n = 0; n < cfg->waves_count && !first; n++)
+        if (s->wave_choices[n].waves > 1)
+            first = &s->wave_choices[n].estimate[MOE_WAVES_TOKEN_CHUNKS];
     fprintf(out, "grouping  --wave-by auto: each W runs the grouping estimated faster, ms: max(comm, first "
-                 "dispatch + compute + last combine), uniform routing, experts timed at each one's "
-                 "batches (docs/waves.md)\n");
+                 "dispatch + compute + last combine, compute + shared experts %.2f), uniform routing, "
+                 "experts timed at each one's batches (docs/waves.md)\n",
+            first ? 1e3 * first->shared : 0.0);
     fprintf(out, "          %4s %13s %8s %8s %13s %8s %8s   %s\n", "W", "expert slots", "comm", "compute",
             "token chunks", "comm", "compute", "runs");
     for (int n = 0; n < cfg->waves_count; n++) {

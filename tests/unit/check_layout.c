@@ -413,6 +413,34 @@ START_TEST(wave_choice_follows_the_scarcer_resource)
 }
 END_TEST
 
+/* The shared experts run in the waits: beside a comm-bound grouping they
+ * cost nothing, after a compute-bound one's routed experts all they do not
+ * fit in its first dispatch and last combine. At W = 8 on a slow link
+ * token chunks, compute-bound and a little faster without them, lose. */
+START_TEST(wave_choice_counts_the_shared_experts)
+{
+    moe_placement p;
+    moe_placement_init(&p, 64, 2);
+    const moe_link link = flat_link(1e6, 2);
+    moe_wave_traffic t = {.placement = &p, .link = &link, .tokens = 512, .topk = 6, .waves = 8,
+                          .reduced = true, .dispatch_row_bytes = 4136.0, .combine_row_bytes = 4096.0};
+    moe_wave_estimate slots, chunks, est[2];
+    moe_waves_estimate(&t, MOE_WAVES_EXPERT_SLOTS, &slots);
+    moe_waves_estimate(&t, MOE_WAVES_TOKEN_CHUNKS, &chunks);
+    const double T = slots.time; /* comm alone: no compute given */
+    t.compute_whole = 0.5 * T;
+    t.compute_chunked = 0.97 * T - chunks.head - chunks.tail;
+    ck_assert_double_gt(t.compute_chunked, chunks.head + chunks.tail);
+    ck_assert_int_eq(moe_waves_choose(&t, est), MOE_WAVE_BY_TOKENS);
+    ck_assert_double_eq_tol(est[MOE_WAVES_TOKEN_CHUNKS].time, 0.97 * T, 1e-12);
+    t.compute_shared = 0.2 * T;
+    ck_assert_int_eq(moe_waves_choose(&t, est), MOE_WAVE_BY_EXPERTS);
+    ck_assert_double_eq_tol(est[MOE_WAVES_EXPERT_SLOTS].time, T, 1e-12);
+    ck_assert_double_eq_tol(est[MOE_WAVES_TOKEN_CHUNKS].time, t.compute_chunked + 0.2 * T, 1e-12);
+    moe_placement_free(&p);
+}
+END_TEST
+
 Suite *make_layout_suite(void)
 {
     Suite *s = suite_create("layout");
@@ -428,6 +456,7 @@ Suite *make_layout_suite(void)
     tcase_add_test(tc, wave_estimate_counts_the_rows_waves_send);
     tcase_add_test(tc, wave_estimate_reduced_combine_goes_once);
     tcase_add_test(tc, wave_choice_follows_the_scarcer_resource);
+    tcase_add_test(tc, wave_choice_counts_the_shared_experts);
     suite_add_tcase(s, tc);
     return s;
 }
