@@ -26,4 +26,8 @@
  * NaN gives NaN. Within 2 ulp of e^x over the range (tested). */
 double moe_exp_fp64(double x);
 
+/* y[i] = moe_exp_fp64(x[i]) for i < n, bit for bit, eight lanes at a time
+ * (y may be x). */
+void moe_exp_fp64_n(const double *x, double *y, long n);
+
 #endif

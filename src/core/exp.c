@@ -15,30 +15,89 @@ static double power_of_two(int64_t e)
     return v;
 }
 
+/* The constants of exp.h, shared by the one-value and the lane forms. */
+#define EXP_HI 709.782712893384
+#define EXP_LO -708.3964185322641
+#define EXP_SHIFTER 0x1.8p52
+#define EXP_LOG2E 1.4426950408889634
+#define EXP_LN2_HI 0x1.62e42feep-1
+#define EXP_LN2_LO 0x1.a39ef35793c76p-33
+/* 1/m! for m = 13 down to 2, each the double nearest to 1/m! (the compiler
+ * rounds the constant quotient correctly; m! is exact) */
+static const double inverse_factorial[] = {
+    1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
+    1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0,
+    1.0 / 6.0, 1.0 / 2.0,
+};
+enum { TERMS = sizeof inverse_factorial / sizeof *inverse_factorial };
+
 double moe_exp_fp64(double x)
 {
-    const double hi = 709.782712893384, lo = -708.3964185322641;
     if (x != x)
         return x;
-    if (x > hi)
+    if (x > EXP_HI)
         return INFINITY;
-    if (x < lo)
+    if (x < EXP_LO)
         return 0.0;
-    const double shifter = 0x1.8p52;
-    const double n = (x * 1.4426950408889634 + shifter) - shifter;
-    const double r = (x - n * 0x1.62e42feep-1) - n * 0x1.a39ef35793c76p-33;
-    /* 1/m! for m = 13 down to 2, each the double nearest to 1/m! (the
-     * compiler rounds the constant quotient correctly; m! is exact) */
-    static const double inverse_factorial[] = {
-        1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
-        1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0,
-        1.0 / 6.0, 1.0 / 2.0,
-    };
+    const double n = (x * EXP_LOG2E + EXP_SHIFTER) - EXP_SHIFTER;
+    const double r = (x - n * EXP_LN2_HI) - n * EXP_LN2_LO;
     double p = inverse_factorial[0];
-    for (int m = 1; m < (int)(sizeof inverse_factorial / sizeof *inverse_factorial); m++)
+    for (int m = 1; m < TERMS; m++)
         p = p * r + inverse_factorial[m];
     p = p * r + 1.0;
     p = p * r + 1.0;
     const int64_t k = (int64_t)n, k1 = k / 2, k2 = k - k1;
     return p * power_of_two(k1) * power_of_two(k2);
+}
+
+/* Eight lanes of the same operations: GCC lowers each vector operation to
+ * the IEEE operation in every lane (SSE2 pairs, AVX or AVX-512 registers by
+ * clone), and the build fuses none, so a lane's bits are moe_exp_fp64's. */
+/* exp_of_lanes passes vectors by value, always inlined into its clone. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef double exp_lanes __attribute__((vector_size(64)));
+typedef int64_t exp_ints __attribute__((vector_size(64)));
+typedef uint64_t exp_bits __attribute__((vector_size(64)));
+enum { LANES = 8 };
+
+static inline __attribute__((always_inline)) exp_lanes exp_of_lanes(exp_lanes x)
+{
+    const exp_ints nan = x != x, over = x > EXP_HI, under = x < EXP_LO;
+    const exp_ints special = nan | over | under;
+    /* the special lanes compute e^0 and are replaced at the end */
+    const exp_lanes y = (exp_lanes)((exp_ints)x & ~special);
+    const exp_lanes n = (y * EXP_LOG2E + EXP_SHIFTER) - EXP_SHIFTER;
+    const exp_lanes r = (y - n * EXP_LN2_HI) - n * EXP_LN2_LO;
+    const exp_lanes zero = {0};
+    exp_lanes p = zero + inverse_factorial[0];
+    for (int m = 1; m < TERMS; m++)
+        p = p * r + inverse_factorial[m];
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    const exp_ints k = __builtin_convertvector(n, exp_ints), k1 = k / 2, k2 = k - k1;
+    const exp_lanes two_k1 = (exp_lanes)((exp_bits)(k1 + 1023) << 52);
+    const exp_lanes two_k2 = (exp_lanes)((exp_bits)(k2 + 1023) << 52);
+    const exp_lanes e = p * two_k1 * two_k2;
+    const exp_lanes inf = zero + INFINITY;
+    /* NaN lanes keep x, overflowing ones +inf, underflowing ones 0 */
+    return (exp_lanes)(((exp_ints)e & ~special) | ((exp_ints)x & nan) |
+                       ((exp_ints)inf & over));
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void moe_exp_fp64_n(const double *x, double *y, long n)
+{
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        exp_lanes v;
+        memcpy(&v, x + i, sizeof v);
+        v = exp_of_lanes(v);
+        memcpy(y + i, &v, sizeof v);
+    }
+    if (i < n) { /* the tail, padded with zeros */
+        exp_lanes v = {0};
+        memcpy(&v, x + i, sizeof(double) * (size_t)(n - i));
+        v = exp_of_lanes(v);
+        memcpy(y + i, &v, sizeof(double) * (size_t)(n - i));
+    }
 }

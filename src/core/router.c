@@ -178,27 +178,55 @@ static void softmax_row(const float *logits, int experts, float *scores)
         if (logits[e] > max)
             max = logits[e];
     double p[MOE_ROUTER_MAX_EXPERTS], sum = 0.0;
-    for (int e = 0; e < experts; e++) {
-        p[e] = moe_exp_fp64((double)logits[e] - max);
+    for (int e = 0; e < experts; e++)
+        p[e] = (double)logits[e] - max;
+    moe_exp_fp64_n(p, p, experts);
+    for (int e = 0; e < experts; e++)
         sum += p[e];
-    }
     for (int e = 0; e < experts; e++)
         scores[e] = (float)(p[e] / sum);
 }
 
 static void sigmoid_row(const float *logits, int experts, float *scores)
 {
+    double p[MOE_ROUTER_MAX_EXPERTS];
     for (int e = 0; e < experts; e++)
-        scores[e] = (float)(1.0 / (1.0 + moe_exp_fp64(-(double)logits[e])));
+        p[e] = -(double)logits[e];
+    moe_exp_fp64_n(p, p, experts);
+    for (int e = 0; e < experts; e++)
+        scores[e] = (float)(1.0 / (1.0 + p[e]));
 }
 
 /* The k largest of values (n) in descending order into ids; equal values keep
  * the lower index first because only a strictly greater value displaces one.
- * -inf values are never taken while a finite one is left. O(n*k). */
+ * -inf values are never taken while a finite one is left. One pass keeping
+ * the best k so far in order: a value enters only when it beats the k-th
+ * (strictly), after every kept value it does not beat (the one order of
+ * the k-pass selection this replaced: value descending, index ascending).
+ * With a NaN among the values that order is not defined, and the k-pass
+ * selection itself runs. */
 static void top_k(const float *values, int n, int k, int32_t *ids)
 {
+    MOE_ASSERT(n <= MOE_ROUTER_MAX_EXPERTS && k >= 1 && k <= n);
+    float kept[MOE_ROUTER_MAX_EXPERTS];
+    int have = 0;
+    for (int e = 0; e < n; e++) {
+        const float v = values[e];
+        if (v != v)
+            goto selection;
+        if (have == k && !(v > kept[k - 1]))
+            continue;
+        int at = have < k ? have++ : k - 1; /* the last place, then up past the smaller */
+        for (; at > 0 && v > kept[at - 1]; at--) {
+            kept[at] = kept[at - 1];
+            ids[at] = ids[at - 1];
+        }
+        kept[at] = v;
+        ids[at] = e;
+    }
+    return;
+selection:;
     unsigned char taken[MOE_ROUTER_MAX_EXPERTS] = {0};
-    MOE_ASSERT(n <= MOE_ROUTER_MAX_EXPERTS);
     for (int s = 0; s < k; s++) {
         int best = -1;
         for (int e = 0; e < n; e++)

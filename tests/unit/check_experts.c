@@ -3,6 +3,7 @@
 #include <float.h>
 #include <math.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -550,6 +551,37 @@ START_TEST(exp_fp64_is_within_2_ulp_and_handles_the_edges)
 }
 END_TEST
 
+/* The eight-lane form gives moe_exp_fp64's bits: every tail length, the
+ * edges, NaN payloads and the routers' and SwiGLU's range. */
+START_TEST(exp_fp64_lanes_give_the_same_bits)
+{
+    enum { N = 4099 };
+    double *x = malloc(sizeof(double) * N), *y = malloc(sizeof(double) * N);
+    const double edges[] = {0.0, -0.0, 1.0, -1.0, 709.782712893384, nextafter(709.782712893384, 800),
+                            -708.3964185322641, nextafter(-708.3964185322641, -800), 710.0, -709.0,
+                            INFINITY, -INFINITY, NAN, -NAN, 1e-300, -1e-300, 4.9e-324, 0.5, -0.5,
+                            0.34657359027997264, 700.0, -700.0};
+    const int E = (int)(sizeof edges / sizeof *edges);
+    uint64_t payload = 0x7ff4000000000123u;
+    for (int i = 0; i < N; i++)
+        x[i] = i < E ? edges[i] : -30.0 + 60.0 * (double)(i * 7919 % N) / N + 1e-9 * i;
+    memcpy(&x[E], &payload, sizeof payload); /* a NaN with a payload */
+    for (long n = 0; n <= 17; n++) { /* every tail, out of place */
+        moe_exp_fp64_n(x, y, n);
+        for (long i = 0; i < n; i++)
+            ck_assert_mem_eq(&y[i], &(double){moe_exp_fp64(x[i])}, sizeof(double));
+    }
+    for (int i = E + 1; i < N; i++) /* the whole range, in place */
+        x[i] = -745.0 + 1460.0 * (double)(i * 104729 % N) / N;
+    memcpy(y, x, sizeof(double) * N);
+    moe_exp_fp64_n(y, y, N);
+    for (int i = 0; i < N; i++)
+        ck_assert_mem_eq(&y[i], &(double){moe_exp_fp64(x[i])}, sizeof(double));
+    free(x);
+    free(y);
+}
+END_TEST
+
 /* The guard the golden dump sets: a BLAS call under it stops the process. */
 START_TEST(forbidden_blas_stops_the_process)
 {
@@ -833,6 +865,7 @@ Suite *make_experts_suite(void)
     tcase_add_test(tc, exp_fp32_is_within_2_ulp_and_handles_the_edges);
     tcase_add_test(tc, exact_dgemm_is_the_scalar_loop);
     tcase_add_test(tc, exp_fp64_is_within_2_ulp_and_handles_the_edges);
+    tcase_add_test(tc, exp_fp64_lanes_give_the_same_bits);
     tcase_add_test_raise_signal(tc, forbidden_blas_stops_the_process, SIGABRT);
     tcase_add_loop_test(tc, truth_on_selected_tokens_is_the_dense_sum, 0, 3);
     tcase_add_loop_test(tc, truth_shares_sum_to_the_truth, 0, 4);

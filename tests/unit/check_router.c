@@ -163,6 +163,45 @@ START_TEST(all_equal_logits_pick_the_first_k)
 }
 END_TEST
 
+/* The choice, on many tokens whose logits take four values (ties
+ * everywhere) and with masked groups (-inf: one group kept, then three), is
+ * the k-pass selection's: at
+ * each pass the first of the largest values not yet taken. */
+START_TEST(topk_is_the_k_pass_selection_under_ties)
+{
+    enum { T = 300, E = 32, K = 8 };
+    const float bias[E] = {0};
+    /* a group kept: fewer finite values than K, so -inf ones are taken too */
+    const moe_router r = {MOE_ROUTER_DEEPSEEK_V3, E, K, true, 8, 1 + 2 * _i, 1.0f, bias, NULL, false};
+    const float level[4] = {-1.0f, 0.0f, 0.5f, 1.0f};
+    float *logits = malloc(sizeof(float) * T * E), *scores = malloc(sizeof(float) * T * E);
+    float weights[T * K];
+    int32_t ids[T * K];
+    for (int n = 0; n < T * E; n++)
+        logits[n] = level[(n * 7 + n / 13) % 4];
+    moe_router_select(&r, logits, T, scores, ids, weights);
+    for (int i = 0; i < T; i++) {
+        float biased[E];
+        unsigned char keep[8], taken[E] = {0};
+        float group_score[8];
+        memcpy(biased, scores + i * E, sizeof biased);
+        moe_router_groups(&r, biased, group_score, keep);
+        for (int e = 0; e < E; e++)
+            biased[e] = keep[e / 4] ? biased[e] : -INFINITY;
+        for (int s = 0; s < K; s++) {
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || biased[e] > biased[best]))
+                    best = e;
+            taken[best] = 1;
+            ck_assert_int_eq(ids[i * K + s], best);
+        }
+    }
+    free(scores);
+    free(logits);
+}
+END_TEST
+
 static double sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 static moe_router v3(int E, int k, int groups, int topk_groups, const float *bias)
@@ -340,6 +379,7 @@ Suite *make_router_suite(void)
     tcase_add_test(tc, route_scale_applies_in_every_router);
     tcase_add_test(tc, bf16_weights_round_last);
     tcase_add_test(tc, ties_go_to_the_lower_expert);
+    tcase_add_loop_test(tc, topk_is_the_k_pass_selection_under_ties, 0, 2);
     tcase_add_test(tc, all_equal_logits_pick_the_first_k);
     tcase_add_test(tc, v3_bias_selects_but_does_not_weigh);
     tcase_add_test(tc, v3_masked_groups_lose_even_when_scores_are_negative);
