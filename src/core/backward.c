@@ -450,56 +450,106 @@ void moe_router_backward(const moe_router *r, const double *logits, const int32_
     }
 }
 
-/* dst[c] += g * src[c] for c < n, a multiply then an add (no contraction),
- * in fp64: one term of each of n sums. */
-static inline void add_scaled(double *dst, double g, const float *src, int n)
+/* Both products in blocks of GATE_COLS columns of d by GATE_ROWS rows of
+ * the result (tokens for dx, experts for dgate_w): the block's partial sums
+ * stay in registers over the whole sum (over e for dx, over tokens for
+ * dgate_w), and each operand row, converted to fp64 once, serves the
+ * block's GATE_ROWS sums. Every element's terms are added in the order of the
+ * definition in backward.h, a multiply then an add (no contraction: the
+ * product of an fp64 and an fp32 value is not exact), so the bits depend
+ * neither on the blocking nor on the ISA. */
+enum { GATE_COLS = 16, GATE_ROWS = 4 };
+
+/* A whole block, GATE_ROWS x GATE_COLS, its sums in registers: eight fp64
+ * lanes a vector (two AVX2 registers, one AVX-512 register), a row's
+ * sixteen columns two vectors. */
+typedef double gate_lanes __attribute__((vector_size(64)));
+typedef float gate_floats __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) gate_lanes gate_row_half(const float *src)
 {
-    for (int c = 0; c < n; c++)
-        dst[c] += g * (double)src[c];
+    gate_floats f;
+    memcpy(&f, src, sizeof f);
+    return __builtin_convertvector(f, gate_lanes);
 }
 
-/* Both products in blocks of GATE_COLS columns of d whose partial sums stay
- * in registers over the whole sum (over e for dx, over tokens for dgate_w),
- * vectorised along the block: each element's terms in the same order as
- * the definition in backward.h, so the bits do not depend on the ISA. The
- * dgate_w block's column of x (tokens x 16 floats) stays in L1 across the
- * experts. */
-enum { GATE_COLS = 16 };
+/* out[t][j .. j + GATE_COLS) (rows of ld doubles) for t < GATE_ROWS: plus
+ * the sum over m < count of g[m * g_step + t * g_row] * src[m * src_step +
+ * j ..], added in m order. */
+static inline __attribute__((always_inline)) void gate_block_whole(
+    double *out, moe_index ld, moe_index j, moe_index count, const double *g, moe_index g_step,
+    moe_index g_row, const float *src, moe_index src_step)
+{
+    gate_lanes acc[GATE_ROWS][2];
+#pragma GCC unroll 4
+    for (int t = 0; t < GATE_ROWS; t++)
+        memcpy(acc[t], out + t * ld + j, sizeof acc[t]);
+    for (moe_index m = 0; m < count; m++) {
+        const gate_lanes s0 = gate_row_half(src + m * src_step + j);
+        const gate_lanes s1 = gate_row_half(src + m * src_step + j + GATE_COLS / 2);
+#pragma GCC unroll 4
+        for (int t = 0; t < GATE_ROWS; t++) {
+            const double gt = g[m * g_step + t * g_row];
+            acc[t][0] += gt * s0;
+            acc[t][1] += gt * s1;
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < GATE_ROWS; t++)
+        memcpy(out + t * ld + j, acc[t], sizeof acc[t]);
+}
 
-__attribute__((target_clones("avx2", "default")))
+/* The same for rows <= GATE_ROWS and n <= GATE_COLS columns (the edges),
+ * one element at a time. */
+static void gate_block_edge(double *out, moe_index ld, int rows, moe_index j, int n,
+                            moe_index count, const double *g, moe_index g_step, moe_index g_row,
+                            const float *src, moe_index src_step)
+{
+    for (int t = 0; t < rows; t++)
+        for (int c = 0; c < n; c++) {
+            double acc = out[t * ld + j + c];
+            for (moe_index m = 0; m < count; m++)
+                acc += g[m * g_step + t * g_row] * (double)src[m * src_step + j + c];
+            out[t * ld + j + c] = acc;
+        }
+}
+
+static inline __attribute__((always_inline)) void gate_block(
+    double *out, moe_index ld, int rows, moe_index j, int n, moe_index count, const double *g,
+    moe_index g_step, moe_index g_row, const float *src, moe_index src_step)
+{
+    if (rows == GATE_ROWS && n == GATE_COLS)
+        gate_block_whole(out, ld, j, count, g, g_step, g_row, src, src_step);
+    else
+        gate_block_edge(out, ld, rows, j, n, count, g, g_step, g_row, src, src_step);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
 void moe_gate_backward(const double *dlogits, const float *gate, const float *x, moe_index tokens,
                        moe_index hidden, int experts, double *dx, double *dgate_w)
 {
     const moe_index d = hidden, E = experts;
-    if (dx)
+    const moe_index column_blocks = (d + GATE_COLS - 1) / GATE_COLS;
+    if (dx) { /* dx[i] += sum over e of dlogits[i][e] gate[e]: GATE_ROWS tokens a block */
+        const moe_index row_blocks = (tokens + GATE_ROWS - 1) / GATE_ROWS;
 #pragma omp parallel for schedule(static)
-        for (moe_index i = 0; i < tokens; i++)
-            for (moe_index j = 0; j < d; j += GATE_COLS) {
-                const int n = d - j < GATE_COLS ? (int)(d - j) : GATE_COLS;
-                double acc[GATE_COLS];
-                memcpy(acc, dx + i * d + j, sizeof(double) * (size_t)n);
-                for (moe_index e = 0; e < E; e++)
-                    if (n == GATE_COLS)
-                        add_scaled(acc, dlogits[i * E + e], gate + e * d + j, GATE_COLS);
-                    else
-                        add_scaled(acc, dlogits[i * E + e], gate + e * d + j, n);
-                memcpy(dx + i * d + j, acc, sizeof(double) * (size_t)n);
-            }
-    if (dgate_w)
-#pragma omp parallel for schedule(static)
-        for (moe_index j = 0; j < d; j += GATE_COLS) {
+        for (moe_index b = 0; b < row_blocks * column_blocks; b++) {
+            const moe_index i = b / column_blocks * GATE_ROWS, j = b % column_blocks * GATE_COLS;
+            const int rows = tokens - i < GATE_ROWS ? (int)(tokens - i) : GATE_ROWS;
             const int n = d - j < GATE_COLS ? (int)(d - j) : GATE_COLS;
-            for (moe_index e = 0; e < E; e++) {
-                double acc[GATE_COLS];
-                memcpy(acc, dgate_w + e * d + j, sizeof(double) * (size_t)n);
-                for (moe_index i = 0; i < tokens; i++)
-                    if (n == GATE_COLS)
-                        add_scaled(acc, dlogits[i * E + e], x + i * d + j, GATE_COLS);
-                    else
-                        add_scaled(acc, dlogits[i * E + e], x + i * d + j, n);
-                memcpy(dgate_w + e * d + j, acc, sizeof(double) * (size_t)n);
-            }
+            gate_block(dx + i * d, d, rows, j, n, E, dlogits + i * E, 1, E, gate, d);
         }
+    }
+    if (dgate_w) { /* dgate_w[e] += sum over i of dlogits[i][e] x[i]: GATE_ROWS experts a block */
+        const moe_index row_blocks = (E + GATE_ROWS - 1) / GATE_ROWS;
+#pragma omp parallel for schedule(static)
+        for (moe_index b = 0; b < row_blocks * column_blocks; b++) {
+            const moe_index e = b % row_blocks * GATE_ROWS, j = b / row_blocks * GATE_COLS;
+            const int rows = E - e < GATE_ROWS ? (int)(E - e) : GATE_ROWS;
+            const int n = d - j < GATE_COLS ? (int)(d - j) : GATE_COLS;
+            gate_block(dgate_w + e * d, d, rows, j, n, tokens, dlogits + e, E, 1, x, d);
+        }
+    }
 }
 
 /* The batch's dlogits (tokens, E) from its logits as moe_router_logits gave

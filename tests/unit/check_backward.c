@@ -358,6 +358,48 @@ END_TEST
 /* The backward's layout made from the forward's holds the same floats as the
  * one made from the generated weights, at sizes that leave partial panels
  * both ways (d = 37, f = 21: 2f = 42). */
+/* The gate's products in blocks give the definition's bits (backward.h:
+ * each element's terms added in order, a multiply then an add), at shapes
+ * with every edge: tokens, experts and d past a whole block, and inside one. */
+START_TEST(gate_backward_is_the_definition_bit_for_bit)
+{
+    static const int shapes[][3] = {{1, 1, 1}, {3, 5, 17}, {9, 13, 50}, {8, 8, 32}, {131, 9, 100}};
+    const int tokens = shapes[_i][0], experts = shapes[_i][1], d = shapes[_i][2];
+    double *dl = malloc(sizeof(double) * tokens * experts), *dx = malloc(sizeof(double) * tokens * d);
+    double *dw = malloc(sizeof(double) * experts * d), *want_dx = malloc(sizeof(double) * tokens * d);
+    double *want_dw = malloc(sizeof(double) * experts * d);
+    float *gate = malloc(sizeof(float) * experts * d), *x = malloc(sizeof(float) * tokens * d);
+    for (int m = 0; m < tokens * experts; m++)
+        dl[m] = uniform(MOE_TENSOR_GRAD_OUTPUT, (uint64_t)m, 1e-3) * (1.0 + 1e-9 * m);
+    for (int m = 0; m < experts * d; m++) {
+        gate[m] = (float)uniform(MOE_TENSOR_GATE, (uint64_t)m, 0.8);
+        dw[m] = want_dw[m] = uniform(MOE_TENSOR_GATE, (uint64_t)m + 7, 0.1);
+    }
+    for (int m = 0; m < tokens * d; m++) {
+        x[m] = (float)uniform(MOE_TENSOR_TOKENS, (uint64_t)m, 1.0);
+        dx[m] = want_dx[m] = uniform(MOE_TENSOR_TOKENS, (uint64_t)m + 3, 0.1);
+    }
+    for (int i = 0; i < tokens; i++)
+        for (int j = 0; j < d; j++)
+            for (int e = 0; e < experts; e++)
+                want_dx[i * d + j] += dl[i * experts + e] * (double)gate[e * d + j];
+    for (int e = 0; e < experts; e++)
+        for (int j = 0; j < d; j++)
+            for (int i = 0; i < tokens; i++)
+                want_dw[e * d + j] += dl[i * experts + e] * (double)x[i * d + j];
+    moe_gate_backward(dl, gate, x, tokens, d, experts, dx, dw);
+    ck_assert_mem_eq(dx, want_dx, sizeof(double) * tokens * d);
+    ck_assert_mem_eq(dw, want_dw, sizeof(double) * experts * d);
+    free(x);
+    free(gate);
+    free(want_dw);
+    free(want_dx);
+    free(dw);
+    free(dx);
+    free(dl);
+}
+END_TEST
+
 START_TEST(grad_layout_from_forward_is_grad_layout)
 {
     enum { DD = 37, FF = 21 };
@@ -390,6 +432,7 @@ Suite *make_backward_suite(void)
     tcase_add_loop_test(tc, gradients_match_finite_differences, 0, 4);
     tcase_add_loop_test(tc, fp32_backward_matches_fp64, 0, 2 * (MOE_GEMM_PACKED + 1));
     tcase_add_loop_test(tc, grad_layout_from_forward_is_grad_layout, 0, MOE_GEMM_PACKED + 1);
+    tcase_add_loop_test(tc, gate_backward_is_the_definition_bit_for_bit, 0, 5);
     suite_add_tcase(s, tc);
     return s;
 }
