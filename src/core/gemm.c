@@ -82,23 +82,33 @@ static void dexact_panel(moe_index m0, moe_index m1, moe_index n0, moe_index col
 {
     for (moe_index m = m0; m < m1; m += DEXACT_ROWS) {
         const int rows = m1 - m < DEXACT_ROWS ? (int)(m1 - m) : DEXACT_ROWS;
+        /* the loops over r unrolled, so that the sums stay in registers
+         * (a loop over r kept them in memory, each add waiting on a store) */
         lanes4 acc[DEXACT_ROWS][2];
+#pragma GCC unroll 4
         for (int r = 0; r < DEXACT_ROWS; r++)
             acc[r][0] = acc[r][1] = (lanes4){0};
         const double *a[DEXACT_ROWS];
+#pragma GCC unroll 4
         for (int r = 0; r < DEXACT_ROWS; r++) /* a short block repeats its last row */
             a[r] = A + (m + (r < rows ? r : rows - 1)) * lda;
         for (moe_index k = 0; k < K; k++) {
             const lanes4 b0 = *(const lanes4_unaligned *)(bp + k * DEXACT_COLS);
             const lanes4 b1 = *(const lanes4_unaligned *)(bp + k * DEXACT_COLS + 4);
+#pragma GCC unroll 4
             for (int r = 0; r < DEXACT_ROWS; r++) {
                 acc[r][0] += a[r][k] * b0;
                 acc[r][1] += a[r][k] * b1;
             }
         }
-        for (int r = 0; r < rows; r++)
-            for (moe_index j = 0; j < cols; j++)
-                C[(m + r) * ldc + n0 + j] = acc[r][j / 4][j % 4];
+#pragma GCC unroll 4
+        for (int r = 0; r < DEXACT_ROWS; r++) {
+            double row[DEXACT_COLS];
+            memcpy(row, &acc[r][0], sizeof acc[r][0]);
+            memcpy(row + 4, &acc[r][1], sizeof acc[r][1]);
+            if (r < rows)
+                memcpy(C + (m + r) * ldc + n0, row, sizeof(double) * (size_t)cols);
+        }
     }
 }
 
@@ -110,13 +120,18 @@ void moe_dgemm_nt_exact(moe_index M, moe_index N, moe_index K, const double *A, 
         return;
     const moe_index panels = (N + DEXACT_COLS - 1) / DEXACT_COLS;
     double *bp = moe_xmalloc(sizeof(double) * (size_t)(panels * DEXACT_COLS * K)); /* (panels, K, 8) */
+    /* each panel in blocks of 8 x 8, a block's reads and writes in L1 */
 #pragma omp parallel for schedule(static)
     for (moe_index p = 0; p < panels; p++)
-        for (moe_index k = 0; k < K; k++)
+        for (moe_index k0 = 0; k0 < K; k0 += DEXACT_COLS) {
+            const moe_index run = K - k0 < DEXACT_COLS ? K - k0 : DEXACT_COLS;
+            double *dst = bp + (p * K + k0) * DEXACT_COLS;
             for (int j = 0; j < DEXACT_COLS; j++) {
                 const moe_index n = p * DEXACT_COLS + j;
-                bp[(p * K + k) * DEXACT_COLS + j] = n < N ? B[n * ldb + k] : 0.0;
+                for (moe_index k = 0; k < run; k++)
+                    dst[k * DEXACT_COLS + j] = n < N ? B[n * ldb + k0 + k] : 0.0;
             }
+        }
     const moe_index blocks = (M + DEXACT_ROW_BLOCK - 1) / DEXACT_ROW_BLOCK;
     /* Tiles of 64 rows (cache-sized) by one panel, a block's panels in a
      * row, split among the threads in contiguous shares. */
@@ -149,13 +164,16 @@ static void exact_panel(moe_index m0, moe_index m1, moe_index n0, moe_index K, c
 {
     moe_index m = m0;
     for (; m + EXACT_ROWS <= m1; m += EXACT_ROWS) {
-        lanes8 acc[EXACT_ROWS][4];
+        lanes8 acc[EXACT_ROWS][4]; /* in registers: every loop over r and v unrolled */
+#pragma GCC unroll 4
         for (int r = 0; r < EXACT_ROWS; r++)
+#pragma GCC unroll 4
             for (int v = 0; v < 4; v++)
                 acc[r][v] = (lanes8){0};
         for (moe_index k = 0; k < K; k++) {
             const float *b = Bt + k * ldbt + n0;
             const lanes8 b0 = load8(b), b1 = load8(b + 8), b2 = load8(b + 16), b3 = load8(b + 24);
+#pragma GCC unroll 4
             for (int r = 0; r < EXACT_ROWS; r++) {
                 const float a = A[(m + r) * lda + k];
                 acc[r][0] += a * b0;
@@ -164,7 +182,9 @@ static void exact_panel(moe_index m0, moe_index m1, moe_index n0, moe_index K, c
                 acc[r][3] += a * b3;
             }
         }
+#pragma GCC unroll 4
         for (int r = 0; r < EXACT_ROWS; r++)
+#pragma GCC unroll 4
             for (int v = 0; v < 4; v++)
                 store8(C + (m + r) * ldc + n0 + 8 * v, acc[r][v]);
     }
