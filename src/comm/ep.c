@@ -508,6 +508,24 @@ void moe_ep_expert(const moe_ep *ep, const moe_recv_plan *recv, int l,
     }
 }
 
+/* sum[j] += w * row[j] for j < d: a multiply then an add a lane, so
+ * vectors change no bit (-O2 alone left these loops scalar). */
+__attribute__((target_clones("avx2", "default")))
+static void add_scaled_row(moe_index d, float w, const float *restrict row, float *restrict sum)
+{
+#pragma omp simd
+    for (moe_index j = 0; j < d; j++)
+        sum[j] += w * row[j];
+}
+
+__attribute__((target_clones("avx2", "default")))
+void moe_ep_add_row(moe_index d, const float *restrict row, float *restrict sum)
+{
+#pragma omp simd
+    for (moe_index j = 0; j < d; j++)
+        sum[j] += row[j];
+}
+
 void moe_ep_sum_slots(const moe_ep *ep, const int32_t *row_meta, const float *const *out, float *sum)
 {
     const moe_index d = ep->cfg->hidden;
@@ -518,8 +536,7 @@ void moe_ep_sum_slots(const moe_ep *ep, const int32_t *row_meta, const float *co
         if (!out[s])
             continue;
         const float w = weighted ? moe_meta_weight(row_meta, k, s) : 1.0f;
-        for (moe_index j = 0; j < d; j++)
-            sum[j] += w * out[s][j];
+        add_scaled_row(d, w, out[s], sum);
     }
 }
 
@@ -551,9 +568,7 @@ void moe_ep_reduce_rows(const moe_ep *ep, const moe_placement *to, const int32_t
         float *yi = y + i * d;
         for (int m = 0; m < n; m++) {
             const int slot = wave[m] * D + dest[m];
-            const float *row = from[slot] + cursor[slot]++ * d;
-            for (moe_index c = 0; c < d; c++)
-                yi[c] += row[c];
+            moe_ep_add_row(d, from[slot] + cursor[slot]++ * d, yi);
         }
     }
     free(cursor);
@@ -616,8 +631,7 @@ void moe_ep_shared_add(const moe_ep *ep, const float *out, float *y)
 {
     const moe_index T = ep->cfg->tokens, d = ep->cfg->hidden;
     for (moe_index s = 0; s < ep->cfg->shared_experts; s++) /* as moe_ep_shared adds them */
-        for (moe_index n = 0; n < T * d; n++)
-            y[n] += out[s * T * d + n];
+        moe_ep_add_row(T * d, out + s * T * d, y);
 }
 
 void moe_shared_work_init(moe_shared_work *w, const moe_ep *ep, const float *x, float *scratch,

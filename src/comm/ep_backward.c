@@ -319,18 +319,11 @@ static float pair_gate(const moe_ref_forward *f, moe_index m, int k)
                            f->recv.expert_slot[m]);
 }
 
-/* rows[row[i]] += dx[i] for the n rows of a block (d floats each): one
- * fp32 add a lane, so vectors change no bit (-O2 alone left it scalar). */
-__attribute__((target_clones("avx2", "default")))
+/* rows[row[i]] += dx[i] for the n rows of a block (d floats each). */
 static void add_rows(const float *dx, moe_index d, const moe_index *row, moe_index n, float *rows)
 {
-    for (moe_index i = 0; i < n; i++) {
-        float *to = rows + row[i] * d;
-        const float *from = dx + i * d;
-#pragma omp simd
-        for (moe_index j = 0; j < d; j++)
-            to[j] += from[j];
-    }
+    for (moe_index i = 0; i < n; i++)
+        moe_ep_add_row(d, dx + i * d, rows + row[i] * d);
 }
 
 /* Stage experts, the data gradient of wave w, for every local expert on

@@ -253,6 +253,10 @@ moe_index moe_ep_pad_rows(const moe_ep *ep, moe_index pairs);
  * no weights (the backward's dx rows). */
 void moe_ep_sum_slots(const moe_ep *ep, const int32_t *row_meta, const float *const *out, float *sum);
 
+/* sum[j] += row[j] for j < d: one fp32 add a lane, in vectors (the same
+ * bits as one at a time). */
+void moe_ep_add_row(moe_index d, const float *restrict row, float *restrict sum);
+
 /* Stage combine, at the source (--combine reduced): sums (recv->rows, d) =
  * per received row, moe_ep_sum_slots of its pairs in expert_out, rounded to
  * --combine-dtype: one row per (token, rank) goes back. For rows whose
