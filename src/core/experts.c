@@ -172,9 +172,12 @@ void moe_expert_forward_f64(enum moe_truth_gemm gemm, const double *w1, const do
 #pragma omp parallel for schedule(static)
     for (moe_index n = 0; n < rows; n++) {
         const double *gate = h + n * 2 * ffn, *up = gate + ffn;
-        double *act = a + n * ffn;
+        double *act = a + n * ffn; /* e^-g first, eight lanes at a time */
         for (moe_index c = 0; c < ffn; c++)
-            act[c] = gate[c] / (1.0 + moe_exp_fp64(-gate[c])) * up[c];
+            act[c] = -gate[c];
+        moe_exp_fp64_n(act, act, ffn);
+        for (moe_index c = 0; c < ffn; c++)
+            act[c] = gate[c] / (1.0 + act[c]) * up[c];
     }
     product(rows, hidden, ffn, a, ffn, w2, ffn, y, hidden);
 }
