@@ -120,18 +120,13 @@ void moe_dgemm_nt_exact(moe_index M, moe_index N, moe_index K, const double *A, 
         return;
     const moe_index panels = (N + DEXACT_COLS - 1) / DEXACT_COLS;
     double *bp = moe_xmalloc(sizeof(double) * (size_t)(panels * DEXACT_COLS * K)); /* (panels, K, 8) */
-    /* each panel in blocks of 8 x 8, a block's reads and writes in L1 */
 #pragma omp parallel for schedule(static)
     for (moe_index p = 0; p < panels; p++)
-        for (moe_index k0 = 0; k0 < K; k0 += DEXACT_COLS) {
-            const moe_index run = K - k0 < DEXACT_COLS ? K - k0 : DEXACT_COLS;
-            double *dst = bp + (p * K + k0) * DEXACT_COLS;
+        for (moe_index k = 0; k < K; k++)
             for (int j = 0; j < DEXACT_COLS; j++) {
                 const moe_index n = p * DEXACT_COLS + j;
-                for (moe_index k = 0; k < run; k++)
-                    dst[k * DEXACT_COLS + j] = n < N ? B[n * ldb + k0 + k] : 0.0;
+                bp[(p * K + k) * DEXACT_COLS + j] = n < N ? B[n * ldb + k] : 0.0;
             }
-        }
     const moe_index blocks = (M + DEXACT_ROW_BLOCK - 1) / DEXACT_ROW_BLOCK;
     /* Tiles of 64 rows (cache-sized) by one panel, a block's panels in a
      * row, split among the threads in contiguous shares. */
