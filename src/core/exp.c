@@ -50,9 +50,11 @@ double moe_exp_fp64(double x)
     return p * power_of_two(k1) * power_of_two(k2);
 }
 
-/* Eight lanes of the same operations: GCC lowers each vector operation to
- * the IEEE operation in every lane (SSE2 pairs, AVX or AVX-512 registers by
- * clone), and the build fuses none, so a lane's bits are moe_exp_fp64's. */
+/* Eight lanes of the same operations: the compiler lowers each vector
+ * operation to the IEEE operation in every lane (SSE2 pairs, AVX or
+ * AVX-512 registers by clone), and the build fuses none, so a lane's bits
+ * are moe_exp_fp64's. The vectors go in and out through memory, never as
+ * arguments: clang refuses 512-bit vector arguments outside avx512f. */
 typedef double exp_lanes __attribute__((vector_size(64)));
 typedef int64_t exp_ints __attribute__((vector_size(64)));
 typedef uint64_t exp_bits __attribute__((vector_size(64)));
@@ -99,6 +101,7 @@ static void exp_n(const double *x, double *y, long n)
     }
 }
 
-/* The clones stay static: clang 14 names an exported one's resolver apart
- * from the function, and other files' calls did not link (the fuzzers). */
+/* The clones stay static behind this function: clang 14 (which builds the
+ * fuzzers) names an exported clone's resolver apart from the function, so
+ * calls from other files would not link. */
 void moe_exp_fp64_n(const double *x, double *y, long n) { exp_n(x, y, n); }
