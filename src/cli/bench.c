@@ -14,8 +14,9 @@
  * W's forwards against the least the rank must hold. The physical limit
  * beside the sgemm: the cores' fp32 FMA peak (independent FMA chains at each
  * vector width the CPU has, rank 0 alone and all ranks at once), and the
- * layer's and the experts' share of it. Rank 0 prints a table, and writes
- * --csv and --plot.
+ * layer's and the experts' share of it; the layer's own GEMM on each rank's
+ * core at once (a core slower than the others bounds every rank). Rank 0
+ * prints a table, and writes --csv and --plot.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -197,6 +198,7 @@ static double default_kernel_sgemm(const moe_comm *c, const sgemm_anchor *g, cha
 typedef struct {
     double alone[MOE_FMA_WIDTHS], together[MOE_FMA_WIDTHS]; /* FLOP/s, 0: not on this CPU */
     int widest;                                             /* index of the fastest width */
+    double rank_least, rank_most; /* one rank's rate at the widest, all at once: min, max */
 } fma_peak;
 
 enum { PEAK_SECONDS_MS = 100 }; /* per width and way */
@@ -214,16 +216,82 @@ static double core_share(const moe_comm *c)
 static void measure_fma_peak(const moe_comm *c, fma_peak *p)
 {
     memset(p, 0, sizeof *p);
+    double own[MOE_FMA_WIDTHS];
     for (int w = 0; w < MOE_FMA_WIDTHS; w++) {
         if (c->rank == 0)
             p->alone[w] = moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3);
         moe_comm_barrier_idle(c);
         moe_comm_barrier(c);
-        p->together[w] =
-            moe_comm_sum(c, core_share(c) * moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3));
+        own[w] = core_share(c) * moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3);
+        p->together[w] = moe_comm_sum(c, own[w]);
         if (p->together[w] > p->together[p->widest])
             p->widest = w;
     }
+    p->rank_least = moe_comm_min(c, own[p->widest]);
+    p->rank_most = moe_comm_max(c, own[p->widest]);
+}
+
+/* The layer's own GEMM on each rank's core, all ranks at once: the
+ * experts' first product (h = x W1^T, N = 2f, K = d) on the rank's own
+ * expert weights in turn, at their mean rows. It tells a core that runs
+ * the kernel slower than the others (a virtual machine's vCPU whose host
+ * core is shared) from the kernel itself: every rank waits at the
+ * all-to-alls for the slowest, whatever the FMA peak says. */
+typedef struct {
+    const moe_ep *ep;
+    moe_index rows;
+    int passes; /* over the experts, for KERNEL_FLOPS at least */
+    float *A, *C;
+} kernel_anchor;
+
+#define KERNEL_FLOPS 2e9 /* about 10 ms a run: small layers' GEMMs run many passes */
+
+static void run_kernel(void *arg)
+{
+    const kernel_anchor *k = arg;
+    const moe_index d = k->ep->cfg->hidden, f = k->ep->cfg->ffn;
+    const size_t size1 = (size_t)moe_expert_w1_floats(k->ep->gemm, d, f);
+    for (int p = 0; p < k->passes; p++)
+        for (int l = 0; l < k->ep->local_experts; l++)
+            moe_expert_gemm(k->ep->gemm, k->rows, 2 * f, d, k->A, d,
+                            k->ep->w1 + (size_t)l * size1, k->C, 2 * f);
+}
+
+/* Each rank's rate (FLOP/s; NAN with no experts, or with more ranks than
+ * cores on a host, where the ranks take turns and a rank's rate is its
+ * share's): the least and the most over the ranks, and which. Collective. */
+typedef struct {
+    moe_index rows;
+    double least, most;
+    int slowest, fastest;
+} kernel_rates;
+
+static void measure_kernel(const moe_run_context *ctx, kernel_rates *k)
+{
+    const moe_comm *c = ctx->comm;
+    const moe_ep *ep = &ctx->ep;
+    const int EL = ep->local_experts;
+    const moe_index d = ctx->cfg.hidden, f = ctx->cfg.ffn;
+    kernel_anchor a = {ep, EL ? (ctx->last.pairs_received + EL - 1) / EL : 0, 1, NULL, NULL};
+    k->rows = (moe_index)moe_comm_max(c, (double)a.rows);
+    const double pass = 2.0 * (double)EL * (double)a.rows * 2.0 * (double)f * (double)d;
+    if (pass > 0 && pass < KERNEL_FLOPS)
+        a.passes = (int)ceil(KERNEL_FLOPS / pass);
+    double rate = NAN;
+    const bool own_core = moe_comm_min(c, c->ranks_on_host <= c->host_cores ? 1.0 : 0.0) > 0;
+    if (own_core) {
+        a.A = filled((size_t)(a.rows * d) + 1);
+        a.C = filled((size_t)(a.rows * 2 * f) + 1);
+        const double seconds = timed(c, run_kernel, &a, true);
+        if (a.rows > 0 && seconds > 0)
+            rate = pass * a.passes / seconds;
+        free(a.C);
+        free(a.A);
+    }
+    k->least = -moe_comm_maxloc(c, isnan(rate) ? -INFINITY : -rate, &k->slowest);
+    k->most = moe_comm_maxloc(c, isnan(rate) ? -INFINITY : rate, &k->fastest);
+    if (!isfinite(k->least) || !isfinite(k->most))
+        k->least = k->most = NAN;
 }
 
 /* Every rank reading its own READ_BYTES at once (moe_read_bandwidth): the
@@ -262,6 +330,31 @@ static void print_fma_peak(FILE *out, const fma_peak *p, const moe_comm *c)
             any = true;
         }
     fprintf(out, "%s\n", any ? "" : " not measured (no x86 FMA here)");
+}
+
+/* The kernel anchor's line: the slowest and the fastest rank, each against
+ * the FMA peak of one rank at once, and the bound the slowest sets. */
+static void print_kernel(FILE *out, const kernel_rates *k, const fma_peak *p,
+                         const moe_run_context *ctx)
+{
+    const moe_index d = ctx->cfg.hidden, f = ctx->cfg.ffn;
+    fprintf(out, "          the layer's GEMM (%s) on each rank's core, all at once: h = x W1^T of "
+                 "the rank's experts, %lld x %lld x %lld: ", moe_gemm_label(ctx->ep.gemm),
+            (long long)k->rows, (long long)(2 * f), (long long)d);
+    if (isnan(k->least)) {
+        fprintf(out, "not measured (%s)\n", k->rows > 0 ? "more ranks than cores on a host: they "
+                                                          "take turns" : "no rank holds an expert");
+        return;
+    }
+    const double peak = p->rank_most > 0 ? p->rank_most : NAN;
+    fprintf(out, "slowest rank %d %.1f GFLOP/s (%.0f %% of a core's FMA peak), fastest rank %d %.1f "
+                 "(%.0f %%)", k->slowest, k->least * 1e-9, 100.0 * k->least / peak, k->fastest,
+            k->most * 1e-9, 100.0 * k->most / peak);
+    if (k->least < 0.9 * k->most)
+        fprintf(out, "; the cores differ by more than 10 %% (their FMA peaks, one rank each at "
+                     "once: %.1f-%.1f) and every rank waits for the slowest",
+                p->rank_least * 1e-9, p->rank_most * 1e-9);
+    fprintf(out, "; so peak stays under about %.0f %%\n", 100.0 * k->least / peak);
 }
 
 typedef struct {
@@ -801,8 +894,9 @@ static void print_usage(FILE *out)
             "usage: mpirun -np G moe-ep bench [--preset NAME] [--waves 1,2,4,8] [flags]\n"
             "\n"
             "The wave pipeline at each W (default 1,2,4,8), --warmup untimed then --iters timed\n"
-            "forwards, against anchors measured in the same run: one sgemm of the experts' FLOPs\n"
-            "and one plain MPI_Alltoallv of the forward's counts. Takes every flag of run.\n"
+            "forwards, against anchors measured in the same run: one sgemm of the experts' FLOPs,\n"
+            "one plain MPI_Alltoallv of the forward's counts, the cores' FMA peak, the layer's\n"
+            "GEMM on each rank's core and the memory read rate. Takes every flag of run.\n"
             "With --mode low-latency: the layer's latency at 1, 8, 32, 128 and 512 tokens per\n"
             "rank (up to --max-tokens-per-rank), the normal path against put and get.\n"
             "With --workload all: one row per named imbalance workload (W0-W7, docs/data.md).\n"
@@ -832,6 +926,7 @@ typedef struct {
     double flops;       /* its FLOPs, all ranks */
     double wgrad_rate;  /* --backward: the wgrad-shape sgemms, FLOP/s per rank (min) */
     fma_peak peak;      /* the cores' FMA peak */
+    kernel_rates cores;  /* the layer's GEMM on each rank's core */
 } anchors;
 
 /* The plain MPI_Alltoallv anchor with this W's counts. Dispatch: this W's
@@ -898,6 +993,7 @@ static void measure_anchors(const moe_run_context *ctx, anchors *a)
     free(g.B);
     free(g.A);
     measure_fma_peak(c, &a->peak);
+    measure_kernel(ctx, &a->cores);
     measure_read_bandwidth(c, &a->read_rank, &a->read_all);
     if (!ctx->ep.path->training)
         return;
@@ -1073,6 +1169,7 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
                    anchor_flops * 1e-9 / a.gemm_forced, a.own_kernel, 1e3 * a.gemm_own,
                    anchor_flops * 1e-9 / a.gemm_own);
         print_fma_peak(stdout, &peak, c);
+        print_kernel(stdout, &a.cores, &peak, &ctx);
         printf("          memory read %.1f GB/s a rank (the least, all %d at once), %.1f GB/s in all\n",
                a.read_rank * 1e-9, c->ranks, a.read_all * 1e-9);
         if (path->training) {

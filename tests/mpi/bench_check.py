@@ -25,6 +25,29 @@ def near(a, b, rel, absolute=0.0):
     return abs(a - b) <= rel * max(abs(a), abs(b)) + absolute
 
 
+def kernel_line(text):
+    """The layer's GEMM on each rank's core: the slowest no faster than the
+    fastest, each percentage its rate over the same FMA peak, the bound the
+    slowest's, and the cores called different exactly when the slowest is
+    under 0.9 of the fastest (printed to 0.1 GFLOP/s: that much either way)."""
+    m = re.search(r"each rank's core, all at once: .*: slowest rank (\d+) ([\d.]+) GFLOP/s \((\d+) % of a core's "
+                  r"FMA peak\), fastest rank (\d+) ([\d.]+) \((\d+) %\)(.*); so peak stays under about (\d+) %$",
+                  text, re.M)
+    check(m is not None, "the anchors give the layer's GEMM on each rank's core")
+    if m is None:
+        return
+    least, least_pct, most, most_pct = float(m.group(2)), int(m.group(3)), float(m.group(5)), int(m.group(6))
+    check(least <= most, "slowest %.1f <= fastest %.1f GFLOP/s" % (least, most))
+    check(m.group(1) != m.group(4) or least == most, "the slowest and the fastest are two ranks")
+    check(least_pct <= most_pct and near(least_pct / max(most_pct, 1), least / most, 0.02, 0.02),
+          "%d %% and %d %% are the two rates over one FMA peak" % (least_pct, most_pct))
+    check(int(m.group(8)) == least_pct, "the bound is the slowest core's %d %%" % least_pct)
+    differ = "cores differ" in m.group(7)
+    ratio = least / most
+    check(differ == (ratio < 0.9) or abs(ratio - 0.9) < 0.1 / most + 0.001,
+          "the cores are called different (%s) exactly when %.1f / %.1f < 0.9" % (differ, least, most))
+
+
 def waves(text, csv_path, svg_path):
     header = re.search(r"G=(\d+) ranks · T=(\d+)", text)
     ranks, tokens = int(header.group(1)), int(header.group(2))
@@ -54,6 +77,7 @@ def waves(text, csv_path, svg_path):
                   "W=%d: the CSV's layer_ms %s is the table's %.2f" % (w, r["layer_ms"], rows[w]))
             check(near(float(r["of_ceiling"]), anchor / float(r["layer_ms"]), 0.0051 / anchor + 0.001, 0.001),
                   "W=%d: the CSV's of_ceiling %s is the anchor / layer_ms" % (w, r["of_ceiling"]))
+    kernel_line(text)
     svg = open(svg_path).read()
     check(svg.startswith("<svg") or "<svg" in svg[:200], "the plot is an SVG")
     check(svg.count("<circle") + svg.count("<rect") + svg.count("<polyline") >= len(rows),
