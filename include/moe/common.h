@@ -139,8 +139,9 @@ typedef struct {
 void *moe_buffer_fit(moe_buffer *b, size_t bytes, const char *what, int rank, moe_status *st);
 void moe_buffer_free(moe_buffer *b);
 
-/* A 64-bit digest of n bytes (FNV-1a over 8-byte words, then the tail):
- * enough to tell whether two outputs are the same bits. */
+/* A 64-bit digest of n bytes (four FNV-1a chains over interleaved 8-byte
+ * words, combined, then the tail words and bytes): enough to tell whether
+ * two outputs are the same bits. */
 uint64_t moe_digest64(const void *data, size_t n);
 
 /* max(v) / mean(v) over n values, 0 when they sum to 0: a load's imbalance. */

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* check_golden.c — SHA-256 against FIPS 180-4's examples, and safetensors
- * round trips and corrupt files. */
+/* check_golden.c — SHA-256 against FIPS 180-4's examples, the 64-bit
+ * digest that tells outputs apart, and safetensors round trips and corrupt
+ * files. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdint.h>
@@ -9,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "moe/common.h"
 #include "moe/safetensors.h"
 #include "moe/sha256.h"
 #include "suites.h"
@@ -32,6 +34,35 @@ START_TEST(sha256_known_answers)
     ck_assert_str_eq(hex, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
     hash_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq", hex);
     ck_assert_str_eq(hex, "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+}
+END_TEST
+
+/* moe_digest64 sees every bit of every length (the four chains' words,
+ * the tail words and the tail bytes), and its order: swapping two words of
+ * different chains changes it. */
+START_TEST(digest64_sees_every_bit)
+{
+    unsigned char data[80];
+    for (size_t i = 0; i < sizeof data; i++)
+        data[i] = (unsigned char)(i * 37 + 11);
+    for (size_t n = 1; n <= sizeof data; n++) {
+        const uint64_t base = moe_digest64(data, n);
+        ck_assert_uint_eq(moe_digest64(data, n), base);
+        ck_assert_uint_ne(moe_digest64(data, n - 1), base);
+        for (size_t bit = 0; bit < 8 * n; bit++) {
+            data[bit / 8] ^= (unsigned char)(1u << bit % 8);
+            ck_assert_uint_ne(moe_digest64(data, n), base);
+            data[bit / 8] ^= (unsigned char)(1u << bit % 8);
+        }
+    }
+    uint64_t w[8];
+    for (int i = 0; i < 8; i++)
+        w[i] = 0x0101010101010101u * (uint64_t)(i + 1);
+    const uint64_t before = moe_digest64(w, sizeof w);
+    const uint64_t t = w[0];
+    w[0] = w[1];
+    w[1] = t;
+    ck_assert_uint_ne(moe_digest64(w, sizeof w), before);
 }
 END_TEST
 
@@ -201,6 +232,7 @@ Suite *make_golden_suite(void)
     Suite *s = suite_create("golden");
     TCase *tc = tcase_create("files");
     tcase_add_test(tc, sha256_known_answers);
+    tcase_add_test(tc, digest64_sees_every_bit);
     tcase_add_test(tc, sha256_extensions_match_portable);
     tcase_add_test(tc, round_trip);
     tcase_add_loop_test(tc, corrupt_files_are_errors, 0, sizeof corrupt / sizeof corrupt[0]);
