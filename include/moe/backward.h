@@ -93,6 +93,18 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
                               moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
                               float *dx, float *dgate);
 
+/* The same on rows read where they are: row r of x and of dy at x[r] and
+ * dy[r], of out at out[r] (out NULL: recomputed, as above), hidden floats
+ * each; the packed kernel reads x's rows in place, as the forward's does
+ * (moe_sgemm_packed_rows). The same bits as moe_expert_backward_data on the
+ * rows gathered. */
+void moe_expert_backward_data_rows(const moe_expert_weights *fw,
+                                   const moe_expert_grad_weights *bw, enum moe_gemm_kind gemm,
+                                   const float *const *x, const float *const *dy,
+                                   const float *gate, const float *const *out, int weight_at,
+                                   moe_index n, moe_index hidden, moe_index ffn,
+                                   const moe_expert_grad_work *work, float *dx, float *dgate);
+
 /* The weight gradient (the backward's W) of the same batch, given its x,
  * dy and gate (NULL: ungated) as the data gradient had them, the batch's
  * row r at row rows[r] of x and dy (rows NULL: row r; rows lets an expert

@@ -303,11 +303,13 @@ static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run
  * outputs, dx, h, dA, dO) are this many rows, not the expert's. */
 enum { DGRAD_ROW_BLOCK = 512 };
 
-/* The selected rows of one expert in one wave, gathered a block at a time. */
+/* The selected rows of one expert in one wave, a block at a time: x, dy
+ * and the outputs read where they are through the block's row tables. */
 typedef struct {
     moe_index *at;  /* (n) position in the expert-ordered pair lists */
     moe_index *row, *pair;
-    float *x, *dy, *out, *dx, *gate, *dg;
+    const float **x, **dy, **out; /* (block) row tables */
+    float *dx, *gate, *dg;
     float *weights; /* the expert's, laid out for its data GEMMs */
     moe_expert_grad_work work; /* when the wave has some of the expert's rows only */
 } dgrad_batch;
@@ -347,10 +349,10 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     q.row = q.at + most;
     q.pair = q.row + most;
     q.gate = moe_xmalloc(sizeof(float) * (size_t)most);
-    q.x = moe_xmalloc(sizeof(float) * (size_t)(block * (4 * d + 1)));
-    q.dy = q.x + block * d;
-    q.out = q.dy + block * d;
-    q.dx = q.out + block * d;
+    q.x = moe_xmalloc(sizeof(float *) * (size_t)(3 * block));
+    q.dy = q.x + block;
+    q.out = q.dy + block;
+    q.dx = moe_xmalloc(sizeof(float) * (size_t)(block * (d + 1)));
     q.dg = q.dx + block * d;
     q.weights = moe_xmalloc(sizeof(float) * (size_t)moe_ep_grad_weights_floats(ep));
     if (b->W > 1)
@@ -379,13 +381,15 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
         const moe_expert_grad_weights bw = moe_ep_grad_weights(ep, false, l, q.weights);
         for (moe_index b0 = 0; b0 < n; b0 += block) {
             const moe_index nb = n - b0 < block ? n - b0 : block;
-            moe_gather_rows(f->recv_values, d, q.row + b0, nb, q.x);
-            moe_gather_rows(b->dy_in, d, q.row + b0, nb, q.dy);
-            moe_gather_rows(f->expert_out, d, q.pair + b0, nb, q.out);
+            for (moe_index i = 0; i < nb; i++) {
+                q.x[i] = f->recv_values + q.row[b0 + i] * d;
+                q.dy[i] = b->dy_in + q.row[b0 + i] * d;
+                q.out[i] = f->expert_out + q.pair[b0 + i] * d;
+            }
             const moe_expert_grad_work work =
                 whole ? moe_expert_grad_work_rows(&b->work, first + b0, d, ff) : q.work;
-            moe_expert_backward_data(&fw, &bw, ep->gemm, q.x, q.dy, q.gate + b0, q.out,
-                                     cfg->weight_at, nb, d, ff, &work, q.dx, q.dg);
+            moe_expert_backward_data_rows(&fw, &bw, ep->gemm, q.x, q.dy, q.gate + b0, q.out,
+                                          cfg->weight_at, nb, d, ff, &work, q.dx, q.dg);
             if (!whole) {
                 moe_scatter_rows(work.dH, 2 * ff, q.at + b0, nb, b->work.dH);
                 moe_scatter_rows(work.act, ff, q.at + b0, nb, b->work.act);
@@ -403,6 +407,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     if (b->W > 1)
         moe_expert_grad_work_free(&q.work);
     free(q.weights);
+    free(q.dx);
     free(q.x);
     free(q.gate);
     free(q.at);

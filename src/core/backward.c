@@ -159,6 +159,17 @@ static void swiglu_backward(const float *h, const float *da, moe_index n, moe_in
     }
 }
 
+/* n rows of d floats: row r at at[r], or (at NULL) at base + r * d. */
+typedef struct {
+    const float *base;
+    const float *const *at;
+} rows_in;
+
+static inline const float *row_in(rows_in a, moe_index r, moe_index d)
+{
+    return a.at ? a.at[r] : a.base + r * d;
+}
+
 /* sum over j ascending of a[j] * b[j] in fp64, rounded once. */
 static float dot(const float *a, const float *b, moe_index n)
 {
@@ -168,15 +179,17 @@ static float dot(const float *a, const float *b, moe_index n)
     return (float)sum;
 }
 
-/* out[r] = dot(a[r], b[r], len) for n rows of len floats: four rows at a
- * time, each its own chain of adds (one row's adds wait on each other;
- * four keep the adder busy), so each sum is dot's. */
-static void row_dots(moe_index n, moe_index len, const float *a, const float *b, float *out)
+/* out[r] = dot(a's row r, b's row r, len) for n rows: four rows at a time,
+ * each its own chain of adds (one row's adds wait on each other; four keep
+ * the adder busy), so each sum is dot's. */
+static void row_dots(moe_index n, moe_index len, rows_in a, rows_in b, float *out)
 {
     moe_index r = 0;
     for (; r + 4 <= n; r += 4) {
-        const float *a0 = a + r * len, *a1 = a0 + len, *a2 = a1 + len, *a3 = a2 + len;
-        const float *b0 = b + r * len, *b1 = b0 + len, *b2 = b1 + len, *b3 = b2 + len;
+        const float *a0 = row_in(a, r, len), *a1 = row_in(a, r + 1, len),
+                    *a2 = row_in(a, r + 2, len), *a3 = row_in(a, r + 3, len);
+        const float *b0 = row_in(b, r, len), *b1 = row_in(b, r + 1, len),
+                    *b2 = row_in(b, r + 2, len), *b3 = row_in(b, r + 3, len);
         double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
         for (moe_index j = 0; j < len; j++) {
             s0 += (double)a0[j] * (double)b0[j];
@@ -190,19 +203,25 @@ static void row_dots(moe_index n, moe_index len, const float *a, const float *b,
         out[r + 3] = (float)s3;
     }
     for (; r < n; r++)
-        out[r] = dot(a + r * len, b + r * len, len);
+        out[r] = dot(row_in(a, r, len), row_in(b, r, len), len);
 }
 
-/* dst[r][j] = s[r] * src[r][j] for n rows of len floats (dst may be src):
- * one fp32 product a lane. */
+/* dst[r][j] = s[r] * src's row r [j] for n rows of len floats (dst may be
+ * src): one fp32 product a lane; s NULL: a copy. */
 __attribute__((target_clones("avx2", "default")))
-static void scale_rows(moe_index n, moe_index len, const float *s, const float *src, float *dst)
+static void scale_rows(moe_index n, moe_index len, const float *s, rows_in src, float *dst)
 {
     for (moe_index r = 0; r < n; r++) {
+        const float *from = row_in(src, r, len);
+        if (!s) {
+            if (from != dst + r * len)
+                memcpy(dst + r * len, from, sizeof(float) * (size_t)len);
+            continue;
+        }
         const float g = s[r];
 #pragma omp simd
         for (moe_index j = 0; j < len; j++)
-            dst[r * len + j] = g * src[r * len + j];
+            dst[r * len + j] = g * from[j];
     }
 }
 
@@ -220,11 +239,12 @@ static void data_gemm(enum moe_gemm_kind gemm, moe_index n, moe_index N, moe_ind
     moe_sgemm_packed_t(n, N, K, A, N, fwd, C, K);
 }
 
-void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_grad_weights *bw,
-                              enum moe_gemm_kind gemm, const float *x, const float *dy,
-                              const float *gate, const float *out, int weight_at, moe_index n,
-                              moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
-                              float *dx, float *dgate)
+/* moe_expert_backward_data on rows wherever they are. */
+static void backward_data(const moe_expert_weights *fw, const moe_expert_grad_weights *bw,
+                          enum moe_gemm_kind gemm, rows_in x, rows_in dy, const float *gate,
+                          rows_in out, int weight_at, moe_index n, moe_index hidden,
+                          moe_index ffn, const moe_expert_grad_work *work, float *dx,
+                          float *dgate)
 {
     if (n == 0)
         return;
@@ -234,33 +254,63 @@ void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_gra
     float *h = moe_xmalloc(sizeof(float) * (size_t)(n * 2 * f)); /* (n, 2f) */
     float *da = moe_xmalloc(sizeof(float) * (size_t)(n * f));    /* (n, f) */
     float *dO = moe_xmalloc(sizeof(float) * (size_t)(n * d));    /* (n, d) */
-    moe_expert_gemm(gemm, n, 2 * f, d, x, d, fw->w1t, h, 2 * f); /* recomputed */
+    /* h = x W1^T, recomputed: the packed kernel reads x's rows in place */
+    if (!x.at)
+        moe_expert_gemm(gemm, n, 2 * f, d, x.base, d, fw->w1t, h, 2 * f);
+    else if (gemm == MOE_GEMM_PACKED)
+        moe_sgemm_packed_rows(n, 2 * f, d, x.at, NULL, fw->w1t, h, 2 * f);
+    else { /* the others on the rows gathered (dO holds them until it is needed) */
+        scale_rows(n, d, NULL, x, dO);
+        moe_expert_gemm(gemm, n, 2 * f, d, dO, d, fw->w1t, h, 2 * f);
+    }
     if (gated_output(gate, weight_at)) {
-        float *o = (float *)out;
-        if (!out) { /* o = a W2^T, the forward's output, recomputed */
-            o = moe_xmalloc(sizeof(float) * (size_t)(n * d));
+        rows_in o = out;
+        float *recomputed = NULL;
+        if (!out.base && !out.at) { /* o = a W2^T, the forward's output, recomputed */
+            recomputed = moe_xmalloc(sizeof(float) * (size_t)(n * d));
             swiglu_backward(h, NULL, n, f, NULL, act, NULL);
-            moe_expert_gemm(gemm, n, d, f, act, f, fw->w2t, o, d);
+            moe_expert_gemm(gemm, n, d, f, act, f, fw->w2t, recomputed, d);
+            o = (rows_in){recomputed, NULL};
         }
         row_dots(n, d, dy, o, dgate);
         scale_rows(n, d, gate, dy, dO);
-        if (o != out)
-            free(o);
+        free(recomputed);
     } else {
-        memcpy(dO, dy, sizeof(float) * (size_t)(n * d));
+        scale_rows(n, d, NULL, dy, dO);
     }
     data_gemm(gemm, n, d, f, dO, fw->w2t, bw->w2, da); /* dA' = dO W2 */
     if (at_activation) {
         /* the activation unscaled, for dg = <dA', a>; then dA = g dA' */
         swiglu_backward(h, NULL, n, f, NULL, act, NULL);
-        row_dots(n, f, da, act, dgate);
-        scale_rows(n, f, gate, da, da);
+        row_dots(n, f, (rows_in){da, NULL}, (rows_in){act, NULL}, dgate);
+        scale_rows(n, f, gate, (rows_in){da, NULL}, da);
     }
     swiglu_backward(h, da, n, f, dH, act, at_activation ? gate : NULL); /* act = a' */
     data_gemm(gemm, n, 2 * f, d, dH, fw->w1t, bw->w1, dx); /* dx = dH W1 */
     free(dO);
     free(da);
     free(h);
+}
+
+void moe_expert_backward_data(const moe_expert_weights *fw, const moe_expert_grad_weights *bw,
+                              enum moe_gemm_kind gemm, const float *x, const float *dy,
+                              const float *gate, const float *out, int weight_at, moe_index n,
+                              moe_index hidden, moe_index ffn, const moe_expert_grad_work *work,
+                              float *dx, float *dgate)
+{
+    backward_data(fw, bw, gemm, (rows_in){x, NULL}, (rows_in){dy, NULL}, gate,
+                  (rows_in){out, NULL}, weight_at, n, hidden, ffn, work, dx, dgate);
+}
+
+void moe_expert_backward_data_rows(const moe_expert_weights *fw,
+                                   const moe_expert_grad_weights *bw, enum moe_gemm_kind gemm,
+                                   const float *const *x, const float *const *dy,
+                                   const float *gate, const float *const *out, int weight_at,
+                                   moe_index n, moe_index hidden, moe_index ffn,
+                                   const moe_expert_grad_work *work, float *dx, float *dgate)
+{
+    backward_data(fw, bw, gemm, (rows_in){NULL, x}, (rows_in){NULL, dy}, gate,
+                  (rows_in){NULL, out}, weight_at, n, hidden, ffn, work, dx, dgate);
 }
 
 /* a[j][r] *= s[r] for a (rows, cols): one fp32 product a lane. */

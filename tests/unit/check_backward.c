@@ -275,9 +275,10 @@ START_TEST(gradients_match_finite_differences)
 }
 END_TEST
 
-/* The fp32 backward of every GEMM kind against the fp64 one, and the
- * row-independence of packed and exact: a row's dx and dg do not depend on
- * the batch it is in, and dW is the same chain over the rows. */
+/* The fp32 backward of every GEMM kind against the fp64 one, the rows read
+ * in place as gathered, and the row-independence of packed and exact: a
+ * row's dx and dg do not depend on the batch it is in, and dW is the same
+ * chain over the rows. */
 START_TEST(fp32_backward_matches_fp64)
 {
     enum { N = 9, DD = 12, FF = 19 };
@@ -313,6 +314,36 @@ START_TEST(fp32_backward_matches_fp64)
         ck_assert(memcmp(dg2, dg, sizeof dg) == 0);
         ck_assert(memcmp(work2.dH, work.dH, sizeof(float) * N * 3 * FF) == 0);
         moe_expert_grad_work_free(&work2);
+    }
+
+    { /* the rows through tables, in the reverse order in memory, with the
+       * forward's outputs given and recomputed: the gathered rows' bits */
+        float xr[N * DD], dyr[N * DD], y[N * DD], yr[N * DD], scratch[N * 2 * FF];
+        moe_expert_forward(&fw, kind, x, N, DD, FF, scratch, y, NULL, NULL);
+        const float *xt[N], *dyt[N], *yt[N];
+        for (int n = 0; n < N; n++) {
+            const int at = (N - 1 - n) * DD;
+            memcpy(xr + at, x + n * DD, sizeof(float) * DD);
+            memcpy(dyr + at, dy + n * DD, sizeof(float) * DD);
+            memcpy(yr + at, y + n * DD, sizeof(float) * DD);
+            xt[n] = xr + at;
+            dyt[n] = dyr + at;
+            yt[n] = yr + at;
+        }
+        moe_expert_grad_work work3 = moe_expert_grad_work_alloc(N, DD, FF);
+        float dx3[N * DD], dg3[N], dx4[N * DD], dg4[N];
+        moe_expert_backward_data_rows(&fw, &bw, kind, xt, dyt, gate, NULL, weight_at, N, DD, FF,
+                                      &work3, dx3, dg3);
+        ck_assert(memcmp(dx3, dx, sizeof dx) == 0);
+        ck_assert(memcmp(dg3, dg, sizeof dg) == 0);
+        ck_assert(memcmp(work3.dH, work.dH, sizeof(float) * N * 3 * FF) == 0);
+        moe_expert_backward_data(&fw, &bw, kind, x, dy, gate, y, weight_at, N, DD, FF, &work3, dx4,
+                                 dg4);
+        moe_expert_backward_data_rows(&fw, &bw, kind, xt, dyt, gate, yt, weight_at, N, DD, FF,
+                                      &work3, dx3, dg3);
+        ck_assert(memcmp(dx3, dx4, sizeof dx) == 0);
+        ck_assert(memcmp(dg3, dg4, sizeof dg) == 0);
+        moe_expert_grad_work_free(&work3);
     }
 
     double w1d[2 * FF * DD], w2d[DD * FF], xd[N * DD], dyd[N * DD], gd[N];
