@@ -346,15 +346,23 @@ static void print_kernel(FILE *out, const kernel_rates *k, const fma_peak *p,
                                                           "take turns" : "no rank holds an expert");
         return;
     }
-    const double peak = p->rank_most > 0 ? p->rank_most : NAN;
-    fprintf(out, "slowest rank %d %.1f GFLOP/s (%.0f %% of a core's FMA peak), fastest rank %d %.1f "
-                 "(%.0f %%)", k->slowest, k->least * 1e-9, 100.0 * k->least / peak, k->fastest,
-            k->most * 1e-9, 100.0 * k->most / peak);
-    if (k->least < 0.9 * k->most)
-        fprintf(out, "; the cores differ by more than 10 %% (their FMA peaks, one rank each at "
-                     "once: %.1f-%.1f) and every rank waits for the slowest",
-                p->rank_least * 1e-9, p->rank_most * 1e-9);
-    fprintf(out, "; so peak stays under about %.0f %%\n", 100.0 * k->least / peak);
+    const bool peak = p->rank_most > 0; /* none without x86 FMA */
+    fprintf(out, "slowest rank %d %.1f GFLOP/s", k->slowest, k->least * 1e-9);
+    if (peak)
+        fprintf(out, " (%.0f %% of a core's FMA peak)", 100.0 * k->least / p->rank_most);
+    fprintf(out, ", fastest rank %d %.1f", k->fastest, k->most * 1e-9);
+    if (peak)
+        fprintf(out, " (%.0f %%)", 100.0 * k->most / p->rank_most);
+    if (k->least < 0.9 * k->most) {
+        fprintf(out, "; the cores differ by more than 10 %%");
+        if (peak)
+            fprintf(out, " (their FMA peaks, one rank each at once: %.1f-%.1f)",
+                    p->rank_least * 1e-9, p->rank_most * 1e-9);
+        fprintf(out, " and every rank waits for the slowest");
+    }
+    if (peak)
+        fprintf(out, "; so peak stays under about %.0f %%", 100.0 * k->least / p->rank_most);
+    fprintf(out, "\n");
 }
 
 typedef struct {
