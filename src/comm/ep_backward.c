@@ -299,8 +299,8 @@ static void combine_backward(const moe_ep *ep, const moe_ref_forward *f, bwd_run
     moe_stage_end(&stats->seconds[MOE_BWD_COMBINE], t);
 }
 
-/* Rows of an expert's data gradient at a time: its temporaries (x, dy,
- * outputs, dx, h, dA, dO) are this many rows, not the expert's. */
+/* Rows of an expert's data gradient at a time: its temporaries (dx, h,
+ * dA, dO) are this many rows, not the expert's. */
 enum { DGRAD_ROW_BLOCK = 512 };
 
 /* The selected rows of one expert in one wave, a block at a time: x, dy
