@@ -58,12 +58,12 @@ double moe_backward_memory(const moe_config *cfg, int ranks)
     const double expert_bytes = 3.0 * f * d * 4.0; /* W1 (2f,d) + W2 (d,f), fp32 */
     /* One expert's weights laid out for the backward, the gradients
      * (routed, shared, gate, dx) and dy; the step's buffers: dy received, dx per
-     * pair and back home, an expert batch's rows (x, dy, outputs, dx) and
+     * pair and back home, an expert batch's temporaries (dx, dO, h, dA) and
      * every pair's backward work (dH, a'), the wgrad operands, the shared
      * experts' work on T rows, the fp64 sums over ranks, the router's
      * fp64 gradient. */
     double bytes = (EL + S + 1.0) * expert_bytes + E * d * 4.0 + 2.0 * T * d * 4.0;
-    bytes += 3.0 * T * k * d * 4.0 + T * k * (4.0 * d + 3.0 * f) * 4.0 +
+    bytes += 3.0 * T * k * d * 4.0 + T * k * (2.0 * d + 3.0 * f) * 4.0 +
              2.0 * T * k * (d + 2.0 * f) * 4.0 + T * (2.0 * d + 3.0 * f) * 4.0 + T * d * 4.0;
     bytes += fmax(E * d, S * 2.0 * f * d) * 8.0 + (65536.0 * G) * 8.0 + T * (E + d) * 8.0;
     if (cfg->check || cfg->dump[0]) /* every token's x, dy, ids and weights; the fp64 truth */
