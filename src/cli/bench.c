@@ -234,9 +234,9 @@ static void measure_fma_peak(const moe_comm *c, fma_peak *p)
 /* The layer's own GEMM on each rank's core, all ranks at once: the
  * experts' first product (h = x W1^T, N = 2f, K = d) on the rank's own
  * expert weights in turn, at their mean rows. It tells a core that runs
- * the kernel slower than the others (a virtual machine's vCPU whose host
- * core is shared) from the kernel itself: every rank waits at the
- * all-to-alls for the slowest, whatever the FMA peak says. */
+ * the kernel slower than the others (a virtual machine's vCPU can, while
+ * its FMA peak looks whole) from the kernel itself: every rank waits at
+ * the all-to-alls for the slowest, whatever the FMA peak says. */
 typedef struct {
     const moe_ep *ep;
     moe_index rows;
