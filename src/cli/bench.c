@@ -231,6 +231,14 @@ static void measure_fma_peak(const moe_comm *c, fma_peak *p)
     p->rank_most = moe_comm_max(c, own[p->widest]);
 }
 
+/* An expert's mean rows on this rank (rounded up; 0 without experts): the
+ * M of the anchors in an expert's shapes. */
+static moe_index mean_expert_rows(const moe_run_context *ctx)
+{
+    const int EL = ctx->ep.local_experts;
+    return EL ? (ctx->last.pairs_received + EL - 1) / EL : 0;
+}
+
 /* The layer's own GEMM on each rank's core, all ranks at once: the
  * experts' first product (h = x W1^T, N = 2f, K = d) on the rank's own
  * expert weights in turn, at their mean rows. It tells a core that runs
@@ -272,13 +280,13 @@ static void measure_kernel(const moe_run_context *ctx, kernel_rates *k)
     const moe_ep *ep = &ctx->ep;
     const int EL = ep->local_experts;
     const moe_index d = ctx->cfg.hidden, f = ctx->cfg.ffn;
-    kernel_anchor a = {ep, EL ? (ctx->last.pairs_received + EL - 1) / EL : 0, 1, NULL, NULL};
+    kernel_anchor a = {ep, mean_expert_rows(ctx), 1, NULL, NULL};
     k->rows = (moe_index)moe_comm_max(c, (double)a.rows);
     const double pass = 2.0 * (double)EL * (double)a.rows * 2.0 * (double)f * (double)d;
     if (pass > 0 && pass < KERNEL_FLOPS)
         a.passes = (int)ceil(KERNEL_FLOPS / pass);
     double rate = NAN;
-    const bool own_core = moe_comm_min(c, c->ranks_on_host <= c->host_cores ? 1.0 : 0.0) > 0;
+    const bool own_core = moe_comm_min(c, core_share(c)) >= 1.0; /* on every host */
     if (own_core) {
         a.A = filled((size_t)(a.rows * d) + 1);
         a.C = filled((size_t)(a.rows * 2 * f) + 1);
@@ -1006,7 +1014,7 @@ static void measure_anchors(const moe_run_context *ctx, anchors *a)
     if (!ctx->ep.path->training)
         return;
     const int EL = ctx->ep.local_experts;
-    wgrad_anchor w = {EL, EL ? (probe->pairs_received + EL - 1) / EL : 0, d, f, NULL, NULL, NULL};
+    wgrad_anchor w = {EL, mean_expert_rows(ctx), d, f, NULL, NULL, NULL};
     w.A = filled((size_t)(2 * f * w.n) + 1 > (size_t)(d * w.n) + 1 ? (size_t)(2 * f * w.n) + 1
                                                                     : (size_t)(d * w.n) + 1);
     w.B = filled((size_t)(w.n * d) + 1);
