@@ -45,7 +45,13 @@ def kernel_line(text):
     check(m.group(1) != m.group(4) or least == most, "the slowest and the fastest are two ranks")
     if peak:
         least_pct, most_pct = int(m.group(3)), int(m.group(6))
-        check(least_pct <= most_pct and near(least_pct / max(most_pct, 1), least / most, 0.02, 0.02),
+        # each percentage, rounded to 1, and each rate, to 0.1, gives an
+        # interval for the peak they were divided by: the two must meet
+        def peak_range(rate, pct):
+            return (100 * (rate - 0.05) / (pct + 0.5),
+                    100 * (rate + 0.05) / (pct - 0.5) if pct > 0.5 else float("inf"))
+        (lo1, hi1), (lo2, hi2) = peak_range(least, least_pct), peak_range(most, most_pct)
+        check(least_pct <= most_pct and max(lo1, lo2) <= min(hi1, hi2),
               "%d %% and %d %% are the two rates over one FMA peak" % (least_pct, most_pct))
         check(int(m.group(8)) == least_pct, "the bound is the slowest core's %d %%" % least_pct)
     differ = "cores differ" in m.group(7)
