@@ -303,7 +303,8 @@ END_TEST
  * B of mixed magnitudes) so that a kernel without FMA would differ. */
 START_TEST(packed_t_is_packed_on_the_transposed_operand)
 {
-    static const int shapes[][3] = {{1, 1, 1}, {7, 5, 13}, {16, 16, 6}, {33, 40, 17}, {45, 19, 9}, {96, 64, 50}};
+    static const int shapes[][3] = {{1, 1, 1}, {7, 5, 13}, {16, 16, 6}, {33, 40, 17}, {45, 19, 9}, {96, 64, 50},
+                                      {80, 24, 30}, {40, 33, 23}, {104, 21, 12}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int M = shapes[s][0], N = shapes[s][1], K = shapes[s][2], lda = N + 3, ldc = K + 2;
         float *A = malloc(sizeof(float) * M * lda), *B = malloc(sizeof(float) * N * K);
