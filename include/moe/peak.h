@@ -24,8 +24,8 @@ double moe_fma_rate(int bits, double seconds);
 
 /* Bytes per second this process reads from memory: the best of `passes`
  * passes, each summing a block of `bytes` (several times the last-level
- * cache) on every OpenMP thread at once, each its share, with 16
- * independent sums so the loads, not the adds, set the pace. */
+ * cache) on every OpenMP thread at once, each its share, in four vectors
+ * of 16 sums held in registers so the loads, not the adds, set the pace. */
 double moe_read_bandwidth(size_t bytes, int passes);
 
 /* Seconds on the monotonic clock: the peak's and bench's timer where no
