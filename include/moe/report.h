@@ -129,6 +129,7 @@ typedef struct {
     double dgrad_flops, wgrad_flops;    /* the routed experts', summed over ranks */
     bool grads_identical;               /* every step gave the same gradient bits */
     bool bwd_overlapped;                /* the backward's all-to-alls ran in flight */
+    bool bwd_one_pass;                  /* and its waves' data gradients in one pass */
     double bwd_in_flight[2];            /* combine, dispatch backward: posted .. complete, last step */
     bool bwd_ref_compared;              /* --check: against the blocking backward */
     bool bwd_ref_bitwise_expected;      /* rows independent (packed, exact), or one wave */

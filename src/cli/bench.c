@@ -471,7 +471,8 @@ static void print_training(FILE *out, const bench_row *rows, double wgrad_anchor
     fprintf(out, "          and the weight gradients' own shapes (K = an expert's mean rows): %.1f "
                  "GFLOP/s per rank\n", wgrad_anchor_rate * 1e-9);
     fprintf(out, "          a training step per W: the blocking forward, the backward in W token "
-                 "chunks; ceiling = the step's expert FLOPs (forward, dgrad with h recomputed, "
+                 "chunks (without --link, with --wave-by auto, their data gradients in one pass); "
+                 "ceiling = the step's expert FLOPs (forward, dgrad with h recomputed, "
                  "wgrad; routed and shared) at the sgemm's rate / the step's time; peak = the "
                  "same FLOPs at the FMA peak / the step's time\n");
     fprintf(out, "          gemm = a stage's GFLOP/s per rank / the sgemm's (wgrad also / its own "

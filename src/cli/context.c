@@ -238,6 +238,7 @@ static void summarize_backward(moe_run_context *ctx, int iters, bool identical)
     s->wgrad_flops = moe_comm_sum(c, ctx->last_bwd.wgrad_flops);
     s->grads_identical = moe_comm_min(c, identical ? 1.0 : 0.0) > 0.0;
     s->bwd_overlapped = !ctx->ep.path->reference_run;
+    s->bwd_one_pass = s->bwd_overlapped && moe_ep_backward_one_pass(&ctx->ep, &ctx->schedule);
     for (int op = 0; op < 2; op++)
         s->bwd_in_flight[op] = moe_comm_max(c, ctx->last_bwd.in_flight[op]);
 }

@@ -310,9 +310,11 @@ static void gather_panel(moe_run_context *ctx, pictures *p, int slot)
     char *title = p->titles[slot];
     if (ctx->ep.path->training)
         snprintf(title, sizeof p->titles[slot],
-                 "a training step: the blocking forward, the backward in W = %d waves, progress "
-                 "%s, %d ranks", ctx->schedule.waves, progress_names[ctx->schedule.progress],
-                 c->ranks);
+                 "a training step: the blocking forward, the backward in W = %d waves%s, "
+                 "progress %s, %d ranks", ctx->schedule.waves,
+                 moe_ep_backward_one_pass(&ctx->ep, &ctx->schedule)
+                     ? " (their data gradients in one pass)" : "",
+                 progress_names[ctx->schedule.progress], c->ranks);
     else
         snprintf(title, sizeof p->titles[slot], "%sW = %d, progress %s, %d ranks",
                  slot ? "for comparison, " : "", ctx->schedule.waves,

@@ -99,6 +99,7 @@ typedef struct {
     bool serial;            /* wait for each operation as it is posted */
     moe_link_state links;
     int W, lookahead;
+    int pass;               /* waves a data-gradient pass covers: 1, or W (one pass) */
     moe_waves waves;        /* token chunks */
     moe_index *split;       /* (SPLITS, W, G) rows or pairs per wave and peer */
     moe_index *split_at;    /* (SPLITS, W, G) where they start */
@@ -328,16 +329,17 @@ static void add_rows(const float *dx, moe_index d, const moe_index *row, moe_ind
         moe_ep_add_row(d, dx + i * d, rows + row[i] * d);
 }
 
-/* Stage experts, the data gradient of wave w, for every local expert on
- * its rows of the wave in global token order, DGRAD_ROW_BLOCK rows at a time
+/* Stage experts, the data gradient of waves [w0, w1), for every local
+ * expert on its rows of those waves in global token order (its rows in
+ * the waves' order then, as one batch), DGRAD_ROW_BLOCK rows at a time
  * (with packed and exact a row's results depend on that row only): dx per
  * pair added to its row's sum (--combine reduced: a row's pairs summed from
  * zero in local expert order, as the experts run, so no pair's dx waits for
  * its row's last expert) or written to pair_dx (--combine pairs, and for a
  * dump), dL/dweight into pair_dg (the combine's pair order), and each
  * pair's dH and a' into work at the pair's place in its expert's rows. */
-static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, int w,
-                          moe_backward_stats *stats)
+static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b, int w0,
+                          int w1, moe_backward_stats *stats)
 {
     const moe_config *cfg = ep->cfg;
     const moe_index d = cfg->hidden, ff = cfg->ffn;
@@ -355,7 +357,8 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     q.dx = moe_xmalloc(sizeof(float) * (size_t)(block * (d + 1)));
     q.dg = q.dx + block * d;
     q.weights = moe_xmalloc(sizeof(float) * (size_t)moe_ep_grad_weights_floats(ep));
-    if (b->W > 1)
+    const bool some = w1 - w0 < b->W; /* of the waves: an expert's rows in part */
+    if (some)
         q.work = moe_expert_grad_work_alloc(block, d, ff);
     const double t = moe_stage_begin();
     moe_index rows = 0;
@@ -364,7 +367,7 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
         const moe_index first = recv->expert_offset[l];
         moe_index n = 0;
         for (moe_index m = first; m < recv->expert_offset[l + 1]; m++)
-            if (b->row_wave[recv->expert_row[m]] == w) {
+            if (b->row_wave[recv->expert_row[m]] >= w0 && b->row_wave[recv->expert_row[m]] < w1) {
                 q.at[n] = m;
                 q.row[n] = recv->expert_row[m];
                 q.pair[n] = recv->expert_pair[m];
@@ -403,8 +406,8 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
         }
     }
     stats->dgrad_flops += moe_gemm_sflops();
-    compute_end(b, &stats->seconds[MOE_BWD_DGRAD], MOE_EVENT_DGRAD, w, t, rows);
-    if (b->W > 1)
+    compute_end(b, &stats->seconds[MOE_BWD_DGRAD], MOE_EVENT_DGRAD, some ? w0 : -1, t, rows);
+    if (some)
         moe_expert_grad_work_free(&q.work);
     free(q.weights);
     free(q.dx);
@@ -639,6 +642,14 @@ static void paired_wait(moe_progress *p, int op, paired_forward *pf, int stage)
     moe_stage_end(&pf->stats->seconds[stage], t);
 }
 
+/* At `laptop`, np 2, W = 4 wave by wave the data gradient read 126-129
+ * GFLOP/s a rank against 156-161 at W = 1 (docs/performance.md). */
+bool moe_ep_backward_one_pass(const moe_ep *ep, const moe_schedule *sched)
+{
+    return sched && sched->waves > 1 && sched->wave_by == MOE_WAVE_BY_AUTO &&
+           !moe_schedule_link(ep, sched)->enabled;
+}
+
 /* The backward's buffers, its waves' plan and this rank's dy rows packed in
  * the dispatch's order; progress (sched not NULL) set up for the
  * backward's 2W operations and a paired forward's two. */
@@ -659,6 +670,11 @@ static void bwd_open(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
                    .origin = sched ? sched->origin : 0.0,
                    .W = W,
                    .lookahead = sched && sched->lookahead < W ? sched->lookahead : W};
+    /* One pass: every combine backward on the wire before the shared
+     * experts, which hide them. */
+    b->pass = moe_ep_backward_one_pass(ep, sched) ? W : 1;
+    if (b->pass > 1)
+        b->lookahead = W;
     moe_waves_init_by(&b->waves, &ep->placement, W, T, MOE_WAVE_BY_TOKENS);
     b->counts = moe_xmalloc(sizeof(int) * (size_t)(ops * COUNT_SETS * COUNT_ARRAYS * G));
     b->bytes = moe_xcalloc((size_t)ops, sizeof *b->bytes);
@@ -683,23 +699,28 @@ static void bwd_open(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     moe_stage_end(&bwd->seconds[MOE_BWD_COMBINE], t0);
 }
 
-/* Wave by wave, as the combines backward land: the combine w + A posted as
- * wave w starts (lookahead A), wave w's data gradients behind the later
- * combines and the earlier dispatches, then its dispatch backward posted. */
+/* Pass by pass (b->pass waves each), as the combines backward land: the
+ * combine w + A posted as wave w's turn comes (lookahead A), the pass's
+ * data gradients behind the later combines and the earlier dispatches,
+ * then its waves' dispatches backward posted. */
 static void bwd_data_waves(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b,
                            moe_backward_stats *bwd)
 {
     const int W = b->W;
-    for (int w = 0; w < W; w++) {
-        if (w + b->lookahead < W)
-            combine_backward(ep, f, b, w + b->lookahead, bwd);
-        finish(b, op_combine(w), bwd, MOE_BWD_COMBINE);
-        if (w == W - 1) { /* every combine backward is in: dy as sent is done with */
+    for (int w0 = 0, w1; w0 < W; w0 = w1) {
+        w1 = w0 + b->pass < W ? w0 + b->pass : W;
+        for (int w = w0; w < w1; w++) {
+            if (w + b->lookahead < W)
+                combine_backward(ep, f, b, w + b->lookahead, bwd);
+            finish(b, op_combine(w), bwd, MOE_BWD_COMBINE);
+        }
+        if (w1 == W) { /* every combine backward is in: dy as sent is done with */
             free(b->send_dy);
             b->send_dy = NULL;
         }
-        experts_dgrad(ep, f, b, w, bwd);
-        dispatch_backward(ep, b, w, bwd);
+        experts_dgrad(ep, f, b, w0, w1, bwd);
+        for (int w = w0; w < w1; w++)
+            dispatch_backward(ep, b, w, bwd);
     }
 }
 

@@ -59,7 +59,12 @@ static void print_backward(FILE *out, const moe_run_summary *s)
                  "(%s) and dL/dweight per pair home along the combine's; ",
             s->cfg->combine == MOE_COMBINE_REDUCED ? "summed per token and rank at the source"
                                                    : "one per pair");
-    if (s->bwd_overlapped)
+    if (s->bwd_one_pass)
+        fprintf(out, "W = %lld waves of token chunks, in flight behind the shared experts and "
+                     "the weight gradients, their data gradients in one pass (no --link: each "
+                     "expert's weights read once)\n",
+                (long long)s->cfg->waves_list[0]);
+    else if (s->bwd_overlapped)
         fprintf(out, "W = %lld waves of token chunks, in flight behind the shared experts, the "
                      "other waves' data gradients and the weight gradients\n",
                 (long long)s->cfg->waves_list[0]);

@@ -124,7 +124,7 @@ static int same_bits(const char *when, int rank, const moe_ep *ep, const moe_ep_
     moe_ep_grads_tensors(ep, want, b, n);
     int failures = 0;
     for (int t = 0; t < MOE_EP_GRAD_TENSORS; t++) {
-        char what[64];
+        char what[112];
         snprintf(what, sizeof what, "%s, %s", names[t], when);
         failures += compare(what, rank, a[t], b[t], n[t], true, 0.0);
     }
@@ -182,24 +182,27 @@ int main(int argc, char **argv)
      * W waves of token chunks (with packed or exact GEMMs a row's data
      * gradient does not depend on the rows beside it, and the weight
      * gradients sum every expert's rows in one pass: any W), W+1 more than
-     * a rank's tokens (empty waves) and a lookahead of 1 and of W: the
-     * blocking backward's bits. */
+     * a rank's tokens (empty waves) and a lookahead of 1 and of W, their
+     * data gradients wave by wave (--wave-by tokens) and in one pass (auto,
+     * no link): the blocking backward's bits. */
     const int wave_counts[] = {1, 2, 3, (int)T + 1};
     for (int n = 0; n < (rows_independent ? 4 : 1); n++)
-        for (int kind = MOE_PROGRESS_POLL; kind <= MOE_PROGRESS_THREAD; kind++) {
-            moe_schedule sched = moe_schedule_default(&ep);
-            sched.progress = moe_progress_granted(&world, (enum moe_progress_kind)kind);
-            sched.waves = wave_counts[n];
-            sched.lookahead = kind == MOE_PROGRESS_POLL ? 1 : sched.waves;
-            moe_ep_grads overlapped;
-            char what[64];
-            snprintf(what, sizeof what, "in flight (%s, W = %d, lookahead %d)",
-                     sched.progress == MOE_PROGRESS_THREAD ? "thread" : "poll", sched.waves,
-                     sched.lookahead);
-            failures += step(&world, &cfg, &ep, &sched, &overlapped) != 0;
-            failures += same_bits(what, r, &ep, &overlapped, &g);
-            moe_ep_grads_free(&overlapped);
-        }
+        for (int by = 0; by < (n ? 2 : 1); by++)
+            for (int kind = MOE_PROGRESS_POLL; kind <= MOE_PROGRESS_THREAD; kind++) {
+                moe_schedule sched = moe_schedule_default(&ep);
+                sched.progress = moe_progress_granted(&world, (enum moe_progress_kind)kind);
+                sched.waves = wave_counts[n];
+                sched.lookahead = kind == MOE_PROGRESS_POLL ? 1 : sched.waves;
+                sched.wave_by = by ? MOE_WAVE_BY_AUTO : MOE_WAVE_BY_TOKENS;
+                moe_ep_grads overlapped;
+                char what[80];
+                snprintf(what, sizeof what, "in flight (%s, W = %d, lookahead %d, %s)",
+                         sched.progress == MOE_PROGRESS_THREAD ? "thread" : "poll", sched.waves,
+                         sched.lookahead, by ? "one pass" : "wave by wave");
+                failures += step(&world, &cfg, &ep, &sched, &overlapped) != 0;
+                failures += same_bits(what, r, &ep, &overlapped, &g);
+                moe_ep_grads_free(&overlapped);
+            }
 
     /* DualPipe's pairing (and the serial and wave-only pairs it is
      * measured against): micro-batch B's output and A's gradients are the
