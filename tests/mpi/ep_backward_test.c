@@ -206,9 +206,11 @@ int main(int argc, char **argv)
 
     /* DualPipe's pairing (and the serial and wave-only pairs it is
      * measured against): micro-batch B's output and A's gradients are the
-     * blocking step's bits, at W = 1 and 3, both progress modes (packed or
-     * exact GEMMs: the wave forward and the waves of the backward keep the
-     * bits). */
+     * blocking step's bits, at W = 1 and 3, both progress modes, at W = 3
+     * A's data gradients wave by wave (poll) and in one pass (thread), as
+     * --wave-by tokens and auto without a link run them (packed or exact
+     * GEMMs: the wave forward and the waves of the backward keep the bits;
+     * the wave forward's grouping under auto is its own). */
     {
         float *y_ref = moe_xmalloc(sizeof(float) * (size_t)(T * d));
         float *y_pair = moe_xmalloc(sizeof(float) * (size_t)(T * d));
@@ -217,16 +219,16 @@ int main(int argc, char **argv)
         moe_ep_grads_free(&ref_again);
         static const char *const modes[] = {"serial", "waves", "dualpipe"};
         for (int mode = MOE_PAIR_SERIAL; rows_independent && mode <= MOE_PAIR_DUALPIPE; mode++)
-            for (int n = 0; n < 2; n++) {
+            for (int n = 0; n < 3; n++) { /* W = 1; W = 3 wave by wave; W = 3 one pass */
                 moe_schedule sched = moe_schedule_default(&ep);
                 sched.progress = moe_progress_granted(
-                    &world, (enum moe_progress_kind)(n ? MOE_PROGRESS_THREAD : MOE_PROGRESS_POLL));
+                    &world, (enum moe_progress_kind)(n == 2 ? MOE_PROGRESS_THREAD : MOE_PROGRESS_POLL));
                 sched.waves = n ? 3 : 1;
-                sched.wave_by = MOE_WAVE_BY_TOKENS;
+                sched.wave_by = n == 2 ? MOE_WAVE_BY_AUTO : MOE_WAVE_BY_TOKENS;
                 moe_ep_grads paired;
                 char what[64];
-                snprintf(what, sizeof what, "pair %s (W = %d, %s)", modes[mode], sched.waves,
-                         n ? "thread" : "poll");
+                snprintf(what, sizeof what, "pair %s (W = %d, %s%s)", modes[mode], sched.waves,
+                         n == 2 ? "thread" : "poll", n == 2 ? ", one pass" : "");
                 failures += pair_step(&world, &cfg, &ep, &sched, mode, &paired, y_pair) != 0;
                 failures += same_bits(what, r, &ep, &paired, &g);
                 char output[80];
