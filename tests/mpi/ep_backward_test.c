@@ -11,7 +11,8 @@
  *   1. a second step gives the same bits (every gradient tensor), and so
  *      does the backward with its all-to-alls in flight (moe_ep_backward_step,
  *      poll and thread progress), in 1 wave and, with packed or exact
- *      GEMMs, in 2, 3 and T+1 waves; so do the pairs of micro-batches
+ *      GEMMs, in 2, 3 and T+1 waves, their data gradients wave by wave
+ *      and in one pass; so do the pairs of micro-batches
  *      (moe_ep_pair_step: serial, waves, DualPipe's pairing), whose
  *      forward output is also the blocking forward's;
  *   2. dx of this rank's tokens against every rank's computing the whole
