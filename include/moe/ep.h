@@ -275,19 +275,6 @@ int moe_ep_backward_capture(const moe_ep *ep, const float *x, const float *logit
                             moe_ep_grads *g, moe_ep_capture *fwd_capture,
                             moe_ep_bwd_capture *bwd_capture, moe_status *st);
 
-/* The same step with the backward in sched->waves waves of token chunks
- * (each rank's tokens [w T/W, (w+1) T/W)), its all-to-alls nonblocking,
- * driven as sched->progress says, sched->lookahead combines backward ahead
- * (sched NULL: moe_ep_backward_ref, one blocking wave): the first combines
- * backward in flight while the shared experts compute their gradients, a
- * wave's dispatch backward while later waves compute their data gradients
- * (or, moe_ep_backward_one_pass, every wave's in one pass) and the routed
- * experts their weight gradients (the zero-bubble split of a backward into
- * B, which the communication needs, and W, which it does not). With packed or exact GEMMs the same bits as moe_ep_backward_ref at
- * any W (a row's data gradient depends on its row only, and the weight
- * gradients sum every expert's rows in one pass); with blas, at W = 1. The
- * forward is the blocking reference (the backward reads its saved state).
- * A buffer of the backward that cannot be allocated ends the job with exit 3. */
 /* Whether the backward of sched runs the data gradients of its W > 1
  * waves as one pass, each expert's rows one batch and its weights read
  * once, after every combine backward: with --wave-by auto and no emulated
@@ -296,6 +283,20 @@ int moe_ep_backward_capture(const moe_ep *ep, const float *x, const float *logit
  * weights are read once a wave). Else wave by wave. */
 bool moe_ep_backward_one_pass(const moe_ep *ep, const moe_schedule *sched);
 
+/* The same step with the backward in sched->waves waves of token chunks
+ * (each rank's tokens [w T/W, (w+1) T/W)), its all-to-alls nonblocking,
+ * driven as sched->progress says, sched->lookahead combines backward ahead
+ * (sched NULL: moe_ep_backward_ref, one blocking wave): the first combines
+ * backward in flight while the shared experts compute their gradients, a
+ * wave's dispatch backward while later waves compute their data gradients
+ * (or, moe_ep_backward_one_pass, every wave's in one pass) and the routed
+ * experts their weight gradients (the zero-bubble split of a backward into
+ * B, which the communication needs, and W, which it does not). With packed
+ * or exact GEMMs the same bits as moe_ep_backward_ref at any W, either
+ * way (a row's data gradient depends on its row only, and the weight
+ * gradients sum every expert's rows in one pass); with blas, at W = 1. The
+ * forward is the blocking reference (the backward reads its saved state).
+ * A buffer of the backward that cannot be allocated ends the job with exit 3. */
 int moe_ep_backward_step(const moe_ep *ep, const moe_schedule *sched, const float *x,
                          const float *logits, const int32_t *ids, const float *weights,
                          const float *dy, float *y, moe_ep_grads *g, moe_forward_stats *fwd,
