@@ -820,9 +820,11 @@ static int bench_latency(moe_run_context *ctx)
         printf("link      emulated: %s; a round costs a latency (the count exchange one, a "
                "pull two)\n", link);
     }
-    printf("weights   the bound of streaming them: the bytes of expert weights the busiest rank's "
-           "forward reads (its experts some token chose, and the shared ones) / %.1f GB/s, its "
-           "memory read rate with every rank reading (measured now)\n", read_rank * 1e-9);
+    printf("weights   the time of streaming them from memory: the bytes of expert weights the "
+           "busiest rank's forward reads (its experts some token chose, and the shared ones) / "
+           "%.1f GB/s, its memory read rate with every rank reading (measured now); a layer "
+           "can take less where the samples' experts stay in the last-level cache\n",
+           read_rank * 1e-9);
     printf("   T  %-24s%-24s%-24s%-26s%s\n", "normal (med, p99)", "low-latency put",
            "low-latency get", "normal / best low-latency", "weights MiB, µs");
     int crossover = points; /* the normal path the faster from here on */
