@@ -366,14 +366,16 @@ static void experts_dgrad(const moe_ep *ep, const moe_ref_forward *f, bwd_run *b
     for (int l = 0; l < ep->local_experts; l++) {
         const moe_index first = recv->expert_offset[l];
         moe_index n = 0;
-        for (moe_index m = first; m < recv->expert_offset[l + 1]; m++)
-            if (b->row_wave[recv->expert_row[m]] >= w0 && b->row_wave[recv->expert_row[m]] < w1) {
+        for (moe_index m = first; m < recv->expert_offset[l + 1]; m++) {
+            const int wave = b->row_wave[recv->expert_row[m]];
+            if (wave >= w0 && wave < w1) {
                 q.at[n] = m;
                 q.row[n] = recv->expert_row[m];
                 q.pair[n] = recv->expert_pair[m];
                 q.gate[n] = pair_gate(f, m, k);
                 n++;
             }
+        }
         if (n == 0)
             continue;
         rows += n;
