@@ -103,22 +103,22 @@ static void run_xsmm(const shape *s, int e)
 #endif
 
 /* GFLOP/s of `kernel` cycling over the experts for about `seconds`: the
- * best of five batches. */
+ * median of five batches, as the FMA peak is the median of its own (a
+ * batch that fell in a stretch of a higher clock is no more the kernel's
+ * rate than one another process slowed down). */
 static double rate(kernel_fn *kernel, const shape *s, double seconds)
 {
     const double flops = 2.0 * (double)s->M * (double)s->N * (double)s->K;
-    double best = 0.0;
+    double r[5];
     for (int batch = 0; batch < 5; batch++) {
         const double t0 = now();
         long calls = 0;
         do
             kernel(s, (int)(calls++ % s->experts));
         while (now() - t0 < seconds / 5);
-        const double r = flops * (double)calls / (now() - t0) / 1e9;
-        if (r > best)
-            best = r;
+        r[batch] = flops * (double)calls / (now() - t0) / 1e9;
     }
-    return best;
+    return moe_median(r, 5);
 }
 
 static void fill(float *v, size_t n, uint32_t seed)
@@ -206,19 +206,17 @@ static void run_ffn(const ffn_shape *x, int mode, int e)
  * interleaves the modes call by call: at step i mode m runs expert (i + m
  * E / FFN_MODES) mod E, so no mode finds the weights another just
  * streamed, and the machine's noise falls on all of them alike. Each mode's
- * best round as GFLOP/s in rate[] (noise only ever slows a round down); the
- * median over rounds of the GEMMs' time over each mode's in ratio[]. */
+ * median round as GFLOP/s in rate[] (as the FMA peak is measured: a round in
+ * a stretch of a higher clock is noise too); the median over rounds of the
+ * GEMMs' time over each mode's in ratio[]. */
 static int ffn_rates(const ffn_shape *x, double seconds, double rate[FFN_MODES],
                      double ratio[FFN_MODES])
 {
     const int E = x->s->experts;
     const double flops = 6.0 * (double)x->s->M * (double)x->d * (double)x->f * E;
     enum { MAX_ROUNDS = 1000 };
-    static double over[FFN_MODES][MAX_ROUNDS];
-    double best[FFN_MODES];
+    static double over[FFN_MODES][MAX_ROUNDS], took[FFN_MODES][MAX_ROUNDS];
     int rounds = 0;
-    for (int m = 0; m < FFN_MODES; m++)
-        best[m] = INFINITY;
     const double t0 = now();
     do {
         double t[FFN_MODES] = {0};
@@ -229,13 +227,13 @@ static int ffn_rates(const ffn_shape *x, double seconds, double rate[FFN_MODES],
                 t[m] += now() - start;
             }
         for (int m = 0; m < FFN_MODES; m++) {
-            best[m] = fmin(best[m], t[m]);
+            took[m][rounds] = t[m];
             over[m][rounds] = t[FFN_GEMMS] / t[m];
         }
         rounds++;
     } while (rounds < MAX_ROUNDS && (now() - t0 < seconds || rounds < 3));
     for (int m = 0; m < FFN_MODES; m++) {
-        rate[m] = flops / best[m] / 1e9;
+        rate[m] = flops / moe_median(took[m], rounds) / 1e9;
         ratio[m] = moe_median(over[m], rounds);
     }
     return rounds;
@@ -294,7 +292,7 @@ static bool report_ffn(const shape *s, double seconds, double peak)
     double rate[FFN_MODES], ratio[FFN_MODES];
     const int rounds = ffn_rates(&x, seconds, rate, ratio);
     printf("the expert FFN, d = %lld, f = %lld, on the same %lld rows, %d interleaved rounds over "
-           "the %d experts: the best round; the median round's rate over the two GEMMs'\n",
+           "the %d experts: the median round's rate, and its rate over the two GEMMs'\n",
            (long long)d, (long long)f, (long long)M, rounds, s->experts);
     for (int m = 0; m < FFN_MODES; m++)
         printf("%-30s %8.1f GFLOP/s  %5.1f %% of the FMA peak  %5.3f of the two GEMMs%s\n",

@@ -18,8 +18,12 @@ bool moe_fma_supported(int bits);
 
 /* fp32 FLOP/s (an FMA counts two) of one thread running independent FMA
  * chains at `bits`, enough of them to cover the FMA units' latency (12
- * registers of accumulators at 128 and 256 bits, 16 at 512): the best of batches of about a millisecond,
- * for about `seconds` in all. 0 when the width is not supported. */
+ * registers of accumulators at 128 and 256 bits, 16 at 512): the median of
+ * batches of about a millisecond, for about `seconds` in all, the clock the
+ * core holds. (Not their best: a core whose clock rises for a tenth of a
+ * second now and then, as a shared host's can, would put the peak at a
+ * clock the work seldom runs at, and a kernel timed inside such a stretch
+ * above it.) 0 when the width is not supported. */
 double moe_fma_rate(int bits, double seconds);
 
 /* Bytes per second this process reads from memory: the best of `passes`

@@ -62,11 +62,11 @@ typedef struct {
 #define EVICT_BYTES ((size_t)64 << 20)
 
 /* The median over 3 runs of fn, all ranks starting together after a
- * barrier: of the max over ranks, or (per_rank) of this rank's own times->
+ * barrier: of the max over ranks, or (per_rank) of this rank's own times.
  * Each run starts on cold caches, as the forward's data does: its rows are
  * packed, and its expert outputs written, long before they move, with the
  * expert weights streaming through the caches in between; an anchor run on
- * hot buffers would be measured against a forward on cold ones-> */
+ * hot buffers would be measured against a forward on cold ones. */
 static double timed(const moe_comm *c, void (*fn)(void *), void *arg, bool per_rank)
 {
     double t[3];
@@ -92,7 +92,7 @@ typedef struct {
 } sgemm_anchor;
 
 /* n floats of small values: real pages (untouched ones all map the zero
- * page, which reads faster than data), and no subnormals-> */
+ * page, which reads faster than data), and no subnormals. */
 static float *filled(size_t n)
 {
     float *v = moe_xmalloc(sizeof(float) * n);
@@ -205,9 +205,9 @@ enum { PEAK_SECONDS_MS = 100 }; /* per width and way */
 
 /* A rank's share of a core when more ranks than cores share its host (the
  * cores its ranks may run on: all online ones, or fewer under taskset or a
- * binding). Each rank's rate is its best batch, which falls in a time slice
- * it had a core to itself; summed as they are, the host's cores would count
- * once per rank instead of once each. */
+ * binding). Each rank's rate is its median batch, and most batches fall in
+ * a time slice it had a core to itself; summed as they are, the host's
+ * cores would count once per rank instead of once each. */
 static double core_share(const moe_comm *c)
 {
     return c->ranks_on_host > c->host_cores ? (double)c->host_cores / c->ranks_on_host : 1.0;

@@ -102,16 +102,19 @@ double moe_fma_rate(int bits, double seconds)
 #ifdef HAVE_X86_FMA
     float (*chains)(long) = bits == 128 ? chains128 : bits == 256 ? chains256 : chains512;
     const long iterations = 1L << 16; /* about 0.2-0.5 ms at any width */
-    chains(iterations / 16);          /* warm-up: the wide units power on */
-    double best = 0.0;
+    enum { MAX_BATCHES = 1 << 14 };
+    double *rate = moe_xmalloc(sizeof(double) * MAX_BATCHES);
+    chains(iterations / 16); /* warm-up: the wide units power on */
+    int batches = 0;
     const double start = moe_monotonic_seconds();
-    for (int batch = 0; batch < 3 || moe_monotonic_seconds() - start < seconds; batch++) {
+    while (batches < MAX_BATCHES && (batches < 3 || moe_monotonic_seconds() - start < seconds)) {
         const double t = moe_monotonic_seconds();
         peak_sink = chains(iterations);
-        const double rate = 2.0 * fmas_per_iteration(bits) * (double)iterations / (moe_monotonic_seconds() - t);
-        best = rate > best ? rate : best;
+        rate[batches++] = 2.0 * fmas_per_iteration(bits) * (double)iterations / (moe_monotonic_seconds() - t);
     }
-    return best;
+    const double held = moe_median(rate, batches);
+    free(rate);
+    return held;
 #else
     (void)seconds;
     return 0.0;
