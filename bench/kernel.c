@@ -3,7 +3,8 @@
  * each tile width, OpenBLAS's sgemm and, when built with it, libxsmm's JIT
  * kernels, on the experts' shapes with E experts' weights streaming through
  * the caches as in a layer. Prints GFLOP/s, the fraction of the core's fp32
- * FMA peak (measured here, at the widest vector width), and whether each
+ * FMA peak (measured here, at the widest vector width, beside each timed
+ * batch), and whether each
  * kernel's C is bit for bit the packed kernel's (the per-element fmaf chain
  * of gemm.h). Then the whole expert FFN on the same rows (d = K, f = N / 2,
  * N even): its two GEMMs alone against moe_expert_forward (SwiGLU between),
@@ -102,14 +103,27 @@ static void run_xsmm(const shape *s, int e)
 }
 #endif
 
+static int peak_bits; /* the widest FMA width; 0: none (no x86 FMA) */
+
+/* The core's FMA peak (GFLOP/s) measured in 20 ms beside a timed batch or
+ * round: a kernel's fraction of the peak is its rate over the larger of the
+ * peaks just before and just after it, as a core's clock moves by a few
+ * per cent from second to second (and on a Zen 1 host rises by a fifth for
+ * a tenth of a second now and then), and a kernel that runs near the peak
+ * read 102-110 % of one measured seconds before it. */
+static double peak_beside(void)
+{
+    return peak_bits ? moe_fma_rate(peak_bits, 0.02) / 1e9 : NAN;
+}
+
 /* GFLOP/s of `kernel` cycling over the experts for about `seconds`: the
- * median of five batches, as the FMA peak is the median of its own (a
- * batch that fell in a stretch of a higher clock is no more the kernel's
- * rate than one another process slowed down). */
-static double rate(kernel_fn *kernel, const shape *s, double seconds)
+ * median of five batches (one in a stretch of a higher clock is noise, as
+ * one another process slowed down is); in *of_peak the median of each
+ * batch's rate over the peak beside it. */
+static double rate(kernel_fn *kernel, const shape *s, double seconds, double *of_peak)
 {
     const double flops = 2.0 * (double)s->M * (double)s->N * (double)s->K;
-    double r[5];
+    double r[5], q[5], before = peak_beside();
     for (int batch = 0; batch < 5; batch++) {
         const double t0 = now();
         long calls = 0;
@@ -117,7 +131,11 @@ static double rate(kernel_fn *kernel, const shape *s, double seconds)
             kernel(s, (int)(calls++ % s->experts));
         while (now() - t0 < seconds / 5);
         r[batch] = flops * (double)calls / (now() - t0) / 1e9;
+        const double after = peak_beside();
+        q[batch] = r[batch] / fmax(before, after);
+        before = after;
     }
+    *of_peak = moe_median(q, 5);
     return moe_median(r, 5);
 }
 
@@ -131,15 +149,16 @@ static void fill(float *v, size_t n, uint32_t seed)
 
 /* Prints the rate; returns whether the bits differed from `reference`. */
 static bool report(const char *name, kernel_fn *kernel, const shape *s, double seconds,
-                   double peak, const float *reference)
+                   const float *reference)
 {
     memset(s->C, 0, sizeof(float) * (size_t)(s->M * s->N));
     kernel(s, 0);
     moe_index differ = 0;
     for (moe_index i = 0; i < s->M * s->N; i++)
         differ += memcmp(&s->C[i], &reference[i], sizeof(float)) != 0;
-    const double r = rate(kernel, s, seconds);
-    printf("%-30s %8.1f GFLOP/s  %5.1f %% of the FMA peak  %s\n", name, r, 100.0 * r / peak,
+    double of_peak;
+    const double r = rate(kernel, s, seconds, &of_peak);
+    printf("%-30s %8.1f GFLOP/s  %5.1f %% of the FMA peak  %s\n", name, r, 100.0 * of_peak,
            differ ? "bits differ from the packed kernel" : "same bits as the packed kernel");
     if (differ)
         printf("%-30s %lld of %lld elements differ\n", "", (long long)differ,
@@ -206,17 +225,18 @@ static void run_ffn(const ffn_shape *x, int mode, int e)
  * interleaves the modes call by call: at step i mode m runs expert (i + m
  * E / FFN_MODES) mod E, so no mode finds the weights another just
  * streamed, and the machine's noise falls on all of them alike. Each mode's
- * median round as GFLOP/s in rate[] (as the FMA peak is measured: a round in
- * a stretch of a higher clock is noise too); the median over rounds of the
+ * median round as GFLOP/s in rate[], the median of its rounds' rates over
+ * the peak beside each in of_peak[], and the median over rounds of the
  * GEMMs' time over each mode's in ratio[]. */
 static int ffn_rates(const ffn_shape *x, double seconds, double rate[FFN_MODES],
-                     double ratio[FFN_MODES])
+                     double of_peak[FFN_MODES], double ratio[FFN_MODES])
 {
     const int E = x->s->experts;
     const double flops = 6.0 * (double)x->s->M * (double)x->d * (double)x->f * E;
     enum { MAX_ROUNDS = 1000 };
-    static double over[FFN_MODES][MAX_ROUNDS], took[FFN_MODES][MAX_ROUNDS];
+    static double over[FFN_MODES][MAX_ROUNDS], took[FFN_MODES][MAX_ROUNDS], q[FFN_MODES][MAX_ROUNDS];
     int rounds = 0;
+    double before = peak_beside();
     const double t0 = now();
     do {
         double t[FFN_MODES] = {0};
@@ -226,14 +246,18 @@ static int ffn_rates(const ffn_shape *x, double seconds, double rate[FFN_MODES],
                 run_ffn(x, m, (i + m * E / FFN_MODES) % E);
                 t[m] += now() - start;
             }
+        const double after = peak_beside(), peak = fmax(before, after);
+        before = after;
         for (int m = 0; m < FFN_MODES; m++) {
             took[m][rounds] = t[m];
+            q[m][rounds] = flops / t[m] / 1e9 / peak;
             over[m][rounds] = t[FFN_GEMMS] / t[m];
         }
         rounds++;
     } while (rounds < MAX_ROUNDS && (now() - t0 < seconds || rounds < 3));
     for (int m = 0; m < FFN_MODES; m++) {
         rate[m] = flops / moe_median(took[m], rounds) / 1e9;
+        of_peak[m] = moe_median(q[m], rounds);
         ratio[m] = moe_median(over[m], rounds);
     }
     return rounds;
@@ -241,7 +265,7 @@ static int ffn_rates(const ffn_shape *x, double seconds, double rate[FFN_MODES],
 
 /* Prints the FFN's rates; returns whether the row-table FFN's bits differ
  * from the FFN's on the gathered rows. */
-static bool report_ffn(const shape *s, double seconds, double peak)
+static bool report_ffn(const shape *s, double seconds)
 {
     const moe_index M = s->M, d = s->K, f = s->N / 2;
     const size_t w2 = (size_t)moe_expert_w2_floats(MOE_GEMM_PACKED, d, f);
@@ -289,14 +313,14 @@ static bool report_ffn(const shape *s, double seconds, double peak)
     run_ffn(&x, FFN_ROWS, 0);
     const bool differ = memcmp(gathered, y, sizeof(float) * (size_t)(M * d)) != 0;
 
-    double rate[FFN_MODES], ratio[FFN_MODES];
-    const int rounds = ffn_rates(&x, seconds, rate, ratio);
+    double rate[FFN_MODES], of_peak[FFN_MODES], ratio[FFN_MODES];
+    const int rounds = ffn_rates(&x, seconds, rate, of_peak, ratio);
     printf("the expert FFN, d = %lld, f = %lld, on the same %lld rows, %d interleaved rounds over "
            "the %d experts: the median round's rate, and its rate over the two GEMMs'\n",
            (long long)d, (long long)f, (long long)M, rounds, s->experts);
     for (int m = 0; m < FFN_MODES; m++)
         printf("%-30s %8.1f GFLOP/s  %5.1f %% of the FMA peak  %5.3f of the two GEMMs%s\n",
-               ffn_name[m], rate[m], 100.0 * rate[m] / peak, ratio[m],
+               ffn_name[m], rate[m], 100.0 * of_peak[m], ratio[m],
                m == FFN_ROWS ? (differ ? "  bits differ from moe_expert_forward"
                                        : "  same bits as moe_expert_forward")
                              : "");
@@ -336,13 +360,13 @@ int main(int argc, char **argv)
 
     char cpu[256];
     moe_cpu_model(cpu, sizeof cpu);
-    int widest = 0;
     for (int i = 0; i < MOE_FMA_WIDTHS; i++)
         if (moe_fma_supported(moe_fma_bits[i]))
-            widest = moe_fma_bits[i];
-    const double peak = widest ? moe_fma_rate(widest, 0.5) / 1e9 : NAN;
-    printf("%s, OpenBLAS kernel %s; one core, fp32 FMA peak %.1f GFLOP/s at %d bits\n", cpu,
-           moe_blas_corename(), peak, widest);
+            peak_bits = moe_fma_bits[i];
+    const double peak = peak_bits ? moe_fma_rate(peak_bits, 0.5) / 1e9 : NAN;
+    printf("%s, OpenBLAS kernel %s; one core, fp32 FMA peak %.1f GFLOP/s at %d bits (each %% "
+           "below: of the peak measured beside each batch)\n",
+           cpu, moe_blas_corename(), peak, peak_bits);
     printf("C (%lld, %lld) = A (%lld, %lld) x B (%lld, %lld), %d experts' weights (%.1f MiB) "
            "in turn\n",
            (long long)s.M, (long long)s.N, (long long)s.M, (long long)s.K, (long long)s.K,
@@ -350,11 +374,11 @@ int main(int argc, char **argv)
 
     run_packed(&s, 0);
     memcpy(ref, s.C, sizeof(float) * (size_t)(s.M * s.N));
-    report("packed, widest tile", run_packed, &s, seconds, peak, ref);
+    report("packed, widest tile", run_packed, &s, seconds, ref);
     moe_sgemm_packed_force(MOE_ISA_AVX2);
-    const bool tiles_differ = report("packed, 6 x 16 AVX2 tile", run_packed, &s, seconds, peak, ref);
+    const bool tiles_differ = report("packed, 6 x 16 AVX2 tile", run_packed, &s, seconds, ref);
     moe_sgemm_packed_force(MOE_ISA_WIDEST);
-    report("OpenBLAS sgemm", run_blas, &s, seconds, peak, ref);
+    report("OpenBLAS sgemm", run_blas, &s, seconds, ref);
 #ifdef HAVE_LIBXSMM
     libxsmm_init();
     printf("libxsmm %s, JIT target %s\n", LIBXSMM_VERSION, libxsmm_get_target_arch());
@@ -386,12 +410,12 @@ int main(int argc, char **argv)
         s.xsmm = libxsmm_smmdispatch(m, n, k, &lda, &ldb, &ldc, &alpha, &beta, &flags,
                                      &variants[v].prefetch);
         if (s.xsmm)
-            report(variants[v].name, run_xsmm, &s, seconds, peak, ref);
+            report(variants[v].name, run_xsmm, &s, seconds, ref);
         else
             printf("%-30s no kernel\n", variants[v].name);
     }
 #endif
-    const bool rows_differ = s.N % 2 == 0 && report_ffn(&s, seconds, peak);
+    const bool rows_differ = s.N % 2 == 0 && report_ffn(&s, seconds);
     if (s.N % 2)
         printf("the expert FFN: N = 2f must be even\n");
     free(A), free(W), free(P), free(ref), free(s.C);
