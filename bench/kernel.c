@@ -4,9 +4,8 @@
  * kernels, on the experts' shapes with E experts' weights streaming through
  * the caches as in a layer. Prints GFLOP/s, the fraction of the core's fp32
  * FMA peak (measured here, at the widest vector width, beside each timed
- * batch), and whether each
- * kernel's C is bit for bit the packed kernel's (the per-element fmaf chain
- * of gemm.h). Then the whole expert FFN on the same rows (d = K, f = N / 2,
+ * batch), and whether each kernel's C is bit for bit the packed kernel's
+ * (the per-element fmaf chain of gemm.h). Then the whole expert FFN on the same rows (d = K, f = N / 2,
  * N even): its two GEMMs alone against moe_expert_forward (SwiGLU between),
  * moe_expert_forward_rows (the rows read through a row table from a
  * receive buffer) and that with the outputs scattered to their pairs' rows
