@@ -40,6 +40,13 @@ double moe_monotonic_seconds(void);
  * "unknown CPU" elsewhere). */
 void moe_cpu_model(char *name, size_t size);
 
+/* The last-level cache's bytes per CPU that shares it: the size of the
+ * highest-level unified cache of the first CPU over the CPUs its sysfs
+ * entry lists (Linux); 0 where sysfs does not say. (glibc's
+ * _SC_LEVEL3_CACHE_SIZE can be the whole chip's: 64 MiB on a Zen 1 EPYC
+ * guest whose sysfs gives its two CPUs 8 MiB.) */
+size_t moe_llc_share_bytes(void);
+
 /* The kernel family OpenBLAS chose at load time (openblas_get_corename). */
 const char *moe_blas_corename(void);
 

@@ -14,6 +14,7 @@
 #include <omp.h>
 #endif
 #include "moe/common.h"
+#include "moe/peak.h"
 #ifdef MOE_X86_KERNELS
 #include <immintrin.h>
 #endif
@@ -225,15 +226,37 @@ void moe_sgemm_exact(moe_index M, moe_index N, moe_index K, const float *A, moe_
  * ascending, the 16 floats Bt[k][16p .. 16p + 15] (zeros past N). A tile is
  * TILE_ROWS rows of C by one panel, 6 x 16 accumulators in 12 AVX registers,
  * one fused multiply-add chain per element over the whole of K. The weights
- * stream from memory once per block of rows; a block (at most BLOCK_A_FLOATS
- * of A) is re-read from cache for every panel. While a block's tiles walk
+ * stream from memory once per block of rows; a block (block_a_floats() of
+ * A) is re-read from cache for every panel. While a block's tiles walk
  * one panel, they prefetch the next, each tile its share of its K lines
  * spread evenly over its k steps, so the weights arrive at the pace they are
  * used (all in the first tile, as before, came too fast for memory: on a
  * Zen 5 core 96 rows went from 80 to 91 % of the FMA peak, 24 rows from 70
  * to 81 %). Splitting K as well, to keep a panel in L1, measured no faster:
  * the partial sums' trips through C cost what the L2 reads save. */
-enum { PACK_COLS = 16, TILE_ROWS = 6, BLOCK_A_FLOATS = 1 << 20 };
+enum { PACK_COLS = 16, TILE_ROWS = 6, BLOCK_A_FLOATS = 1 << 20, BLOCK_A_LEAST = 1 << 18 };
+
+/* Floats of A in a row block: a quarter of a CPU's share of the last-level
+ * cache (moe_llc_share_bytes), so that the block stays there beside the
+ * weights streaming through, within 1 and 4 MiB (BLOCK_A_LEAST,
+ * BLOCK_A_FLOATS). On a Zen 1 guest (8 MiB for its two CPUs) 4 MiB blocks
+ * on both at once did not stay: at 1,536 rows an expert the two GEMMs read
+ * 34-35 GFLOP/s a core, and 37-38 in 1 MiB blocks. On the Zen 4 and 5
+ * guests (32 MiB for two CPUs) 4 MiB it is, as before; smaller blocks measured
+ * no faster there (below 1 MiB, 5 % slower on Zen 4). Read once; 0 while
+ * not yet read. */
+static moe_index block_a_floats(void)
+{
+    static moe_index floats;
+    moe_index f = __atomic_load_n(&floats, __ATOMIC_RELAXED);
+    if (f == 0) {
+        const size_t share = moe_llc_share_bytes();
+        f = share ? (moe_index)(share / 4 / sizeof(float)) : BLOCK_A_FLOATS;
+        f = f < BLOCK_A_LEAST ? BLOCK_A_LEAST : f > BLOCK_A_FLOATS ? BLOCK_A_FLOATS : f;
+        __atomic_store_n(&floats, f, __ATOMIC_RELAXED);
+    }
+    return f;
+}
 
 /* The lines of the next panel (or panel pair) that a tile prefetches:
  * `lines` cache lines from `at` (and from `at2`), one every `every` steps
@@ -550,7 +573,7 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
                            moe_index K, const rows_of_a *A, const float *Bp, float *C,
                            moe_index ldc, moe_index p0, moe_index p1)
 {
-    moe_index block_m = BLOCK_A_FLOATS / K / TILE_ROWS * TILE_ROWS;
+    moe_index block_m = block_a_floats() / K / TILE_ROWS * TILE_ROWS;
     if (block_m < TILE_ROWS)
         block_m = TILE_ROWS;
     float part[TILE_ROWS * 2 * PACK_COLS]; /* a tile that C cannot hold whole */

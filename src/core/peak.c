@@ -206,6 +206,63 @@ void moe_cpu_model(char *name, size_t size)
         snprintf(name, size, "%s", value[0]);
 }
 
+/* The first line of `path`, or false. */
+static bool read_line(const char *path, char *line, size_t size)
+{
+    FILE *f = fopen(path, "r");
+    const bool got = f && fgets(line, (int)size, f);
+    if (f)
+        fclose(f);
+    return got;
+}
+
+/* The CPUs a sysfs CPU list names ("0-1", "0-7,64-71"). */
+static long cpus_in_list(const char *list)
+{
+    long n = 0;
+    for (const char *c = list; *c >= '0' && *c <= '9';) {
+        char *end;
+        const long first = strtol(c, &end, 10);
+        long last = first;
+        if (*end == '-')
+            last = strtol(end + 1, &end, 10);
+        n += last >= first ? last - first + 1 : 0;
+        c = *end == ',' ? end + 1 : end;
+    }
+    return n;
+}
+
+size_t moe_llc_share_bytes(void)
+{
+    size_t best = 0;
+    int best_level = 0;
+    for (int index = 0; index < 16; index++) {
+        char path[96], line[256];
+        const char *dir = "/sys/devices/system/cpu/cpu0/cache/index";
+        snprintf(path, sizeof path, "%s%d/level", dir, index);
+        if (!read_line(path, line, sizeof line))
+            break;
+        const int level = atoi(line);
+        snprintf(path, sizeof path, "%s%d/type", dir, index);
+        if (level <= best_level || !read_line(path, line, sizeof line) ||
+            strncmp(line, "Unified", 7) != 0)
+            continue;
+        snprintf(path, sizeof path, "%s%d/size", dir, index);
+        char *unit;
+        if (!read_line(path, line, sizeof line))
+            continue;
+        double bytes = strtod(line, &unit);
+        bytes *= *unit == 'K' ? 1024.0 : *unit == 'M' ? 1048576.0 : *unit == 'G' ? 1073741824.0 : 1.0;
+        snprintf(path, sizeof path, "%s%d/shared_cpu_list", dir, index);
+        const long sharing = read_line(path, line, sizeof line) ? cpus_in_list(line) : 0;
+        if (bytes > 0 && sharing > 0) {
+            best = (size_t)(bytes / (double)sharing);
+            best_level = level;
+        }
+    }
+    return best;
+}
+
 const char *moe_blas_corename(void)
 {
     return openblas_get_corename();
