@@ -26,6 +26,14 @@ bool moe_fma_supported(int bits);
  * above it.) 0 when the width is not supported. */
 double moe_fma_rate(int bits, double seconds);
 
+/* moe_fma_rate at every width at once, in rate[w] for moe_fma_bits[w]: the
+ * widths' batches in turn over the same `seconds`, so that a change of
+ * clock falls on all of them alike and the fastest width is the fastest,
+ * not the one measured at the higher clock (on a Zen 1 guest, whose 128-
+ * and 256-bit rates are one, 128 bits once read 95 GFLOP/s on two cores
+ * against 77 at 256, measured a tenth of a second apart). */
+void moe_fma_rates(double seconds, double rate[MOE_FMA_WIDTHS]);
+
 /* Bytes per second this process reads from memory: the best of `passes`
  * passes, each summing a block of `bytes` (several times the last-level
  * cache) on every OpenMP thread at once, each its share, in four vectors

@@ -201,7 +201,7 @@ typedef struct {
     double rank_least, rank_most; /* one rank's rate at the widest, all at once: min, max */
 } fma_peak;
 
-enum { PEAK_SECONDS_MS = 100 }; /* per width and way */
+enum { PEAK_SECONDS_MS = 300 }; /* all widths in turn, per way */
 
 /* A rank's share of a core when more ranks than cores share its host (the
  * cores its ranks may run on: all online ones, or fewer under taskset or a
@@ -217,12 +217,13 @@ static void measure_fma_peak(const moe_comm *c, fma_peak *p)
 {
     memset(p, 0, sizeof *p);
     double own[MOE_FMA_WIDTHS];
+    if (c->rank == 0)
+        moe_fma_rates(PEAK_SECONDS_MS * 1e-3, p->alone);
+    moe_comm_barrier_idle(c);
+    moe_comm_barrier(c);
+    moe_fma_rates(PEAK_SECONDS_MS * 1e-3, own);
     for (int w = 0; w < MOE_FMA_WIDTHS; w++) {
-        if (c->rank == 0)
-            p->alone[w] = moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3);
-        moe_comm_barrier_idle(c);
-        moe_comm_barrier(c);
-        own[w] = core_share(c) * moe_fma_rate(moe_fma_bits[w], PEAK_SECONDS_MS * 1e-3);
+        own[w] *= core_share(c);
         p->together[w] = moe_comm_sum(c, own[w]);
         if (p->together[w] > p->together[p->widest])
             p->widest = w;

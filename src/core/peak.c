@@ -95,30 +95,69 @@ static double fmas_per_iteration(int bits)
 
 static volatile float peak_sink; /* the chains' sums land here */
 
-double moe_fma_rate(int bits, double seconds)
+/* The median FLOP/s of each width `want` names (rate[w] for moe_fma_bits[w]:
+ * 0 where not wanted or not supported), their batches taken in turn, one of
+ * each width after another, so that every width sees the same clock. */
+static void fma_medians(const bool want[MOE_FMA_WIDTHS], double seconds,
+                        double rate[MOE_FMA_WIDTHS])
 {
-    if (!moe_fma_supported(bits))
-        return 0.0;
+    bool run[MOE_FMA_WIDTHS], any = false;
+    for (int w = 0; w < MOE_FMA_WIDTHS; w++) {
+        rate[w] = 0.0;
+        run[w] = want[w] && moe_fma_supported(moe_fma_bits[w]);
+        any |= run[w];
+    }
+    if (!any)
+        return;
 #ifdef HAVE_X86_FMA
-    float (*chains)(long) = bits == 128 ? chains128 : bits == 256 ? chains256 : chains512;
+    float (*const chains[MOE_FMA_WIDTHS])(long) = {chains128, chains256, chains512};
     const long iterations = 1L << 16; /* about 0.2-0.5 ms at any width */
     enum { MAX_BATCHES = 1 << 14 };
-    double *rate = moe_xmalloc(sizeof(double) * MAX_BATCHES);
-    chains(iterations / 16); /* warm-up: the wide units power on */
+    double *batch[MOE_FMA_WIDTHS] = {NULL};
+    for (int w = 0; w < MOE_FMA_WIDTHS; w++)
+        if (run[w]) {
+            batch[w] = moe_xmalloc(sizeof(double) * MAX_BATCHES);
+            chains[w](iterations / 16); /* warm-up: the wide units power on */
+        }
     int batches = 0;
     const double start = moe_monotonic_seconds();
     while (batches < MAX_BATCHES && (batches < 3 || moe_monotonic_seconds() - start < seconds)) {
-        const double t = moe_monotonic_seconds();
-        peak_sink = chains(iterations);
-        rate[batches++] = 2.0 * fmas_per_iteration(bits) * (double)iterations / (moe_monotonic_seconds() - t);
+        for (int w = 0; w < MOE_FMA_WIDTHS; w++)
+            if (run[w]) {
+                const double t = moe_monotonic_seconds();
+                peak_sink = chains[w](iterations);
+                batch[w][batches] = 2.0 * fmas_per_iteration(moe_fma_bits[w]) * (double)iterations /
+                                    (moe_monotonic_seconds() - t);
+            }
+        batches++;
     }
-    const double held = moe_median(rate, batches);
-    free(rate);
-    return held;
+    for (int w = 0; w < MOE_FMA_WIDTHS; w++)
+        if (run[w]) {
+            rate[w] = moe_median(batch[w], batches);
+            free(batch[w]);
+        }
 #else
     (void)seconds;
-    return 0.0;
 #endif
+}
+
+double moe_fma_rate(int bits, double seconds)
+{
+    bool want[MOE_FMA_WIDTHS];
+    double rate[MOE_FMA_WIDTHS];
+    int at = -1;
+    for (int w = 0; w < MOE_FMA_WIDTHS; w++) {
+        want[w] = moe_fma_bits[w] == bits;
+        at = want[w] ? w : at;
+    }
+    fma_medians(want, seconds, rate);
+    return at < 0 ? 0.0 : rate[at];
+}
+
+void moe_fma_rates(double seconds, double rate[MOE_FMA_WIDTHS])
+{
+    const bool all[MOE_FMA_WIDTHS] = {true, true, true};
+    fma_medians(all, seconds, rate);
 }
 
 static volatile float bandwidth_sink; /* the sums, kept */
