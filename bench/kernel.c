@@ -5,12 +5,13 @@
  * the caches as in a layer. Prints GFLOP/s, the fraction of the core's fp32
  * FMA peak (measured here, at the widest vector width, beside each timed
  * batch), and whether each kernel's C is bit for bit the packed kernel's
- * (the per-element fmaf chain of gemm.h). Then the whole expert FFN on the same rows (d = K, f = N / 2,
- * N even): its two GEMMs alone against moe_expert_forward (SwiGLU between),
- * moe_expert_forward_rows (the rows read through a row table from a
- * receive buffer) and that with the outputs scattered to their pairs' rows
- * as the experts stage does, in interleaved rounds, so that the stage's
- * cost over the kernel is measured under the same noise. Not part of
+ * (the per-element fmaf chain of gemm.h). Then the whole expert FFN on the
+ * same rows (d = K, f = N / 2, N even): its two GEMMs alone against
+ * moe_expert_forward (SwiGLU between), moe_expert_forward_rows (the rows
+ * read through a row table from a receive buffer) and that with the
+ * outputs scattered to their pairs' rows as the experts stage does, in
+ * interleaved rounds, so that the stage's cost over the kernel is measured
+ * under the same noise. Not part of
  * moe-ep: `make bench/kernel` builds it, with libxsmm when configure found
  * it (docs/performance.md). Exit 1 when a packed tile's bits differ from
  * the widest tile's, or the row-table FFN's from the FFN on the gathered

@@ -241,10 +241,10 @@ enum { PACK_COLS = 16, TILE_ROWS = 6, BLOCK_A_FLOATS = 1 << 20, BLOCK_A_LEAST = 
  * weights streaming through, within 1 and 4 MiB (BLOCK_A_LEAST,
  * BLOCK_A_FLOATS). On a Zen 1 guest (8 MiB for its two CPUs) 4 MiB blocks
  * on both at once did not stay: at 1,536 rows an expert the two GEMMs read
- * 34-35 GFLOP/s a core, and 37-38 in 1 MiB blocks. On the Zen 4 and 5
- * guests (32 MiB for two CPUs) 4 MiB it is, as before; smaller blocks measured
- * no faster there (below 1 MiB, 5 % slower on Zen 4). Read once; 0 while
- * not yet read. */
+ * 34-35 GFLOP/s a core, and 37-38 in 1 MiB blocks. With 16 MiB a CPU or
+ * more the block is 4 MiB, as it was everywhere before; smaller ones
+ * measured no faster on Zen 4 (below 1 MiB, 5 % slower). Read once; 0
+ * while not yet read. */
 static moe_index block_a_floats(void)
 {
     static moe_index floats;

@@ -290,8 +290,10 @@ size_t moe_llc_share_bytes(void)
         char *unit;
         if (!read_line(path, line, sizeof line))
             continue;
-        double bytes = strtod(line, &unit);
-        bytes *= *unit == 'K' ? 1024.0 : *unit == 'M' ? 1048576.0 : *unit == 'G' ? 1073741824.0 : 1.0;
+        const double bytes = strtod(line, &unit) * (*unit == 'K'   ? 1024.0
+                                                    : *unit == 'M' ? 1048576.0
+                                                    : *unit == 'G' ? 1073741824.0
+                                                                   : 1.0);
         snprintf(path, sizeof path, "%s%d/shared_cpu_list", dir, index);
         const long sharing = read_line(path, line, sizeof line) ? cpus_in_list(line) : 0;
         if (bytes > 0 && sharing > 0) {
