@@ -11,11 +11,10 @@
  * read through a row table from a receive buffer) and that with the
  * outputs scattered to their pairs' rows as the experts stage does, in
  * interleaved rounds, so that the stage's cost over the kernel is measured
- * under the same noise. Not part of
- * moe-ep: `make bench/kernel` builds it, with libxsmm when configure found
- * it (docs/performance.md). Exit 1 when a packed tile's bits differ from
- * the widest tile's, or the row-table FFN's from the FFN on the gathered
- * rows.
+ * under the same noise. Not part of moe-ep: `make bench/kernel` builds it,
+ * with libxsmm when configure found it (docs/performance.md). Exit 1 when a
+ * packed tile's bits differ from the widest tile's, or the row-table FFN's
+ * from the FFN on the gathered rows.
  *
  *   bench/kernel [ROWS [K [N [EXPERTS [SECONDS]]]]]   default 96 1024 2048 32 1
  */
