@@ -110,6 +110,10 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
 const char *moe_sgemm_packed_isa(void);
 /* At most `isa` from now on (MOE_ISA_WIDEST: whatever the CPU has). */
 void moe_sgemm_packed_force(enum moe_isa isa);
+/* Bytes of A in a row block of moe_sgemm_packed, which streams the weights
+ * once a block: a quarter of a CPU's share of the last-level cache
+ * (moe_llc_share_bytes), within 1 and 4 MiB. Only the speed depends on it. */
+size_t moe_sgemm_packed_block_bytes(void);
 
 /* Bt (K, N) = B (N, K)^T: the experts' weights as generated, transposed. */
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt);

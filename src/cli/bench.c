@@ -1190,8 +1190,13 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
                    anchor_flops * 1e-9 / a.gemm_own);
         print_fma_peak(stdout, &peak, c);
         print_kernel(stdout, &a.cores, &peak, &ctx);
-        printf("          memory read %.1f GB/s a rank (the least, all %d at once), %.1f GB/s in all\n",
+        printf("          memory read %.1f GB/s a rank (the least, all %d at once), %.1f GB/s in all",
                a.read_rank * 1e-9, c->ranks, a.read_all * 1e-9);
+        const size_t llc = moe_llc_share_bytes();
+        if (llc)
+            printf(" · last-level cache %.1f MiB a CPU", (double)llc / 1048576.0);
+        printf(" · the packed kernel's row blocks %.1f MiB\n",
+               (double)moe_sgemm_packed_block_bytes() / 1048576.0);
         if (path->training) {
             print_training(stdout, rows, wgrad_anchor_rate);
         } else {

@@ -258,6 +258,8 @@ static moe_index block_a_floats(void)
     return f;
 }
 
+size_t moe_sgemm_packed_block_bytes(void) { return sizeof(float) * (size_t)block_a_floats(); }
+
 /* The lines of the next panel (or panel pair) that a tile prefetches:
  * `lines` cache lines from `at` (and from `at2`), one every `every` steps
  * of k. The tiles of a row block share the next panel between them, so
