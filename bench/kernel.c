@@ -107,7 +107,7 @@ static int peak_bits; /* the widest FMA width; 0: none (no x86 FMA) */
 /* The core's FMA peak (GFLOP/s) measured in 20 ms beside a timed batch or
  * round: a kernel's fraction of the peak is its rate over the larger of the
  * peaks just before and just after it, as a core's clock moves by a few
- * per cent from second to second (and on a Zen 1 host rises by a fifth for
+ * per cent from second to second (and on a Zen 1 guest rises by a fifth for
  * a tenth of a second now and then), and a kernel that runs near the peak
  * read 102-110 % of one measured seconds before it. */
 static double peak_beside(void)
