@@ -359,9 +359,7 @@ int main(int argc, char **argv)
 
     char cpu[256];
     moe_cpu_model(cpu, sizeof cpu);
-    for (int i = 0; i < MOE_FMA_WIDTHS; i++)
-        if (moe_fma_supported(moe_fma_bits[i]))
-            peak_bits = moe_fma_bits[i];
+    peak_bits = moe_fma_widest_bits();
     const double peak = peak_bits ? moe_fma_rate(peak_bits, 0.5) / 1e9 : NAN;
     printf("%s, OpenBLAS kernel %s; one core, fp32 FMA peak %.1f GFLOP/s at %d bits (each %% "
            "below: of the peak measured beside each batch)\n",

@@ -16,6 +16,9 @@ extern const int moe_fma_bits[MOE_FMA_WIDTHS];
 /* Whether this CPU (and this build) runs fp32 FMAs at `bits`. */
 bool moe_fma_supported(int bits);
 
+/* The widest of moe_fma_bits this CPU runs; 0 where none (no x86 FMA). */
+int moe_fma_widest_bits(void);
+
 /* fp32 FLOP/s (an FMA counts two) of one thread running independent FMA
  * chains at `bits`, enough of them to cover the FMA units' latency (12
  * registers of accumulators at 128 and 256 bits, 16 at 512): the median of

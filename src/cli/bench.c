@@ -232,6 +232,47 @@ static void measure_fma_peak(const moe_comm *c, fma_peak *p)
     p->rank_most = moe_comm_max(c, own[p->widest]);
 }
 
+/* The FMA peak beside timed work: every rank at once for PROBE_SECONDS_MS
+ * at the widest width the CPU has, each rank's rate counted for its share
+ * of a core. A core's clock moves: a Zen 1 guest's by a tenth from one
+ * second to the next, and a row divided by a peak measured seconds after
+ * it read 101 % of it. So a row's peak is measured around its own
+ * forwards (moe_run_context.between), and the layer's GEMM's around it. */
+enum { PROBE_SECONDS_MS = 20 };
+
+/* This rank's rate and all ranks' summed, FLOP/s; 0 without x86 FMA.
+ * Collective. */
+static double probe_peak(const moe_comm *c, double *own)
+{
+    const int bits = moe_fma_widest_bits();
+    moe_comm_barrier(c);
+    *own = bits ? moe_fma_rate(bits, PROBE_SECONDS_MS * 1e-3) * core_share(c) : 0.0;
+    return moe_comm_sum(c, *own);
+}
+
+typedef struct {
+    const moe_comm *c;
+    double *together; /* [iters + 1]: before the first forward, after each */
+} peak_probes;
+
+static void probe_between(void *arg, int it)
+{
+    peak_probes *p = arg;
+    double own;
+    p->together[it] = probe_peak(p->c, &own);
+}
+
+/* The peak a row of `iters` forwards is divided by: the median over the
+ * forwards of the larger of the probes before and after each (NAN: none). */
+static double probes_peak(const peak_probes *p, int iters)
+{
+    double around[iters];
+    for (int it = 0; it < iters; it++)
+        around[it] = fmax(p->together[it], p->together[it + 1]);
+    const double peak = moe_median(around, iters);
+    return peak > 0 ? peak : NAN;
+}
+
 /* An expert's mean rows on this rank (rounded up; 0 without experts): the
  * M of the anchors in an expert's shapes. */
 static moe_index mean_expert_rows(const moe_run_context *ctx)
@@ -273,6 +314,7 @@ typedef struct {
     moe_index rows;
     double least, most;
     int slowest, fastest;
+    double least_of_peak, most_of_peak; /* their rates over the peak beside them (NAN: none) */
 } kernel_rates;
 
 static void measure_kernel(const moe_run_context *ctx, kernel_rates *k)
@@ -286,21 +328,31 @@ static void measure_kernel(const moe_run_context *ctx, kernel_rates *k)
     const double pass = 2.0 * (double)EL * (double)a.rows * 2.0 * (double)f * (double)d;
     if (pass > 0 && pass < KERNEL_FLOPS)
         a.passes = (int)ceil(KERNEL_FLOPS / pass);
-    double rate = NAN;
+    double rate = NAN, of_peak = NAN;
     const bool own_core = moe_comm_min(c, core_share(c)) >= 1.0; /* on every host */
     if (own_core) {
         a.A = filled((size_t)(a.rows * d) + 1);
         a.C = filled((size_t)(a.rows * 2 * f) + 1);
+        double before, after;
+        probe_peak(c, &before);
         const double seconds = timed(c, run_kernel, &a, true);
-        if (a.rows > 0 && seconds > 0)
+        probe_peak(c, &after);
+        if (a.rows > 0 && seconds > 0) {
             rate = pass * a.passes / seconds;
+            if (fmax(before, after) > 0)
+                of_peak = rate / fmax(before, after);
+        }
         free(a.C);
         free(a.A);
     }
     k->least = -moe_comm_maxloc(c, isnan(rate) ? -INFINITY : -rate, &k->slowest);
     k->most = moe_comm_maxloc(c, isnan(rate) ? -INFINITY : rate, &k->fastest);
-    if (!isfinite(k->least) || !isfinite(k->most))
-        k->least = k->most = NAN;
+    if (!isfinite(k->least) || !isfinite(k->most)) {
+        k->least = k->most = k->least_of_peak = k->most_of_peak = NAN;
+        return;
+    }
+    k->least_of_peak = moe_comm_sum(c, c->rank == k->slowest ? of_peak : 0.0);
+    k->most_of_peak = moe_comm_sum(c, c->rank == k->fastest ? of_peak : 0.0);
 }
 
 /* Every rank reading its own READ_BYTES at once (moe_read_bandwidth): the
@@ -314,12 +366,6 @@ static void measure_read_bandwidth(const moe_comm *c, double *rank, double *all)
     const double own = moe_read_bandwidth(READ_BYTES, 3);
     *rank = moe_comm_min(c, own);
     *all = moe_comm_sum(c, core_share(c) * own);
-}
-
-/* The rate the peak columns divide by: NAN when nothing was measured. */
-static double peak_rate(const fma_peak *p)
-{
-    return p->together[p->widest] > 0 ? p->together[p->widest] : NAN;
 }
 
 static void print_fma_peak(FILE *out, const fma_peak *p, const moe_comm *c)
@@ -342,7 +388,8 @@ static void print_fma_peak(FILE *out, const fma_peak *p, const moe_comm *c)
 }
 
 /* The kernel anchor's line: the slowest and the fastest rank, each against
- * the FMA peak of one rank at once, and the bound the slowest sets. */
+ * its core's FMA peak beside the run (all ranks at once), and the bound the
+ * slowest sets. */
 static void print_kernel(FILE *out, const kernel_rates *k, const fma_peak *p,
                          const moe_run_context *ctx)
 {
@@ -355,13 +402,13 @@ static void print_kernel(FILE *out, const kernel_rates *k, const fma_peak *p,
                                                           "take turns" : "no rank holds an expert");
         return;
     }
-    const bool peak = p->rank_most > 0; /* none without x86 FMA */
+    const bool peak = !isnan(k->least_of_peak); /* none without x86 FMA */
     fprintf(out, "slowest rank %d %.1f GFLOP/s", k->slowest, k->least * 1e-9);
     if (peak)
-        fprintf(out, " (%.0f %% of a core's FMA peak)", 100.0 * k->least / p->rank_most);
+        fprintf(out, " (%.0f %% of its core's FMA peak beside it)", 100.0 * k->least_of_peak);
     fprintf(out, ", fastest rank %d %.1f", k->fastest, k->most * 1e-9);
     if (peak)
-        fprintf(out, " (%.0f %%)", 100.0 * k->most / p->rank_most);
+        fprintf(out, " (%.0f %%)", 100.0 * k->most_of_peak);
     if (k->least < 0.9 * k->most) {
         fprintf(out, "; the cores differ by more than 10 %%");
         if (peak)
@@ -370,7 +417,7 @@ static void print_kernel(FILE *out, const kernel_rates *k, const fma_peak *p,
         fprintf(out, " and every rank waits for the slowest");
     }
     if (peak)
-        fprintf(out, "; so peak stays under about %.0f %%", 100.0 * k->least / p->rank_most);
+        fprintf(out, "; so peak stays under about %.0f %%", 100.0 * k->least_of_peak);
     fprintf(out, "\n");
 }
 
@@ -475,7 +522,8 @@ static void print_training(FILE *out, const bench_row *rows, double wgrad_anchor
                  "chunks (without --link, with --wave-by auto, their data gradients in one pass); "
                  "ceiling = the step's expert FLOPs (forward, dgrad with h recomputed, "
                  "wgrad; routed and shared) at the sgemm's rate / the step's time; peak = the "
-                 "same FLOPs at the FMA peak / the step's time\n");
+                 "same FLOPs at the FMA peak beside the steps (as the forward's table) / the step's "
+                 "time\n");
     fprintf(out, "          gemm = a stage's GFLOP/s per rank / the sgemm's (wgrad also / its own "
                  "shapes'); RSS against weights, gradients, saved rows and the step's least buffers\n");
     fprintf(out, "%4s %24s %9s %10s %9s %8s %5s %13s %13s %13s %6s %14s\n", "W",
@@ -932,6 +980,7 @@ typedef struct {
     double rss_ratio;         /* max over ranks of the peak against the rank's least */
     double a2a_anchor;        /* the plain MPI_Alltoallv pair of this W's counts, seconds */
     bool travels;             /* something crosses ranks */
+    double peak;              /* FLOP/s, all ranks: the FMA peak beside its forwards (probes_peak) */
 } sweep_point;
 
 typedef struct {
@@ -1058,8 +1107,8 @@ static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const
         .tokens_per_second = (double)ranks * (double)cfg->tokens / s->layer_seconds,
         .expert_gflops = s->expert_flops * 1e-9 / expert_time,
         .ceiling = a->gemm / s->layer_seconds,
-        .of_peak = a->flops / s->layer_seconds / peak_rate(&a->peak),
-        .experts_of_peak = s->expert_flops / expert_time / peak_rate(&a->peak),
+        .of_peak = a->flops / s->layer_seconds / p->peak,
+        .experts_of_peak = s->expert_flops / expert_time / p->peak,
         .gemm_efficiency = a->gemm_routed / expert_time,
         .a2a_bytes_per_second = p->travels ? bytes / s->comm_seconds : NAN,
         .a2a_efficiency = p->travels ? p->a2a_anchor / s->comm_seconds : NAN,
@@ -1068,15 +1117,17 @@ static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const
         .rss_ratio = p->rss_ratio,
     };
     if (s->path->training)
-        training_row(r, s, a->flops / a->gemm, a->wgrad_rate, peak_rate(&a->peak));
+        training_row(r, s, a->flops / a->gemm, a->wgrad_rate, p->peak);
 }
 
 /* The forward's sweep: one row per W, its rates against the anchors. */
 static void print_wave_rows(FILE *out, const bench_row *rows)
 {
     fprintf(out, "          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
-                 "routed experts' compute; peak = the layer's expert FLOPs at the widest FMA peak "
-                 "(all ranks) / the layer's time, exp = the experts' GFLOP/s / that peak\n");
+                 "routed experts' compute; peak = the layer's expert FLOPs at the FMA peak beside "
+                 "its forwards (widest width, all ranks, %d ms before and after each forward: the "
+                 "median over forwards of the larger) / the layer's time, exp = the experts' "
+                 "GFLOP/s / that peak\n", PROBE_SECONDS_MS);
     fprintf(out, "%4s %-12s %22s %10s %9s %8s %5s %9s %7s %5s %9s %7s %8s %14s\n", "W", "waves",
             "layer ms (med min-max)", "tokens/s", "per rank", "ceiling", "peak", "GFLOP/s", "gemm",
             "exp", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
@@ -1125,6 +1176,7 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
     memset(rows, 0, sizeof rows);
     sweep_point *points = moe_xcalloc((size_t)cfg->waves_count, sizeof *points);
     const int iters = (int)cfg->iters;
+    peak_probes probes = {c, moe_xmalloc(sizeof(double) * (size_t)(iters + 1))};
     int measured = 0;
     for (int n = 0; rc == MOE_EXIT_OK && n < cfg->waves_count; n++) {
         ctx.schedule.waves = (int)cfg->waves_list[n];
@@ -1134,14 +1186,17 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
         moe_peak_rss_reset(); /* this W's forwards only, not the ones before */
         if (cfg->warmup > 0)
             rc = moe_context_timed_forwards(&ctx, (int)cfg->warmup);
+        ctx.between = probe_between, ctx.between_arg = &probes;
         if (rc == MOE_EXIT_OK)
             rc = moe_context_timed_forwards(&ctx, iters);
+        ctx.between = NULL;
         if (rc)
             break;
         moe_context_time_alltoalls(&ctx, iters); /* not a training step's: its forward is blocking */
         sweep_point *p = &points[measured++];
         p->waves = ctx.schedule.waves;
         p->s = ctx.summary;
+        p->peak = probes_peak(&probes, iters);
         const double rss = moe_peak_rss();
         const double least = path->training ? minimum_training_bytes(&ctx.ep, probe)
                                            : minimum_bytes(&ctx.ep, probe);
@@ -1159,6 +1214,7 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
     for (int n = 0; n < measured; n++)
         fill_row(&rows[n], &points[n], &a, cfg, c->ranks);
     free(points);
+    free(probes.together);
     const moe_run_summary *s = &ctx.summary;
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
     const double gemm_anchor = a.gemm, anchor_flops = a.flops, wgrad_anchor_rate = a.wgrad_rate;

@@ -271,6 +271,8 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     ctx->per_iter = moe_xmalloc(sizeof(double) * (size_t)(iters * COLS));
     moe_index mask_dropped = 0;
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
+        if (ctx->between)
+            ctx->between(ctx->between_arg, it);
         moe_trace_clear(&ctx->trace);
         moe_watch_wait(MOE_WATCH_START, -1);
         moe_comm_barrier(c);
@@ -302,6 +304,8 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
         fprintf(stderr, "\r\033[K");
     if (rc)
         return rc;
+    if (ctx->between)
+        ctx->between(ctx->between_arg, iters);
     summarize_times(ctx->per_iter, iters, s);
     summarize_traffic(c, &ctx->ep, &ctx->last, s);
     s->mask_dropped = moe_comm_sum(c, (double)mask_dropped);

@@ -87,6 +87,15 @@ bool moe_fma_supported(int bits)
     return false;
 }
 
+int moe_fma_widest_bits(void)
+{
+    int bits = 0;
+    for (int w = 0; w < MOE_FMA_WIDTHS; w++)
+        if (moe_fma_supported(moe_fma_bits[w]))
+            bits = moe_fma_bits[w] > bits ? moe_fma_bits[w] : bits;
+    return bits;
+}
+
 /* FMAs (lanes) one iteration of the width's chains issues. */
 static double fmas_per_iteration(int bits)
 {
