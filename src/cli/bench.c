@@ -193,12 +193,17 @@ static double default_kernel_sgemm(const moe_comm *c, const sgemm_anchor *g, cha
 
 /* The FMA peak: per core (rank 0 alone, the others asleep) and all ranks at
  * once (their rates summed), at each width the CPU has; widest: the
- * largest of those rates, the one the anchor columns use (none measured,
- * as on a CPU without x86 FMA: those columns read nan). */
+ * largest of those rates. The peak columns divide by the fastest the
+ * cores ran in the whole run: that, or the fastest of the probes beside
+ * the forwards and the anchors (fma_probes; none measured, as on a CPU
+ * without x86 FMA: those columns read nan). */
 typedef struct {
     double alone[MOE_FMA_WIDTHS], together[MOE_FMA_WIDTHS]; /* FLOP/s, 0: not on this CPU */
     int widest;                                             /* index of the fastest width */
     double rank_least, rank_most; /* one rank's rate at the widest, all at once: min, max */
+    double limit;      /* all ranks at once, the fastest of the run: the peak columns' */
+    double rank_limit; /* one rank's, likewise: the layer's GEMM line's */
+    int probes;        /* fma_probes taken */
 } fma_peak;
 
 enum { PEAK_SECONDS_MS = 300 }; /* all widths in turn, per way */
@@ -213,7 +218,39 @@ static double core_share(const moe_comm *c)
     return c->ranks_on_host > c->host_cores ? (double)c->host_cores / c->ranks_on_host : 1.0;
 }
 
-static void measure_fma_peak(const moe_comm *c, fma_peak *p)
+/* The FMA peak beside timed work, every rank at once for PROBE_SECONDS_MS
+ * at the widest width the CPU has (its median batch, as the peak's), before
+ * each W's first timed forward and after each (moe_run_context.between),
+ * and before and after the sgemm anchor and the layer's GEMM. A core's
+ * clock moves: a Zen 1 guest's flips between about 40 and 48 GFLOP/s a
+ * core from one second to the next, and a row divided by a peak measured
+ * in the slower state after the sweep read 101 % of it, the layer's GEMM
+ * 101-103 %. The fastest of the run is the limit: no figure can pass it. */
+enum { PROBE_SECONDS_MS = 20 };
+
+typedef struct {
+    const moe_comm *c;
+    int taken;
+    double together, rank; /* the fastest: all ranks' sum, and one rank's own (max over ranks) */
+} fma_probes;
+
+static void probe_fma(fma_probes *p)
+{
+    const int bits = moe_fma_widest_bits();
+    moe_comm_barrier(p->c);
+    const double own = bits ? moe_fma_rate(bits, PROBE_SECONDS_MS * 1e-3) * core_share(p->c) : 0.0;
+    p->together = fmax(p->together, moe_comm_sum(p->c, own));
+    p->rank = fmax(p->rank, moe_comm_max(p->c, own));
+    p->taken++;
+}
+
+static void probe_between(void *arg, int it)
+{
+    (void)it;
+    probe_fma(arg);
+}
+
+static void measure_fma_peak(const moe_comm *c, const fma_probes *probes, fma_peak *p)
 {
     memset(p, 0, sizeof *p);
     double own[MOE_FMA_WIDTHS];
@@ -230,47 +267,9 @@ static void measure_fma_peak(const moe_comm *c, fma_peak *p)
     }
     p->rank_least = moe_comm_min(c, own[p->widest]);
     p->rank_most = moe_comm_max(c, own[p->widest]);
-}
-
-/* The FMA peak beside timed work: every rank at once for PROBE_SECONDS_MS
- * at the widest width the CPU has, each rank's rate counted for its share
- * of a core. A core's clock moves: a Zen 1 guest's by a tenth from one
- * second to the next, and a row divided by a peak measured seconds after
- * it read 101 % of it. So a row's peak is measured around its own
- * forwards (moe_run_context.between), and the layer's GEMM's around it. */
-enum { PROBE_SECONDS_MS = 20 };
-
-/* This rank's rate and all ranks' summed, FLOP/s; 0 without x86 FMA.
- * Collective. */
-static double probe_peak(const moe_comm *c, double *own)
-{
-    const int bits = moe_fma_widest_bits();
-    moe_comm_barrier(c);
-    *own = bits ? moe_fma_rate(bits, PROBE_SECONDS_MS * 1e-3) * core_share(c) : 0.0;
-    return moe_comm_sum(c, *own);
-}
-
-typedef struct {
-    const moe_comm *c;
-    double *together; /* [iters + 1]: before the first forward, after each */
-} peak_probes;
-
-static void probe_between(void *arg, int it)
-{
-    peak_probes *p = arg;
-    double own;
-    p->together[it] = probe_peak(p->c, &own);
-}
-
-/* The peak a row of `iters` forwards is divided by: the median over the
- * forwards of the larger of the probes before and after each (NAN: none). */
-static double probes_peak(const peak_probes *p, int iters)
-{
-    double around[iters];
-    for (int it = 0; it < iters; it++)
-        around[it] = fmax(p->together[it], p->together[it + 1]);
-    const double peak = moe_median(around, iters);
-    return peak > 0 ? peak : NAN;
+    p->limit = fmax(p->together[p->widest], probes->together);
+    p->rank_limit = fmax(p->rank_most, probes->rank);
+    p->probes = probes->taken;
 }
 
 /* An expert's mean rows on this rank (rounded up; 0 without experts): the
@@ -314,10 +313,9 @@ typedef struct {
     moe_index rows;
     double least, most;
     int slowest, fastest;
-    double least_of_peak, most_of_peak; /* their rates over the peak beside them (NAN: none) */
 } kernel_rates;
 
-static void measure_kernel(const moe_run_context *ctx, kernel_rates *k)
+static void measure_kernel(const moe_run_context *ctx, fma_probes *probes, kernel_rates *k)
 {
     const moe_comm *c = ctx->comm;
     const moe_ep *ep = &ctx->ep;
@@ -328,31 +326,23 @@ static void measure_kernel(const moe_run_context *ctx, kernel_rates *k)
     const double pass = 2.0 * (double)EL * (double)a.rows * 2.0 * (double)f * (double)d;
     if (pass > 0 && pass < KERNEL_FLOPS)
         a.passes = (int)ceil(KERNEL_FLOPS / pass);
-    double rate = NAN, of_peak = NAN;
+    double rate = NAN;
     const bool own_core = moe_comm_min(c, core_share(c)) >= 1.0; /* on every host */
     if (own_core) {
         a.A = filled((size_t)(a.rows * d) + 1);
         a.C = filled((size_t)(a.rows * 2 * f) + 1);
-        double before, after;
-        probe_peak(c, &before);
+        probe_fma(probes);
         const double seconds = timed(c, run_kernel, &a, true);
-        probe_peak(c, &after);
-        if (a.rows > 0 && seconds > 0) {
+        probe_fma(probes);
+        if (a.rows > 0 && seconds > 0)
             rate = pass * a.passes / seconds;
-            if (fmax(before, after) > 0)
-                of_peak = rate / fmax(before, after);
-        }
         free(a.C);
         free(a.A);
     }
     k->least = -moe_comm_maxloc(c, isnan(rate) ? -INFINITY : -rate, &k->slowest);
     k->most = moe_comm_maxloc(c, isnan(rate) ? -INFINITY : rate, &k->fastest);
-    if (!isfinite(k->least) || !isfinite(k->most)) {
-        k->least = k->most = k->least_of_peak = k->most_of_peak = NAN;
-        return;
-    }
-    k->least_of_peak = moe_comm_sum(c, c->rank == k->slowest ? of_peak : 0.0);
-    k->most_of_peak = moe_comm_sum(c, c->rank == k->fastest ? of_peak : 0.0);
+    if (!isfinite(k->least) || !isfinite(k->most))
+        k->least = k->most = NAN;
 }
 
 /* Every rank reading its own READ_BYTES at once (moe_read_bandwidth): the
@@ -366,6 +356,12 @@ static void measure_read_bandwidth(const moe_comm *c, double *rank, double *all)
     const double own = moe_read_bandwidth(READ_BYTES, 3);
     *rank = moe_comm_min(c, own);
     *all = moe_comm_sum(c, core_share(c) * own);
+}
+
+/* The rate the peak columns divide by: NAN when nothing was measured. */
+static double peak_rate(const fma_peak *p)
+{
+    return p->limit > 0 ? p->limit : NAN;
 }
 
 static void print_fma_peak(FILE *out, const fma_peak *p, const moe_comm *c)
@@ -384,12 +380,18 @@ static void print_fma_peak(FILE *out, const fma_peak *p, const moe_comm *c)
                     p->alone[w] * 1e-9, p->together[w] * 1e-9);
             any = true;
         }
-    fprintf(out, "%s\n", any ? "" : " not measured (no x86 FMA here)");
+    if (!any) {
+        fprintf(out, " not measured (no x86 FMA here)\n");
+        return;
+    }
+    fprintf(out, "; the peak columns' limit, the fastest of that and %d probes of %d ms at %d "
+                 "bits beside the forwards and the anchors, all ranks at once: %.1f (one rank %.1f)\n",
+            p->probes, PROBE_SECONDS_MS, moe_fma_widest_bits(), p->limit * 1e-9, p->rank_limit * 1e-9);
 }
 
 /* The kernel anchor's line: the slowest and the fastest rank, each against
- * its core's FMA peak beside the run (all ranks at once), and the bound the
- * slowest sets. */
+ * one rank's FMA peak (all at once, the fastest of the run), and the bound
+ * the slowest sets. */
 static void print_kernel(FILE *out, const kernel_rates *k, const fma_peak *p,
                          const moe_run_context *ctx)
 {
@@ -402,13 +404,13 @@ static void print_kernel(FILE *out, const kernel_rates *k, const fma_peak *p,
                                                           "take turns" : "no rank holds an expert");
         return;
     }
-    const bool peak = !isnan(k->least_of_peak); /* none without x86 FMA */
+    const bool peak = p->rank_limit > 0; /* none without x86 FMA */
     fprintf(out, "slowest rank %d %.1f GFLOP/s", k->slowest, k->least * 1e-9);
     if (peak)
-        fprintf(out, " (%.0f %% of its core's FMA peak beside it)", 100.0 * k->least_of_peak);
+        fprintf(out, " (%.0f %% of a core's FMA peak)", 100.0 * k->least / p->rank_limit);
     fprintf(out, ", fastest rank %d %.1f", k->fastest, k->most * 1e-9);
     if (peak)
-        fprintf(out, " (%.0f %%)", 100.0 * k->most_of_peak);
+        fprintf(out, " (%.0f %%)", 100.0 * k->most / p->rank_limit);
     if (k->least < 0.9 * k->most) {
         fprintf(out, "; the cores differ by more than 10 %%");
         if (peak)
@@ -417,7 +419,7 @@ static void print_kernel(FILE *out, const kernel_rates *k, const fma_peak *p,
         fprintf(out, " and every rank waits for the slowest");
     }
     if (peak)
-        fprintf(out, "; so peak stays under about %.0f %%", 100.0 * k->least_of_peak);
+        fprintf(out, "; so peak stays under about %.0f %%", 100.0 * k->least / p->rank_limit);
     fprintf(out, "\n");
 }
 
@@ -522,8 +524,7 @@ static void print_training(FILE *out, const bench_row *rows, double wgrad_anchor
                  "chunks (without --link, with --wave-by auto, their data gradients in one pass); "
                  "ceiling = the step's expert FLOPs (forward, dgrad with h recomputed, "
                  "wgrad; routed and shared) at the sgemm's rate / the step's time; peak = the "
-                 "same FLOPs at the FMA peak beside the steps (as the forward's table) / the step's "
-                 "time\n");
+                 "same FLOPs at the FMA peak's limit / the step's time\n");
     fprintf(out, "          gemm = a stage's GFLOP/s per rank / the sgemm's (wgrad also / its own "
                  "shapes'); RSS against weights, gradients, saved rows and the step's least buffers\n");
     fprintf(out, "%4s %24s %9s %10s %9s %8s %5s %13s %13s %13s %6s %14s\n", "W",
@@ -980,7 +981,6 @@ typedef struct {
     double rss_ratio;         /* max over ranks of the peak against the rank's least */
     double a2a_anchor;        /* the plain MPI_Alltoallv pair of this W's counts, seconds */
     bool travels;             /* something crosses ranks */
-    double peak;              /* FLOP/s, all ranks: the FMA peak beside its forwards (probes_peak) */
 } sweep_point;
 
 typedef struct {
@@ -1032,7 +1032,7 @@ static void measure_alltoall(const moe_run_context *ctx, sweep_point *p)
 /* The sgemm of the experts' FLOPs (M: the rows this rank's experts take,
  * the routed pairs and its tokens once per shared expert), with
  * --backward the wgrad-shape sgemms, and the FMA peak. */
-static void measure_anchors(const moe_run_context *ctx, anchors *a)
+static void measure_anchors(const moe_run_context *ctx, fma_probes *probes, anchors *a)
 {
     const moe_comm *c = ctx->comm;
     const moe_config *cfg = &ctx->cfg;
@@ -1043,7 +1043,9 @@ static void measure_anchors(const moe_run_context *ctx, anchors *a)
     g.A = filled((size_t)(g.M * g.K) + 1);
     g.B = filled((size_t)(g.N * g.K) + 1);
     g.C = filled((size_t)(g.M * g.N) + 1);
+    probe_fma(probes);
     double own = timed(c, run_sgemm, &g, true);
+    probe_fma(probes);
     a->gemm = moe_comm_max(c, own);
     snprintf(a->kernel, sizeof a->kernel, "%s", moe_blas_corename());
     if (getenv("OPENBLAS_CORETYPE")) { /* the environment's kernel: the CPU's own too */
@@ -1061,8 +1063,8 @@ static void measure_anchors(const moe_run_context *ctx, anchors *a)
     free(g.C);
     free(g.B);
     free(g.A);
-    measure_fma_peak(c, &a->peak);
-    measure_kernel(ctx, &a->cores);
+    measure_kernel(ctx, probes, &a->cores);
+    measure_fma_peak(c, probes, &a->peak);
     measure_read_bandwidth(c, &a->read_rank, &a->read_all);
     if (!ctx->ep.path->training)
         return;
@@ -1107,8 +1109,8 @@ static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const
         .tokens_per_second = (double)ranks * (double)cfg->tokens / s->layer_seconds,
         .expert_gflops = s->expert_flops * 1e-9 / expert_time,
         .ceiling = a->gemm / s->layer_seconds,
-        .of_peak = a->flops / s->layer_seconds / p->peak,
-        .experts_of_peak = s->expert_flops / expert_time / p->peak,
+        .of_peak = a->flops / s->layer_seconds / peak_rate(&a->peak),
+        .experts_of_peak = s->expert_flops / expert_time / peak_rate(&a->peak),
         .gemm_efficiency = a->gemm_routed / expert_time,
         .a2a_bytes_per_second = p->travels ? bytes / s->comm_seconds : NAN,
         .a2a_efficiency = p->travels ? p->a2a_anchor / s->comm_seconds : NAN,
@@ -1117,17 +1119,15 @@ static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const
         .rss_ratio = p->rss_ratio,
     };
     if (s->path->training)
-        training_row(r, s, a->flops / a->gemm, a->wgrad_rate, p->peak);
+        training_row(r, s, a->flops / a->gemm, a->wgrad_rate, peak_rate(&a->peak));
 }
 
 /* The forward's sweep: one row per W, its rates against the anchors. */
 static void print_wave_rows(FILE *out, const bench_row *rows)
 {
     fprintf(out, "          ceiling = that sgemm's time / the layer's; gemm = its routed share / the "
-                 "routed experts' compute; peak = the layer's expert FLOPs at the FMA peak beside "
-                 "its forwards (widest width, all ranks, %d ms before and after each forward: the "
-                 "median over forwards of the larger) / the layer's time, exp = the experts' "
-                 "GFLOP/s / that peak\n", PROBE_SECONDS_MS);
+                 "routed experts' compute; peak = the layer's expert FLOPs at the FMA peak's limit "
+                 "(all ranks) / the layer's time, exp = the experts' GFLOP/s / that limit\n");
     fprintf(out, "%4s %-12s %22s %10s %9s %8s %5s %9s %7s %5s %9s %7s %8s %14s\n", "W", "waves",
             "layer ms (med min-max)", "tokens/s", "per rank", "ceiling", "peak", "GFLOP/s", "gemm",
             "exp", "a2a GB/s", "a2a", "overlap", "RSS MB (ratio)");
@@ -1176,7 +1176,7 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
     memset(rows, 0, sizeof rows);
     sweep_point *points = moe_xcalloc((size_t)cfg->waves_count, sizeof *points);
     const int iters = (int)cfg->iters;
-    peak_probes probes = {c, moe_xmalloc(sizeof(double) * (size_t)(iters + 1))};
+    fma_probes probes = {.c = c};
     int measured = 0;
     for (int n = 0; rc == MOE_EXIT_OK && n < cfg->waves_count; n++) {
         ctx.schedule.waves = (int)cfg->waves_list[n];
@@ -1196,7 +1196,6 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
         sweep_point *p = &points[measured++];
         p->waves = ctx.schedule.waves;
         p->s = ctx.summary;
-        p->peak = probes_peak(&probes, iters);
         const double rss = moe_peak_rss();
         const double least = path->training ? minimum_training_bytes(&ctx.ep, probe)
                                            : minimum_bytes(&ctx.ep, probe);
@@ -1210,11 +1209,10 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
      * peer workload), which no row's peak RSS may count. */
     anchors a = {0};
     if (rc == MOE_EXIT_OK)
-        measure_anchors(&ctx, &a);
+        measure_anchors(&ctx, &probes, &a);
     for (int n = 0; n < measured; n++)
         fill_row(&rows[n], &points[n], &a, cfg, c->ranks);
     free(points);
-    free(probes.together);
     const moe_run_summary *s = &ctx.summary;
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
     const double gemm_anchor = a.gemm, anchor_flops = a.flops, wgrad_anchor_rate = a.wgrad_rate;

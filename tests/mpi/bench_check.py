@@ -26,16 +26,21 @@ def near(a, b, rel, absolute=0.0):
 
 
 def kernel_line(text):
-    """The layer's GEMM on each rank's core: the slowest no faster than the
-    fastest, each percentage its rate over its core's FMA peak beside it (a
-    peak within a factor 1.5 of the FMA peak line's, one rank's share of all
-    at once: the clock moves, not by that much), the bound the slowest's,
-    and the cores called different exactly when the slowest is under 0.9 of
-    the fastest (printed to 0.1 GFLOP/s: that much either way). Without an
-    FMA peak (no x86 FMA) the line has no percentages."""
+    """The FMA peak's limit no less than the peak of all ranks at once at any
+    width; the layer's GEMM on each rank's core: the slowest no faster than
+    the fastest, each percentage its rate over one rank's limit, the bound
+    the slowest's, and the cores called different exactly when the slowest
+    is under 0.9 of the fastest (printed to 0.1 GFLOP/s: that much either
+    way). Without an FMA peak (no x86 FMA) the line has no percentages."""
     line = re.search(r"fp32 FMA peak.*$", text, re.M).group(0)
     peak = "not measured" not in line
-    pct = r" \((\d+) % of its core's FMA peak beside it\)" if peak else r"()"
+    if peak:
+        limit = re.search(r"all ranks at once: ([\d.]+) \(one rank ([\d.]+)\)$", line)
+        together = [float(t) for t in re.findall(r"-bit [\d.]+ / ([\d.]+)", line)]
+        check(limit is not None and together and float(limit.group(1)) >= max(together),
+              "the peak columns' limit is no less than the FMA peak of all ranks at once")
+        rank_limit = float(limit.group(2)) if limit else float("nan")
+    pct = r" \((\d+) % of a core's FMA peak\)" if peak else r"()"
     pct2 = r" \((\d+) %\)" if peak else r"()"
     bound = r"; so peak stays under about (\d+) %" if peak else r"()"
     m = re.search(r"each rank's core, all at once: .*: slowest rank (\d+) ([\d.]+) GFLOP/s" + pct +
@@ -48,15 +53,16 @@ def kernel_line(text):
     check(m.group(1) != m.group(4) or least == most, "the slowest and the fastest are two ranks")
     if peak:
         least_pct, most_pct = int(m.group(3)), int(m.group(6))
-        ranks = int(re.search(r"all (\d+) ranks at once", line).group(1))
-        core = max(float(t) for t in re.findall(r" / ([\d.]+)", line)) / ranks
         # each percentage, rounded to 1, and each rate, to 0.1, gives an
-        # interval for the peak it was divided by
-        for rate, p in ((least, least_pct), (most, most_pct)):
-            lo = 100 * (rate - 0.05) / (p + 0.5)
-            hi = 100 * (rate + 0.05) / (p - 0.5) if p > 0.5 else float("inf")
-            check(lo <= 1.5 * core and hi >= core / 1.5,
-                  "%.1f GFLOP/s at %d %% is over a peak of %.1f-%.1f, near a core's %.1f" % (rate, p, lo, hi, core))
+        # interval for the peak they were divided by: the two must meet
+        def peak_range(rate, pct):
+            return (100 * (rate - 0.05) / (pct + 0.5),
+                    100 * (rate + 0.05) / (pct - 0.5) if pct > 0.5 else float("inf"))
+        (lo1, hi1), (lo2, hi2) = peak_range(least, least_pct), peak_range(most, most_pct)
+        # the limit is printed to 0.1: that much either way
+        check(least_pct <= most_pct and max(lo1, lo2, rank_limit - 0.05) <= min(hi1, hi2, rank_limit + 0.05),
+              "%d %% and %d %% are the two rates over one rank's limit, %.1f GFLOP/s"
+              % (least_pct, most_pct, rank_limit))
         check(int(m.group(8)) == least_pct, "the bound is the slowest core's %d %%" % least_pct)
     differ = "cores differ" in m.group(7)
     ratio = least / most
