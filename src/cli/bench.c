@@ -204,6 +204,7 @@ typedef struct {
     double limit;      /* all ranks at once, the fastest of the run: the peak columns' */
     double rank_limit; /* one rank's, likewise: the layer's GEMM line's */
     int probes;        /* fma_probes taken */
+    double typical;    /* their median, all ranks at once: the clock the run mostly had */
 } fma_peak;
 
 enum { PEAK_SECONDS_MS = 300 }; /* all widths in turn, per way */
@@ -230,7 +231,8 @@ enum { PROBE_SECONDS_MS = 20 };
 
 typedef struct {
     const moe_comm *c;
-    int taken;
+    int taken, capacity;
+    double *sums;          /* [capacity] each probe's, all ranks at once */
     double together, rank; /* the fastest: all ranks' sum, and one rank's own (max over ranks) */
 } fma_probes;
 
@@ -239,9 +241,11 @@ static void probe_fma(fma_probes *p)
     const int bits = moe_fma_widest_bits();
     moe_comm_barrier(p->c);
     const double own = bits ? moe_fma_rate(bits, PROBE_SECONDS_MS * 1e-3) * core_share(p->c) : 0.0;
-    p->together = fmax(p->together, moe_comm_sum(p->c, own));
+    const double sum = moe_comm_sum(p->c, own);
+    p->together = fmax(p->together, sum);
     p->rank = fmax(p->rank, moe_comm_max(p->c, own));
-    p->taken++;
+    if (p->taken < p->capacity)
+        p->sums[p->taken++] = sum;
 }
 
 static void probe_between(void *arg, int it)
@@ -270,6 +274,7 @@ static void measure_fma_peak(const moe_comm *c, const fma_probes *probes, fma_pe
     p->limit = fmax(p->together[p->widest], probes->together);
     p->rank_limit = fmax(p->rank_most, probes->rank);
     p->probes = probes->taken;
+    p->typical = probes->taken ? moe_median(probes->sums, probes->taken) : NAN;
 }
 
 /* An expert's mean rows on this rank (rounded up; 0 without experts): the
@@ -385,8 +390,9 @@ static void print_fma_peak(FILE *out, const fma_peak *p, const moe_comm *c)
         return;
     }
     fprintf(out, "; the peak columns' limit, the fastest of that and %d probes of %d ms at %d "
-                 "bits beside the forwards and the anchors, all ranks at once: %.1f (one rank %.1f)\n",
-            p->probes, PROBE_SECONDS_MS, moe_fma_widest_bits(), p->limit * 1e-9, p->rank_limit * 1e-9);
+                 "bits beside the forwards and the anchors, all ranks at once: %.1f (one rank %.1f; "
+                 "the probes' median %.1f)\n", p->probes, PROBE_SECONDS_MS, moe_fma_widest_bits(),
+            p->limit * 1e-9, p->rank_limit * 1e-9, p->typical * 1e-9);
 }
 
 /* The kernel anchor's line: the slowest and the fastest rank, each against
@@ -1176,7 +1182,10 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
     memset(rows, 0, sizeof rows);
     sweep_point *points = moe_xcalloc((size_t)cfg->waves_count, sizeof *points);
     const int iters = (int)cfg->iters;
-    fma_probes probes = {.c = c};
+    /* before each W's timed forwards and after each; around two anchors */
+    const int capacity = cfg->waves_count * (iters + 1) + 4;
+    fma_probes probes = {.c = c, .capacity = capacity,
+                         .sums = moe_xmalloc(sizeof(double) * (size_t)capacity)};
     int measured = 0;
     for (int n = 0; rc == MOE_EXIT_OK && n < cfg->waves_count; n++) {
         ctx.schedule.waves = (int)cfg->waves_list[n];
@@ -1213,6 +1222,7 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
     for (int n = 0; n < measured; n++)
         fill_row(&rows[n], &points[n], &a, cfg, c->ranks);
     free(points);
+    free(probes.sums);
     const moe_run_summary *s = &ctx.summary;
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn;
     const double gemm_anchor = a.gemm, anchor_flops = a.flops, wgrad_anchor_rate = a.wgrad_rate;

@@ -27,7 +27,7 @@ def near(a, b, rel, absolute=0.0):
 
 def kernel_line(text):
     """The FMA peak's limit no less than the peak of all ranks at once at any
-    width; the layer's GEMM on each rank's core: the slowest no faster than
+    width, nor than the probes' median; the layer's GEMM on each rank's core: the slowest no faster than
     the fastest, each percentage its rate over one rank's limit, the bound
     the slowest's, and the cores called different exactly when the slowest
     is under 0.9 of the fastest (printed to 0.1 GFLOP/s: that much either
@@ -35,10 +35,13 @@ def kernel_line(text):
     line = re.search(r"fp32 FMA peak.*$", text, re.M).group(0)
     peak = "not measured" not in line
     if peak:
-        limit = re.search(r"all ranks at once: ([\d.]+) \(one rank ([\d.]+)\)$", line)
+        limit = re.search(r"all ranks at once: ([\d.]+) \(one rank ([\d.]+); the probes' median ([\d.]+)\)$",
+                          line)
         together = [float(t) for t in re.findall(r"-bit [\d.]+ / ([\d.]+)", line)]
         check(limit is not None and together and float(limit.group(1)) >= max(together),
               "the peak columns' limit is no less than the FMA peak of all ranks at once")
+        check(limit is not None and float(limit.group(3)) <= float(limit.group(1)),
+              "the probes' median is no more than the limit")
         rank_limit = float(limit.group(2)) if limit else float("nan")
     pct = r" \((\d+) % of a core's FMA peak\)" if peak else r"()"
     pct2 = r" \((\d+) %\)" if peak else r"()"
