@@ -27,11 +27,12 @@ def near(a, b, rel, absolute=0.0):
 
 def kernel_line(text):
     """The FMA peak's limit no less than the peak of all ranks at once at any
-    width, nor than the probes' median; the layer's GEMM on each rank's core: the slowest no faster than
-    the fastest, each percentage its rate over one rank's limit, the bound
-    the slowest's, and the cores called different exactly when the slowest
-    is under 0.9 of the fastest (printed to 0.1 GFLOP/s: that much either
-    way). Without an FMA peak (no x86 FMA) the line has no percentages."""
+    width, nor than the probes' median; the layer's GEMM on each rank's
+    core: the slowest no faster than the fastest, each percentage its rate
+    over one rank's limit, the bound the slowest's, and the cores called
+    different exactly when the slowest is under 0.9 of the fastest (printed
+    to 0.1 GFLOP/s: that much either way). Without an FMA peak (no x86 FMA)
+    the line has no percentages."""
     line = re.search(r"fp32 FMA peak.*$", text, re.M).group(0)
     peak = "not measured" not in line
     if peak:
