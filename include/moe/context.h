@@ -49,9 +49,9 @@ typedef struct {
     moe_forward_stats last;  /* this rank's figures of the last forward */
     moe_run_summary summary; /* what the report prints */
     /* called on every rank outside the forwards' times: before the first
-     * (it = 0) and after each (it = 1 .. iters) of moe_context_timed_forwards
-     * (bench's FMA peak beside them); NULL at open: nothing */
-    void (*between)(void *arg, int it);
+     * and after each of moe_context_timed_forwards (bench's FMA peak beside
+     * them); NULL at open: nothing */
+    void (*between)(void *arg);
     void *between_arg;
     moe_status status;       /* the last failure, the same on every rank */
 } moe_run_context;

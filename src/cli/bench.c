@@ -232,8 +232,8 @@ enum { PROBE_SECONDS_MS = 20 };
 typedef struct {
     const moe_comm *c;
     int taken, capacity;
-    double *sums;          /* [capacity] each probe's, all ranks at once */
-    double together, rank; /* the fastest: all ranks' sum, and one rank's own (max over ranks) */
+    double *sums; /* [capacity] each probe's, all ranks at once */
+    double rank;  /* the fastest one rank's own (max over ranks) */
 } fma_probes;
 
 static void probe_fma(fma_probes *p)
@@ -242,15 +242,13 @@ static void probe_fma(fma_probes *p)
     moe_comm_barrier(p->c);
     const double own = bits ? moe_fma_rate(bits, PROBE_SECONDS_MS * 1e-3) * core_share(p->c) : 0.0;
     const double sum = moe_comm_sum(p->c, own);
-    p->together = fmax(p->together, sum);
     p->rank = fmax(p->rank, moe_comm_max(p->c, own));
     if (p->taken < p->capacity)
         p->sums[p->taken++] = sum;
 }
 
-static void probe_between(void *arg, int it)
+static void probe_between(void *arg)
 {
-    (void)it;
     probe_fma(arg);
 }
 
@@ -271,7 +269,9 @@ static void measure_fma_peak(const moe_comm *c, const fma_probes *probes, fma_pe
     }
     p->rank_least = moe_comm_min(c, own[p->widest]);
     p->rank_most = moe_comm_max(c, own[p->widest]);
-    p->limit = fmax(p->together[p->widest], probes->together);
+    p->limit = p->together[p->widest];
+    for (int n = 0; n < probes->taken; n++)
+        p->limit = fmax(p->limit, probes->sums[n]);
     p->rank_limit = fmax(p->rank_most, probes->rank);
     p->probes = probes->taken;
     p->typical = probes->taken ? moe_median(probes->sums, probes->taken) : NAN;

@@ -272,7 +272,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     moe_index mask_dropped = 0;
     for (int it = 0; it < iters && rc == MOE_EXIT_OK; it++) {
         if (ctx->between)
-            ctx->between(ctx->between_arg, it);
+            ctx->between(ctx->between_arg);
         moe_trace_clear(&ctx->trace);
         moe_watch_wait(MOE_WATCH_START, -1);
         moe_comm_barrier(c);
@@ -305,7 +305,7 @@ int moe_context_timed_forwards(moe_run_context *ctx, int iters)
     if (rc)
         return rc;
     if (ctx->between)
-        ctx->between(ctx->between_arg, iters);
+        ctx->between(ctx->between_arg);
     summarize_times(ctx->per_iter, iters, s);
     summarize_traffic(c, &ctx->ep, &ctx->last, s);
     s->mask_dropped = moe_comm_sum(c, (double)mask_dropped);
