@@ -24,32 +24,62 @@ float moe_exp_fp32(float x)
 
 /* The activation in place: row n of h (rows, 2f) becomes [silu(gate) * up,
  * up], times scale[n] when scale is set; the activation is the first f
- * columns (leading dimension 2f). */
+ * columns (leading dimension 2f). N lanes at a time (swigluN), the tail
+ * padded with zeros; the bits are the same at either width. */
+#define SWIGLU_ROWS(N)                                                                      \
+    _Pragma("omp parallel for schedule(static)")                                           \
+    for (moe_index n = 0; n < rows; n++) {                                                  \
+        float *gate = h + n * 2 * ffn, *act = gate;                                         \
+        const float *up = gate + ffn;                                                       \
+        moe_index c = 0;                                                                    \
+        for (; c + N <= ffn; c += N)                                                        \
+            *(lanes##N##_unaligned *)(act + c) = swiglu##N(                                 \
+                *(const lanes##N##_unaligned *)(gate + c), *(const lanes##N##_unaligned *)(up + c)); \
+        if (c < ffn) {                                                                      \
+            lanes##N g = {0}, u = {0};                                                      \
+            for (moe_index i = c; i < ffn; i++) {                                           \
+                g[i - c] = gate[i];                                                         \
+                u[i - c] = up[i];                                                           \
+            }                                                                               \
+            const lanes##N v = swiglu##N(g, u);                                             \
+            for (moe_index i = c; i < ffn; i++)                                             \
+                act[i] = v[i - c];                                                          \
+        }                                                                                   \
+        if (scale)                                                                          \
+            for (c = 0; c < ffn; c++)                                                       \
+                act[c] *= scale[n];                                                         \
+    }
+
 __attribute__((target_clones("avx2", "default")))
+static void swiglu_8(float *h, moe_index rows, moe_index ffn, const float *scale)
+{
+    SWIGLU_ROWS(8)
+}
+
+#ifdef MOE_X86_KERNELS
+/* 16 lanes: on a Zen 5 core 0.74 -> 0.40 ns an element (the division, at
+ * the same rate per instruction, does twice the lanes). */
+__attribute__((target("avx512f")))
+static void swiglu_16(float *h, moe_index rows, moe_index ffn, const float *scale)
+{
+    SWIGLU_ROWS(16)
+}
+#endif
+#undef SWIGLU_ROWS
+
+static enum moe_isa activation_forced = MOE_ISA_WIDEST;
+
+void moe_expert_activation_force(enum moe_isa isa) { activation_forced = isa; }
+
 static void swiglu(float *h, moe_index rows, moe_index ffn, const float *scale)
 {
-#pragma omp parallel for schedule(static)
-    for (moe_index n = 0; n < rows; n++) {
-        float *gate = h + n * 2 * ffn, *act = gate;
-        const float *up = gate + ffn;
-        moe_index c = 0;
-        for (; c + 8 <= ffn; c += 8)
-            *(lanes8_unaligned *)(act + c) =
-                swiglu8(*(const lanes8_unaligned *)(gate + c), *(const lanes8_unaligned *)(up + c));
-        if (c < ffn) {
-            lanes8 g = {0}, u = {0};
-            for (moe_index i = c; i < ffn; i++) {
-                g[i - c] = gate[i];
-                u[i - c] = up[i];
-            }
-            const lanes8 v = swiglu8(g, u);
-            for (moe_index i = c; i < ffn; i++)
-                act[i] = v[i - c];
-        }
-        if (scale)
-            for (c = 0; c < ffn; c++)
-                act[c] *= scale[n];
+#ifdef MOE_X86_KERNELS
+    if (moe_isa_avx512(activation_forced)) {
+        swiglu_16(h, rows, ffn, scale);
+        return;
     }
+#endif
+    swiglu_8(h, rows, ffn, scale);
 }
 
 moe_expert_rounding moe_expert_rounding_of(const moe_config *cfg)

@@ -583,6 +583,48 @@ START_TEST(exp_fp64_lanes_give_the_same_bits)
 }
 END_TEST
 
+/* The expert forward's SwiGLU gives the same bits at 16 lanes as at 8: f
+ * with and without tails at both widths, gates past exp's edges (x scaled
+ * up), and the gate weight applied inside. */
+START_TEST(activation_lanes_give_the_same_bits)
+{
+    enum { ROWS = 7, D = 24 };
+    static const int ffns[] = {1, 7, 8, 15, 16, 17, 40, 64};
+    static const float scales[] = {1.0f, 400.0f};
+    for (size_t i = 0; i < sizeof ffns / sizeof *ffns; i++)
+        for (size_t s = 0; s < sizeof scales / sizeof *scales; s++) {
+            const int F = ffns[i];
+            float *w1 = malloc(sizeof(float) * 2 * F * D), *w2 = malloc(sizeof(float) * D * F);
+            float *x = malloc(sizeof(float) * ROWS * D), *scratch = malloc(sizeof(float) * ROWS * 3 * F);
+            float *y[2] = {malloc(sizeof(float) * ROWS * D), malloc(sizeof(float) * ROWS * D)};
+            float *w1t = malloc(sizeof(float) * moe_expert_w1_floats(MOE_GEMM_PACKED, D, F));
+            float *w2t = malloc(sizeof(float) * moe_expert_w2_floats(MOE_GEMM_PACKED, D, F));
+            const float gate_weight[ROWS] = {1.0f, 0.5f, 0.25f, 2.0f, 0.125f, 1.5f, 0.75f};
+            moe_expert_generate(3, 2, D, F, w1, w2);
+            moe_expert_layout(MOE_GEMM_PACKED, D, F, w1, w2, w1t, w2t);
+            moe_synth_fill(5, MOE_TENSOR_TOKENS, 0, 0, (uint64_t)(ROWS * D), scales[s], x);
+            const moe_expert_weights w = {.w1t = w1t, .w2t = w2t};
+            const enum moe_isa isas[2] = {MOE_ISA_WIDEST, MOE_ISA_AVX2};
+            for (int k = 0; k < 2; k++) {
+                moe_expert_activation_force(isas[k]);
+                moe_expert_forward(&w, MOE_GEMM_PACKED, x, ROWS, D, F, scratch, y[k],
+                                   s ? gate_weight : NULL, NULL);
+            }
+            moe_expert_activation_force(MOE_ISA_WIDEST);
+            ck_assert_msg(!memcmp(y[0], y[1], sizeof(float) * ROWS * D), "f = %d, scale %g", F,
+                          (double)scales[s]);
+            free(w2t);
+            free(w1t);
+            free(y[1]);
+            free(y[0]);
+            free(scratch);
+            free(x);
+            free(w2);
+            free(w1);
+        }
+}
+END_TEST
+
 /* The guard the golden dump sets: a BLAS call under it stops the process. */
 START_TEST(forbidden_blas_stops_the_process)
 {
@@ -867,6 +909,7 @@ Suite *make_experts_suite(void)
     tcase_add_test(tc, exact_dgemm_is_the_scalar_loop);
     tcase_add_test(tc, exp_fp64_is_within_2_ulp_and_handles_the_edges);
     tcase_add_test(tc, exp_fp64_lanes_give_the_same_bits);
+    tcase_add_test(tc, activation_lanes_give_the_same_bits);
     tcase_add_test_raise_signal(tc, forbidden_blas_stops_the_process, SIGABRT);
     tcase_add_loop_test(tc, truth_on_selected_tokens_is_the_dense_sum, 0, 3);
     tcase_add_loop_test(tc, truth_shares_sum_to_the_truth, 0, 4);
