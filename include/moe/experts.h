@@ -73,10 +73,12 @@ typedef struct {
 void moe_expert_gemm(enum moe_gemm_kind gemm, moe_index M, moe_index N, moe_index K,
                      const float *A, moe_index lda, const float *Bt, float *C, moe_index ldc);
 
-/* The widest registers the fp32 SwiGLU of moe_expert_forward may use from
- * now on: MOE_ISA_WIDEST 16 lanes where the CPU has AVX-512F, any other
- * 8 (for tests; every choice gives the same bits). */
+/* The widest registers the fp32 SwiGLU, forward and backward, may use
+ * from now on: MOE_ISA_WIDEST 16 lanes where the CPU has AVX-512F, any
+ * other 8 (for tests; every choice gives the same bits). And the lanes
+ * it uses now. */
 void moe_expert_activation_force(enum moe_isa isa);
+int moe_expert_activation_lanes(void);
 
 /* Floats one expert's W1^T and W2^T take in the layout of `gemm`. */
 moe_index moe_expert_w1_floats(enum moe_gemm_kind gemm, moe_index hidden, moe_index ffn);

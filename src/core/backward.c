@@ -110,53 +110,78 @@ static bool gated_output(const float *gate, int weight_at)
  * [dA * up * silu'(gate), dA * silu(gate)] (da NULL: the activation only).
  * Every step one fp32 operation per lane: the bits do not depend on the
  * vector width. */
+#define SWIGLU_BACKWARD_ROWS(N)                                                    \
+    _Pragma("omp parallel for schedule(static)")                                   \
+    for (moe_index r = 0; r < n; r++) {                                            \
+        const float *gate = h + r * 2 * ffn, *up = gate + ffn;                     \
+        for (moe_index c0 = 0; c0 < ffn; c0 += N) {                                \
+            const int w = ffn - c0 < N ? (int)(ffn - c0) : N;                      \
+            lanes##N g = {0}, u = {0}, dv = {0};                                   \
+            if (w == N) {                                                          \
+                g = *(const lanes##N##_unaligned *)(gate + c0);                    \
+                u = *(const lanes##N##_unaligned *)(up + c0);                      \
+                if (da)                                                            \
+                    dv = *(const lanes##N##_unaligned *)(da + r * ffn + c0);       \
+            } else {                                                               \
+                for (int i = 0; i < w; i++) {                                      \
+                    g[i] = gate[c0 + i];                                           \
+                    u[i] = up[c0 + i];                                             \
+                    dv[i] = da ? da[r * ffn + c0 + i] : 0.0f;                      \
+                }                                                                  \
+            }                                                                      \
+            const lanes##N e = exp##N(-g);                                         \
+            const lanes##N silu = g / (1.0f + e);                                  \
+            const lanes##N sig = 1.0f / (1.0f + e);                                \
+            const lanes##N a = scale ? silu * u * scale[r] : silu * u;             \
+            const lanes##N dgate = dv * u * (sig + silu * (1.0f - sig));           \
+            const lanes##N dup = dv * silu;                                        \
+            if (w == N) {                                                          \
+                if (act)                                                           \
+                    *(lanes##N##_unaligned *)(act + r * ffn + c0) = a;             \
+                if (da) {                                                          \
+                    *(lanes##N##_unaligned *)(dh + r * 2 * ffn + c0) = dgate;      \
+                    *(lanes##N##_unaligned *)(dh + r * 2 * ffn + ffn + c0) = dup;  \
+                }                                                                  \
+                continue;                                                          \
+            }                                                                      \
+            for (int i = 0; i < w; i++) {                                          \
+                if (act)                                                           \
+                    act[r * ffn + c0 + i] = a[i];                                  \
+                if (da) {                                                          \
+                    dh[r * 2 * ffn + c0 + i] = dgate[i];                           \
+                    dh[r * 2 * ffn + ffn + c0 + i] = dup[i];                       \
+                }                                                                  \
+            }                                                                      \
+        }                                                                          \
+    }
+
 __attribute__((target_clones("avx2", "default")))
+static void swiglu_backward_8(const float *h, const float *da, moe_index n, moe_index ffn,
+                              float *dh, float *act, const float *scale)
+{
+    SWIGLU_BACKWARD_ROWS(8)
+}
+
+#ifdef MOE_X86_KERNELS
+__attribute__((target("avx512f")))
+static void swiglu_backward_16(const float *h, const float *da, moe_index n, moe_index ffn,
+                               float *dh, float *act, const float *scale)
+{
+    SWIGLU_BACKWARD_ROWS(16)
+}
+#endif
+#undef SWIGLU_BACKWARD_ROWS
+
 static void swiglu_backward(const float *h, const float *da, moe_index n, moe_index ffn,
                             float *dh, float *act, const float *scale)
 {
-#pragma omp parallel for schedule(static)
-    for (moe_index r = 0; r < n; r++) {
-        const float *gate = h + r * 2 * ffn, *up = gate + ffn;
-        for (moe_index c0 = 0; c0 < ffn; c0 += 8) {
-            const int w = ffn - c0 < 8 ? (int)(ffn - c0) : 8;
-            lanes8 g = {0}, u = {0}, dv = {0};
-            if (w == 8) {
-                g = *(const lanes8_unaligned *)(gate + c0);
-                u = *(const lanes8_unaligned *)(up + c0);
-                if (da)
-                    dv = *(const lanes8_unaligned *)(da + r * ffn + c0);
-            } else {
-                for (int i = 0; i < w; i++) {
-                    g[i] = gate[c0 + i];
-                    u[i] = up[c0 + i];
-                    dv[i] = da ? da[r * ffn + c0 + i] : 0.0f;
-                }
-            }
-            const lanes8 e = exp8(-g);
-            const lanes8 silu = g / (1.0f + e);
-            const lanes8 sig = 1.0f / (1.0f + e);
-            const lanes8 a = scale ? silu * u * scale[r] : silu * u;
-            const lanes8 dgate = dv * u * (sig + silu * (1.0f - sig));
-            const lanes8 dup = dv * silu;
-            if (w == 8) {
-                if (act)
-                    *(lanes8_unaligned *)(act + r * ffn + c0) = a;
-                if (da) {
-                    *(lanes8_unaligned *)(dh + r * 2 * ffn + c0) = dgate;
-                    *(lanes8_unaligned *)(dh + r * 2 * ffn + ffn + c0) = dup;
-                }
-                continue;
-            }
-            for (int i = 0; i < w; i++) {
-                if (act)
-                    act[r * ffn + c0 + i] = a[i];
-                if (da) {
-                    dh[r * 2 * ffn + c0 + i] = dgate[i];
-                    dh[r * 2 * ffn + ffn + c0 + i] = dup[i];
-                }
-            }
-        }
+#ifdef MOE_X86_KERNELS
+    if (moe_expert_activation_lanes() == 16) {
+        swiglu_backward_16(h, da, n, ffn, dh, act, scale);
+        return;
     }
+#endif
+    swiglu_backward_8(h, da, n, ffn, dh, act, scale);
 }
 
 /* n rows of d floats: row r at at[r], or (at NULL) at base + r * d. */

@@ -71,10 +71,12 @@ static enum moe_isa activation_forced = MOE_ISA_WIDEST;
 
 void moe_expert_activation_force(enum moe_isa isa) { activation_forced = isa; }
 
+int moe_expert_activation_lanes(void) { return moe_isa_avx512(activation_forced) ? 16 : 8; }
+
 static void swiglu(float *h, moe_index rows, moe_index ffn, const float *scale)
 {
 #ifdef MOE_X86_KERNELS
-    if (moe_isa_avx512(activation_forced)) {
+    if (moe_expert_activation_lanes() == 16) {
         swiglu_16(h, rows, ffn, scale);
         return;
     }
