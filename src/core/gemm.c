@@ -586,8 +586,13 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
         block_m = TILE_ROWS;
     float part[TILE_ROWS * 2 * PACK_COLS]; /* a tile that C cannot hold whole */
     const moe_index whole = N / PACK_COLS; /* panels without padding */
+    /* the block's rows of A, found once for all its panels (a tile's rows
+     * looked up again for every panel took 1 % of a layer's samples) */
+    const float **row = moe_xmalloc(sizeof(const float *) * (size_t)(M < block_m ? M : block_m));
     for (moe_index m0 = 0; m0 < M; m0 += block_m) {
         const moe_index m1 = M - m0 < block_m ? M : m0 + block_m;
+        for (moe_index m = m0; m < m1; m++)
+            row[m - m0] = row_of(A, m);
         /* As few tiles as TILE_ROWS allows, their heights even (25 rows:
          * five of 5, not four of 6 and one of 1): a tile of 1 to 3 rows has
          * too few FMA chains to cover the FMA latency and takes as long as
@@ -604,9 +609,7 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
             const float *next2 = next && p + span + 1 < p1 ? next + K * PACK_COLS : next;
             for (moe_index i = 0, m = m0, rows; i < tiles; i++, m += rows) {
                 rows = height / tiles + (i < height % tiles ? 1 : 0);
-                const float *a[TILE_ROWS];
-                for (moe_index r = 0; r < rows; r++) /* a tile of `rows` rows reads no more */
-                    a[r] = row_of(A, m + r);
+                const float *const *a = row + (m - m0); /* a tile of `rows` rows reads no more */
                 /* a panel pair is whole (no padding); a tile writes only its rows */
                 const bool full = span == 2 || cols == width;
                 float *c = full ? C + m * ldc + n0 : part;
@@ -635,6 +638,7 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
             }
         }
     }
+    free(row);
 }
 
 /* The calling thread's share [lo, hi) of n items, in thread order. */
