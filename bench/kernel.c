@@ -9,7 +9,7 @@
  * same rows (d = K, f = N / 2, N even): its two GEMMs alone against
  * moe_expert_forward (SwiGLU between), moe_expert_forward_rows (the rows
  * read through a row table from a receive buffer) and that with the
- * outputs scattered to their pairs' rows as the experts stage does, in
+ * outputs written straight to their pairs' rows as the experts stage does, in
  * interleaved rounds, so that the stage's cost over the kernel is measured
  * under the same noise. Not part of moe-ep: `make bench/kernel` builds it,
  * with libxsmm when configure found it (docs/performance.md). Exit 1 when a
@@ -213,10 +213,12 @@ static void run_ffn(const ffn_shape *x, int mode, int e)
         moe_expert_forward(&w, MOE_GEMM_PACKED, x->s->A, M, d, f, x->h, x->y, NULL, NULL);
         return;
     default:
-        moe_expert_forward_rows(&w, x->row_at, x->index + (size_t)e * (size_t)M, M, d, f, x->h,
-                                x->y, NULL, NULL);
-        if (mode == FFN_SCATTER)
-            moe_scatter_rows(x->y, d, x->pair + (size_t)e * (size_t)M, M, x->out);
+        if (mode == FFN_SCATTER) /* straight to the pairs' rows, as the experts stage does */
+            moe_expert_forward_rows(&w, x->row_at, x->index + (size_t)e * (size_t)M, M, d, f, x->h,
+                                    x->out, x->pair + (size_t)e * (size_t)M, NULL, NULL);
+        else
+            moe_expert_forward_rows(&w, x->row_at, x->index + (size_t)e * (size_t)M, M, d, f, x->h,
+                                    x->y, NULL, NULL, NULL);
     }
 }
 

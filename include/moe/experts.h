@@ -115,12 +115,14 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
 /* The same with --gemm packed, x's row n at row_at[index[n]] (d floats
  * each; index NULL: row_at[n]): the rows an expert received, read where
  * they arrived through the row table instead of gathered into one block
- * (moe_sgemm_packed_rows). The same bits as moe_expert_forward with packed
+ * (moe_sgemm_packed_rows); and y's row n at y + y_index[n] * d (y_index
+ * NULL: y (rows, d)), the outputs written straight to their pairs' rows
+ * (moe_sgemm_packed_to). The same bits as moe_expert_forward with packed
  * on the gathered rows; y is not one of the rows. */
 void moe_expert_forward_rows(const moe_expert_weights *w, const float *const *row_at,
                              const moe_index *index, moe_index rows, moe_index hidden,
-                             moe_index ffn, float *scratch, float *y, const float *act_scale,
-                             const moe_ffn_hooks *hooks);
+                             moe_index ffn, float *scratch, float *y, const moe_index *y_index,
+                             const float *act_scale, const moe_ffn_hooks *hooks);
 
 /* The fp64 GEMM of the dense truth. */
 enum moe_truth_gemm {

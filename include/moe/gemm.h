@@ -75,6 +75,12 @@ void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe
 void moe_sgemm_packed_rows(moe_index M, moe_index N, moe_index K, const float *const *row_at,
                            const moe_index *index, const float *Bp, float *C, moe_index ldc);
 
+/* The same with C's row m at C + c_index[m] * ldc (c_index NULL: C + m *
+ * ldc): an expert's outputs written straight to its pairs' rows, without
+ * a second pass to scatter them. The same bits as moe_sgemm_packed. */
+void moe_sgemm_packed_to(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                         const float *Bp, float *C, moe_index ldc, const moe_index *c_index);
+
 /* C (M, K) = A (M, N) * B (N, K), with B given as moe_sgemm_pack(N, K, B)
  * packed it for moe_sgemm_packed's C' = A' B^T: the backward's products
  * with the forward's weight panels, without a copy in another layout. Each

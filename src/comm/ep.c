@@ -483,14 +483,19 @@ static void expert_rows(const moe_ep *ep, const moe_recv_plan *recv, int l,
             scale[m] = moe_meta_weight(recv_meta + recv->expert_row[first + m] * MOE_META_WORDS(k),
                                        k, recv->expert_slot[first + m]);
     }
-    if (!block && ep->gemm == MOE_GEMM_PACKED) { /* the rows read where they arrived */
-        moe_expert_forward_rows(&w, row_at, recv->expert_row + first, n, d, f, scratch, out, scale,
-                                hooks);
-    } else {
-        moe_gather_row_ptrs(row_at, d, recv->expert_row + first, n, in);
-        moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);
+    const bool pairs = ep->cfg->combine == MOE_COMBINE_PAIRS; /* reduced: the sums are rounded instead */
+    if (!block && ep->gemm == MOE_GEMM_PACKED) {
+        /* the rows read where they arrived, the outputs written to their pairs' rows */
+        const moe_index *pair = recv->expert_pair + first;
+        moe_expert_forward_rows(&w, row_at, recv->expert_row + first, n, d, f, scratch, expert_out,
+                                pair, scale, hooks);
+        for (moe_index m = 0; m < n && pairs; m++)
+            moe_precision_combine(ep->cfg->combine_dtype, expert_out + pair[m] * d, d);
+        return;
     }
-    if (ep->cfg->combine == MOE_COMBINE_PAIRS) /* reduced: the sums are rounded instead */
+    moe_gather_row_ptrs(row_at, d, recv->expert_row + first, n, in);
+    moe_expert_forward(&w, ep->gemm, in, n, d, f, scratch, out, scale, hooks);
+    if (pairs)
         moe_precision_combine(ep->cfg->combine_dtype, out, n * d);
     moe_scatter_rows(out, d, recv->expert_pair + first, n, expert_out);
 }

@@ -135,11 +135,13 @@ void moe_expert_gemm(enum moe_gemm_kind gemm, moe_index M, moe_index N, moe_inde
 }
 
 /* moe_expert_forward, with x's rows through row_at and index when row_at
- * is set (packed only; moe_expert_forward_rows). */
+ * is set, y's through y_index when it is set (packed only;
+ * moe_expert_forward_rows). */
 static void expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, const float *x,
                            const float *const *row_at, const moe_index *index, moe_index rows,
                            moe_index hidden, moe_index ffn, float *scratch, float *y,
-                           const float *act_scale, const moe_ffn_hooks *hooks)
+                           const moe_index *y_index, const float *act_scale,
+                           const moe_ffn_hooks *hooks)
 {
     if (rows == 0)
         return;
@@ -164,9 +166,15 @@ static void expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm,
         swiglu(h, n, ffn, act_scale ? act_scale + first : NULL);
         round_activation(r, h, n, ffn, q, scales);
         after(hooks, MOE_FFN_ACTIVATION);
-        moe_expert_gemm(gemm, n, hidden, ffn, h, 2 * ffn, w->w2t, y + first * hidden, hidden);
-        if (r->out_bf16)
-            moe_round_bf16_array(y + first * hidden, n * hidden);
+        if (y_index) { /* each output row to its place */
+            moe_sgemm_packed_to(n, hidden, ffn, h, 2 * ffn, w->w2t, y, hidden, y_index + first);
+            for (moe_index m = 0; m < n && r->out_bf16; m++)
+                moe_round_bf16_array(y + y_index[first + m] * hidden, hidden);
+        } else {
+            moe_expert_gemm(gemm, n, hidden, ffn, h, 2 * ffn, w->w2t, y + first * hidden, hidden);
+            if (r->out_bf16)
+                moe_round_bf16_array(y + first * hidden, n * hidden);
+        }
         after(hooks, MOE_FFN_L2);
     }
     free(scales);
@@ -177,15 +185,15 @@ void moe_expert_forward(const moe_expert_weights *w, enum moe_gemm_kind gemm, co
                         moe_index rows, moe_index hidden, moe_index ffn, float *scratch, float *y,
                         const float *act_scale, const moe_ffn_hooks *hooks)
 {
-    expert_forward(w, gemm, x, NULL, NULL, rows, hidden, ffn, scratch, y, act_scale, hooks);
+    expert_forward(w, gemm, x, NULL, NULL, rows, hidden, ffn, scratch, y, NULL, act_scale, hooks);
 }
 
 void moe_expert_forward_rows(const moe_expert_weights *w, const float *const *row_at,
                              const moe_index *index, moe_index rows, moe_index hidden,
-                             moe_index ffn, float *scratch, float *y, const float *act_scale,
-                             const moe_ffn_hooks *hooks)
+                             moe_index ffn, float *scratch, float *y, const moe_index *y_index,
+                             const float *act_scale, const moe_ffn_hooks *hooks)
 {
-    expert_forward(w, MOE_GEMM_PACKED, NULL, row_at, index, rows, hidden, ffn, scratch, y,
+    expert_forward(w, MOE_GEMM_PACKED, NULL, row_at, index, rows, hidden, ffn, scratch, y, y_index,
                    act_scale, hooks);
 }
 

@@ -273,15 +273,17 @@ typedef struct {
     moe_index lines, every;
 } prefetch_share;
 
-/* c (6, 16; ldc) = the rows a[0..5] (K floats each) times the panel b,
- * prefetching pf.at's lines. */
-typedef void tile_fn(moe_index K, const float *const a[TILE_ROWS], const float *b, float *c,
-                     moe_index ldc, const prefetch_share *pf);
+/* The rows of c (6, 16), row r at c[r], = the rows a[0..5] (K floats
+ * each) times the panel b, prefetching pf.at's lines. A tile is given
+ * its rows of C one by one, so that they may lie anywhere: an expert's
+ * outputs go straight to its pairs' rows. */
+typedef void tile_fn(moe_index K, const float *const a[TILE_ROWS], const float *b,
+                     float *const c[TILE_ROWS], const prefetch_share *pf);
 
 /* The definition of the result for the first R rows of a, one fmaf at a
  * time (the tiles below built on it drop pf, only a hint). */
 static inline void portable_rows(const int R, moe_index K, const float *const a[TILE_ROWS],
-                                 const float *b, float *c, moe_index ldc)
+                                 const float *b, float *const c[TILE_ROWS])
 {
     float acc[TILE_ROWS][PACK_COLS] = {{0}};
     for (moe_index k = 0; k < K; k++)
@@ -289,7 +291,7 @@ static inline void portable_rows(const int R, moe_index K, const float *const a[
             for (int j = 0; j < PACK_COLS; j++)
                 acc[r][j] = fmaf(a[r][k], b[k * PACK_COLS + j], acc[r][j]);
     for (int r = 0; r < R; r++)
-        memcpy(c + r * ldc, acc[r], sizeof acc[r]);
+        memcpy(c[r], acc[r], sizeof acc[r]);
 }
 
 #ifdef MOE_X86_KERNELS
@@ -322,7 +324,7 @@ static inline void portable_rows(const int R, moe_index K, const float *const a[
  * constant: each R its own function below, its accumulators in registers). */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void narrow_rows(const int R, moe_index K, const float *const a[TILE_ROWS],
-                               const float *b, float *c, moe_index ldc, const prefetch_share *share)
+                               const float *b, float *const c[TILE_ROWS], const prefetch_share *share)
 {
     prefetch_share pf = *share;
     __m256 acc[TILE_ROWS][2];
@@ -348,8 +350,8 @@ static inline void narrow_rows(const int R, moe_index K, const float *const a[TI
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(c + r * ldc, acc[r][0]);
-        _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
+        _mm256_storeu_ps(c[r], acc[r][0]);
+        _mm256_storeu_ps(c[r] + 8, acc[r][1]);
     }
 }
 #endif
@@ -360,19 +362,20 @@ static inline void narrow_rows(const int R, moe_index K, const float *const a[TI
  * (packed_columns). */
 #define NARROW_TILE(R)                                                                      \
     static void tile_portable_##R(moe_index K, const float *const a[TILE_ROWS],            \
-                                  const float *b, float *c, moe_index ldc, const prefetch_share *pf) \
+                                  const float *b, float *const c[TILE_ROWS],            \
+                                  const prefetch_share *pf)                              \
     {                                                                                      \
         (void)pf;                                                                          \
-        portable_rows(R, K, a, b, c, ldc);                                                 \
+        portable_rows(R, K, a, b, c);                                                      \
     }                                                                                      \
     NARROW_TILE_AVX2(R)
 #ifdef MOE_X86_KERNELS
 #define NARROW_TILE_AVX2(R)                                                                 \
     __attribute__((target("avx2,fma"))) static void tile_avx2_##R(                          \
-        moe_index K, const float *const a[TILE_ROWS], const float *b, float *c,              \
-        moe_index ldc, const prefetch_share *pf)                                           \
+        moe_index K, const float *const a[TILE_ROWS], const float *b,                        \
+        float *const c[TILE_ROWS], const prefetch_share *pf)                                 \
     {                                                                                      \
-        narrow_rows(R, K, a, b, c, ldc, pf);                                               \
+        narrow_rows(R, K, a, b, c, pf);                                                    \
     }
 #else
 #define NARROW_TILE_AVX2(R)
@@ -394,10 +397,11 @@ static tile_fn *const avx2_tiles[TILE_ROWS + 1] = {
     NULL, tile_avx2_1, tile_avx2_2, tile_avx2_3, tile_avx2_4, tile_avx2_5, tile_avx2_6};
 #endif
 
-/* c (6, 32; ldc) = the rows a[0..5] times two panels side by side, b and
- * b2 (K rows of 16 each), prefetching pf.at's and pf.at2's lines. */
+/* The rows of c (6, 32), row r at c[r], = the rows a[0..5] times two
+ * panels side by side, b and b2 (K rows of 16 each), prefetching pf.at's
+ * and pf.at2's lines. */
 typedef void tile2_fn(moe_index K, const float *const a[TILE_ROWS], const float *b,
-                      const float *b2, float *c, moe_index ldc, const prefetch_share *pf);
+                      const float *b2, float *const c[TILE_ROWS], const prefetch_share *pf);
 
 #ifdef MOE_X86_KERNELS
 /* The 6 x 16 tile's operations on two panels at once, 16 lanes at a time:
@@ -431,7 +435,7 @@ typedef void tile2_fn(moe_index K, const float *const a[TILE_ROWS], const float 
  * one, which at 24 rows an expert wasted a tenth of the FMAs. */
 __attribute__((target("avx512f"), always_inline))
 static inline void wide_rows(const int R, moe_index K, const float *const a[TILE_ROWS],
-                             const float *b, const float *b2, float *c, moe_index ldc,
+                             const float *b, const float *b2, float *const c[TILE_ROWS],
                              const prefetch_share *share)
 {
     prefetch_share pf = *share;
@@ -460,17 +464,17 @@ static inline void wide_rows(const int R, moe_index K, const float *const a[TILE
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-        _mm512_storeu_ps(c + r * ldc + PACK_COLS, acc[r][1]);
+        _mm512_storeu_ps(c[r], acc[r][0]);
+        _mm512_storeu_ps(c[r] + PACK_COLS, acc[r][1]);
     }
 }
 
 #define WIDE_TILE(R)                                                                        \
     __attribute__((target("avx512f"))) static void tile_avx512_##R(                          \
         moe_index K, const float *const a[TILE_ROWS], const float *b, const float *b2,       \
-        float *c, moe_index ldc, const prefetch_share *pf)                                   \
+        float *const c[TILE_ROWS], const prefetch_share *pf)                                 \
     {                                                                                        \
-        wide_rows(R, K, a, b, b2, c, ldc, pf);                                               \
+        wide_rows(R, K, a, b, b2, c, pf);                                                    \
     }
 WIDE_TILE(1)
 WIDE_TILE(2)
@@ -577,9 +581,15 @@ static const float *row_of(const rows_of_a *a, moe_index m)
 
 /* Panels [p0, p1) of C, all rows: two whole panels at a time with the wide
  * tiles (when not NULL; wide[r] for r rows), else one (tile[r]). */
+/* C's row m: C + c_index[m] * ldc (c_index NULL: C + m * ldc). */
+static inline float *row_of_c(float *C, moe_index ldc, const moe_index *c_index, moe_index m)
+{
+    return C + (c_index ? c_index[m] : m) * ldc;
+}
+
 static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_index M, moe_index N,
                            moe_index K, const rows_of_a *A, const float *Bp, float *C,
-                           moe_index ldc, moe_index p0, moe_index p1)
+                           moe_index ldc, const moe_index *c_index, moe_index p0, moe_index p1)
 {
     moe_index block_m = block_a_floats() / K / TILE_ROWS * TILE_ROWS;
     if (block_m < TILE_ROWS)
@@ -612,8 +622,9 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
                 const float *const *a = row + (m - m0); /* a tile of `rows` rows reads no more */
                 /* a panel pair is whole (no padding); a tile writes only its rows */
                 const bool full = span == 2 || cols == width;
-                float *c = full ? C + m * ldc + n0 : part;
-                const moe_index ldt = full ? ldc : width;
+                float *c[TILE_ROWS];
+                for (moe_index r = 0; r < rows; r++)
+                    c[r] = full ? row_of_c(C, ldc, c_index, m + r) + n0 : part + r * width;
                 const moe_index first = i * share;
                 prefetch_share pf = {NULL, NULL, 0, share < K ? K / share : 1};
                 if (next && first < K) {
@@ -624,17 +635,23 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
                 /* the next tile's rows of C, for writing: a C that is
                  * not in the caches (the weight gradients' 1024 x 1024 of
                  * an expert) would otherwise be read from memory at each
-                 * tile's stores, while nothing computes */
-                for (moe_index r = 0; full && i + 1 < tiles && r < TILE_ROWS && m + rows + r < m1; r++)
+                 * tile's stores, while nothing computes; not rows written
+                 * through c_index, an expert's outputs to its pairs' rows,
+                 * where the prefetches waited on their misses (0.8 % of a
+                 * layer's samples) */
+                const bool ahead = full && !c_index && i + 1 < tiles;
+                for (moe_index r = 0; ahead && r < TILE_ROWS && m + rows + r < m1; r++)
                     for (moe_index l = 0; l < span; l++)
-                        __builtin_prefetch(C + (m + rows + r) * ldc + n0 + l * PACK_COLS, 1, 3);
+                        __builtin_prefetch(row_of_c(C, ldc, c_index, m + rows + r) + n0 + l * PACK_COLS,
+                                           1, 3);
                 if (span == 2)
-                    wide[rows](K, a, b, b + K * PACK_COLS, c, ldt, &pf);
+                    wide[rows](K, a, b, b + K * PACK_COLS, c, &pf);
                 else
-                    tile[rows](K, a, b, c, ldt, &pf);
+                    tile[rows](K, a, b, c, &pf);
                 if (!full)
                     for (moe_index r = 0; r < rows; r++)
-                        memcpy(C + (m + r) * ldc + n0, part + r * width, sizeof(float) * (size_t)cols);
+                        memcpy(row_of_c(C, ldc, c_index, m + r) + n0, part + r * width,
+                               sizeof(float) * (size_t)cols);
             }
         }
     }
@@ -655,13 +672,13 @@ static void thread_share(moe_index n, moe_index *lo, moe_index *hi)
 
 /* moe_sgemm_packed on the rows A names. */
 static void sgemm_packed(moe_index M, moe_index N, moe_index K, const rows_of_a *A,
-                         const float *Bp, float *C, moe_index ldc)
+                         const float *Bp, float *C, moe_index ldc, const moe_index *c_index)
 {
     if (M == 0 || N == 0)
         return;
     if (K == 0) {
         for (moe_index m = 0; m < M; m++)
-            memset(C + m * ldc, 0, sizeof(float) * (size_t)N);
+            memset(row_of_c(C, ldc, c_index, m), 0, sizeof(float) * (size_t)N);
         return;
     }
     tile_fn *const *tile = packed_tiles();
@@ -672,7 +689,7 @@ static void sgemm_packed(moe_index M, moe_index N, moe_index K, const rows_of_a 
     {
         moe_index p0, p1;
         thread_share(panels, &p0, &p1);
-        packed_columns(tile, wide, M, N, K, A, Bp, C, ldc, p0, p1);
+        packed_columns(tile, wide, M, N, K, A, Bp, C, ldc, c_index, p0, p1);
     }
     sgemm_flops += 2.0 * (double)M * (double)N * (double)K;
 }
@@ -682,7 +699,15 @@ void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe
 {
     check_shape(M, N, K, lda, N, ldc, N);
     const rows_of_a rows = {A, lda, NULL, NULL};
-    sgemm_packed(M, N, K, &rows, Bp, C, ldc);
+    sgemm_packed(M, N, K, &rows, Bp, C, ldc, NULL);
+}
+
+void moe_sgemm_packed_to(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
+                         const float *Bp, float *C, moe_index ldc, const moe_index *c_index)
+{
+    check_shape(M, N, K, lda, N, ldc, N);
+    const rows_of_a rows = {A, lda, NULL, NULL};
+    sgemm_packed(M, N, K, &rows, Bp, C, ldc, c_index);
 }
 
 void moe_sgemm_packed_rows(moe_index M, moe_index N, moe_index K, const float *const *row_at,
@@ -691,7 +716,7 @@ void moe_sgemm_packed_rows(moe_index M, moe_index N, moe_index K, const float *c
     check_shape(M, N, K, K, N, ldc, N);
     MOE_ASSERT(row_at || M == 0);
     const rows_of_a rows = {NULL, K, row_at, index};
-    sgemm_packed(M, N, K, &rows, Bp, C, ldc);
+    sgemm_packed(M, N, K, &rows, Bp, C, ldc, NULL);
 }
 
 /* ---- Transposes ----

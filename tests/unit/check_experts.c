@@ -237,6 +237,24 @@ START_TEST(packed_gemm_is_the_fma_chain)
                 free(rows);
                 free(far);
             }
+            { /* C's rows written anywhere: here in reverse, N + 3 apart, with
+               * the floats between them left alone */
+                const int ldc = N + 3;
+                float *scattered = malloc(sizeof(float) * M * ldc);
+                moe_index *at = malloc(sizeof(moe_index) * M);
+                for (int m = 0; m < M; m++)
+                    at[m] = M - 1 - m;
+                memset(scattered, 0xff, sizeof(float) * M * ldc);
+                moe_sgemm_packed_to(M, N, K, A, K, Bp, scattered, ldc, at);
+                for (int m = 0; m < M; m++) {
+                    const float *row = scattered + at[m] * ldc;
+                    ck_assert_int_eq(memcmp(row, C + m * N, sizeof(float) * N), 0);
+                    for (int j = N; j < ldc; j++)
+                        ck_assert_uint_eq(((const uint32_t *)row)[j], 0xffffffffu);
+                }
+                free(at);
+                free(scattered);
+            }
         }
         moe_sgemm_packed_force(MOE_ISA_WIDEST);
         free(part);
@@ -404,14 +422,25 @@ START_TEST(row_independent_ffn_is_chunk_independent)
             memcpy(far + 2 * index[n] * D, x + n * D, sizeof(float) * D);
         }
         memset(y_chunked, 0xff, sizeof y_chunked);
-        moe_expert_forward_rows(&w, row_at, index, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
+        moe_expert_forward_rows(&w, row_at, index, ROWS, D, F, scratch, y_chunked, NULL, NULL,
+                                &hooks);
         ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
+        /* the outputs written through an index: row n at every other row, in reverse */
+        float spread[2 * ROWS * D];
+        moe_index dest[ROWS];
+        for (int n = 0; n < ROWS; n++)
+            dest[n] = 2 * (ROWS - 1 - n) + 1;
+        memset(spread, 0xff, sizeof spread);
+        moe_expert_forward_rows(&w, row_at, index, ROWS, D, F, scratch, spread, dest, NULL, &hooks);
+        for (int n = 0; n < ROWS; n++)
+            ck_assert_int_eq(memcmp(spread + dest[n] * D, y + n * D, sizeof(float) * D), 0);
         /* and without an index, the table in row order */
         const float *in_order[ROWS];
         for (int n = 0; n < ROWS; n++)
             in_order[n] = row_at[index[n]];
         memset(y_chunked, 0xff, sizeof y_chunked);
-        moe_expert_forward_rows(&w, in_order, NULL, ROWS, D, F, scratch, y_chunked, NULL, &hooks);
+        moe_expert_forward_rows(&w, in_order, NULL, ROWS, D, F, scratch, y_chunked, NULL, NULL,
+                                &hooks);
         ck_assert_int_eq(memcmp(y, y_chunked, sizeof y), 0);
     }
     /* and it computes the FFN: close to the blas path */
