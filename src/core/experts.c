@@ -33,8 +33,9 @@ float moe_exp_fp32(float x)
         const float *up = gate + ffn;                                                       \
         moe_index c = 0;                                                                    \
         for (; c + N <= ffn; c += N)                                                        \
-            *(lanes##N##_unaligned *)(act + c) = swiglu##N(                                 \
-                *(const lanes##N##_unaligned *)(gate + c), *(const lanes##N##_unaligned *)(up + c)); \
+            *(lanes##N##_unaligned *)(act + c) =                                            \
+                swiglu##N(*(const lanes##N##_unaligned *)(gate + c),                        \
+                          *(const lanes##N##_unaligned *)(up + c));                         \
         if (c < ffn) {                                                                      \
             lanes##N g = {0}, u = {0};                                                      \
             for (moe_index i = c; i < ffn; i++) {                                           \

@@ -324,7 +324,8 @@ static inline void portable_rows(const int R, moe_index K, const float *const a[
  * constant: each R its own function below, its accumulators in registers). */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void narrow_rows(const int R, moe_index K, const float *const a[TILE_ROWS],
-                               const float *b, float *const c[TILE_ROWS], const prefetch_share *share)
+                               const float *b, float *const c[TILE_ROWS],
+                               const prefetch_share *share)
 {
     prefetch_share pf = *share;
     __m256 acc[TILE_ROWS][2];
@@ -642,8 +643,7 @@ static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_inde
                 const bool ahead = full && !c_index && i + 1 < tiles;
                 for (moe_index r = 0; ahead && r < TILE_ROWS && m + rows + r < m1; r++)
                     for (moe_index l = 0; l < span; l++)
-                        __builtin_prefetch(row_of_c(C, ldc, c_index, m + rows + r) + n0 + l * PACK_COLS,
-                                           1, 3);
+                        __builtin_prefetch(C + (m + rows + r) * ldc + n0 + l * PACK_COLS, 1, 3);
                 if (span == 2)
                     wide[rows](K, a, b, b + K * PACK_COLS, c, &pf);
                 else
