@@ -18,7 +18,9 @@ typedef float lanes8 __attribute__((vector_size(32)));
 typedef float lanes16 __attribute__((vector_size(64)));
 /* The helpers below pass vectors by value. They are always inlined: a
  * call from the avx2 clone to a helper compiled for the default target
- * would pass the vectors in a different way than the helper expects. */
+ * would pass the vectors in a different way than the helper expects.
+ * (GCC's note at each definition that this ABI changed in 4.6 is beyond
+ * the pragma's reach: configure adds -Wno-psabi for the library.) */
 #pragma GCC diagnostic ignored "-Wpsabi"
 #define LANES_INLINE static inline __attribute__((always_inline))
 typedef float lanes8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
