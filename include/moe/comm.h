@@ -63,6 +63,21 @@ void moe_comm_start(moe_comm *c);
  * OMP_NUM_THREADS in the environment wins. */
 int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm);
 
+/* A library call's threads: the caller's process is not the library's,
+ * so its OpenMP and BLAS thread counts are borrowed for the call and given
+ * back after it. moe_comm_threads_borrow sets them as the program would,
+ * to c->threads (the rank's share of the host's cores, moe_comm_attach)
+ * and the OpenMP team as moe_comm_threads_for does, each unless its
+ * environment variable is set, and returns what it changed (0: unchanged)
+ * for moe_comm_threads_return. Unset, every rank's OpenMP team and
+ * OpenBLAS took all the host's cores: with two ranks on two cores a
+ * training step ran 3-5 times as long. */
+typedef struct {
+    int omp, blas;
+} moe_thread_settings;
+moe_thread_settings moe_comm_threads_borrow(const moe_comm *c, enum moe_gemm_kind gemm);
+void moe_comm_threads_return(const moe_thread_settings *was);
+
 /* MPI_Finalize, when MPI was started. */
 void moe_comm_finalize(void);
 

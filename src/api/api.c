@@ -81,6 +81,15 @@ static void end_job(const moe_status *st, void *arg)
     moe_recovery was_ __attribute__((cleanup(restore))) =                                    \
         moe_recovery_set((moe_recovery){.end = end_job, .arg = (void *)&(comm)})
 
+/* A context's collective call runs on the rank's share of the host's
+ * cores, the caller's thread counts given back when it returns
+ * (moe_comm_threads_borrow). */
+static void threads_back(moe_thread_settings *was) { moe_comm_threads_return(was); }
+
+#define THREADS_HERE(ctx)                                                                    \
+    moe_thread_settings threads_ __attribute__((cleanup(threads_back))) =                    \
+        moe_comm_threads_borrow(&(ctx)->comm, (ctx)->cfg.gemm)
+
 static int bad(char *error, const char *fmt, const char *what)
 {
     moe_status st = {0};
@@ -654,6 +663,7 @@ int moe_ep_context_new(moe_ep_config *c, MPI_Comm comm, moe_ep_context **out)
     MPI_Comm dup;
     MOE_MPI(MPI_Comm_dup(comm, &dup));
     moe_comm_attach(&ctx->comm, dup);
+    THREADS_HERE(ctx);
     moe_status st = {0};
     if (moe_config_settle(&ctx->cfg, &ctx->comm, MOE_CMD_RUN, library_checks, NULL, &st) ==
             MOE_EXIT_OK &&
@@ -697,6 +707,7 @@ int moe_ep_context_route(moe_ep_context *ctx, const float *x, int32_t *ids, floa
     moe_status st = {0};
     if (check_finite("x", x, ctx->cfg.tokens, ctx->cfg.hidden, &st))
         return verdict(&st, ctx->error);
+    THREADS_HERE(ctx);
     const moe_index T = ctx->cfg.tokens, E = ctx->cfg.experts;
     float *logits = moe_xmalloc(sizeof(float) * (size_t)(2 * T * E));
     moe_ep_route(&ctx->ep, x, logits, logits + T * E, ids, weights);
@@ -711,6 +722,7 @@ int moe_ep_context_forward(moe_ep_context *ctx, const float *x, const int32_t *i
     if (!ctx)
         return MOE_EP_BAD_INPUT;
     END_JOB_HERE(ctx->comm.comm);
+    THREADS_HERE(ctx);
     moe_status st = {0};
     const char *null = !x ? "x" : !ids ? "ids" : !weights ? "weights" : !y ? "y" : NULL;
     if (null)
@@ -750,6 +762,7 @@ int moe_ep_context_backward(moe_ep_context *ctx, const float *x, const float *dy
     if (!ctx)
         return MOE_EP_BAD_INPUT;
     END_JOB_HERE(ctx->comm.comm);
+    THREADS_HERE(ctx);
     moe_status st = {0};
     const moe_config *cfg = &ctx->cfg;
     const moe_index T = cfg->tokens, d = cfg->hidden, f = cfg->ffn, k = cfg->topk;
@@ -806,6 +819,7 @@ static int dump(moe_ep_context *ctx, const char *call, const float *x, const flo
     if (!ctx)
         return MOE_EP_BAD_INPUT;
     END_JOB_HERE(ctx->comm.comm);
+    THREADS_HERE(ctx);
     moe_status st = {0};
     const bool training = ctx->ep.path->training, backward = strcmp(call, "moe_ep_context_dump");
     const char *null = !x ? "x" : !dir ? "dir" : backward && !dy ? "dy" : NULL;

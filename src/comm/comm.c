@@ -36,6 +36,18 @@ static void own_cores(moe_comm *c)
 #endif
 }
 
+/* Ranks on one machine share its cores: more threads than cores would make
+ * the threads fight (and time-slice) instead of adding speed; so would more
+ * threads than the cores a rank is bound to. A rank's share: the cores
+ * over the host's ranks, at most its binding, at least one. */
+static int core_share(const moe_comm *c)
+{
+    int threads = c->cores / c->ranks_on_host;
+    if (threads > c->bound)
+        threads = c->bound;
+    return threads < 1 ? 1 : threads;
+}
+
 void moe_comm_attach(moe_comm *c, MPI_Comm comm)
 {
     c->comm = comm;
@@ -68,6 +80,7 @@ void moe_comm_attach(moe_comm *c, MPI_Comm comm)
     int least;
     MOE_MPI(MPI_Allreduce(&c->bound, &least, 1, MPI_INT, MPI_MIN, comm));
     c->bound = least;
+    c->threads = core_share(c);
 }
 
 /* The name of the MPI function in a call's text: "MPI_Alltoallv(...)". */
@@ -135,23 +148,15 @@ void moe_comm_init(int *argc, char ***argv, moe_comm *c)
     moe_message_rank = c->rank;
     moe_fatal = abort_world;
 
-    /* Ranks on one machine share its cores: more threads than cores would
-     * make BLAS threads fight (and time-slice) instead of adding speed; so
-     * would more threads than the cores a rank is bound to. */
-    int threads = c->cores / c->ranks_on_host;
-    if (threads > c->bound)
-        threads = c->bound;
-    if (threads < 1)
-        threads = 1;
+    /* The process is the program's own: its threads stay set. */
     const char *omp = getenv("OMP_NUM_THREADS");
     const char *blas = getenv("OPENBLAS_NUM_THREADS");
 #ifdef _OPENMP
     if (!omp || !*omp)
-        omp_set_num_threads(threads);
+        omp_set_num_threads(c->threads);
     c->threads = omp_get_max_threads();
 #else
     (void)omp;
-    c->threads = threads;
 #endif
     if (!blas || !*blas)
         moe_gemm_set_threads(c->threads);
@@ -185,6 +190,37 @@ void moe_comm_start(moe_comm *c)
 {
     if (c->comm == MPI_COMM_NULL)
         moe_comm_init(NULL, NULL, c);
+}
+
+moe_thread_settings moe_comm_threads_borrow(const moe_comm *c, enum moe_gemm_kind gemm)
+{
+    moe_thread_settings was = {0, 0};
+    const char *blas = getenv("OPENBLAS_NUM_THREADS");
+    if ((!blas || !*blas) && moe_gemm_threads() != c->threads) {
+        was.blas = moe_gemm_threads();
+        moe_gemm_set_threads(c->threads);
+    }
+#ifdef _OPENMP
+    const char *omp = getenv("OMP_NUM_THREADS");
+    const int team = gemm == MOE_GEMM_BLAS && moe_gemm_threads() > 1 ? 1 : c->threads;
+    if ((!omp || !*omp) && omp_get_max_threads() != team) {
+        was.omp = omp_get_max_threads();
+        omp_set_num_threads(team);
+    }
+#else
+    (void)gemm;
+#endif
+    return was;
+}
+
+void moe_comm_threads_return(const moe_thread_settings *was)
+{
+#ifdef _OPENMP
+    if (was->omp)
+        omp_set_num_threads(was->omp);
+#endif
+    if (was->blas)
+        moe_gemm_set_threads(was->blas);
 }
 
 int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm)

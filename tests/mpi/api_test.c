@@ -17,6 +17,9 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static int rank, failed, cases;
 static char work[64] = "/tmp/moe-ep-api.XXXXXX";
@@ -198,6 +201,14 @@ int main(int argc, char **argv)
     expect("the truth of an infinite token value", moe_ep_truth(c, 2, x, ids, w, s.tokens, t),
            MOE_EP_BAD_INPUT, moe_ep_config_error(c), "x[0][5] is not finite");
     moe_ep_config_tokens(c, rank, x);
+#ifdef _OPENMP
+    /* a context's call runs on the rank's share of the host's cores and
+     * gives the caller's OpenMP threads back */
+    omp_set_num_threads(7);
+    expect("a forward", moe_ep_context_forward(ctx, x, ids, w, y), MOE_EP_OK,
+           moe_ep_context_error(ctx), "");
+    expect("the caller's OpenMP threads after it", omp_get_max_threads(), 7, "", "");
+#endif
 
     /* a dump refused before it runs, nothing left behind */
     char path[4096];

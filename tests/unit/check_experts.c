@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* check_experts.c — the SwiGLU FFN against a naive loop, and the comparison. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <float.h>
 #include <math.h>
 #include <signal.h>
@@ -10,6 +11,7 @@
 #include <omp.h>
 #endif
 
+#include "moe/comm.h"
 #include "moe/exp.h"
 #include "moe/experts.h"
 #include "moe/gemm.h"
@@ -357,6 +359,37 @@ END_TEST
 
 #ifdef _OPENMP
 /* Threads split the columns; the bits do not change. */
+/* A library call borrows the caller's thread counts (moe_comm_threads_borrow;
+ * only the comm's share is read, no MPI): set to the share where the
+ * environment does not name them, OpenMP on one thread beside a
+ * multithreaded OpenBLAS, and given back as they were. */
+START_TEST(library_calls_borrow_the_threads_and_give_them_back)
+{
+    const moe_comm c = {.threads = 2};
+    unsetenv("OMP_NUM_THREADS");
+    unsetenv("OPENBLAS_NUM_THREADS");
+    omp_set_num_threads(5);
+    moe_gemm_set_threads(1);
+    moe_thread_settings was = moe_comm_threads_borrow(&c, MOE_GEMM_PACKED);
+    ck_assert_int_eq(omp_get_max_threads(), 2);
+    ck_assert_int_eq(moe_gemm_threads(), 2);
+    moe_comm_threads_return(&was);
+    ck_assert_int_eq(omp_get_max_threads(), 5);
+    ck_assert_int_eq(moe_gemm_threads(), 1);
+    was = moe_comm_threads_borrow(&c, MOE_GEMM_BLAS); /* OpenBLAS's threads do the GEMMs */
+    ck_assert_int_eq(omp_get_max_threads(), 1);
+    moe_comm_threads_return(&was);
+    ck_assert_int_eq(omp_get_max_threads(), 5);
+    setenv("OMP_NUM_THREADS", "3", 1); /* the environment's word stands */
+    setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    was = moe_comm_threads_borrow(&c, MOE_GEMM_PACKED);
+    ck_assert_int_eq(omp_get_max_threads(), 5);
+    ck_assert_int_eq(moe_gemm_threads(), 1);
+    moe_comm_threads_return(&was);
+    ck_assert_int_eq(omp_get_max_threads(), 5);
+}
+END_TEST
+
 START_TEST(packed_gemm_is_thread_independent)
 {
     enum { M = 50, N = 200, K = 70 };
@@ -932,6 +965,7 @@ Suite *make_experts_suite(void)
     tcase_add_test(tc, packed_t_is_packed_on_the_transposed_operand);
 #ifdef _OPENMP
     tcase_add_test(tc, packed_gemm_is_thread_independent);
+    tcase_add_test(tc, library_calls_borrow_the_threads_and_give_them_back);
 #endif
     tcase_add_loop_test(tc, row_independent_ffn_is_chunk_independent, 0, 2);
     tcase_add_test(tc, exp_fp32_is_within_2_ulp_and_handles_the_edges);
