@@ -132,13 +132,16 @@ static void abort_world(const moe_status *st)
 void moe_comm_init(int *argc, char ***argv, moe_comm *c)
 {
     /* The wave path keeps its large buffers across forwards (ep.h), so a
-     * forward neither allocates nor faults pages in. For a library caller,
+     * forward neither allocates nor faults pages in. For a process that
+     * starts MPI here without the program's main (the MPI test programs),
      * everything else large is mmap'd and handed back when freed, at a
      * fixed threshold (glibc would otherwise raise it as large blocks are
      * freed and keep them in the heap): the resident memory is then what
      * is live. The moe-ep program turns the mappings off before this
      * (main.c: a training step's freed buffers stay in the heap for the
-     * next step), so that there this threshold has no effect. */
+     * next step), so that there this threshold has no effect. A library
+     * caller starts MPI itself and keeps its own allocator's settings
+     * (moe-ep.h, at moe_ep_context_backward). */
     mallopt(M_MMAP_THRESHOLD, 1 << 20);
     /* The progress thread (--progress thread) serialises its MPI calls with
      * the compute thread's, so SERIALIZED suffices; ask for MULTIPLE, which
