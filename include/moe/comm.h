@@ -68,10 +68,10 @@ int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm);
  * back after it. moe_comm_threads_borrow sets them as the program would,
  * to c->threads (the rank's share of the host's cores, moe_comm_attach)
  * and the OpenMP team as moe_comm_threads_for does, each unless its
- * environment variable is set, and returns what it changed (0: unchanged)
- * for moe_comm_threads_return. Unset, every rank's OpenMP team and
- * OpenBLAS took all the host's cores: with two ranks on two cores a
- * training step ran 3-5 times as long. */
+ * environment variable is set, and returns the caller's counts it set (0:
+ * one it left alone) for moe_comm_threads_return. Unset, every rank's
+ * OpenMP team and OpenBLAS took all the host's cores: with two ranks on
+ * two cores a training step ran 3-5 times as long. */
 typedef struct {
     int omp, blas;
 } moe_thread_settings;

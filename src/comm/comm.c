@@ -198,6 +198,10 @@ void moe_comm_start(moe_comm *c)
 moe_thread_settings moe_comm_threads_borrow(const moe_comm *c, enum moe_gemm_kind gemm)
 {
     moe_thread_settings was = {0, 0};
+#ifdef _OPENMP
+    /* read first: an OpenBLAS built on OpenMP sets OpenMP's count with its own */
+    const int omp_before = omp_get_max_threads();
+#endif
     const char *blas = getenv("OPENBLAS_NUM_THREADS");
     if ((!blas || !*blas) && moe_gemm_threads() != c->threads) {
         was.blas = moe_gemm_threads();
@@ -205,10 +209,9 @@ moe_thread_settings moe_comm_threads_borrow(const moe_comm *c, enum moe_gemm_kin
     }
 #ifdef _OPENMP
     const char *omp = getenv("OMP_NUM_THREADS");
-    const int team = gemm == MOE_GEMM_BLAS && moe_gemm_threads() > 1 ? 1 : c->threads;
-    if ((!omp || !*omp) && omp_get_max_threads() != team) {
-        was.omp = omp_get_max_threads();
-        omp_set_num_threads(team);
+    if (!omp || !*omp) {
+        was.omp = omp_before;
+        omp_set_num_threads(gemm == MOE_GEMM_BLAS && moe_gemm_threads() > 1 ? 1 : c->threads);
     }
 #else
     (void)gemm;
@@ -218,12 +221,12 @@ moe_thread_settings moe_comm_threads_borrow(const moe_comm *c, enum moe_gemm_kin
 
 void moe_comm_threads_return(const moe_thread_settings *was)
 {
+    if (was->blas) /* first, for the same reason */
+        moe_gemm_set_threads(was->blas);
 #ifdef _OPENMP
     if (was->omp)
         omp_set_num_threads(was->omp);
 #endif
-    if (was->blas)
-        moe_gemm_set_threads(was->blas);
 }
 
 int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm)

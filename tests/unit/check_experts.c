@@ -358,7 +358,6 @@ START_TEST(packed_t_is_packed_on_the_transposed_operand)
 END_TEST
 
 #ifdef _OPENMP
-/* Threads split the columns; the bits do not change. */
 /* A library call borrows the caller's thread counts (moe_comm_threads_borrow;
  * only the comm's share is read, no MPI): set to the share where the
  * environment does not name them, OpenMP on one thread beside a
@@ -368,8 +367,8 @@ START_TEST(library_calls_borrow_the_threads_and_give_them_back)
     const moe_comm c = {.threads = 2};
     unsetenv("OMP_NUM_THREADS");
     unsetenv("OPENBLAS_NUM_THREADS");
+    moe_gemm_set_threads(1); /* first: an OpenMP OpenBLAS sets OpenMP's count too */
     omp_set_num_threads(5);
-    moe_gemm_set_threads(1);
     moe_thread_settings was = moe_comm_threads_borrow(&c, MOE_GEMM_PACKED);
     ck_assert_int_eq(omp_get_max_threads(), 2);
     ck_assert_int_eq(moe_gemm_threads(), 2);
@@ -390,6 +389,7 @@ START_TEST(library_calls_borrow_the_threads_and_give_them_back)
 }
 END_TEST
 
+/* Threads split the columns; the bits do not change. */
 START_TEST(packed_gemm_is_thread_independent)
 {
     enum { M = 50, N = 200, K = 70 };
