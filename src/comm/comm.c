@@ -48,6 +48,20 @@ static int core_share(const moe_comm *c)
     return threads < 1 ? 1 : threads;
 }
 
+/* Whether the environment names a thread count (OMP_NUM_THREADS,
+ * OPENBLAS_NUM_THREADS): then it wins over the share. */
+static bool env_names(const char *variable)
+{
+    const char *value = getenv(variable);
+    return value && *value;
+}
+
+/* The OpenMP team for expert GEMMs of kind gemm (moe_comm_threads_for). */
+static int team_for(const moe_comm *c, enum moe_gemm_kind gemm)
+{
+    return gemm == MOE_GEMM_BLAS && moe_gemm_threads() > 1 ? 1 : c->threads;
+}
+
 void moe_comm_attach(moe_comm *c, MPI_Comm comm)
 {
     c->comm = comm;
@@ -152,16 +166,12 @@ void moe_comm_init(int *argc, char ***argv, moe_comm *c)
     moe_fatal = abort_world;
 
     /* The process is the program's own: its threads stay set. */
-    const char *omp = getenv("OMP_NUM_THREADS");
-    const char *blas = getenv("OPENBLAS_NUM_THREADS");
 #ifdef _OPENMP
-    if (!omp || !*omp)
+    if (!env_names("OMP_NUM_THREADS"))
         omp_set_num_threads(c->threads);
     c->threads = omp_get_max_threads();
-#else
-    (void)omp;
 #endif
-    if (!blas || !*blas)
+    if (!env_names("OPENBLAS_NUM_THREADS"))
         moe_gemm_set_threads(c->threads);
 }
 
@@ -202,16 +212,14 @@ moe_thread_settings moe_comm_threads_borrow(const moe_comm *c, enum moe_gemm_kin
     /* read first: an OpenBLAS built on OpenMP sets OpenMP's count with its own */
     const int omp_before = omp_get_max_threads();
 #endif
-    const char *blas = getenv("OPENBLAS_NUM_THREADS");
-    if ((!blas || !*blas) && moe_gemm_threads() != c->threads) {
+    if (!env_names("OPENBLAS_NUM_THREADS") && moe_gemm_threads() != c->threads) {
         was.blas = moe_gemm_threads();
         moe_gemm_set_threads(c->threads);
     }
 #ifdef _OPENMP
-    const char *omp = getenv("OMP_NUM_THREADS");
-    if (!omp || !*omp) {
+    if (!env_names("OMP_NUM_THREADS")) {
         was.omp = omp_before;
-        omp_set_num_threads(gemm == MOE_GEMM_BLAS && moe_gemm_threads() > 1 ? 1 : c->threads);
+        omp_set_num_threads(team_for(c, gemm));
     }
 #else
     (void)gemm;
@@ -232,9 +240,8 @@ void moe_comm_threads_return(const moe_thread_settings *was)
 int moe_comm_threads_for(const moe_comm *c, enum moe_gemm_kind gemm)
 {
 #ifdef _OPENMP
-    const char *omp = getenv("OMP_NUM_THREADS");
-    if (!omp || !*omp)
-        omp_set_num_threads(gemm == MOE_GEMM_BLAS && moe_gemm_threads() > 1 ? 1 : c->threads);
+    if (!env_names("OMP_NUM_THREADS"))
+        omp_set_num_threads(team_for(c, gemm));
     return omp_get_max_threads();
 #else
     (void)gemm;
