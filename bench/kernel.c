@@ -212,13 +212,12 @@ static void run_ffn(const ffn_shape *x, int mode, int e)
     case FFN_FORWARD:
         moe_expert_forward(&w, MOE_GEMM_PACKED, x->s->A, M, d, f, x->h, x->y, NULL, NULL);
         return;
-    default:
-        if (mode == FFN_SCATTER) /* straight to the pairs' rows, as the experts stage does */
-            moe_expert_forward_rows(&w, x->row_at, x->index + (size_t)e * (size_t)M, M, d, f, x->h,
-                                    x->out, x->pair + (size_t)e * (size_t)M, NULL, NULL);
-        else
-            moe_expert_forward_rows(&w, x->row_at, x->index + (size_t)e * (size_t)M, M, d, f, x->h,
-                                    x->y, NULL, NULL, NULL);
+    default: { /* FFN_SCATTER: straight to the pairs' rows, as the experts stage does */
+        const bool to_pairs = mode == FFN_SCATTER;
+        moe_expert_forward_rows(&w, x->row_at, x->index + (size_t)e * (size_t)M, M, d, f, x->h,
+                                to_pairs ? x->out : x->y,
+                                to_pairs ? x->pair + (size_t)e * (size_t)M : NULL, NULL, NULL);
+    }
     }
 }
 

@@ -580,13 +580,14 @@ static const float *row_of(const rows_of_a *a, moe_index m)
     return a->row_at[a->index ? a->index[m] : m];
 }
 
-/* Panels [p0, p1) of C, all rows: two whole panels at a time with the wide
- * tiles (when not NULL; wide[r] for r rows), else one (tile[r]). */
 /* C's row m: C + c_index[m] * ldc (c_index NULL: C + m * ldc). */
 static inline float *row_of_c(float *C, moe_index ldc, const moe_index *c_index, moe_index m)
 {
     return C + (c_index ? c_index[m] : m) * ldc;
 }
+
+/* Panels [p0, p1) of C, all rows: two whole panels at a time with the wide
+ * tiles (when not NULL; wide[r] for r rows), else one (tile[r]). */
 
 static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_index M, moe_index N,
                            moe_index K, const rows_of_a *A, const float *Bp, float *C,
@@ -697,9 +698,7 @@ static void sgemm_packed(moe_index M, moe_index N, moe_index K, const rows_of_a 
 void moe_sgemm_packed(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
                       const float *Bp, float *C, moe_index ldc)
 {
-    check_shape(M, N, K, lda, N, ldc, N);
-    const rows_of_a rows = {A, lda, NULL, NULL};
-    sgemm_packed(M, N, K, &rows, Bp, C, ldc, NULL);
+    moe_sgemm_packed_to(M, N, K, A, lda, Bp, C, ldc, NULL);
 }
 
 void moe_sgemm_packed_to(moe_index M, moe_index N, moe_index K, const float *A, moe_index lda,
