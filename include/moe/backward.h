@@ -69,6 +69,18 @@ typedef struct {
 moe_expert_grad_work moe_expert_grad_work_alloc(moe_index n, moe_index hidden, moe_index ffn);
 void moe_expert_grad_work_free(moe_expert_grad_work *w);
 
+/* The same work in a block of moe_expert_grad_work_bytes the caller holds
+ * (its dH is the block). */
+static inline size_t moe_expert_grad_work_bytes(moe_index n, moe_index ffn)
+{
+    return sizeof(float) * (size_t)(n * 3 * ffn) + 1;
+}
+
+static inline moe_expert_grad_work moe_expert_grad_work_in(float *block, moe_index n, moe_index ffn)
+{
+    return (moe_expert_grad_work){block, block + n * 2 * ffn};
+}
+
 /* The same arrays from row `first` on: a block's or an expert's part of a
  * larger batch. */
 static inline moe_expert_grad_work moe_expert_grad_work_rows(const moe_expert_grad_work *w,

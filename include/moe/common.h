@@ -139,6 +139,34 @@ typedef struct {
 void *moe_buffer_fit(moe_buffer *b, size_t bytes, const char *what, int rank, moe_status *st);
 void moe_buffer_free(moe_buffer *b);
 
+/* Blocks kept across calls that take and give back the same sizes each
+ * time (a forward's, a training step's large buffers), so that a loop of
+ * calls does not hand them to the system and fault them in again.
+ * moe_pool_take hands out the smallest idle block moe_buffer_fit would keep
+ * for `bytes`, or else a new one, after freeing the idle blocks smaller
+ * than `bytes` (their memory goes back to the heap rather than sitting
+ * idle beside the new block); failure as moe_try_malloc. moe_pool_give
+ * takes a block back, idle (a pointer the pool did not hand out is freed;
+ * NULL does nothing; an idle block given again is an internal error, as a
+ * double free). pool NULL: moe_try_malloc and free. The contents are not
+ * kept. One thread takes and gives. */
+typedef struct {
+    moe_buffer buffer;
+    bool busy;
+} moe_pool_block;
+
+typedef struct {
+    moe_pool_block *block;
+    int n;
+} moe_pool;
+
+void *moe_pool_take(moe_pool *pool, size_t bytes, const char *what, int rank, moe_status *st);
+/* moe_pool_take that ends the run as moe_xmalloc does when memory runs out. */
+#define moe_pool_xtake(pool, bytes) moe_pool_take_check((pool), (bytes), __FILE__, __LINE__)
+void *moe_pool_take_check(moe_pool *pool, size_t bytes, const char *file, int line);
+void moe_pool_give(moe_pool *pool, void *data);
+void moe_pool_free(moe_pool *pool);
+
 /* A 64-bit digest of n bytes (four FNV-1a chains over interleaved 8-byte
  * words, combined, then the tail words and bytes): enough to tell whether
  * two outputs are the same bits. */

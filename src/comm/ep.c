@@ -227,6 +227,7 @@ void moe_ep_free(moe_ep *ep)
         moe_buffer_free(&work->slot_rows);
         moe_buffer_free(&work->x_scratch);
         moe_buffer_free(&work->shared_out);
+        moe_pool_free(&work->pool);
         free(work);
         ep->work = NULL;
     }

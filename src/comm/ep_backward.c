@@ -92,6 +92,7 @@ enum { SEND, SEND_AT, RECV, RECV_AT, COUNT_ARRAYS };
 enum { HOME_ROWS, HOME_PAIRS, IN_ROWS, IN_PAIRS, SPLITS };
 
 typedef struct {
+    moe_pool *pool;         /* where the large buffers below come from (the workspace's) */
     moe_progress *progress; /* NULL: blocking */
     const moe_link *link;   /* the emulated links, or NULL */
     moe_trace *trace;       /* this rank's events are appended here; NULL: none */
@@ -665,7 +666,8 @@ static void bwd_open(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED;
     const moe_index pairs = f->recv.pairs, pairs_out = f->send.pair_offset[G];
     const int W = sched ? sched->waves : 1, ops = 2 * W;
-    *b = (bwd_run){.progress = sched ? progress : NULL,
+    *b = (bwd_run){.pool = ep->work ? &ep->work->pool : NULL,
+                   .progress = sched ? progress : NULL,
                    .link = sched ? moe_schedule_link(ep, sched) : NULL,
                    .trace = sched ? sched->trace : NULL,
                    .serial = sched && sched->serial,
@@ -684,17 +686,21 @@ static void bwd_open(const moe_ep *ep, const moe_schedule *sched, const moe_ref_
     MOE_MPI(MPI_Type_commit(&b->row));
     if (sched) /* after the MPI calls above: a progress thread may run from here */
         moe_progress_init(progress, sched->progress, ops + (paired ? 2 : 0));
-    b->send_dy = moe_xmalloc(sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
-    b->dy_in = moe_xmalloc(sizeof(float) * (size_t)(f->rows_in * d) + 1);
-    b->work = moe_expert_grad_work_alloc(pairs, d, ff);
-    b->pair_dx = !reduced || capture ? moe_xmalloc(sizeof(float) * (size_t)(pairs * d) + 1) : NULL;
-    b->pair_dg = moe_xmalloc(sizeof(float) * (size_t)pairs + 1);
+    b->send_dy = moe_pool_xtake(b->pool, sizeof(float) * (size_t)(f->send.row_offset[G] * d) + 1);
+    b->dy_in = moe_pool_xtake(b->pool, sizeof(float) * (size_t)(f->rows_in * d) + 1);
+    b->work = moe_expert_grad_work_in(moe_pool_xtake(b->pool, moe_expert_grad_work_bytes(pairs, ff)),
+                                      pairs, ff);
+    b->pair_dx = !reduced || capture ? moe_pool_xtake(b->pool, sizeof(float) * (size_t)(pairs * d) + 1) : NULL;
+    b->pair_dg = moe_pool_xtake(b->pool, sizeof(float) * (size_t)pairs + 1);
     /* fp32 on the wire */
-    b->sums = reduced ? moe_xcalloc((size_t)(f->rows_in * d) + 1, sizeof(float)) : NULL;
+    if (reduced) {
+        b->sums = moe_pool_xtake(b->pool, sizeof(float) * (size_t)(f->rows_in * d) + 1);
+        memset(b->sums, 0, sizeof(float) * (size_t)(f->rows_in * d));
+    }
     const moe_index back_rows = reduced ? f->send.row_offset[G] : pairs_out;
-    b->back = moe_xmalloc(sizeof(float) * (size_t)(back_rows * d) + 1);
-    b->dg_back = moe_xmalloc(sizeof(float) * (size_t)pairs_out + 1);
-    b->shared_dx = cfg->shared_experts > 0 ? moe_xmalloc(sizeof(float) * (size_t)(T * d)) : NULL;
+    b->back = moe_pool_xtake(b->pool, sizeof(float) * (size_t)(back_rows * d) + 1);
+    b->dg_back = moe_pool_xtake(b->pool, sizeof(float) * (size_t)pairs_out + 1);
+    b->shared_dx = cfg->shared_experts > 0 ? moe_pool_xtake(b->pool, sizeof(float) * (size_t)(T * d)) : NULL;
     plan_waves(ep, f, ids, b);
     const double t0 = moe_stage_begin();
     moe_gather_rows(dy, d, f->send.row_token, f->send.row_offset[G], b->send_dy);
@@ -717,7 +723,7 @@ static void bwd_data_waves(const moe_ep *ep, const moe_ref_forward *f, bwd_run *
             finish(b, op_combine(w), bwd, MOE_BWD_COMBINE);
         }
         if (w1 == W) { /* every combine backward is in: dy as sent is done with */
-            free(b->send_dy);
+            moe_pool_give(b->pool, b->send_dy);
             b->send_dy = NULL;
         }
         experts_dgrad(ep, f, b, w0, w1, bwd);
@@ -773,15 +779,15 @@ static void bwd_home(const moe_ep *ep, const moe_ref_forward *f, const float *x,
 
 static void bwd_free(bwd_run *b)
 {
-    free(b->shared_dx);
-    free(b->dg_back);
-    free(b->back);
-    free(b->sums);
-    free(b->pair_dg);
-    free(b->pair_dx);
-    moe_expert_grad_work_free(&b->work);
-    free(b->dy_in);
-    free(b->send_dy);
+    moe_pool_give(b->pool, b->shared_dx);
+    moe_pool_give(b->pool, b->dg_back);
+    moe_pool_give(b->pool, b->back);
+    moe_pool_give(b->pool, b->sums);
+    moe_pool_give(b->pool, b->pair_dg);
+    moe_pool_give(b->pool, b->pair_dx);
+    moe_pool_give(b->pool, b->work.dH);
+    moe_pool_give(b->pool, b->dy_in);
+    moe_pool_give(b->pool, b->send_dy);
     MOE_MPI(MPI_Type_free(&b->row));
     free(b->row_wave);
     free(b->split_at);

@@ -121,15 +121,15 @@ static void ref_plan(const moe_ep *ep, const int32_t *ids, moe_ref_forward *f,
     const size_t row = f->dispatch_wire.bytes, out = f->combine_wire.bytes;
     const bool reduced = cfg->combine == MOE_COMBINE_REDUCED; /* one row back per row sent */
     const moe_index back = reduced ? rows_out : f->send.pair_offset[G];
-    f->send_rows = moe_try_malloc(row * (size_t)rows_out, "the dispatch send buffer", c->rank, local);
-    f->send_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(rows_out * words), "the dispatch ids", c->rank, local);
-    f->recv_rows = moe_try_malloc(row * (size_t)f->rows_in, "the dispatch receive buffer", c->rank, local);
-    f->recv_meta = moe_try_malloc(sizeof(int32_t) * (size_t)(f->rows_in * words), "the received ids", c->rank, local);
-    f->back = moe_try_malloc(out * (size_t)back, "the combine receive buffer", c->rank, local);
+    f->send_rows = moe_pool_take(f->pool, row * (size_t)rows_out, "the dispatch send buffer", c->rank, local);
+    f->send_meta = moe_pool_take(f->pool, sizeof(int32_t) * (size_t)(rows_out * words), "the dispatch ids", c->rank, local);
+    f->recv_rows = moe_pool_take(f->pool, row * (size_t)f->rows_in, "the dispatch receive buffer", c->rank, local);
+    f->recv_meta = moe_pool_take(f->pool, sizeof(int32_t) * (size_t)(f->rows_in * words), "the received ids", c->rank, local);
+    f->back = moe_pool_take(f->pool, out * (size_t)back, "the combine receive buffer", c->rank, local);
     if (f->dispatch_wire.dtype != MOE_DTYPE_FP32)
-        f->recv_decoded = moe_try_malloc(sizeof(float) * (size_t)(f->rows_in * d), "the decoded rows", c->rank, local);
+        f->recv_decoded = moe_pool_take(f->pool, sizeof(float) * (size_t)(f->rows_in * d), "the decoded rows", c->rank, local);
     if (f->combine_wire.dtype != MOE_DTYPE_FP32)
-        f->back_decoded = moe_try_malloc(sizeof(float) * (size_t)(back * d), "the decoded outputs", c->rank, local);
+        f->back_decoded = moe_pool_take(f->pool, sizeof(float) * (size_t)(back * d), "the decoded outputs", c->rank, local);
     moe_stage_end(&stats->seconds[MOE_STAGE_PLAN], t);
 }
 
@@ -200,18 +200,18 @@ static void ref_plan_receive(const moe_ep *ep, moe_ref_forward *f, moe_forward_s
     moe_stage_end(&stats->seconds[MOE_STAGE_PLAN], t);
     const moe_index most = moe_ep_largest_batch(&f->recv);
     const int rank = ep->comm.rank;
-    f->expert_out = moe_try_malloc(sizeof(float) * (size_t)(f->recv.pairs * d), "the expert outputs", rank, local);
+    f->expert_out = moe_pool_take(f->pool, sizeof(float) * (size_t)(f->recv.pairs * d), "the expert outputs", rank, local);
     const bool reduced = ep->cfg->combine == MOE_COMBINE_REDUCED;
     const moe_index back = reduced ? f->rows_in : f->recv.pairs; /* rows that travel back */
     if (reduced)
-        f->sums = moe_try_malloc(sizeof(float) * (size_t)(f->rows_in * d) + 1, "the sums", rank, local);
+        f->sums = moe_pool_take(f->pool, sizeof(float) * (size_t)(f->rows_in * d) + 1, "the sums", rank, local);
     f->out_wire = f->combine_wire.dtype == MOE_DTYPE_FP32 && !reduced
                       ? (uint8_t *)f->expert_out
                       : f->combine_wire.dtype == MOE_DTYPE_FP32
                             ? (uint8_t *)f->sums
-                            : moe_try_malloc(f->combine_wire.bytes * (size_t)back + 1, "the combine send buffer", rank, local);
-    f->expert_in = moe_try_malloc(sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", rank, local);
-    f->scratch = moe_try_malloc(sizeof(float) * (size_t)(most * 2 * f_size), "expert activations", rank, local);
+                            : moe_pool_take(f->pool, f->combine_wire.bytes * (size_t)back + 1, "the combine send buffer", rank, local);
+    f->expert_in = moe_pool_take(f->pool, sizeof(float) * (size_t)(most * MOE_EXPERT_WORK_FLOATS(d)), "expert rows", rank, local);
+    f->scratch = moe_pool_take(f->pool, sizeof(float) * (size_t)(most * 2 * f_size), "expert activations", rank, local);
 }
 
 /* Stage experts: one FFN call per local expert, rows in global token order. */
@@ -309,15 +309,15 @@ static void ref_reduce(const moe_ep *ep, moe_ref_forward *f, const float *x, con
 
 void moe_ep_ref_release(moe_ref_forward *f)
 {
-    free(f->scratch);
-    free(f->expert_in);
+    moe_pool_give(f->pool, f->scratch);
+    moe_pool_give(f->pool, f->expert_in);
     if (f->out_wire != (uint8_t *)f->expert_out && f->out_wire != (uint8_t *)f->sums)
-        free(f->out_wire);
-    free(f->sums);
-    free(f->back_decoded);
-    free(f->back);
-    free(f->send_meta);
-    free(f->send_rows);
+        moe_pool_give(f->pool, f->out_wire);
+    moe_pool_give(f->pool, f->sums);
+    moe_pool_give(f->pool, f->back_decoded);
+    moe_pool_give(f->pool, f->back);
+    moe_pool_give(f->pool, f->send_meta);
+    moe_pool_give(f->pool, f->send_rows);
     f->scratch = f->expert_in = f->sums = f->back_decoded = NULL;
     f->out_wire = f->back = f->send_rows = NULL;
     f->send_meta = NULL;
@@ -326,11 +326,11 @@ void moe_ep_ref_release(moe_ref_forward *f)
 void moe_ep_ref_free(moe_ref_forward *f)
 {
     moe_ep_ref_release(f);
-    free(f->expert_out);
-    free(f->recv_decoded);
+    moe_pool_give(f->pool, f->expert_out);
+    moe_pool_give(f->pool, f->recv_decoded);
     moe_recv_plan_free(&f->recv);
-    free(f->recv_meta);
-    free(f->recv_rows);
+    moe_pool_give(f->pool, f->recv_meta);
+    moe_pool_give(f->pool, f->recv_rows);
     moe_send_plan_free(&f->send);
     free(f->rows_from);
     free(f->counts);
@@ -340,7 +340,8 @@ void moe_ep_ref_free(moe_ref_forward *f)
 static void ref_init(const moe_ep *ep, moe_ref_forward *f, moe_forward_stats *stats)
 {
     const int G = ep->comm.ranks;
-    *f = (moe_ref_forward){.counts = moe_xmalloc(sizeof(int) * (size_t)(4 * G)),
+    *f = (moe_ref_forward){.pool = ep->work ? &ep->work->pool : NULL,
+                           .counts = moe_xmalloc(sizeof(int) * (size_t)(4 * G)),
                            .rows_from = moe_xmalloc(sizeof(moe_index) * (size_t)G)};
     f->send_counts = f->counts;
     f->send_at = f->counts + G;

@@ -65,6 +65,7 @@ struct moe_ep_workspace {
     moe_buffer slot_rows;   /* the reduce table */
     moe_buffer x_scratch;   /* the quantised tokens (--dispatch-dtype) */
     moe_buffer shared_out;  /* the shared experts' outputs (S, T, d) while a pipeline runs them */
+    moe_pool pool;          /* the blocking forward's and the backward's large buffers */
     /* The last wave forward's plans, kept for moe_ep_time_alltoalls. */
     struct moe_wave_state *last;
     int last_waves;
@@ -352,6 +353,7 @@ void moe_pipeline_fill(moe_progress *p, int op, moe_shared_work *w, void (*betwe
 /* One reference forward's plan and buffers on this rank (ep_ref.c): what
  * the blocking backward (ep_backward.c) reads as the forward's saved state. */
 typedef struct {
+    moe_pool *pool;                    /* where the buffers below come from (the workspace's) */
     moe_ep_types types;                /* a row, its meta, an output, as they travel */
     moe_wire dispatch_wire, combine_wire;
     int *counts;                       /* (4, G): the four arrays below */

@@ -87,8 +87,7 @@ void moe_expert_grad_layout_from_forward(enum moe_gemm_kind gemm, moe_index hidd
 moe_expert_grad_work moe_expert_grad_work_alloc(moe_index n, moe_index hidden, moe_index ffn)
 {
     (void)hidden;
-    float *block = moe_xmalloc(sizeof(float) * (size_t)(n * 3 * ffn) + 1);
-    return (moe_expert_grad_work){block, block + n * 2 * ffn};
+    return moe_expert_grad_work_in(moe_xmalloc(moe_expert_grad_work_bytes(n, ffn)), n, ffn);
 }
 
 void moe_expert_grad_work_free(moe_expert_grad_work *w)

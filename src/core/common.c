@@ -171,9 +171,27 @@ double moe_memory_available(void)
     return (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
 }
 
+/* moe_try_malloc's failure: recorded in st (a first failure is kept); NULL. */
+static void *failed(size_t bytes, const char *what, int rank, moe_status *st)
+{
+    if (st->code == MOE_EXIT_OK) {
+        char text[32];
+        moe_fail(st, MOE_EXIT_RUNTIME, "cannot allocate %s for %s on rank %d",
+                 moe_format_bytes((double)bytes, text, sizeof text), what, rank);
+    }
+    return NULL;
+}
+
+/* Whether b's block serves a need of `bytes`: big enough, and not more
+ * than a third larger. */
+static bool keeps(const moe_buffer *b, size_t bytes)
+{
+    return b->data && bytes <= b->bytes && b->bytes - b->bytes / 4 <= bytes;
+}
+
 void *moe_buffer_fit(moe_buffer *b, size_t bytes, const char *what, int rank, moe_status *st)
 {
-    if (b->data && bytes <= b->bytes && b->bytes - b->bytes / 4 <= bytes)
+    if (keeps(b, bytes))
         return b->data;
     moe_buffer_free(b); /* first, so old and new never coexist */
     b->data = moe_try_malloc(bytes, what, rank, st);
@@ -186,6 +204,70 @@ void moe_buffer_free(moe_buffer *b)
     free(b->data);
     b->data = NULL;
     b->bytes = 0;
+}
+
+void *moe_pool_take(moe_pool *pool, size_t bytes, const char *what, int rank, moe_status *st)
+{
+    if (!pool)
+        return moe_try_malloc(bytes, what, rank, st);
+    moe_pool_block *best = NULL, *empty = NULL;
+    for (int n = 0; n < pool->n; n++) {
+        moe_pool_block *b = &pool->block[n];
+        if (!b->busy && keeps(&b->buffer, bytes) && (!best || b->buffer.bytes < best->buffer.bytes))
+            best = b;
+    }
+    if (!best) {
+        for (int n = 0; n < pool->n; n++) {
+            moe_pool_block *b = &pool->block[n];
+            if (!b->busy && b->buffer.data && b->buffer.bytes < bytes)
+                moe_buffer_free(&b->buffer);
+            if (!b->busy && !b->buffer.data && !empty)
+                empty = b;
+        }
+        if (!empty) {
+            moe_pool_block *grown = realloc(pool->block, sizeof *grown * (size_t)(pool->n + 1));
+            if (!grown)
+                return failed(bytes, what, rank, st);
+            pool->block = grown;
+            empty = &pool->block[pool->n++];
+            *empty = (moe_pool_block){0};
+        }
+        if (!moe_buffer_fit(&empty->buffer, bytes, what, rank, st))
+            return NULL;
+        best = empty;
+    }
+    best->busy = true;
+    return best->buffer.data;
+}
+
+void *moe_pool_take_check(moe_pool *pool, size_t bytes, const char *file, int line)
+{
+    moe_status st = {0};
+    void *p = moe_pool_take(pool, bytes, "", 0, &st);
+    if (!p)
+        out_of_memory(bytes, file, line);
+    return p;
+}
+
+void moe_pool_give(moe_pool *pool, void *data)
+{
+    if (!data)
+        return;
+    for (int n = 0; pool && n < pool->n; n++)
+        if (pool->block[n].buffer.data == data) {
+            MOE_ASSERT(pool->block[n].busy); /* given twice: the double free it stands for */
+            pool->block[n].busy = false;
+            return;
+        }
+    free(data);
+}
+
+void moe_pool_free(moe_pool *pool)
+{
+    for (int n = 0; n < pool->n; n++)
+        moe_buffer_free(&pool->block[n].buffer);
+    free(pool->block);
+    *pool = (moe_pool){0};
 }
 
 uint64_t moe_digest64(const void *data, size_t n)
@@ -219,12 +301,7 @@ uint64_t moe_digest64(const void *data, size_t n)
 void *moe_try_malloc(size_t bytes, const char *what, int rank, moe_status *st)
 {
     void *p = malloc(bytes ? bytes : 1);
-    if (!p && st->code == MOE_EXIT_OK) {
-        char text[32];
-        moe_fail(st, MOE_EXIT_RUNTIME, "cannot allocate %s for %s on rank %d",
-                 moe_format_bytes((double)bytes, text, sizeof text), what, rank);
-    }
-    return p;
+    return p ? p : failed(bytes, what, rank, st);
 }
 
 void *moe_try_malloc_huge(size_t bytes, const char *what, int rank, moe_status *st)

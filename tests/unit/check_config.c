@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* check_config.c — flag parsing, presets, validation. */
 #define _GNU_SOURCE
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,70 @@ START_TEST(median_of_odd_and_even_counts)
     double odd[3] = {5.0, 1.0, 3.0}, even[4] = {4.0, 1.0, 3.0, 2.0};
     ck_assert_double_eq(moe_median(odd, 3), 3.0);
     ck_assert_double_eq(moe_median(even, 4), 2.5);
+}
+END_TEST
+
+/* The pool a context keeps its step's large buffers in: a loop of calls
+ * taking the same sizes gets the same blocks back, a busy block is never
+ * handed out twice, a block more than a third larger than a need does not
+ * serve it, idle blocks too small for a need are freed before its new
+ * block, and a pointer the pool did not hand out is freed (the leak
+ * checkers would name it otherwise). */
+static int held(const moe_pool *pool)
+{
+    int n = 0;
+    for (int b = 0; b < pool->n; b++)
+        n += pool->block[b].buffer.data != NULL;
+    return n;
+}
+
+START_TEST(a_pool_hands_its_blocks_out_again)
+{
+    moe_pool pool = {0};
+    moe_status st = {0};
+    void *a = moe_pool_take(&pool, 1000, "a", 0, &st), *b = moe_pool_take(&pool, 4000, "b", 0, &st);
+    ck_assert_ptr_nonnull(a);
+    ck_assert_ptr_ne(a, b);
+    moe_pool_give(&pool, a);
+    moe_pool_give(&pool, b);
+    ck_assert_ptr_eq(moe_pool_take(&pool, 4000, "b", 0, &st), b);
+    ck_assert_ptr_eq(moe_pool_take(&pool, 900, "a", 0, &st), a);
+    void *c = moe_pool_take(&pool, 900, "c", 0, &st);
+    ck_assert(c != a && c != b);
+    ck_assert_int_eq(pool.n, 3);
+    moe_pool_give(&pool, a);
+    moe_pool_give(&pool, b);
+    moe_pool_give(&pool, c);
+    void *small = moe_pool_take(&pool, 100, "small", 0, &st);
+    ck_assert(small != a && small != b && small != c);
+    ck_assert_int_eq(held(&pool), 4);
+    moe_pool_give(&pool, small);
+    void *big = moe_pool_take(&pool, 100000, "big", 0, &st);
+    ck_assert_ptr_nonnull(big);
+    ck_assert_int_eq(held(&pool), 1);
+    ck_assert_int_eq(pool.n, 4);
+    moe_pool_give(&pool, big);
+    ck_assert_ptr_eq(moe_pool_take(&pool, 90000, "big", 0, &st), big);
+    moe_pool_give(&pool, malloc(16));
+    moe_pool_give(&pool, NULL);
+    ck_assert_int_eq(st.code, MOE_EXIT_OK);
+    moe_pool_free(&pool);
+    ck_assert_int_eq(pool.n, 0);
+    void *alone = moe_pool_take(NULL, 64, "alone", 0, &st); /* no pool: malloc and free */
+    ck_assert_ptr_nonnull(alone);
+    moe_pool_give(NULL, alone);
+}
+END_TEST
+
+/* A block given back twice is a double free under another name: the
+ * second give stops the program rather than let two callers hold it. */
+START_TEST(a_pool_block_given_twice_is_an_internal_error)
+{
+    moe_pool pool = {0};
+    moe_status st = {0};
+    void *a = moe_pool_take(&pool, 1000, "a", 0, &st);
+    moe_pool_give(&pool, a);
+    moe_pool_give(&pool, a);
 }
 END_TEST
 
@@ -238,6 +303,8 @@ Suite *make_config_suite(void)
     Suite *s = suite_create("config");
     TCase *tc = tcase_create("parse");
     tcase_add_test(tc, median_of_odd_and_even_counts);
+    tcase_add_test(tc, a_pool_hands_its_blocks_out_again);
+    tcase_add_test_raise_signal(tc, a_pool_block_given_twice_is_an_internal_error, SIGABRT);
     tcase_add_test(tc, flags_set_fields);
     tcase_add_test(tc, flags_override_preset_in_any_order);
     tcase_add_test(tc, preset_syntax_error_names_file_and_line);
