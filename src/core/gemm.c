@@ -588,7 +588,6 @@ static inline float *row_of_c(float *C, moe_index ldc, const moe_index *c_index,
 
 /* Panels [p0, p1) of C, all rows: two whole panels at a time with the wide
  * tiles (when not NULL; wide[r] for r rows), else one (tile[r]). */
-
 static void packed_columns(tile_fn *const *tile, tile2_fn *const *wide, moe_index M, moe_index N,
                            moe_index K, const rows_of_a *A, const float *Bp, float *C,
                            moe_index ldc, const moe_index *c_index, moe_index p0, moe_index p1)
