@@ -318,13 +318,18 @@ END_TEST
 
 /* C = A B read from B's forward panels (moe_sgemm_packed_t) has the bits of
  * moe_sgemm_packed on B laid out as its operand, on every tile, at shapes
- * with partial tiles and panels every way, with padded leading dimensions;
+ * with partial tiles and panels every way (rows past the last whole panel
+ * padded, in one tail tile and with the panel before them in two, K
+ * across the tail's chunks of 48), with padded
+ * leading dimensions;
  * and values where an unfused multiply-add would round differently (A and
  * B of mixed magnitudes) so that a kernel without FMA would differ. */
 START_TEST(packed_t_is_packed_on_the_transposed_operand)
 {
-    static const int shapes[][3] = {{1, 1, 1}, {7, 5, 13}, {16, 16, 6}, {33, 40, 17}, {45, 19, 9}, {96, 64, 50},
-                                      {80, 24, 30}, {40, 33, 23}, {104, 21, 12}};
+    static const int shapes[][3] = {{1, 1, 1},     {7, 5, 13},    {16, 16, 6},  {33, 40, 17},
+                                    {45, 19, 9},   {96, 64, 50},  {80, 24, 30}, {40, 33, 23},
+                                    {104, 21, 12}, {71, 37, 101}, {77, 35, 53}, {46, 16, 64},
+                                    {53, 29, 70}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int M = shapes[s][0], N = shapes[s][1], K = shapes[s][2], lda = N + 3, ldc = K + 2;
         float *A = malloc(sizeof(float) * M * lda), *B = malloc(sizeof(float) * N * K);
@@ -392,7 +397,7 @@ END_TEST
 /* Threads split the columns; the bits do not change. */
 START_TEST(packed_gemm_is_thread_independent)
 {
-    enum { M = 50, N = 200, K = 70 };
+    enum { M = 39, N = 200, K = 70 }; /* the transposed product's last 7 rows a tail */
     float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * N * K);
     float *Bp = malloc(sizeof(float) * moe_sgemm_packed_floats(K, N));
     float *C1 = malloc(sizeof(float) * M * N), *C3 = malloc(sizeof(float) * M * N);
