@@ -1114,6 +1114,7 @@ static void packed_t_columns(tile_t_fn *tile, tile_t2_fn *wide, moe_index M, moe
             done += n;
         }
 #else
+        (void)rest;
         (void)tail_a;
         (void)tail_c;
 #endif
