@@ -107,7 +107,8 @@ void moe_sgemm_pack_rows_at(moe_index K, moe_index N, const float *Bt, const moe
 
 /* The tiles moe_sgemm_packed and moe_sgemm_packed_t run: the widest the
  * CPU has (AVX-512F: up to 6 x 32 over two panels, where two whole panels
- * are left; AVX2+FMA: up to 6 x 16), or the portable fmaf loop;
+ * are left, and moe_sgemm_packed_t's tail tiles for a few rows past A's
+ * last whole panel of 16; AVX2+FMA: up to 6 x 16), or the portable fmaf loop;
  * moe_sgemm_packed splits a row block of M rows into ceil(M / 6) tiles of
  * even heights (25 rows: five of 5). Every tile computes
  * each element as the same fmaf chain, so the bits do not depend on which
