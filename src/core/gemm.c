@@ -980,7 +980,6 @@ static inline void tail_rows(const int R, moe_index N, moe_index K, const float 
         _mm512_mask_storeu_ps(c[r] + k0, keep, acc[r]);
 }
 
-
 #define TAIL_TILE(R)                                                                          \
     __attribute__((target("avx512f"))) static void tail_avx512_##R(                             \
         moe_index N, moe_index K, const float *const *a, const float *Bp, moe_index k0, int kn, \
@@ -1154,13 +1153,13 @@ void moe_sgemm_packed_t(moe_index M, moe_index N, moe_index K, const float *A, m
     }
     /* the rows past the panels by tail tiles, when it pays */
     const moe_index full = packed_t_full(M), panels = (full + PACK_COLS - 1) / PACK_COLS;
-    const float *tail_a[2 * PACK_COLS];
+    const float *tail_a[2 * PACK_COLS]; /* at most 16 + TAIL_AFTER_ODD rows */
     float *tail_c[2 * PACK_COLS];
     for (moe_index r = 0; full + r < M; r++) {
         tail_a[r] = A + (full + r) * lda;
         tail_c[r] = C + (full + r) * ldc;
     }
-    float *At = moe_xmalloc(sizeof(float) * (size_t)(panels * N * PACK_COLS) + 1);
+    float *At = moe_xmalloc(sizeof(float) * (size_t)(panels * N * PACK_COLS));
     pack_a_panels(full, N, A, lda, At);
     tile_t_fn *tile = packed_t_tile();
     tile_t2_fn *wide = packed_t_wide_tile();
