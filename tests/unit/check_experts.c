@@ -320,8 +320,7 @@ END_TEST
  * moe_sgemm_packed on B laid out as its operand, on every tile, at shapes
  * with partial tiles and panels every way (rows past the last whole panel
  * padded, in one tail tile and with the panel before them in two, K
- * across the tail's chunks of 48), with padded
- * leading dimensions;
+ * across the tail's chunks of 48), with padded leading dimensions;
  * and values where an unfused multiply-add would round differently (A and
  * B of mixed magnitudes) so that a kernel without FMA would differ. */
 START_TEST(packed_t_is_packed_on_the_transposed_operand)
