@@ -949,8 +949,8 @@ static inline void transpose16(__m512 v[PACK_COLS])
     }
 }
 
-/* Columns [k0, k0 + kn) (kn <= 16) of the R rows c[r] = the rows a[r] (N
- * floats each) times B from its forward panels Bp (K columns). */
+/* The tail_fn of R rows (R constant: each R its own function below, its
+ * accumulators in registers). */
 __attribute__((target("avx512f"), always_inline))
 static inline void tail_rows(const int R, moe_index N, moe_index K, const float *const *a,
                              const float *Bp, moe_index k0, int kn, float *const *c)
