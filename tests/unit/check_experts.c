@@ -316,33 +316,28 @@ START_TEST(transpose_and_row_packing_are_the_definitions)
 }
 END_TEST
 
-/* C = A B read from B's forward panels (moe_sgemm_packed_t) has the bits of
- * moe_sgemm_packed on B laid out as its operand, on every tile, at shapes
- * with partial tiles and panels every way (rows past the last whole panel
- * padded, in one tail tile and with the panel before them in two, K
- * across the tail's chunks of 48), with padded leading dimensions;
- * and values where an unfused multiply-add would round differently (A and
- * B of mixed magnitudes) so that a kernel without FMA would differ. */
-START_TEST(packed_t_is_packed_on_the_transposed_operand)
+/* moe_sgemm_packed_t (C = A B read from B's forward panels) against
+ * moe_sgemm_packed on B laid out as its operand, bit for bit, at every row
+ * count from `first` to `most`, on the tiles from the widest down to
+ * `narrowest`; with padded leading dimensions, and values where an
+ * unfused multiply-add would round differently (A and B of mixed
+ * magnitudes), so that a kernel without FMA would differ. */
+static void check_packed_t(int first, int most, int N, int K, enum moe_isa narrowest)
 {
-    static const int shapes[][3] = {{1, 1, 1},     {7, 5, 13},    {16, 16, 6},  {33, 40, 17},
-                                    {45, 19, 9},   {96, 64, 50},  {80, 24, 30}, {40, 33, 23},
-                                    {104, 21, 12}, {71, 37, 101}, {77, 35, 53}, {46, 16, 64},
-                                    {53, 29, 70}};
-    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
-        const int M = shapes[s][0], N = shapes[s][1], K = shapes[s][2], lda = N + 3, ldc = K + 2;
-        float *A = malloc(sizeof(float) * M * lda), *B = malloc(sizeof(float) * N * K);
-        float *fwd = malloc(sizeof(float) * moe_sgemm_packed_floats(K, N));
-        float *bwd = malloc(sizeof(float) * moe_sgemm_packed_floats(N, K));
-        float *want = malloc(sizeof(float) * M * ldc), *got = malloc(sizeof(float) * M * ldc);
-        moe_synth_fill(8, MOE_TENSOR_TOKENS, 0, 0, (uint64_t)M * lda, 1.0f, A);
-        moe_synth_fill(8, MOE_TENSOR_GATE, 0, 0, (uint64_t)N * K, 0.3f, B);
-        for (int n = 0; n < N * K; n += 3)
-            B[n] *= 4096.0f;
-        moe_sgemm_pack(N, K, B, fwd);      /* as the forward holds B */
-        moe_sgemm_pack_rows(N, K, B, bwd); /* B as the operand Bt of C = A B */
-        for (int isa = MOE_ISA_WIDEST; isa <= MOE_ISA_PORTABLE; isa++) {
-            moe_sgemm_packed_force((enum moe_isa)isa);
+    const int lda = N + 3, ldc = K + 2;
+    float *A = malloc(sizeof(float) * most * lda), *B = malloc(sizeof(float) * N * K);
+    float *fwd = malloc(sizeof(float) * moe_sgemm_packed_floats(K, N));
+    float *bwd = malloc(sizeof(float) * moe_sgemm_packed_floats(N, K));
+    float *want = malloc(sizeof(float) * most * ldc), *got = malloc(sizeof(float) * most * ldc);
+    moe_synth_fill(8, MOE_TENSOR_TOKENS, 0, 0, (uint64_t)most * lda, 1.0f, A);
+    moe_synth_fill(8, MOE_TENSOR_GATE, 0, 0, (uint64_t)N * K, 0.3f, B);
+    for (int n = 0; n < N * K; n += 3)
+        B[n] *= 4096.0f;
+    moe_sgemm_pack(N, K, B, fwd);      /* as the forward holds B */
+    moe_sgemm_pack_rows(N, K, B, bwd); /* B as the operand Bt of C = A B */
+    for (int isa = MOE_ISA_WIDEST; isa <= (int)narrowest; isa++) {
+        moe_sgemm_packed_force((enum moe_isa)isa);
+        for (int M = first; M <= most; M++) {
             memset(want, 0, sizeof(float) * M * ldc);
             memset(got, 0, sizeof(float) * M * ldc);
             moe_sgemm_packed(M, K, N, A, lda, bwd, want, ldc);
@@ -350,14 +345,37 @@ START_TEST(packed_t_is_packed_on_the_transposed_operand)
             ck_assert_msg(!memcmp(got, want, sizeof(float) * M * ldc), "%dx%dx%d, %s", M, N, K,
                           moe_sgemm_packed_isa());
         }
-        moe_sgemm_packed_force(MOE_ISA_WIDEST);
-        free(got);
-        free(want);
-        free(bwd);
-        free(fwd);
-        free(B);
-        free(A);
     }
+    moe_sgemm_packed_force(MOE_ISA_WIDEST);
+    free(got);
+    free(want);
+    free(bwd);
+    free(fwd);
+    free(B);
+    free(A);
+}
+
+/* On every tile, at shapes with partial tiles and panels every way (rows
+ * past the last whole panel padded, in one tail tile and with the panel
+ * before them in two, K across the tail's chunks of 48). */
+START_TEST(packed_t_is_packed_on_the_transposed_operand)
+{
+    static const int shapes[][3] = {{1, 1, 1},     {7, 5, 13},    {16, 16, 6},  {33, 40, 17},
+                                    {45, 19, 9},   {96, 64, 50},  {80, 24, 30}, {40, 33, 23},
+                                    {104, 21, 12}, {71, 37, 101}, {77, 35, 53}, {46, 16, 64},
+                                    {53, 29, 70}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        check_packed_t(shapes[s][0], shapes[s][0], shapes[s][1], shapes[s][2], MOE_ISA_PORTABLE);
+}
+END_TEST
+
+/* On the widest tiles at every row count from 1 to 130: packed_t_full's
+ * every case (none to eight whole panels, an even or odd number of them,
+ * each remainder, padded or in tail tiles), K across two of the tail's
+ * chunks of 48. */
+START_TEST(packed_t_is_packed_at_every_row_count)
+{
+    check_packed_t(1, 130, 37, 53, MOE_ISA_WIDEST);
 }
 END_TEST
 
@@ -967,6 +985,7 @@ Suite *make_experts_suite(void)
     tcase_add_test(tc, packed_gemm_is_the_fma_chain);
     tcase_add_test(tc, transpose_and_row_packing_are_the_definitions);
     tcase_add_test(tc, packed_t_is_packed_on_the_transposed_operand);
+    tcase_add_test(tc, packed_t_is_packed_at_every_row_count);
 #ifdef _OPENMP
     tcase_add_test(tc, packed_gemm_is_thread_independent);
     tcase_add_test(tc, library_calls_borrow_the_threads_and_give_them_back);
