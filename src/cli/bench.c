@@ -55,6 +55,9 @@ typedef struct {
     double dgrad_gflops, wgrad_gflops;   /* per rank, over each stage's time */
     double dgrad_efficiency, wgrad_efficiency; /* against the sgemm anchor's rate */
     double wgrad_shape_efficiency;       /* against an sgemm of the wgrad's own shapes */
+    /* the run's, the same in every row (NAN where not measured) */
+    double rank_limit;                   /* one rank's FMA peak limit, FLOP/s */
+    double layer_gemm_of_peak;           /* the layer's GEMM on the slowest rank's core / that */
 } bench_row;
 
 /* Bytes written before each anchor run to push its data out of the caches
@@ -553,10 +556,10 @@ static void write_csv(FILE *out, const void *arg)
                  "gemm_efficiency,a2a_gb_per_s,a2a_efficiency,overlap,rss_mb,rss_ratio,of_ceiling,"
                  "tokens_per_s_per_rank,backward,forward_ms,dgrad_gflops,wgrad_gflops,"
                  "dgrad_efficiency,wgrad_efficiency,wgrad_shape_efficiency,of_fma_peak,"
-                 "experts_of_fma_peak\n");
+                 "experts_of_fma_peak,rank_fma_limit_gflops,layer_gemm_of_fma_peak\n");
     for (const bench_row *r = rows; r->waves; r++)
         fprintf(out, "%d,%s,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.3f,%.3f,%.3f,%.1f,%.2f,%.3f,%.1f,"
-                     "%d,%.3f,%.2f,%.2f,%.3f,%.3f,%.3f,%.3f,%.3f\n",
+                     "%d,%.3f,%.2f,%.2f,%.3f,%.3f,%.3f,%.3f,%.3f,%.1f,%.3f\n",
                 r->waves,
                 r->wave_kind == MOE_WAVES_EXPERT_SLOTS ? "expert-slots" : "token-chunks",
                 1e3 * r->layer, 1e3 * r->layer_min, 1e3 * r->layer_max, r->tokens_per_second,
@@ -564,7 +567,8 @@ static void write_csv(FILE *out, const void *arg)
                 r->a2a_efficiency, r->overlap, r->rss_mb, r->rss_ratio, r->ceiling,
                 r->tokens_per_second / r->ranks, r->training, 1e3 * r->forward,
                 r->dgrad_gflops, r->wgrad_gflops, r->dgrad_efficiency, r->wgrad_efficiency,
-                r->wgrad_shape_efficiency, r->of_peak, r->experts_of_peak);
+                r->wgrad_shape_efficiency, r->of_peak, r->experts_of_peak, r->rank_limit * 1e-9,
+                r->layer_gemm_of_peak);
 }
 
 /* Layer time (left axis) and overlap (right axis) against W. */
@@ -1123,6 +1127,8 @@ static void fill_row(bench_row *r, const sweep_point *p, const anchors *a, const
         .overlap = moe_overlap(s->pipeline_seconds, s->compute_seconds, s->comm_seconds),
         .rss_mb = p->rss_max / 1048576.0,
         .rss_ratio = p->rss_ratio,
+        .rank_limit = a->peak.rank_limit > 0 ? a->peak.rank_limit : NAN,
+        .layer_gemm_of_peak = a->peak.rank_limit > 0 ? a->cores.least / a->peak.rank_limit : NAN,
     };
     if (s->path->training)
         training_row(r, s, a->flops / a->gemm, a->wgrad_rate, peak_rate(&a->peak));

@@ -51,7 +51,7 @@ def kernel_line(text):
                   r", fastest rank (\d+) ([\d.]+)" + pct2 + r"(.*?)" + bound + "$", text, re.M)
     check(m is not None, "the anchors give the layer's GEMM on each rank's core")
     if m is None:
-        return
+        return None
     least, most = float(m.group(2)), float(m.group(5))
     check(least <= most, "slowest %.1f <= fastest %.1f GFLOP/s" % (least, most))
     check(m.group(1) != m.group(4) or least == most, "the slowest and the fastest are two ranks")
@@ -72,6 +72,7 @@ def kernel_line(text):
     ratio = least / most
     check(differ == (ratio < 0.9) or abs(ratio - 0.9) < 0.1 / most + 0.001,
           "the cores are called different (%s) exactly when %.1f / %.1f < 0.9" % (differ, least, most))
+    return (rank_limit, least / rank_limit) if peak else None
 
 
 def waves(text, csv_path, svg_path):
@@ -103,7 +104,16 @@ def waves(text, csv_path, svg_path):
                   "W=%d: the CSV's layer_ms %s is the table's %.2f" % (w, r["layer_ms"], rows[w]))
             check(near(float(r["of_ceiling"]), anchor / float(r["layer_ms"]), 0.0051 / anchor + 0.001, 0.001),
                   "W=%d: the CSV's of_ceiling %s is the anchor / layer_ms" % (w, r["of_ceiling"]))
-    kernel_line(text)
+    kernel = kernel_line(text)
+    if kernel:  # the run's anchors in every CSV row, to their printed precision
+        rank_limit, gemm_of_peak = kernel
+        for r in table:
+            check(near(float(r["rank_fma_limit_gflops"]), rank_limit, 0.0, 0.051),
+                  "W=%s: the CSV's rank_fma_limit_gflops %s is the line's one rank %.1f"
+                  % (r["waves"], r["rank_fma_limit_gflops"], rank_limit))
+            check(near(float(r["layer_gemm_of_fma_peak"]), gemm_of_peak, 0.0, 0.0006 + 0.05 / rank_limit),
+                  "W=%s: the CSV's layer_gemm_of_fma_peak %s is the slowest rank's GEMM over that"
+                  % (r["waves"], r["layer_gemm_of_fma_peak"]))
     svg = open(svg_path).read()
     check(svg.startswith("<svg") or "<svg" in svg[:200], "the plot is an SVG")
     check(svg.count("<circle") + svg.count("<rect") + svg.count("<polyline") >= len(rows),
