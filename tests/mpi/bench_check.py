@@ -105,13 +105,14 @@ def waves(text, csv_path, svg_path):
             check(near(float(r["of_ceiling"]), anchor / float(r["layer_ms"]), 0.0051 / anchor + 0.001, 0.001),
                   "W=%d: the CSV's of_ceiling %s is the anchor / layer_ms" % (w, r["of_ceiling"]))
     kernel = kernel_line(text)
-    if kernel:  # the run's anchors in every CSV row, to their printed precision
+    if kernel:  # the run's anchors in every CSV row: the CSV's rounding, and the
+        # rate and the limit the line prints to 0.1 GFLOP/s each
         rank_limit, gemm_of_peak = kernel
         for r in table:
             check(near(float(r["rank_fma_limit_gflops"]), rank_limit, 0.0, 0.051),
                   "W=%s: the CSV's rank_fma_limit_gflops %s is the line's one rank %.1f"
                   % (r["waves"], r["rank_fma_limit_gflops"], rank_limit))
-            check(near(float(r["layer_gemm_of_fma_peak"]), gemm_of_peak, 0.0, 0.0006 + 0.05 / rank_limit),
+            check(near(float(r["layer_gemm_of_fma_peak"]), gemm_of_peak, 0.0, 0.0006 + 0.1 / rank_limit),
                   "W=%s: the CSV's layer_gemm_of_fma_peak %s is the slowest rank's GEMM over that"
                   % (r["waves"], r["layer_gemm_of_fma_peak"]))
     svg = open(svg_path).read()
