@@ -121,6 +121,10 @@ void moe_sgemm_packed_force(enum moe_isa isa);
  * once a block: a quarter of a CPU's share of the last-level cache
  * (moe_llc_share_bytes), within 1 and 4 MiB. Only the speed depends on it. */
 size_t moe_sgemm_packed_block_bytes(void);
+/* Bytes of A in a row block once A outgrows a core's L2 cache: a quarter of
+ * it (moe_l2_bytes), so that a block stays there; 0 where the L2's size is
+ * unknown (moe_sgemm_packed_block_bytes then). */
+size_t moe_sgemm_packed_l2_block_bytes(void);
 
 /* Bt (K, N) = B (N, K)^T: the experts' weights as generated, transposed. */
 void moe_transpose(moe_index rows, moe_index cols, const float *B, float *Bt);

@@ -58,6 +58,10 @@ void moe_cpu_model(char *name, size_t size);
  * guest whose sysfs gives its two CPUs 8 MiB.) */
 size_t moe_llc_share_bytes(void);
 
+/* A core's L2 cache in bytes (sysconf's _SC_LEVEL2_CACHE_SIZE, which glibc
+ * reads from the CPU); 0 where the system does not say. */
+size_t moe_l2_bytes(void);
+
 /* The kernel family OpenBLAS chose at load time (openblas_get_corename). */
 const char *moe_blas_corename(void);
 

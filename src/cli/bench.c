@@ -1265,8 +1265,13 @@ int moe_cli_bench(moe_comm *c, int argc, char **argv)
         const size_t llc = moe_llc_share_bytes();
         if (llc)
             printf(" · last-level cache %.1f MiB a CPU", (double)llc / 1048576.0);
-        printf(" · the packed kernel's row blocks %.1f MiB\n",
+        printf(" · the packed kernel's row blocks %.1f MiB",
                (double)moe_sgemm_packed_block_bytes() / 1048576.0);
+        const size_t l2_block = moe_sgemm_packed_l2_block_bytes();
+        if (l2_block)
+            printf(", %.2f MiB where the rows outgrow a core's L2 (%.1f MiB)",
+                   (double)l2_block / 1048576.0, (double)moe_l2_bytes() / 1048576.0);
+        printf("\n");
         if (path->training) {
             print_training(stdout, rows, wgrad_anchor_rate);
         } else {

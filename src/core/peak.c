@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_X86_FMA 1
@@ -278,6 +279,15 @@ static long cpus_in_list(const char *list)
         c = *end == ',' ? end + 1 : end;
     }
     return n;
+}
+
+size_t moe_l2_bytes(void)
+{
+    long bytes = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return bytes > 0 ? (size_t)bytes : 0;
 }
 
 size_t moe_llc_share_bytes(void)
