@@ -289,11 +289,28 @@ size_t moe_sgemm_packed_l2_block_bytes(void) { return sizeof(float) * (size_t)bl
  * laptop --tokens 8192 --waves 1` (768 rows an expert), three alternated
  * pairs: 1099.7 -> 1068.2, 1213.8 -> 1118.0, 1097.6 -> 1034.0 ms. At 97
  * rows two blocks of 48 read what one of 97 did and three at 130 rows
- * 2.5 % less, so A that fits in L2 stays one block. */
+ * 2.5 % less, so A that fits in L2 stays one block.
+ *
+ * With K <= SHORT_K (the weight gradients' products: K is an expert's
+ * rows) a block takes at most SHORT_K_ROWS rows. A tile's stores to C
+ * then weigh against its few FMAs, and a panel pair's strip of C, a
+ * row's 128 bytes in each of the block's rows, has rows 4 KiB apart at
+ * N = 1024: all in one sixty-fourth of the L2's sets. A strip of 1,024
+ * rows overflows their ways before it is written back; one of 96 rows
+ * stays. On a Zen 5 core, C (1024, N) over 16 or 32 fresh outputs in
+ * turn, the two block sizes alternated in one process, fifteen pairs:
+ * 1.049 times as fast at N = 1024 and K = 96 (48 to 120 rows a block:
+ * 1.049-1.065), 1.066 at N = 512, 1.070 at K = 72, 1.034 at K = 128;
+ * 1.004-1.015 at K = 160 to 256, and 1.011-1.020 at N = 1008 and 1040,
+ * whose rows do not alias. */
+enum { SHORT_K = 128, SHORT_K_ROWS = 96 };
+
 static moe_index block_rows(moe_index M, moe_index K)
 {
     const moe_index l2 = block_l2_floats();
     moe_index most = (l2 > 0 && M * K > 4 * l2 ? l2 : block_a_floats()) / K;
+    if (K <= SHORT_K && most > SHORT_K_ROWS)
+        most = SHORT_K_ROWS;
     most = most < TILE_ROWS ? TILE_ROWS : most / TILE_ROWS * TILE_ROWS;
     const moe_index blocks = (M + most - 1) / most, rows = (M + blocks - 1) / blocks;
     return (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;

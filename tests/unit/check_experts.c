@@ -193,7 +193,8 @@ START_TEST(packed_gemm_is_the_fma_chain)
     /* the last tiles of a block 1 to 6 rows high, on whole panel pairs and on a lone panel */
     static const int shapes[][3] = {{1, 1, 1},    {7, 37, 19},  {70, 64, 33}, {5, 95, 128},
                                     {66, 31, 8},  {13, 16, 1},  {260, 20, 4096},
-                                    {13, 70, 1100}, {8, 32, 21}, {9, 80, 5}, {11, 48, 30}};
+                                    {13, 70, 1100}, {8, 32, 21}, {9, 80, 5}, {11, 48, 30},
+                                    {200, 40, 96}}; /* the last: short K, blocks of 96 rows at most */
     long fused_shows = 0;
     for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
         const int M = shapes[c][0], N = shapes[c][1], K = shapes[c][2];
