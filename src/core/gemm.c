@@ -236,6 +236,20 @@ void moe_sgemm_exact(moe_index M, moe_index N, moe_index K, const float *A, moe_
  * the partial sums' trips through C cost what the L2 reads save. */
 enum { PACK_COLS = 16, TILE_ROWS = 6, BLOCK_A_FLOATS = 1 << 20, BLOCK_A_LEAST = 1 << 18 };
 
+/* *slot, from read() at its first use (-1 until then): a cache's size,
+ * asked of sysfs or the C library once rather than at every product (the
+ * last-level cache's share reads several sysfs files). Threads that race
+ * on the first use read the same size. */
+static moe_index read_once(moe_index *slot, moe_index (*read)(void))
+{
+    moe_index v = __atomic_load_n(slot, __ATOMIC_RELAXED);
+    if (v < 0) {
+        v = read();
+        __atomic_store_n(slot, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 /* Floats of A in a row block: a quarter of a CPU's share of the last-level
  * cache (moe_llc_share_bytes), so that the block stays there beside the
  * weights streaming through, within 1 and 4 MiB (BLOCK_A_LEAST,
@@ -243,35 +257,31 @@ enum { PACK_COLS = 16, TILE_ROWS = 6, BLOCK_A_FLOATS = 1 << 20, BLOCK_A_LEAST = 
  * on both at once did not stay: at 1,536 rows an expert the two GEMMs read
  * 34-35 GFLOP/s a core, and 37-38 in 1 MiB blocks. With 16 MiB a CPU or
  * more the block is 4 MiB, as it was everywhere before; smaller ones
- * measured no faster on Zen 4 (below 1 MiB, 5 % slower). Read once; 0
- * while not yet read. */
+ * measured no faster on Zen 4 (below 1 MiB, 5 % slower). */
+static moe_index llc_block_floats(void)
+{
+    const size_t share = moe_llc_share_bytes();
+    const moe_index f = share ? (moe_index)(share / 4 / sizeof(float)) : BLOCK_A_FLOATS;
+    return f < BLOCK_A_LEAST ? BLOCK_A_LEAST : f > BLOCK_A_FLOATS ? BLOCK_A_FLOATS : f;
+}
+
 static moe_index block_a_floats(void)
 {
-    static moe_index floats;
-    moe_index f = __atomic_load_n(&floats, __ATOMIC_RELAXED);
-    if (f == 0) {
-        const size_t share = moe_llc_share_bytes();
-        f = share ? (moe_index)(share / 4 / sizeof(float)) : BLOCK_A_FLOATS;
-        f = f < BLOCK_A_LEAST ? BLOCK_A_LEAST : f > BLOCK_A_FLOATS ? BLOCK_A_FLOATS : f;
-        __atomic_store_n(&floats, f, __ATOMIC_RELAXED);
-    }
-    return f;
+    static moe_index floats = -1;
+    return read_once(&floats, llc_block_floats);
 }
 
 size_t moe_sgemm_packed_block_bytes(void) { return sizeof(float) * (size_t)block_a_floats(); }
 
 /* Floats of A in a row block once A outgrows a core's L2 cache: a quarter
  * of it, so that a block stays in L2 beside the panel its tiles read
- * (0: the L2's size unknown). Read once; -1 while not yet read. */
+ * (0: the L2's size unknown). */
+static moe_index l2_block_floats(void) { return (moe_index)(moe_l2_bytes() / 4 / sizeof(float)); }
+
 static moe_index block_l2_floats(void)
 {
     static moe_index floats = -1;
-    moe_index f = __atomic_load_n(&floats, __ATOMIC_RELAXED);
-    if (f < 0) {
-        f = (moe_index)(moe_l2_bytes() / 4 / sizeof(float));
-        __atomic_store_n(&floats, f, __ATOMIC_RELAXED);
-    }
-    return f;
+    return read_once(&floats, l2_block_floats);
 }
 
 size_t moe_sgemm_packed_l2_block_bytes(void) { return sizeof(float) * (size_t)block_l2_floats(); }
