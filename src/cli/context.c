@@ -388,14 +388,26 @@ static void choose_waves(moe_run_context *ctx)
     const moe_index G = ctx->comm->ranks;
     const double batch = (double)(cfg->tokens * G * cfg->topk) / ep->placement.experts;
     const moe_index rows = batch < 1.0 ? 1 : (moe_index)lround(batch);
-    /* whole batches before and after the chunked ones, so that a drift
-     * during the measurement weighs on both groupings alike */
-    const double before = moe_ep_time_experts(ep, ctx->x, rows, 1);
-    double *chunked = moe_xcalloc((size_t)cfg->waves_count, sizeof(double));
+    /* In TIMING_ROUNDS rounds, each timing every batch shape in turn; each
+     * shape's least time over the rounds. A stall or a slow phase of the
+     * machine then falls on one round of every shape, not on one shape:
+     * on a two-core VM a single timing of each, the whole batches before
+     * and after the chunked ones, stalled about one pass in six (50 ms
+     * passes at `laptop`, np = 2, timed at 100-180), and at cb = 1131 one
+     * run in three chose token chunks at W = 8, 0.80 times as fast as one
+     * wave. */
+    enum { TIMING_ROUNDS = 3 };
+    double whole = INFINITY;
+    double *chunked = moe_xmalloc(sizeof(double) * (size_t)cfg->waves_count);
     for (int n = 0; n < cfg->waves_count; n++)
-        if (cfg->waves_list[n] > 1)
-            chunked[n] = moe_ep_time_experts(ep, ctx->x, rows, (int)cfg->waves_list[n]);
-    const double whole = 0.5 * (before + moe_ep_time_experts(ep, ctx->x, rows, 1));
+        chunked[n] = cfg->waves_list[n] > 1 ? INFINITY : 0.0;
+    for (int round = 0; round < TIMING_ROUNDS; round++) {
+        whole = fmin(whole, moe_ep_time_experts(ep, ctx->x, rows, 1));
+        for (int n = 0; n < cfg->waves_count; n++)
+            if (cfg->waves_list[n] > 1)
+                chunked[n] = fmin(chunked[n],
+                                  moe_ep_time_experts(ep, ctx->x, rows, (int)cfg->waves_list[n]));
+    }
     /* the shared experts (the same d and f) on T rows at the whole
      * batches' rate a row: whole covers T k rows */
     const double shared = whole * (double)cfg->shared_experts / (double)cfg->topk;
