@@ -330,12 +330,14 @@ void moe_context_time_alltoalls(moe_run_context *ctx, int iters)
     ctx->summary.comm_seconds = moe_median(seconds, iters);
 }
 
-/* --link cb=RATIO: B = C / RATIO with C a rank's expert FLOP/s, measured by
- * the second of two untimed forwards without the link model (summed FLOPs
- * over summed compute seconds of all ranks): the first touches the
- * buffers for the first time, and its experts ran at half the rate of the
- * timed forwards (laptop, np = 2), which made every link twice as slow as
- * RATIO says. Collective. */
+/* --link cb=RATIO: B = C / RATIO with C a rank's expert FLOP/s (summed
+ * FLOPs over summed compute seconds of all ranks), the faster of the
+ * second and third of three untimed forwards without the link model: the
+ * first touches the buffers for the first time, and its experts ran at
+ * half the rate of the timed forwards (laptop, np = 2), which made every
+ * link twice as slow as RATIO says; and one forward alone, stalled (one
+ * pass in six on a two-core VM), did the same in one run of six at cb =
+ * 1131. Collective. */
 static int calibrate_link(moe_run_context *ctx)
 {
     moe_ep *ep = &ctx->ep;
@@ -346,14 +348,16 @@ static int calibrate_link(moe_run_context *ctx)
     moe_forward_stats f;
     const moe_path_args a = {.sched = &unlinked, .x = ctx->x, .ids = ctx->placed,
                              .weights = ctx->weights, .y = ctx->y, .fwd = &f};
-    for (int pass = 0; pass < 2; pass++) {
+    ctx->summary.rank_flops = 0.0;
+    for (int pass = 0; pass < 3; pass++) {
         const int rc = moe_path_run(ep->path->waves, ep, &a, &ctx->status);
         if (rc)
             return rc;
+        const double flops = moe_comm_sum(ctx->comm, f.expert_flops);
+        const double seconds = moe_comm_sum(ctx->comm, f.seconds[MOE_STAGE_EXPERTS]);
+        if (pass > 0 && seconds > 0)
+            ctx->summary.rank_flops = fmax(ctx->summary.rank_flops, flops / seconds);
     }
-    const double flops = moe_comm_sum(ctx->comm, f.expert_flops);
-    const double seconds = moe_comm_sum(ctx->comm, f.seconds[MOE_STAGE_EXPERTS]);
-    ctx->summary.rank_flops = seconds > 0 ? flops / seconds : 0.0;
     for (int t = 0; t < MOE_TIERS; t++) {
         const double ratio = t == MOE_TIER_INTER && ep->link.cb_ratio_inter > 0 ? ep->link.cb_ratio_inter
                                                                                : ep->link.cb_ratio;
