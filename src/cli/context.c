@@ -396,10 +396,10 @@ static void choose_waves(moe_run_context *ctx)
      * shape's least time over the rounds. A stall or a slow phase of the
      * machine then falls on one round of every shape, not on one shape:
      * on a two-core VM a single timing of each, the whole batches before
-     * and after the chunked ones, stalled about one pass in six (50 ms
-     * passes at `laptop`, np = 2, timed at 100-180), and at cb = 1131 one
-     * run in three chose token chunks at W = 8, 0.80 times as fast as one
-     * wave. */
+     * and after the chunked ones, stalled in two runs of six (two timings
+     * of thirty: passes of 50 and 75 ms at `laptop`, np = 2, timed at 148
+     * and 180), and at cb = 1131 one run in three chose token chunks at
+     * W = 8, 0.80 times as fast as one wave. */
     enum { TIMING_ROUNDS = 3 };
     double whole = INFINITY;
     double *chunked = moe_xmalloc(sizeof(double) * (size_t)cfg->waves_count);
