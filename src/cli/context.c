@@ -353,9 +353,11 @@ static int calibrate_link(moe_run_context *ctx)
         const int rc = moe_path_run(ep->path->waves, ep, &a, &ctx->status);
         if (rc)
             return rc;
+        if (pass == 0) /* the first touch of the buffers */
+            continue;
         const double flops = moe_comm_sum(ctx->comm, f.expert_flops);
         const double seconds = moe_comm_sum(ctx->comm, f.seconds[MOE_STAGE_EXPERTS]);
-        if (pass > 0 && seconds > 0)
+        if (seconds > 0)
             ctx->summary.rank_flops = fmax(ctx->summary.rank_flops, flops / seconds);
     }
     for (int t = 0; t < MOE_TIERS; t++) {
