@@ -78,7 +78,9 @@ typedef struct {
 moe_thread_settings moe_comm_threads_borrow(const moe_comm *c, enum moe_gemm_kind gemm);
 void moe_comm_threads_return(const moe_thread_settings *was);
 
-/* MPI_Finalize, when MPI was started. */
+/* MPI_Finalize, when MPI was started; the MPI library's loaded components
+ * (Open MPI's mca_*.so) stay mapped until the process ends, so that leak
+ * checkers at exit name their frames. */
 void moe_comm_finalize(void);
 
 /* Describe `comm` (a duplicate is not made; the caller owns it).

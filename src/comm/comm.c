@@ -1,8 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /* comm.c — MPI start-up, thread settings and collective errors (see comm.h). */
-#define _GNU_SOURCE /* sched_getaffinity */
+#define _GNU_SOURCE /* sched_getaffinity, dl_iterate_phdr */
+#include "config.h"
+
 #include "moe/comm.h"
 
+#ifdef HAVE_DL_ITERATE_PHDR
+#include <dlfcn.h>
+#include <link.h>
+#endif
 #include <limits.h>
 #include <malloc.h>
 #include <math.h>
@@ -404,12 +410,37 @@ void moe_comm_barrier_idle(const moe_comm *c)
     }
 }
 
+#ifdef HAVE_DL_ITERATE_PHDR
+static int keep_component(struct dl_phdr_info *info, size_t size, void *arg)
+{
+    (void)size;
+    (void)arg;
+    if (info->dlpi_name && strstr(info->dlpi_name, "/mca_"))
+        (void)dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD | RTLD_NODELETE);
+    return 0;
+}
+#endif
+
+/* Open MPI unloads its components (mca_*.so) in MPI_Finalize, and the
+ * leak checkers run after it, at exit: their frames in the components then
+ * lie in no module. LeakSanitizer names none of them, and re-reads the
+ * process's memory map for every such frame as it matches its
+ * suppressions (Open MPI's own leaks): that took about half of each
+ * sanitizer build's MPI run (`mpirun -np 2 moe-ep run --preset tiny`:
+ * 1.53-1.90 s, 0.82-1.03 s with the components kept). So each loaded
+ * component is opened once more first, RTLD_NOLOAD | RTLD_NODELETE:
+ * nothing new loads, and what is loaded stays mapped until the process
+ * ends. Open MPI 4.1.4 has no parameter for it; MPICH has no components. */
 void moe_comm_finalize(void)
 {
     int started = 0;
     MPI_Initialized(&started);
-    if (started)
-        MOE_MPI(MPI_Finalize());
+    if (!started)
+        return;
+#ifdef HAVE_DL_ITERATE_PHDR
+    dl_iterate_phdr(keep_component, NULL);
+#endif
+    MOE_MPI(MPI_Finalize());
 }
 
 void moe_comm_gather_events(const moe_comm *c, const moe_event *events, int count, int **offset,

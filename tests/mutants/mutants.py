@@ -87,8 +87,7 @@ def ordered(tests):
 
 def run_tier(tree, tests, log):
     """The first test that fails, or None when every one passes."""
-    env = dict(os.environ, MOE_EP_BUILDDIR=tree, MOE_EP_SRCDIR=tree, MOE_EP_TIER="fast",
-               OMPI_MCA_mca_base_component_disable_dlclose="1")
+    env = dict(os.environ, MOE_EP_BUILDDIR=tree, MOE_EP_SRCDIR=tree, MOE_EP_TIER="fast")
     for test in tests:
         if test.endswith(".case"):
             command = "tests/mpi/mpi-case %s" % test
