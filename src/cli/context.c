@@ -335,9 +335,10 @@ void moe_context_time_alltoalls(moe_run_context *ctx, int iters)
  * second and third of three untimed forwards without the link model: the
  * first touches the buffers for the first time, and its experts ran at
  * half the rate of the timed forwards (laptop, np = 2), which made every
- * link twice as slow as RATIO says; and one forward alone, stalled (one
- * pass in six on a two-core VM), did the same in two runs of twelve at cb
- * = 1131 and 3640 (C = 92-94 against 170-195 GFLOP/s). Collective. */
+ * link twice as slow as RATIO says; and one forward alone, stalled (a
+ * two-core VM stalls a pass now and then: choose_waves), did the same in
+ * two runs of twelve at cb = 1131 and 3640 (C = 92-94 against 170-195
+ * GFLOP/s). Collective. */
 static int calibrate_link(moe_run_context *ctx)
 {
     moe_ep *ep = &ctx->ep;
